@@ -1,0 +1,1 @@
+// Shared MSL helpers for the kvmetal kernels.

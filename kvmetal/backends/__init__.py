@@ -1,0 +1,88 @@
+"""Backend registry and selection.
+
+A backend is a module exposing the five functions below. ``kvmetal.ops`` has
+already checked and normalised every argument, so backends trust their inputs
+and never re-check; a configuration a backend cannot run raises
+``NotImplementedError`` naming it (no silent fallbacks).
+
+Contract (shapes per DESIGN.md; ``KV`` is a float ``mx.array`` or a
+``kvmetal.quant.QuantizedKV``; K and V may differ in kind and bits)::
+
+    reshape_and_cache(key, value, key_cache: KV, value_cache: KV, slot_mapping)
+        key, value   [T, Hkv, D] float (any float dtype; converted/quantized to the cache's)
+        slot_mapping int32 [T], negative = skip
+        -> (key_cache, value_cache)   new arrays; in place where MLX donation allows
+
+    paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
+                    scale: float, softcap: float | None, sliding_window: int | None,
+                    sinks: mx.array | None, num_splits: int | None)
+        query [S, H, D]; block_tables int32 [S, max_blocks]; seq_lens int32 [S] (>= 1)
+        sinks float32 [H] or None -> out [S, H, D] in query dtype
+
+    gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len: int)
+        -> (keys, values) [S, Hkv, max_len, D] in the cache's float dtype
+           (QuantizedKV.dtype for a quantized cache); rows past seq_len are zero
+
+    decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits)
+        query [B, H, 1, D]; keys, values [B, Hkv, T, D] (may be strided views)
+        -> out [B, H, 1, D] in query dtype
+
+    copy_blocks(key_cache, value_cache, src, dst)
+        src, dst int32 [n]: block src[i] is copied to block dst[i] (all heads)
+        -> (key_cache, value_cache)
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+
+import mlx.core as mx
+
+BACKENDS = ("metal", "cpu", "sim")
+
+_state = threading.local()
+
+
+def default_backend() -> str:
+    """metal where MLX has a Metal device, else the native CPU backend."""
+    return "metal" if mx.metal.is_available() else "cpu"
+
+
+def current_backend() -> str:
+    return getattr(_state, "name", None) or default_backend()
+
+
+def available_backends() -> list:
+    """Backends that can run on this machine (the simulator runs anywhere g++ does)."""
+    names = ["cpu", "sim"]
+    if mx.metal.is_available():
+        names.insert(0, "metal")
+    return names
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run kvmetal ops on ``name`` ("metal", "cpu" or "sim") inside the block."""
+    if name not in BACKENDS:
+        raise ValueError(f"[use_backend] name must be one of {BACKENDS}, got {name!r}")
+    if name == "metal" and not mx.metal.is_available():
+        raise NotImplementedError("[use_backend] the metal backend needs an Apple GPU; use 'sim' to run its kernels on the CPU")
+    previous = getattr(_state, "name", None)
+    _state.name = name
+    try:
+        yield name
+    finally:
+        _state.name = previous
+
+
+def get(name: str | None = None):
+    """The backend module for ``name`` (default: the current one)."""
+    name = name or current_backend()
+    if name == "cpu":
+        return importlib.import_module("kvmetal.backends.cpu")
+    if name == "metal":
+        return importlib.import_module("kvmetal.backends.metal").metal_backend()
+    if name == "sim":
+        return importlib.import_module("kvmetal.backends.metal").sim_backend()
+    raise ValueError(f"unknown backend {name!r}")
