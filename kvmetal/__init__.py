@@ -1,0 +1,37 @@
+"""kvmetal: paged and quantized KV-cache attention for MLX.
+
+    import kvmetal as kv
+    kc, vc = kv.reshape_and_cache(key, value, kc, vc, slot_mapping)
+    out = kv.paged_attention(query, kc, vc, block_tables, seq_lens)
+
+Backends: "metal" (Apple GPU, hand-written kernels), "cpu" (native C++), "sim"
+(the metal backend's kernels run by a CPU simulator). See ``kv.use_backend``.
+"""
+from .backends import available_backends, current_backend, use_backend
+from .ops import copy_blocks, decode_attention, gather_kv_cache, paged_attention, reshape_and_cache
+from .quant import QuantizedKV
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "reshape_and_cache",
+    "paged_attention",
+    "gather_kv_cache",
+    "decode_attention",
+    "copy_blocks",
+    "use_backend",
+    "current_backend",
+    "available_backends",
+    "QuantizedKV",
+    "PagedKVCache",
+    "KVCacheFull",
+]
+
+
+def __getattr__(name):
+    # The cache pulls in more machinery; load it on first use.
+    if name in ("PagedKVCache", "KVCacheFull"):
+        from . import cache
+
+        return getattr(cache, name)
+    raise AttributeError(f"module 'kvmetal' has no attribute {name!r}")

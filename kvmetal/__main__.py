@@ -1,0 +1,3 @@
+from kvmetal.cli import main
+import sys
+sys.exit(main())

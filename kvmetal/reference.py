@@ -1,0 +1,126 @@
+"""NumPy float64 oracles, one per op, written from the definitions in DESIGN.md.
+
+They walk the block table token by token, so they read nothing a sequence does
+not own: NaN-poisoned unused cache slots never reach an oracle's output.
+Inputs may be ``mx.array``, NumPy arrays or ``QuantizedKV``; outputs are NumPy
+float64 (caches keep their own layout).
+"""
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from .quant import QuantizedKV
+
+
+def to_f64(x) -> np.ndarray:
+    """A float64 NumPy copy of an array, or of the float cache a QuantizedKV stands for."""
+    if isinstance(x, QuantizedKV):
+        from . import quant
+
+        deq = getattr(quant, "dequantize_reference", None)
+        return deq(x) if deq is not None else to_f64(quant.dequantize(x))
+    if isinstance(x, mx.array):
+        return np.array(x.astype(mx.float32), dtype=np.float64)
+    return np.asarray(x, dtype=np.float64)
+
+
+def to_int(x) -> np.ndarray:
+    return np.array(x, dtype=np.int64)
+
+
+def attend(q, keys, values, *, scale, softcap=None, sink=None) -> np.ndarray:
+    """Softmax attention of one query row over ``keys``/``values`` [T, D] in float64."""
+    scores = (keys @ q) * scale
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    m = scores.max() if scores.size else -math.inf
+    if sink is not None:
+        m = max(m, sink)
+    weights = np.exp(scores - m)
+    denom = weights.sum() + (math.exp(sink - m) if sink is not None else 0.0)
+    return (weights @ values) / denom
+
+
+def sequence_rows(cache: np.ndarray, block_table, seq_len: int) -> np.ndarray:
+    """The ``seq_len`` rows of one sequence: [Hkv, seq_len, D], read token by token."""
+    block_size = cache.shape[2]
+    rows = [cache[block_table[t // block_size], :, t % block_size, :] for t in range(seq_len)]
+    return np.stack(rows, axis=1)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
+                    scale=None, softcap=None, sliding_window=None, sinks=None) -> np.ndarray:
+    q = to_f64(query)
+    kc, vc = to_f64(key_cache), to_f64(value_cache)
+    tables, lens = to_int(block_tables), to_int(seq_lens)
+    sink_logits = None if sinks is None else to_f64(sinks)
+    num_seqs, num_heads, head_dim = q.shape
+    group = num_heads // kc.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = np.zeros_like(q)
+    for s in range(num_seqs):
+        keys = sequence_rows(kc, tables[s], lens[s])
+        values = sequence_rows(vc, tables[s], lens[s])
+        first = 0 if sliding_window is None else max(0, lens[s] - sliding_window)
+        for h in range(num_heads):
+            out[s, h] = attend(q[s, h], keys[h // group, first:], values[h // group, first:],
+                               scale=scale, softcap=softcap,
+                               sink=None if sink_logits is None else sink_logits[h])
+    return out
+
+
+def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None) -> np.ndarray:
+    """query [B, H, 1, D], keys/values [B, Hkv, T, D] -> [B, H, 1, D]."""
+    q, k, v = to_f64(query), to_f64(keys), to_f64(values)
+    batch, num_heads, _, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    sink_logits = None if sinks is None else to_f64(sinks)
+    out = np.zeros_like(q)
+    for b in range(batch):
+        for h in range(num_heads):
+            out[b, h, 0] = attend(q[b, h, 0], k[b, h // group], v[b, h // group], scale=scale,
+                                  softcap=softcap,
+                                  sink=None if sink_logits is None else sink_logits[h])
+    return out
+
+
+def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len=None):
+    kc, vc = to_f64(key_cache), to_f64(value_cache)
+    tables, lens = to_int(block_tables), to_int(seq_lens)
+    num_seqs = tables.shape[0]
+    max_len = tables.shape[1] * kc.shape[2] if max_len is None else max_len
+    outs = []
+    for cache in (kc, vc):
+        out = np.zeros((num_seqs, cache.shape[1], max_len, cache.shape[3]))
+        for s in range(num_seqs):
+            n = min(lens[s], max_len)
+            out[s, :, :n] = sequence_rows(cache, tables[s], n)
+        outs.append(out)
+    return tuple(outs)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
+    """Float caches only: the caches with each new row written at its slot (float64)."""
+    k, v = to_f64(key), to_f64(value)
+    kc, vc = to_f64(key_cache).copy(), to_f64(value_cache).copy()
+    block_size = kc.shape[2]
+    for t, slot in enumerate(to_int(slot_mapping)):
+        if slot < 0:
+            continue
+        kc[slot // block_size, :, slot % block_size] = k[t]
+        vc[slot // block_size, :, slot % block_size] = v[t]
+    return kc, vc
+
+
+def copy_blocks(key_cache, value_cache, src, dst):
+    """Every copy reads the caches as they were before the call."""
+    kc, vc = to_f64(key_cache), to_f64(value_cache)
+    new_k, new_v = kc.copy(), vc.copy()
+    for s, d in zip(to_int(src), to_int(dst)):
+        new_k[d] = kc[s]
+        new_v[d] = vc[s]
+    return new_k, new_v
