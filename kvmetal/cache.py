@@ -1,0 +1,513 @@
+"""PagedKVCache: one block pool for every layer of a model, and the allocator behind it.
+
+Vocabulary (vLLM's, see DESIGN.md for the tensor layouts):
+
+    block        ``block_size`` consecutive token slots; block ``b`` of layer ``l`` is
+                 ``key_caches[l][b]`` / ``value_caches[l][b]`` ([Hkv, bs, D] each)
+    block table  a sequence's list of block ids: token ``t`` lives in slot
+                 ``table[t // bs] * bs + t % bs``; the same table serves every layer
+    refcount     how many (sequence, table position) pairs point at a block
+    prefix hash  chain hash of the token ids of a *full* block and of every block
+                 before it, so equal hashes mean equal prefixes, not just equal blocks
+
+A block is always in exactly one of three places:
+
+    free     refcount 0, content meaningless
+    cached   refcount 0, content still valid and findable by its prefix hash;
+             reused by a new prompt with that prefix, or recycled in LRU order
+             when the free list is empty
+    owned    refcount >= 1
+
+Shared blocks are never written: appending to a sequence whose partly filled last
+block is shared first copies that block (copy-on-write, via ``copy_blocks``). Every
+operation that needs blocks checks that enough exist before changing anything, so
+``KVCacheFull`` leaves the cache exactly as it was.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from . import ops, quant
+
+HOLE = -1  # a table entry whose block was evicted by a sliding window
+
+
+class KVCacheFull(RuntimeError):
+    """Not enough free or recyclable blocks; the cache was left unchanged."""
+
+
+def _chain_hash(previous: bytes, tokens) -> bytes:
+    data = np.asarray(tokens, dtype=np.int64).tobytes()
+    return hashlib.blake2b(previous + data, digest_size=16).digest()
+
+
+@dataclass
+class _Sequence:
+    blocks: list = field(default_factory=list)  # block ids, HOLE where evicted
+    num_tokens: int = 0
+    tokens: list | None = field(default_factory=list)  # token ids; None once unknown (no hashing)
+    hashes: list = field(default_factory=list)  # chain hash of each full block, in order
+
+
+@dataclass
+class Append:
+    """What an append did: the slot of every new token and the copy-on-write copies made."""
+
+    slots: np.ndarray  # int64 [n]
+    copies: list  # [(src_block, dst_block)], to be applied to every layer before writing
+
+
+class BlockAllocator:
+    """Block ownership for one pool (pure Python; no tensors).
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: token slots per block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"[BlockAllocator] {name} must be an int >= 1, got {value!r}")
+        self.block_size = int(block_size)
+        self.num_blocks = 0
+        self.refcount: list = []
+        self._free: deque = deque()
+        self._cached: OrderedDict = OrderedDict()  # block -> None, least recently freed first
+        self._hash_of_block: dict = {}
+        self._block_of_hash: dict = {}
+        self._seqs: dict = {}
+        self.prefix_hit_blocks = 0  # blocks a new sequence found already computed
+        self.grow(num_blocks)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free plus cached-and-recyclable)."""
+        return len(self._free) + len(self._cached)
+
+    def sequences(self) -> list:
+        return list(self._seqs)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def num_tokens(self, seq_id) -> int:
+        return self._seq("num_tokens", seq_id).num_tokens
+
+    def block_table(self, seq_id) -> list:
+        """The sequence's block ids (``HOLE`` where a sliding window evicted one)."""
+        return list(self._seq("block_table", seq_id).blocks)
+
+    def tokens(self, seq_id) -> list | None:
+        seq = self._seq("tokens", seq_id)
+        return None if seq.tokens is None else list(seq.tokens)
+
+    def cached_blocks(self) -> list:
+        return list(self._cached)
+
+    def free_blocks(self) -> list:
+        return list(self._free)
+
+    def block_hash(self, block: int) -> bytes | None:
+        return self._hash_of_block.get(block)
+
+    def slots(self, seq_id, start: int, stop: int) -> np.ndarray:
+        """Slots of tokens ``start..stop-1`` of a sequence."""
+        seq = self._seq("slots", seq_id)
+        if not 0 <= start <= stop <= seq.num_tokens:
+            raise ValueError(f"[slots] token range [{start}, {stop}) is outside the sequence's {seq.num_tokens} tokens")
+        positions = np.arange(start, stop)
+        table = np.asarray(seq.blocks, dtype=np.int64)
+        blocks = table[positions // self.block_size] if positions.size else positions
+        if (blocks == HOLE).any():
+            raise ValueError(f"[slots] tokens in [{start}, {stop}) were evicted by a sliding window")
+        return blocks * self.block_size + positions % self.block_size
+
+    def blocks_needed(self, seq_id, num_new: int) -> int:
+        """Blocks an append of ``num_new`` tokens would take (copy-on-write included)."""
+        seq = self._seq("blocks_needed", seq_id)
+        return self._blocks_needed(seq, num_new)
+
+    # ------------------------------------------------------------------ sequence lifecycle
+
+    def add(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> int:
+        """Start a sequence holding ``tokens`` (ids; enables prefix sharing) or ``num_tokens``.
+
+        Full blocks whose chain hash is already known are shared instead of allocated,
+        up to but excluding the block holding the last token (the caller always has at
+        least one token to run through the model). Returns how many leading tokens
+        were found cached: their K/V are in place and need not be written.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"[add] sequence {seq_id!r} already exists")
+        if (tokens is None) == (num_tokens is None):
+            raise TypeError("[add] pass exactly one of tokens (ids) or num_tokens")
+        if tokens is not None:
+            tokens = [int(t) for t in tokens]
+            count = len(tokens)
+        else:
+            if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+                raise ValueError(f"[add] num_tokens must be an int >= 0, got {num_tokens!r}")
+            count = int(num_tokens)
+        bs = self.block_size
+        # Longest run of cached full blocks among the first count - 1 tokens.
+        hashes, hits = [], []
+        if tokens is not None:
+            previous = b""
+            for i in range(len(tokens) // bs):
+                previous = _chain_hash(previous, tokens[i * bs:(i + 1) * bs])
+                hashes.append(previous)
+            for i, h in enumerate(hashes):
+                if (i + 1) * bs > count - 1 or h not in self._block_of_hash:
+                    break
+                hits.append(self._block_of_hash[h])
+        total = -(-count // bs)
+        needed = total - len(hits)
+        available = self.num_free - sum(1 for b in hits if self.refcount[b] == 0)
+        if needed > available:
+            raise KVCacheFull(f"[add] sequence {seq_id!r} needs {needed} blocks, only {available} are free")
+        for b in hits:
+            self._acquire(b)
+        seq = _Sequence(blocks=hits + self._take(needed), num_tokens=count,
+                        tokens=tokens, hashes=hashes[: len(hits)])
+        self._seqs[seq_id] = seq
+        self.prefix_hit_blocks += len(hits)
+        self._register_full_blocks(seq)
+        return len(hits) * bs
+
+    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> Append:
+        """Extend a sequence by ``tokens`` (ids) or ``num_tokens``; return their slots."""
+        seq = self._seq("append", seq_id)
+        if (tokens is None) == (num_tokens is None):
+            raise TypeError("[append] pass exactly one of tokens (ids) or num_tokens")
+        if tokens is not None:
+            tokens = [int(t) for t in tokens]
+            count = len(tokens)
+        else:
+            if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+                raise ValueError(f"[append] num_tokens must be an int >= 0, got {num_tokens!r}")
+            count = int(num_tokens)
+        needed = self._blocks_needed(seq, count)
+        if needed > self.num_free:
+            raise KVCacheFull(f"[append] sequence {seq_id!r} needs {needed} blocks for {count} tokens, "
+                              f"only {self.num_free} are free")
+        copies = []
+        bs = self.block_size
+        if count and seq.num_tokens % bs:
+            last = seq.blocks[-1]
+            if self.refcount[last] > 1:  # copy-on-write: never write into a shared block
+                fresh = self._take(1)[0]
+                copies.append((last, fresh))
+                self._release(last)
+                seq.blocks[-1] = fresh
+        start = seq.num_tokens
+        seq.blocks += self._take(-(-(start + count) // bs) - len(seq.blocks))
+        seq.num_tokens += count
+        if seq.tokens is not None:
+            if tokens is None:
+                seq.tokens = None  # ids unknown from here on: stop hashing this sequence
+            else:
+                seq.tokens += tokens
+        self._register_full_blocks(seq)
+        return Append(self.slots(seq_id, start, start + count), copies)
+
+    def fork(self, parent_id, child_id) -> None:
+        """``child_id`` starts as a copy of ``parent_id`` sharing every block."""
+        parent = self._seq("fork", parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"[fork] sequence {child_id!r} already exists")
+        for b in parent.blocks:
+            if b != HOLE:
+                self._acquire(b)
+        self._seqs[child_id] = _Sequence(
+            blocks=list(parent.blocks), num_tokens=parent.num_tokens,
+            tokens=None if parent.tokens is None else list(parent.tokens), hashes=list(parent.hashes))
+
+    def free(self, seq_id) -> None:
+        """Drop a sequence; its blocks go back at once (hashed ones stay findable)."""
+        seq = self._seq("free", seq_id)
+        for b in seq.blocks:
+            if b != HOLE:
+                self._release(b)
+        del self._seqs[seq_id]
+
+    def evict(self, seq_id, *, window: int, keep: int = 0) -> int:
+        """Release blocks wholly outside the last ``window`` tokens, except those
+        holding the first ``keep`` (sink) tokens. Returns how many were released."""
+        seq = self._seq("evict", seq_id)
+        for name, value in (("window", window), ("keep", keep)):
+            if not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"[evict] {name} must be an int >= 0, got {value!r}")
+        bs = self.block_size
+        first = -(-keep // bs)
+        stop = max(0, seq.num_tokens - window) // bs
+        released = 0
+        for i in range(first, stop):
+            if seq.blocks[i] != HOLE:
+                self._release(seq.blocks[i])
+                seq.blocks[i] = HOLE
+                released += 1
+        return released
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` tokens of a sequence (releases the rest)."""
+        seq = self._seq("truncate", seq_id)
+        if not isinstance(num_tokens, (int, np.integer)) or not 0 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"[truncate] num_tokens must be in [0, {seq.num_tokens}], got {num_tokens!r}")
+        bs = self.block_size
+        keep_blocks = -(-num_tokens // bs)
+        if keep_blocks and seq.blocks[keep_blocks - 1] == HOLE:
+            raise ValueError("[truncate] cannot truncate into tokens a sliding window evicted")
+        for b in seq.blocks[keep_blocks:]:
+            if b != HOLE:
+                self._release(b)
+        del seq.blocks[keep_blocks:]
+        seq.num_tokens = int(num_tokens)
+        del seq.hashes[num_tokens // bs:]
+        if seq.tokens is not None:
+            del seq.tokens[num_tokens:]
+        if num_tokens % bs:
+            last = seq.blocks[-1]
+            if self.refcount[last] == 1 and last in self._hash_of_block:
+                # Its tail will be overwritten: nobody may find it by its old prefix any more.
+                del self._block_of_hash[self._hash_of_block.pop(last)]
+
+    def grow(self, num_new: int) -> None:
+        """Add ``num_new`` free blocks (ids continue after the current ones)."""
+        start = self.num_blocks
+        self.num_blocks += int(num_new)
+        self.refcount += [0] * int(num_new)
+        self._free.extend(range(start, self.num_blocks))
+
+    # ------------------------------------------------------------------ internals
+
+    def _seq(self, op: str, seq_id) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"[{op}] unknown sequence {seq_id!r}") from None
+
+    def _blocks_needed(self, seq: _Sequence, count: int) -> int:
+        bs = self.block_size
+        new = -(-(seq.num_tokens + count) // bs) - len(seq.blocks)
+        cow = count > 0 and seq.num_tokens % bs != 0 and self.refcount[seq.blocks[-1]] > 1
+        return new + int(cow)
+
+    def _take(self, n: int) -> list:
+        """n blocks with refcount 1: free ones first, then the least recently used cached ones."""
+        assert n <= self.num_free, "callers check capacity before changing anything"
+        taken = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                del self._block_of_hash[self._hash_of_block.pop(b)]
+            self.refcount[b] = 1
+            taken.append(b)
+        return taken
+
+    def _acquire(self, b: int) -> None:
+        if self.refcount[b] == 0:
+            del self._cached[b]
+        self.refcount[b] += 1
+
+    def _release(self, b: int) -> None:
+        self.refcount[b] -= 1
+        if self.refcount[b] == 0:
+            if b in self._hash_of_block:
+                self._cached[b] = None  # most recently used end
+            else:
+                self._free.append(b)
+
+    def _register_full_blocks(self, seq: _Sequence) -> None:
+        """Hash every newly full block so later prompts with the same prefix can share it."""
+        if seq.tokens is None:
+            return
+        bs = self.block_size
+        while len(seq.hashes) < seq.num_tokens // bs:
+            i = len(seq.hashes)
+            h = _chain_hash(seq.hashes[-1] if seq.hashes else b"", seq.tokens[i * bs:(i + 1) * bs])
+            seq.hashes.append(h)
+            b = seq.blocks[i]
+            if b != HOLE and h not in self._block_of_hash and b not in self._hash_of_block:
+                self._block_of_hash[h] = b
+                self._hash_of_block[b] = h
+
+
+class PagedKVCache:
+    """K/V block pools for every layer of a model, with one allocator and block tables.
+
+    Args:
+        num_layers: layers whose K/V live in the pool (each has its own arrays).
+        num_kv_heads, head_dim: per-layer K/V shape (DESIGN.md: [N, Hkv, bs, D]).
+        num_blocks: blocks in the pool (``grow`` adds more).
+        block_size: tokens per block (8, 16 or 32).
+        dtype: float dtype of the cache (also what a quantized cache dequantizes to).
+        k_bits, v_bits: quantize K and/or V to these bits (None keeps them float).
+        group_size: quantization group size along head_dim.
+
+    Sequence ids are any hashable. Typical use per forward pass::
+
+        cached = cache.add_sequence(seq, prompt_ids)          # prefix sharing
+        slots = cache.slots(seq, cached, len(prompt_ids))     # write these tokens
+        cache.write(layer, keys, values, slots)               # per layer
+        tables, lens = cache.block_tables([seq, ...])
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype=mx.float16, k_bits: int | None = None,
+                 v_bits: int | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("num_blocks", num_blocks)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"[PagedKVCache] {name} must be an int >= 1, got {value!r}")
+        if block_size not in ops.SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"[PagedKVCache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+        if dtype not in ops.FLOAT_DTYPES:
+            raise TypeError(f"[PagedKVCache] dtype must be one of float16, bfloat16, float32, got {dtype}")
+        for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
+            if bits is not None and bits not in quant.SUPPORTED_BITS:
+                raise ValueError(f"[PagedKVCache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
+        if (k_bits or v_bits) and head_dim % group_size:
+            raise ValueError(f"[PagedKVCache] head_dim {head_dim} is not a multiple of group_size {group_size}")
+        self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
+        self.block_size, self.dtype = int(block_size), dtype
+        self.k_bits, self.v_bits, self.group_size = k_bits, v_bits, group_size
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.key_caches = [self._empty(num_blocks, k_bits) for _ in range(num_layers)]
+        self.value_caches = [self._empty(num_blocks, v_bits) for _ in range(num_layers)]
+
+    # ------------------------------------------------------------------ sequences
+
+    def add_sequence(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> int:
+        """Allocate a sequence for ``tokens`` (ids) or ``num_tokens``; returns the number of
+        leading tokens already cached through prefix sharing (skip writing those)."""
+        return self.allocator.add(seq_id, tokens, num_tokens=num_tokens)
+
+    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> np.ndarray:
+        """Extend a sequence; returns the slots of the new tokens (copy-on-write applied)."""
+        result = self.allocator.append(seq_id, tokens, num_tokens=num_tokens)
+        self._copy(result.copies)
+        return result.slots
+
+    def fork(self, parent_id, child_id) -> None:
+        self.allocator.fork(parent_id, child_id)
+
+    def free(self, seq_id) -> None:
+        self.allocator.free(seq_id)
+
+    def evict(self, seq_id, *, window: int, keep: int = 0) -> int:
+        return self.allocator.evict(seq_id, window=window, keep=keep)
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        self.allocator.truncate(seq_id, num_tokens)
+
+    def num_tokens(self, seq_id) -> int:
+        return self.allocator.num_tokens(seq_id)
+
+    def slots(self, seq_id, start: int, stop: int) -> np.ndarray:
+        return self.allocator.slots(seq_id, start, stop)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self.allocator
+
+    def grow(self, num_new: int) -> None:
+        """Add ``num_new`` zeroed blocks to every layer's pool."""
+        if not isinstance(num_new, (int, np.integer)) or num_new < 1:
+            raise ValueError(f"[grow] num_new must be an int >= 1, got {num_new!r}")
+        self.key_caches = [self._extend(c, num_new, self.k_bits) for c in self.key_caches]
+        self.value_caches = [self._extend(c, num_new, self.v_bits) for c in self.value_caches]
+        self.allocator.grow(num_new)
+
+    # ------------------------------------------------------------------ tensors
+
+    def write(self, layer: int, keys: mx.array, values: mx.array, slots) -> None:
+        """Store rows ``keys``/``values`` [T, Hkv, D] of ``layer`` at ``slots`` [T]."""
+        slots = slots if isinstance(slots, mx.array) else mx.array(np.asarray(slots, dtype=np.int32))
+        self.key_caches[layer], self.value_caches[layer] = ops.reshape_and_cache(
+            keys, values, self.key_caches[layer], self.value_caches[layer], slots, validate=False)
+
+    def block_tables(self, seq_ids) -> tuple:
+        """(block_tables int32 [S, M], seq_lens int32 [S]) for ``seq_ids``.
+
+        Evicted entries point at a block the sequence still owns; attention with the
+        matching ``sliding_window`` never reads them."""
+        rows = [self.allocator.block_table(s) for s in seq_ids]
+        width = max(1, max(len(r) for r in rows))
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, row in enumerate(rows):
+            live = [b for b in row if b != HOLE]
+            filler = live[0] if live else 0
+            table[i, : len(row)] = [filler if b == HOLE else b for b in row]
+        lens = np.array([self.allocator.num_tokens(s) for s in seq_ids], dtype=np.int32)
+        return mx.array(table), mx.array(lens)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's K and V pool (what the cache holds, used or not)."""
+        return sum(c.nbytes for c in self.key_caches + self.value_caches)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.nbytes // self.allocator.num_blocks
+
+    def arrays(self) -> list:
+        """Every array the pool holds (for ``mx.eval``)."""
+        out = []
+        for c in self.key_caches + self.value_caches:
+            out += list(c.arrays()) if isinstance(c, quant.QuantizedKV) else [c]
+        return out
+
+    def stats(self) -> dict:
+        a = self.allocator
+        owned = sum(1 for r in a.refcount if r > 0)
+        shared = sum(1 for r in a.refcount if r > 1)
+        refs = sum(a.refcount)
+        return {
+            "num_blocks": a.num_blocks,
+            "block_size": a.block_size,
+            "free_blocks": len(a._free),
+            "cached_blocks": len(a._cached),
+            "used_blocks": owned,
+            "shared_blocks": shared,
+            "blocks_saved_by_sharing": refs - owned,
+            "prefix_hit_blocks": a.prefix_hit_blocks,
+            "sequences": len(a._seqs),
+            "tokens": sum(s.num_tokens for s in a._seqs.values()),
+            "nbytes": self.nbytes,
+            "used_bytes": owned * self.bytes_per_block,
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _shape(self, num_blocks: int) -> tuple:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def _empty(self, num_blocks: int, bits):
+        if bits is None:
+            return mx.zeros(self._shape(num_blocks), dtype=self.dtype)
+        return quant.empty_like_layout(self._shape(num_blocks), bits=bits, group_size=self.group_size,
+                                       dtype=self.dtype)
+
+    def _extend(self, cache, num_new: int, bits):
+        extra = self._empty(num_new, bits)
+        if isinstance(cache, quant.QuantizedKV):
+            return cache.replace(*(mx.concatenate([a, b]) for a, b in zip(cache.arrays(), extra.arrays())))
+        return mx.concatenate([cache, extra])
+
+    def _copy(self, copies: list) -> None:
+        if not copies:
+            return
+        src = mx.array([s for s, _ in copies], dtype=mx.int32)
+        dst = mx.array([d for _, d in copies], dtype=mx.int32)
+        for layer in range(self.num_layers):
+            self.key_caches[layer], self.value_caches[layer] = ops.copy_blocks(
+                self.key_caches[layer], self.value_caches[layer], src, dst, validate=False)
