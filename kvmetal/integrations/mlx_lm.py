@@ -1,0 +1,175 @@
+"""Drop-in paged KV cache for mlx-lm models.
+
+    from kvmetal.integrations.mlx_lm import use_paged_cache
+    with use_paged_cache(model, block_size=16, k_bits=8, v_bits=4):
+        text = mlx_lm.generate(model, tokenizer, prompt)
+
+Two patches, both undone on exit: ``model.make_cache`` returns kvmetal caches (mlx-lm's
+``make_prompt_cache`` prefers it, so ``generate``, ``stream_generate`` and
+``generate_step`` pick them up unchanged), and the name ``scaled_dot_product_attention``
+in the model's module is wrapped so that a layer holding a kvmetal cache attends through
+kvmetal: ``paged_attention`` for decode, gather + ``mx.fast.scaled_dot_product_attention``
+for prefill. Any other cache goes to mlx-lm's own function untouched.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import mlx.core as mx
+
+from .. import ops, quant
+from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache
+
+# model families whose attention we have checked token for token against mlx-lm
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss")
+
+_patch_lock = threading.Lock()
+_patched_modules: dict = {}  # module name -> [original function, number of live patches]
+
+
+def model_family(model) -> str:
+    """The mlx-lm model module a model comes from (e.g. "llama")."""
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _paged_sdpa_for(original):
+    def scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, sinks=None, **kwargs):
+        if isinstance(cache, PagedLayerCache):
+            if kwargs:
+                raise NotImplementedError(f"[use_paged_cache] attention options {sorted(kwargs)} are not supported")
+            return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    scaled_dot_product_attention.__wrapped__ = original
+    scaled_dot_product_attention.__kvmetal__ = True
+    return scaled_dot_product_attention
+
+
+def _patch_module(name: str) -> None:
+    with _patch_lock:
+        if name in _patched_modules:
+            _patched_modules[name][1] += 1
+            return
+        module = sys.modules[name]
+        original = module.scaled_dot_product_attention
+        module.scaled_dot_product_attention = _paged_sdpa_for(original)
+        _patched_modules[name] = [original, 1]
+
+
+def _unpatch_module(name: str) -> None:
+    with _patch_lock:
+        entry = _patched_modules[name]
+        entry[1] -= 1
+        if entry[1] == 0:
+            sys.modules[name].scaled_dot_product_attention = entry[0]
+            del _patched_modules[name]
+
+
+def _original_caches(model) -> list:
+    """The caches mlx-lm itself would build for ``model``."""
+    make = getattr(type(model), "make_cache", None)
+    if make is not None:
+        return make(model)
+    from mlx_lm.models.cache import KVCache
+
+    return [KVCache() for _ in model.layers]
+
+
+def layer_specs(model) -> list:
+    """Per layer: the attention window and the K/V row shape and dtype.
+
+    Windows come from the caches mlx-lm would build (a ``RotatingKVCache(max_size=W)``
+    layer attends to the last W tokens); shapes from one probe token through the model."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    caches = _original_caches(model)
+    windows = []
+    for i, c in enumerate(caches):
+        if type(c) is KVCache:
+            windows.append(None)
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            windows.append(int(c.max_size))
+        else:
+            raise NotImplementedError(f"[use_paged_cache] layer {i} uses {type(c).__name__}"
+                                      f"{f'(keep={c.keep})' if hasattr(c, 'keep') else ''}, which kvmetal does not model")
+    model(mx.array([[0]]), cache=caches)
+    specs = []
+    for i, (c, window) in enumerate(zip(caches, windows)):
+        if c.keys is None or c.keys.shape[-1] != c.values.shape[-1]:
+            raise NotImplementedError(f"[use_paged_cache] layer {i}: keys and values must share head_dim")
+        specs.append(LayerSpec(window, int(c.keys.shape[1]), int(c.keys.shape[-1]), c.keys.dtype))
+    return specs
+
+
+class PagedCacheHandle:
+    """An active ``use_paged_cache`` patch; ``undo()`` (or leaving the ``with``) restores the model."""
+
+    def __init__(self, model, *, block_size: int, num_blocks: int | None, k_bits: int | None, v_bits: int | None):
+        self.model = model
+        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)
+        self.specs = layer_specs(model)
+        self._module = type(model).__module__
+        self._had_instance_make_cache = "make_cache" in vars(model)
+        self._instance_make_cache = vars(model).get("make_cache")
+        _patch_module(self._module)
+        model.make_cache = self.make_cache
+        self.active = True
+
+    def new_model_cache(self) -> PagedModelCache:
+        """An empty paged cache for this model (the engine adds its own sequences)."""
+        return PagedModelCache(self.specs, **self.options)
+
+    def make_cache(self) -> list:
+        """What ``model.make_cache()`` returns while patched: one-sequence layer caches."""
+        model_cache = self.new_model_cache()
+        model_cache.add_sequence(0, num_tokens=0)
+        return model_cache.layer_caches([0])
+
+    def undo(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self._had_instance_make_cache:
+            self.model.make_cache = self._instance_make_cache
+        else:
+            del self.model.make_cache
+        _unpatch_module(self._module)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+        return False
+
+
+def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
+                    v_bits: int | None = None) -> PagedCacheHandle:
+    """Make an mlx-lm ``model`` keep its KV cache in kvmetal's paged pools.
+
+    Args:
+        model: an mlx-lm model of a supported family (``SUPPORTED_FAMILIES``).
+        block_size: tokens per block (8, 16 or 32).
+        num_blocks: blocks per pool; None grows the pool on demand.
+        k_bits, v_bits: quantize K / V to these bits (None keeps the model's dtype).
+    Returns:
+        A handle: use it as a context manager or call ``undo()``.
+    """
+    family = model_family(model)
+    if family not in SUPPORTED_FAMILIES:
+        raise NotImplementedError(f"[use_paged_cache] model family {family!r} is not supported; "
+                                  f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+    if block_size not in ops.SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"[use_paged_cache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"[use_paged_cache] num_blocks must be None or an int >= 1, got {num_blocks!r}")
+    for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
+        if bits is not None and bits not in quant.SUPPORTED_BITS:
+            raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
+    if isinstance(getattr(model, "make_cache", None), type(PagedCacheHandle.make_cache)) and \
+            isinstance(getattr(model.make_cache, "__self__", None), PagedCacheHandle):
+        raise ValueError("[use_paged_cache] this model already uses a paged cache; undo that one first")
+    return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)

@@ -1,0 +1,48 @@
+"""Small random mlx-lm models built in code (no download), one per supported family.
+
+Head dim is 64 (the smallest kvmetal supports) and embeddings are untied, which keeps
+greedy decoding of random weights from collapsing into one repeated token. Window
+layers get short windows so that a few dozen decode steps cross them.
+"""
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map
+
+COMMON = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=False)
+
+ARGS = {
+    "llama": dict(COMMON, head_dim=64),
+    "qwen2": dict(COMMON, hidden_size=256),  # head_dim = hidden / heads = 64
+    "qwen3": dict(COMMON, head_dim=64, max_position_embeddings=4096, rope_theta=10000.0),
+    "phi3": dict(COMMON, hidden_size=256),
+    "gemma3_text": dict(COMMON, head_dim=64, query_pre_attn_scalar=64, sliding_window=24, sliding_window_pattern=2),
+    "gpt_oss": dict(COMMON, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+def build(family: str, *, dtype=mx.float32, seed: int = 0, **overrides) -> nn.Module:
+    """A random ``family`` model in ``dtype`` (weights drawn from ``seed``)."""
+    if family not in ARGS:
+        raise ValueError(f"[tiny_models.build] family must be one of {sorted(ARGS)}, got {family!r}")
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    args = module.ModelArgs.from_dict(dict(ARGS[family], model_type=family, **overrides))
+    mx.random.seed(seed)
+    model = module.Model(args)
+    if family == "gpt_oss":
+        # Zero-initialised sinks would make the sink path trivial; give them real logits.
+        for layer in model.layers:
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
+    model.set_dtype(dtype)
+    # Random normal init of norms/embeddings is fine; make every array real before timing.
+    mx.eval(model.parameters())
+    return model
+
+
+def cast_like(tree, dtype):
+    return tree_map(lambda x: x.astype(dtype) if isinstance(x, mx.array) else x, tree)
