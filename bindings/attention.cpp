@@ -1,0 +1,208 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace kvmetal {
+namespace {
+
+constexpr int kMinTokensPerSplit = 256;  // below this a split costs more than it saves
+constexpr int kItemsPerThread = 4;       // enough items to balance uneven ones
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+struct TokenRange {
+  int lo = 0, hi = 0;  // [lo, hi)
+  bool empty() const { return hi <= lo; }
+};
+
+// The tokens the query may see: all of them, or the last `sliding_window`.
+TokenRange live_range(const AttentionParams& p, int s) {
+  const int len = p.paged ? p.seq_lens[s] : p.contiguous_len;
+  const int lo = p.sliding_window > 0 ? std::max(0, len - p.sliding_window) : 0;
+  return {lo, len};
+}
+
+// Tokens are split in whole tiles so each tile is read by one item only;
+// out-of-window blocks are never visited.
+int tile_rows(const AttentionParams& p) { return p.paged ? p.block_size : kMaxTileRows; }
+
+TokenRange split_range(const AttentionParams& p, TokenRange live, int split, int splits) {
+  const int unit = tile_rows(p);
+  const int first = live.lo / unit;
+  const int n_units = ceil_div(live.hi, unit) - first;
+  const int per = ceil_div(n_units, splits);
+  const int a = (first + std::min(n_units, split * per)) * unit;
+  const int b = (first + std::min(n_units, (split + 1) * per)) * unit;
+  return {std::max(a, live.lo), std::min(b, live.hi)};
+}
+
+// Partials of one item: m[G], l[G], acc[G][D] (float32).
+struct PartialLayout {
+  int G, D;
+  int64_t floats_per_item() const { return static_cast<int64_t>(G) * (D + 2); }
+};
+
+struct Scratch {
+  std::vector<float> q, k_tile, v_tile, scores, corr;
+  void fit(int G, int D) {
+    q.resize(static_cast<size_t>(G) * D);
+    k_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
+    v_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
+    scores.resize(static_cast<size_t>(G) * kMaxTileRows);
+    corr.resize(G);
+  }
+};
+
+void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, const TileKernels& tk, int s, int kvh,
+                 TokenRange range, float* partial) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int D = p.head_dim;
+  float* m = partial;
+  float* l = partial + G;
+  float* acc = partial + 2 * G;
+  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + G, 0.f);
+  std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
+  if (range.empty()) return;
+
+  thread_local Scratch sc;
+  sc.fit(G, D);
+
+  // The group's query rows, pre-scaled: scores come out already times `scale`.
+  for (int g = 0; g < G; ++g) {
+    const int64_t row = (static_cast<int64_t>(s) * p.num_heads + kvh * G + g) * D;
+    for (int d = 0; d < D; ++d) sc.q[g * D + d] = load_as_f32(p.query, row + d, p.q_kind) * p.scale;
+  }
+
+  for (int t = range.lo; t < range.hi;) {
+    // Locate the tile: rows [row0, row0 + n) of (outer, kvh).
+    int64_t outer;
+    int row0, n;
+    if (p.paged) {
+      const int blk = t / p.block_size;
+      row0 = t % p.block_size;
+      n = std::min(p.block_size - row0, range.hi - t);
+      outer = p.block_tables[static_cast<int64_t>(s) * p.max_blocks + blk];
+    } else {
+      outer = s;
+      row0 = t;
+      n = std::min(kMaxTileRows - t % kMaxTileRows, range.hi - t);
+    }
+    t += n;
+
+    int64_t ks, vs;
+    const float* kt = k.tile(outer, kvh, row0, n, sc.k_tile.data(), &ks, tk);
+    float* scores = sc.scores.data();
+    tk.scores(sc.q.data(), G, kt, ks, n, D, scores);
+
+    // Online softmax: new running max, rescale factor, probabilities.
+    for (int g = 0; g < G; ++g) {
+      float* sg = scores + g * kMaxTileRows;
+      if (p.has_softcap) {
+        for (int r = 0; r < n; ++r) sg[r] = p.softcap * std::tanh(sg[r] / p.softcap);
+      }
+      float tile_max = sg[0];
+      for (int r = 1; r < n; ++r) tile_max = std::max(tile_max, sg[r]);
+      const float m_new = std::max(m[g], tile_max);
+      sc.corr[g] = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first tile
+      m[g] = m_new;
+      for (int r = 0; r < n; ++r) sg[r] -= m_new;
+      tk.exp_inplace(sg, n);
+      float sum = 0.f;
+      for (int r = 0; r < n; ++r) sum += sg[r];
+      l[g] = l[g] * sc.corr[g] + sum;
+    }
+
+    const float* vt = v.tile(outer, kvh, row0, n, sc.v_tile.data(), &vs, tk);
+    tk.accumulate(scores, sc.corr.data(), G, vt, vs, n, D, acc);
+  }
+}
+
+// Merge the splits of one (sequence, query head); sinks join the denominator.
+void reduce_head(const AttentionParams& p, const TileKernels& tk, const float* partials, const PartialLayout& lay,
+                 int splits, int s, int h, float* tmp) {
+  const int G = lay.G;
+  const int D = lay.D;
+  const int kvh = h / G;
+  const int g = h % G;
+  const int64_t first_item = (static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits;
+  auto item = [&](int i) { return partials + (first_item + i) * lay.floats_per_item(); };
+
+  float M = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < splits; ++i) M = std::max(M, item(i)[g]);
+  if (p.sinks) M = std::max(M, p.sinks[h]);
+
+  std::fill(tmp, tmp + D, 0.f);
+  float L = 0.f;
+  for (int i = 0; i < splits; ++i) {
+    const float* part = item(i);
+    if (part[G + g] == 0.f) continue;  // empty split
+    const float w = std::exp(part[g] - M);
+    L += part[G + g] * w;
+    const float* acc = part + 2 * G + static_cast<int64_t>(g) * D;
+    for (int d = 0; d < D; ++d) tmp[d] += acc[d] * w;
+  }
+  if (p.sinks) L += std::exp(p.sinks[h] - M);
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  for (int d = 0; d < D; ++d) tmp[d] *= inv;
+
+  const int64_t row = (static_cast<int64_t>(s) * p.num_heads + h) * D;
+  switch (p.q_kind) {
+    case FloatKind::f32:
+      std::copy(tmp, tmp + D, reinterpret_cast<float*>(p.out) + row);
+      break;
+    case FloatKind::f16:
+      tk.f32_to_f16(tmp, D, reinterpret_cast<uint16_t*>(p.out) + row);
+      break;
+    default:
+      for (int d = 0; d < D; ++d) reinterpret_cast<uint16_t*>(p.out)[row + d] = f32_to_bf16(tmp[d]);
+      break;
+  }
+}
+
+}  // namespace
+
+int resolve_num_splits(const AttentionParams& p) {
+  if (p.num_splits > 0) return p.num_splits;
+  int max_tokens = 0;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    TokenRange r = live_range(p, s);
+    max_tokens = std::max(max_tokens, r.hi - r.lo);
+  }
+  const int64_t base_items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads;
+  const int want = ceil_div(static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads(), base_items);
+  const int cap = std::max(1, max_tokens / kMinTokensPerSplit);
+  return std::max(1, std::min(want, cap));
+}
+
+void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v) {
+  // The SIMD kernels step through head_dim 8 floats at a time.
+  const TileKernels& tk = p.head_dim % 8 == 0 ? tile_kernels() : portable_tile_kernels();
+  const int splits = resolve_num_splits(p);
+  const PartialLayout lay{p.num_heads / p.num_kv_heads, p.head_dim};
+  const int64_t n_items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * splits;
+  std::vector<float> partials(static_cast<size_t>(n_items * lay.floats_per_item()));
+
+  ThreadPool& pool = ThreadPool::instance();
+  pool.parallel_for(n_items, [&](int64_t item) {
+    const int split = static_cast<int>(item % splits);
+    const int kvh = static_cast<int>(item / splits % p.num_kv_heads);
+    const int s = static_cast<int>(item / splits / p.num_kv_heads);
+    const TokenRange range = split_range(p, live_range(p, s), split, splits);
+    attend_item(p, k, v, tk, s, kvh, range, partials.data() + item * lay.floats_per_item());
+  });
+
+  pool.parallel_for(p.num_seqs, [&](int64_t s) {
+    std::vector<float> tmp(p.head_dim);
+    for (int h = 0; h < p.num_heads; ++h) {
+      reduce_head(p, tk, partials.data(), lay, splits, static_cast<int>(s), h, tmp.data());
+    }
+  });
+}
+
+}  // namespace kvmetal

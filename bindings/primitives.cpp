@@ -1,0 +1,422 @@
+#include "primitives.h"
+
+#include <numeric>
+#include <stdexcept>
+#include <string>
+
+#include "attention.h"
+#include "cache_ops.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "tensor.h"
+
+namespace kvmetal {
+namespace {
+
+// Storage for row-major copies made inside a task; a deque-like list so
+// earlier copies stay where they are.
+using Storage = std::vector<std::vector<char>>;
+
+std::vector<char>& new_slot(Storage& st) {
+  st.emplace_back();
+  return st.back();
+}
+
+// int32 row-major view (block tables, seq_lens): the array itself when it is one.
+const int32_t* int32_data(const Tensor& t, Storage& st) {
+  if (t.dtype == mx::int32) return reinterpret_cast<const int32_t*>(row_major(t, new_slot(st)).ptr);
+  std::vector<int64_t> v = read_indices(t);
+  auto& buf = new_slot(st);
+  buf.resize(v.size() * sizeof(int32_t));
+  int32_t* out = reinterpret_cast<int32_t*>(buf.data());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = static_cast<int32_t>(v[i]);
+  return out;
+}
+
+// The kernels need unit stride along the last axis; other strides are free.
+Tensor unit_last_stride(const Tensor& t, Storage& st) {
+  if (t.shape.back() == 1 || t.strides.back() == 1) return t;
+  return row_major(t, new_slot(st));
+}
+
+// The KVView of a cache given as 1 (float) or 3 (data, scales, biases) arrays
+// of rank 4: [outer, heads, rows, last].
+KVView make_view(const std::vector<Tensor>& arrays, QuantSpec q, Storage& st) {
+  KVView v;
+  Tensor data = unit_last_stride(arrays[0], st);
+  v.data = data.ptr;
+  for (int i = 0; i < 3; ++i) v.stride[i] = data.strides[i];
+  if (q.bits == 0) {
+    v.kind = float_kind(data.dtype, "kvmetal");
+    v.D = static_cast<int>(data.shape[3]);
+    return v;
+  }
+  v.quantized = true;
+  v.D = static_cast<int>(data.shape[3] * 32 / q.bits);
+  Tensor scales = unit_last_stride(arrays[1], st);
+  Tensor biases = unit_last_stride(arrays[2], st);
+  v.fmt = QuantFormat{q.bits, q.group_size, float_kind(scales.dtype, "kvmetal")};
+  v.scales = scales.ptr;
+  v.biases = biases.ptr;
+  for (int i = 0; i < 3; ++i) {
+    v.scale_stride[i] = scales.strides[i];
+    v.bias_stride[i] = biases.strides[i];
+  }
+  return v;
+}
+
+// Row-major strides of a shape, in elements.
+std::vector<int64_t> row_major_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> s(shape.size());
+  int64_t acc = 1;
+  for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+    s[d] = acc;
+    acc *= shape[d];
+  }
+  return s;
+}
+
+// Output j of a cache update reuses input j's buffer when MLX lets us: the
+// input is donatable (nothing else holds the array or its buffer; the caller
+// replaced its reference by the op's result) and row-major over its whole
+// buffer. Then only the touched rows are written: an in-place update. Else the
+// output gets a new buffer and the task first copies the input into it.
+// Returns whether the buffer was shared.
+bool share_or_allocate(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous && in.data_size() == in.size()) {
+    out.copy_shared_buffer(in);
+    return true;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return false;
+}
+
+Tensor as_row_major_output(mx::array& out) {
+  Tensor t = describe(out);
+  t.strides = row_major_strides(t.shape);
+  t.row_contiguous = true;
+  return t;
+}
+
+mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
+
+[[noreturn]] void fail(const char* op, const std::string& msg) {
+  throw std::invalid_argument(std::string("[") + op + "] " + msg);
+}
+
+std::string shape_str(const mx::Shape& s) {
+  std::string out = "(";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + ")";
+}
+
+void check_float(const mx::array& a, const char* op, const char* name) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16)
+    fail(op, std::string(name) + " must be float16, bfloat16 or float32");
+}
+
+// Checks that keep the kernels in bounds when called directly from C++/Python
+// (kvmetal.ops has already checked everything user-facing).
+int check_cache(const std::vector<mx::array>& c, QuantSpec q, const char* op, const char* name) {
+  if (static_cast<int>(c.size()) != q.num_arrays())
+    fail(op, std::string(name) + ": expected " + std::to_string(q.num_arrays()) + " array(s)");
+  for (auto& a : c)
+    if (a.ndim() != 4) fail(op, std::string(name) + " arrays must have rank 4, got " + shape_str(a.shape()));
+  if (q.bits == 0) {
+    check_float(c[0], op, name);
+    return c[0].shape(3);
+  }
+  if (c[0].dtype() != mx::uint32) fail(op, std::string(name) + " data must be uint32");
+  check_float(c[1], op, name);
+  if (c[2].dtype() != c[1].dtype()) fail(op, std::string(name) + " scales and biases must share a dtype");
+  const int D = c[0].shape(3) * 32 / q.bits;
+  if (D % q.group_size || c[1].shape(3) != D / q.group_size || c[2].shape(3) != D / q.group_size)
+    fail(op, std::string(name) + " scales/biases do not match head_dim / group_size");
+  return D;
+}
+
+std::vector<Tensor> describe_all(const std::vector<mx::array>& inputs, size_t first, int count) {
+  std::vector<Tensor> out;
+  for (int i = 0; i < count; ++i) out.push_back(describe(inputs[first + i]));
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- attention
+
+void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  size_t i = 0;
+  Tensor q = describe(inputs[i++]);
+  std::vector<Tensor> kt = describe_all(inputs, i, k_.num_arrays());
+  i += k_.num_arrays();
+  std::vector<Tensor> vt = describe_all(inputs, i, v_.num_arrays());
+  i += v_.num_arrays();
+  Tensor bt, sl, sinks;
+  if (paged_) {
+    bt = describe(inputs[i++]);
+    sl = describe(inputs[i++]);
+  }
+  if (has_sinks_) sinks = describe(inputs[i++]);
+  char* out_ptr = out.data<char>();
+
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([q, kt, vt, bt, sl, sinks, out_ptr, paged = paged_, kq = k_, vq = v_, opts = opts_,
+                has_sinks = has_sinks_]() {
+    Storage st;
+    AttentionParams p;
+    Tensor qm = row_major(q, new_slot(st));
+    p.query = qm.ptr;
+    p.q_kind = float_kind(qm.dtype, "kvmetal");
+    p.out = out_ptr;
+    p.num_seqs = static_cast<int>(q.shape[0]);
+    p.num_heads = static_cast<int>(q.shape[1]);
+    p.head_dim = static_cast<int>(q.shape.back());
+    p.num_kv_heads = static_cast<int>(kt[0].shape[1]);
+    p.scale = opts.scale;
+    p.has_softcap = opts.softcap.has_value();
+    p.softcap = opts.softcap.value_or(0.f);
+    p.sliding_window = opts.sliding_window;
+    p.num_splits = opts.num_splits;
+    p.paged = paged;
+    if (paged) {
+      p.block_size = static_cast<int>(kt[0].shape[2]);
+      p.block_tables = int32_data(bt, st);
+      p.max_blocks = bt.shape[1];
+      p.seq_lens = int32_data(sl, st);
+    } else {
+      p.contiguous_len = static_cast<int>(kt[0].shape[2]);
+    }
+    if (has_sinks) p.sinks = reinterpret_cast<const float*>(row_major(sinks, new_slot(st)).ptr);
+    KVView k = make_view(kt, kq, st);
+    KVView v = make_view(vt, vq, st);
+    decode_attention(p, k, v);
+  });
+}
+
+void DecodeAttentionPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(std::string("[") + name() + "] has no GPU implementation; use the metal backend");
+}
+
+bool DecodeAttentionPrimitive::is_equivalent(const mx::Primitive& other) const {
+  auto* o = dynamic_cast<const DecodeAttentionPrimitive*>(&other);
+  return o && paged_ == o->paged_ && k_ == o->k_ && v_ == o->v_ && opts_ == o->opts_ && has_sinks_ == o->has_sinks_;
+}
+
+static mx::array attention_op(const char* op, bool paged, const mx::array& query, const std::vector<mx::array>& k,
+                              QuantSpec kq, const std::vector<mx::array>& v, QuantSpec vq,
+                              const mx::array* block_tables, const mx::array* seq_lens, AttentionOptions opts,
+                              const std::optional<mx::array>& sinks) {
+  check_float(query, op, "query");
+  const int qrank = paged ? 3 : 4;
+  if (query.ndim() != qrank) fail(op, "query must have rank " + std::to_string(qrank) + ", got " + shape_str(query.shape()));
+  const int D = query.shape(-1);
+  if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
+    fail(op, "key/value head_dim must equal the query's " + std::to_string(D));
+  const int hkv = k[0].shape(1);
+  if (v[0].shape(1) != hkv || hkv == 0 || query.shape(1) % hkv)
+    fail(op, "num_heads must be a multiple of num_kv_heads");
+  std::vector<mx::array> inputs{query};
+  inputs.insert(inputs.end(), k.begin(), k.end());
+  inputs.insert(inputs.end(), v.begin(), v.end());
+  if (paged) {
+    if (block_tables->ndim() != 2 || block_tables->shape(0) != query.shape(0)) fail(op, "block_tables must be [S, max_blocks]");
+    if (seq_lens->ndim() != 1 || seq_lens->shape(0) != query.shape(0)) fail(op, "seq_lens must be [S]");
+    if (k[0].shape(2) != v[0].shape(2)) fail(op, "key and value block sizes differ");
+    inputs.push_back(*block_tables);
+    inputs.push_back(*seq_lens);
+  } else {
+    if (k[0].shape(0) != query.shape(0) || v[0].shape(0) != query.shape(0) || k[0].shape(2) != v[0].shape(2))
+      fail(op, "keys/values must be [B, Hkv, T, D] matching the query");
+    if (query.shape(2) != 1) fail(op, "query must be [B, H, 1, D] (one decode token)");
+  }
+  if (sinks) {
+    if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(query.shape(1)))
+      fail(op, "sinks must be float32 [num_heads]");
+    inputs.push_back(*sinks);
+  }
+  auto prim = std::make_shared<DecodeAttentionPrimitive>(cpu_stream(), paged, kq, vq, opts, sinks.has_value());
+  return mx::array(query.shape(), query.dtype(), prim, inputs);
+}
+
+mx::array paged_attention(const mx::array& query, const std::vector<mx::array>& k, QuantSpec kq,
+                          const std::vector<mx::array>& v, QuantSpec vq, const mx::array& block_tables,
+                          const mx::array& seq_lens, AttentionOptions opts, const std::optional<mx::array>& sinks) {
+  return attention_op("paged_attention", true, query, k, kq, v, vq, &block_tables, &seq_lens, opts, sinks);
+}
+
+mx::array decode_attention(const mx::array& query, const std::vector<mx::array>& k, QuantSpec kq,
+                           const std::vector<mx::array>& v, QuantSpec vq, AttentionOptions opts,
+                           const std::optional<mx::array>& sinks) {
+  opts.sliding_window = 0;
+  return attention_op("decode_attention", false, query, k, kq, v, vq, nullptr, nullptr, opts, sinks);
+}
+
+// ---------------------------------------------------------------- gather
+
+void GatherKVPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const int n = q_.num_arrays();
+  std::vector<Tensor> ct = describe_all(inputs, 0, n);
+  Tensor bt = describe(inputs[n]);
+  Tensor sl = describe(inputs[n + 1]);
+  Tensor ot = describe(out);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([ct, bt, sl, ot, q = q_, max_len = max_len_]() {
+    Storage st;
+    GatherParams p;
+    KVView cache = make_view(ct, q, st);
+    p.num_seqs = static_cast<int>(bt.shape[0]);
+    p.num_kv_heads = static_cast<int>(ct[0].shape[1]);
+    p.head_dim = cache.D;
+    p.max_len = max_len;
+    p.block_size = static_cast<int>(ct[0].shape[2]);
+    p.block_tables = int32_data(bt, st);
+    p.max_blocks = bt.shape[1];
+    p.seq_lens = int32_data(sl, st);
+    p.out = ot.ptr;
+    p.out_kind = float_kind(ot.dtype, "gather_kv_cache");
+    gather_kv(p, cache);
+  });
+}
+
+void GatherKVPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[KvmetalGatherKV] has no GPU implementation; use the metal backend");
+}
+
+bool GatherKVPrimitive::is_equivalent(const mx::Primitive& other) const {
+  auto* o = dynamic_cast<const GatherKVPrimitive*>(&other);
+  return o && q_ == o->q_ && max_len_ == o->max_len_;
+}
+
+mx::array gather_kv(const std::vector<mx::array>& cache, QuantSpec q, const mx::array& block_tables,
+                    const mx::array& seq_lens, int max_len) {
+  const char* op = "gather_kv_cache";
+  const int D = check_cache(cache, q, op, "cache");
+  if (block_tables.ndim() != 2 || seq_lens.ndim() != 1 || seq_lens.shape(0) != block_tables.shape(0))
+    fail(op, "block_tables must be [S, max_blocks] and seq_lens [S]");
+  if (max_len < 0) fail(op, "max_len must be >= 0");
+  const mx::Dtype dt = q.bits ? cache[1].dtype() : cache[0].dtype();
+  std::vector<mx::array> inputs(cache);
+  inputs.push_back(block_tables);
+  inputs.push_back(seq_lens);
+  mx::Shape shape{block_tables.shape(0), cache[0].shape(1), max_len, D};
+  return mx::array(shape, dt, std::make_shared<GatherKVPrimitive>(cpu_stream(), q, max_len), inputs);
+}
+
+// ---------------------------------------------------------------- cache write
+
+void CacheWritePrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const int n = q_.num_arrays();
+  std::vector<Tensor> in_t, out_t;
+  std::vector<bool> shared;
+  for (int j = 0; j < n; ++j) {
+    shared.push_back(share_or_allocate(inputs[1 + j], outputs[j]));
+    in_t.push_back(describe(inputs[1 + j]));
+    out_t.push_back(as_row_major_output(outputs[j]));
+  }
+  Tensor rows = describe(inputs[0]);
+  Tensor slots = describe(inputs[n + 1]);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  enc.dispatch([rows, slots, in_t, out_t, shared, q = q_]() {
+    for (size_t j = 0; j < out_t.size(); ++j)
+      if (!shared[j]) copy_strided(in_t[j], out_t[j].ptr);
+    Storage st;
+    Tensor r = row_major(rows, new_slot(st));
+    KVView cache = make_view(out_t, q, st);
+    write_rows(r.ptr, float_kind(r.dtype, "reshape_and_cache"), static_cast<int>(r.shape[0]),
+               static_cast<int>(r.shape[1]), read_indices(slots), static_cast<int>(out_t[0].shape[2]), cache);
+  });
+}
+
+void CacheWritePrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[KvmetalReshapeAndCache] has no GPU implementation; use the metal backend");
+}
+
+bool CacheWritePrimitive::is_equivalent(const mx::Primitive& other) const {
+  auto* o = dynamic_cast<const CacheWritePrimitive*>(&other);
+  return o && q_ == o->q_;
+}
+
+std::vector<mx::array> cache_write(const mx::array& rows, const std::vector<mx::array>& cache, QuantSpec q,
+                                   const mx::array& slot_mapping) {
+  const char* op = "reshape_and_cache";
+  const int D = check_cache(cache, q, op, "cache");
+  check_float(rows, op, "key/value");
+  if (rows.ndim() != 3 || rows.shape(1) != cache[0].shape(1) || rows.shape(2) != D)
+    fail(op, "key/value must be [num_tokens, num_kv_heads, head_dim] matching the cache, got " + shape_str(rows.shape()));
+  if (slot_mapping.ndim() != 1 || slot_mapping.shape(0) != rows.shape(0))
+    fail(op, "slot_mapping must be [num_tokens]");
+  if (slot_mapping.dtype() != mx::int32 && slot_mapping.dtype() != mx::int64)
+    fail(op, "slot_mapping must be int32 or int64");
+  std::vector<mx::array> inputs{rows};
+  inputs.insert(inputs.end(), cache.begin(), cache.end());
+  inputs.push_back(slot_mapping);
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (auto& a : cache) {
+    shapes.push_back(a.shape());
+    dtypes.push_back(a.dtype());
+  }
+  return mx::array::make_arrays(shapes, dtypes, std::make_shared<CacheWritePrimitive>(cpu_stream(), q), inputs);
+}
+
+// ---------------------------------------------------------------- copy blocks
+
+void CopyBlocksPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const size_t n = outputs.size();
+  std::vector<Tensor> in_t, out_t;
+  std::vector<bool> shared;
+  for (size_t j = 0; j < n; ++j) {
+    shared.push_back(share_or_allocate(inputs[j], outputs[j]));
+    in_t.push_back(describe(inputs[j]));
+    out_t.push_back(as_row_major_output(outputs[j]));
+  }
+  Tensor src = describe(inputs[n]);
+  Tensor dst = describe(inputs[n + 1]);
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  for (auto& o : outputs) enc.set_output_array(o);
+  enc.dispatch([src, dst, in_t, out_t, shared]() {
+    const std::vector<int64_t> s = read_indices(src);
+    const std::vector<int64_t> d = read_indices(dst);
+    for (size_t j = 0; j < out_t.size(); ++j) {
+      if (!shared[j]) copy_strided(in_t[j], out_t[j].ptr);
+      const int64_t block_bytes = out_t[j].strides[0] * out_t[j].itemsize;
+      copy_blocks(out_t[j].ptr, block_bytes, s, d);
+    }
+  });
+}
+
+void CopyBlocksPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[KvmetalCopyBlocks] has no GPU implementation; use the metal backend");
+}
+
+std::vector<mx::array> copy_blocks(const std::vector<mx::array>& arrays, const mx::array& src, const mx::array& dst) {
+  const char* op = "copy_blocks";
+  if (arrays.empty()) fail(op, "no cache arrays given");
+  if (src.ndim() != 1 || dst.ndim() != 1 || src.shape(0) != dst.shape(0)) fail(op, "src and dst must be [n]");
+  for (auto& a : arrays)
+    if (a.ndim() < 1 || a.shape(0) != arrays[0].shape(0)) fail(op, "cache arrays must share num_blocks");
+  std::vector<mx::array> inputs(arrays);
+  inputs.push_back(src);
+  inputs.push_back(dst);
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (auto& a : arrays) {
+    shapes.push_back(a.shape());
+    dtypes.push_back(a.dtype());
+  }
+  return mx::array::make_arrays(shapes, dtypes, std::make_shared<CopyBlocksPrimitive>(cpu_stream()), inputs);
+}
+
+}  // namespace kvmetal

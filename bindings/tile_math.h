@@ -1,0 +1,47 @@
+// The float32 inner loops of decode attention, on a tile of KV rows.
+//
+// A tile is n <= 32 consecutive rows of one (block or batch entry, kv head),
+// each row head_dim floats, rows `stride` floats apart. The attention loop
+// converts (or dequantizes) a K or V tile to float32 once, then runs every
+// query head of the group over it, so each row is read from memory once.
+//
+// Two implementations: a portable one (any compiler, any CPU; arm64 gets NEON
+// from auto-vectorization, NEON being baseline there) and, on x86-64, an
+// AVX2+FMA+F16C one compiled in its own translation unit and chosen at run
+// time with __builtin_cpu_supports, so the default build runs on any x86-64.
+#pragma once
+
+#include <cstdint>
+
+namespace kvmetal {
+
+constexpr int kMaxTileRows = 32;
+
+struct TileKernels {
+  const char* name;
+  // dst[r * D + d] = float(src[r * stride + d]) for r < n, d < D.
+  void (*f16_rows_to_f32)(const uint16_t* src, int64_t stride, int n, int D, float* dst);
+  void (*bf16_rows_to_f32)(const uint16_t* src, int64_t stride, int n, int D, float* dst);
+  // scores[g * kMaxTileRows + r] = dot(q[g * D ...], k[r * stride ...]) for g < G, r < n.
+  void (*scores)(const float* q, int G, const float* k, int64_t stride, int n, int D, float* scores);
+  // acc[g * D + d] = acc[g * D + d] * corr[g] + sum_r p[g * kMaxTileRows + r] * v[r * stride + d].
+  void (*accumulate)(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D,
+                     float* acc);
+  // x[i] = exp(x[i]) for i < n.
+  void (*exp_inplace)(float* x, int n);
+  // dst[i] = float16/bfloat16 bits of src[i] (round to nearest even).
+  void (*f32_to_f16)(const float* src, int n, uint16_t* dst);
+};
+
+// The best implementation this CPU supports (chosen once).
+const TileKernels& tile_kernels();
+
+// Always available; also used by tests to cross-check the SIMD version.
+const TileKernels& portable_tile_kernels();
+
+#if defined(__x86_64__) || defined(_M_X64)
+// Defined in tile_math_avx2.cpp; only call when the CPU has avx2, fma and f16c.
+const TileKernels& avx2_tile_kernels();
+#endif
+
+}  // namespace kvmetal

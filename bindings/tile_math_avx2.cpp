@@ -1,0 +1,184 @@
+// AVX2 + FMA + F16C tile kernels. This file alone is compiled with
+// -mavx2 -mfma -mf16c (see CMakeLists.txt) and its table is only handed out
+// when __builtin_cpu_supports says the CPU has all three, so the rest of the
+// library stays baseline x86-64.
+#if defined(__x86_64__) || defined(_M_X64)
+
+#include <immintrin.h>
+
+#include "tile_math.h"
+
+namespace kvmetal {
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+void f16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const uint16_t* s = src + r * stride;
+    float* o = dst + r * D;
+    for (int d = 0; d < D; d += 8) {
+      _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d))));
+    }
+  }
+}
+
+void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const uint16_t* s = src + r * stride;
+    float* o = dst + r * D;
+    for (int d = 0; d < D; d += 8) {
+      __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d)));
+      _mm256_storeu_ps(o + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+  }
+}
+
+// NH query heads against the tile, two rows at a time (2 * NH independent
+// accumulators keep both FMA ports busy).
+template <int NH>
+void scores_heads(const float* q, const float* k, int64_t stride, int n, int D, float* out) {
+  int r = 0;
+  for (; r + 2 <= n; r += 2) {
+    const float* k0 = k + r * stride;
+    const float* k1 = k0 + stride;
+    __m256 a0[NH], a1[NH];
+    for (int h = 0; h < NH; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      __m256 x0 = _mm256_loadu_ps(k0 + d);
+      __m256 x1 = _mm256_loadu_ps(k1 + d);
+      for (int h = 0; h < NH; ++h) {
+        __m256 qh = _mm256_loadu_ps(q + h * D + d);
+        a0[h] = _mm256_fmadd_ps(qh, x0, a0[h]);
+        a1[h] = _mm256_fmadd_ps(qh, x1, a1[h]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      out[h * kMaxTileRows + r] = hsum(a0[h]);
+      out[h * kMaxTileRows + r + 1] = hsum(a1[h]);
+    }
+  }
+  if (r < n) {
+    const float* k0 = k + r * stride;
+    __m256 a0[NH];
+    for (int h = 0; h < NH; ++h) a0[h] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      __m256 x0 = _mm256_loadu_ps(k0 + d);
+      for (int h = 0; h < NH; ++h) a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), x0, a0[h]);
+    }
+    for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = hsum(a0[h]);
+  }
+}
+
+void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
+  int g = 0;
+  for (; g + 4 <= G; g += 4) scores_heads<4>(q + g * D, k, stride, n, D, out + g * kMaxTileRows);
+  switch (G - g) {
+    case 3: scores_heads<3>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
+    case 2: scores_heads<2>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
+    case 1: scores_heads<1>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
+    default: break;
+  }
+}
+
+// NH heads' accumulators for W * 8 columns stay in registers while the tile's
+// rows stream through.
+template <int NH, int W>
+void accumulate_cols(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, int d,
+                     float* acc) {
+  __m256 a[NH][W];
+  for (int h = 0; h < NH; ++h) {
+    __m256 c = _mm256_set1_ps(corr[h]);
+    for (int w = 0; w < W; ++w) a[h][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + d + 8 * w), c);
+  }
+  for (int r = 0; r < n; ++r) {
+    __m256 x[W];
+    for (int w = 0; w < W; ++w) x[w] = _mm256_loadu_ps(v + r * stride + d + 8 * w);
+    for (int h = 0; h < NH; ++h) {
+      __m256 ph = _mm256_broadcast_ss(p + h * kMaxTileRows + r);
+      for (int w = 0; w < W; ++w) a[h][w] = _mm256_fmadd_ps(ph, x[w], a[h][w]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + h * D + d + 8 * w, a[h][w]);
+}
+
+template <int NH>
+void accumulate_heads(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, float* acc) {
+  int d = 0;
+  for (; d + 16 <= D; d += 16) accumulate_cols<NH, 2>(p, corr, v, stride, n, D, d, acc);
+  if (d < D) accumulate_cols<NH, 1>(p, corr, v, stride, n, D, d, acc);
+}
+
+void accumulate(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D, float* acc) {
+  int g = 0;
+  for (; g + 4 <= G; g += 4)
+    accumulate_heads<4>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
+  switch (G - g) {
+    case 3: accumulate_heads<3>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 2: accumulate_heads<2>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 1: accumulate_heads<1>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    default: break;
+  }
+}
+
+// exp(x) to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// polynomial for exp(r), and 2^n built in the exponent bits. Inputs below
+// -87.3 flush to 0 (the softmax only ever feeds x <= 0).
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  // Operand order keeps a NaN input NaN (min/max return the second operand).
+  x = _mm256_max_ps(lo, _mm256_min_ps(_mm256_set1_ps(88.3f), x));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(underflow, y);
+}
+
+void exp_inplace(float* x, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = i; j < n; ++j) tmp[j - i] = x[j];
+    _mm256_store_ps(tmp, exp8(_mm256_load_ps(tmp)));
+    for (int j = i; j < n; ++j) x[j] = tmp[j - i];
+  }
+}
+
+void to_f16(const float* src, int n, uint16_t* dst) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+const TileKernels kAvx2{"avx2", f16_rows, bf16_rows, scores, accumulate, exp_inplace, to_f16};
+
+}  // namespace
+
+const TileKernels& avx2_tile_kernels() { return kAvx2; }
+
+}  // namespace kvmetal
+
+#endif

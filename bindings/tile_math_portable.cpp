@@ -1,0 +1,76 @@
+// Portable tile kernels: plain loops written so compilers vectorize them
+// (NEON on arm64, SSE2 on baseline x86-64), plus the run-time choice of the
+// best implementation.
+#include <cmath>
+
+#include "float_convert.h"
+#include "tile_math.h"
+
+namespace kvmetal {
+namespace {
+
+void f16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
+  for (int r = 0; r < n; ++r)
+    for (int d = 0; d < D; ++d) dst[r * D + d] = f16_to_f32(src[r * stride + d]);
+}
+
+void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
+  for (int r = 0; r < n; ++r)
+    for (int d = 0; d < D; ++d) dst[r * D + d] = bf16_to_f32(src[r * stride + d]);
+}
+
+void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
+  for (int r = 0; r < n; ++r) {
+    const float* kr = k + r * stride;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float s = 0.f;
+      for (int d = 0; d < D; ++d) s += qg[d] * kr[d];
+      out[g * kMaxTileRows + r] = s;
+    }
+  }
+}
+
+void accumulate(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D, float* acc) {
+  for (int g = 0; g < G; ++g) {
+    float* a = acc + g * D;
+    const float c = corr[g];
+    for (int d = 0; d < D; ++d) a[d] *= c;
+    for (int r = 0; r < n; ++r) {
+      const float pr = p[g * kMaxTileRows + r];
+      const float* vr = v + r * stride;
+      for (int d = 0; d < D; ++d) a[d] += pr * vr[d];
+    }
+  }
+}
+
+void exp_inplace(float* x, int n) {
+  for (int i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+void to_f16(const float* src, int n, uint16_t* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+}
+
+const TileKernels kPortable{"portable", f16_rows, bf16_rows, scores, accumulate, exp_inplace, to_f16};
+
+const TileKernels& choose() {
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    return avx2_tile_kernels();
+  }
+#endif
+  return kPortable;
+}
+
+}  // namespace
+
+const TileKernels& portable_tile_kernels() { return kPortable; }
+
+const TileKernels& tile_kernels() {
+  static const TileKernels& chosen = choose();
+  return chosen;
+}
+
+}  // namespace kvmetal
