@@ -1,0 +1,612 @@
+"""KV-cache memory and decode-bandwidth arithmetic: the ``kvmetal budget`` command.
+
+Decode reads every cached K and V byte once per generated token, so two numbers
+decide what a machine can serve: the bytes the cache holds at a context and
+batch (does it fit next to the weights?) and those bytes divided by memory
+bandwidth (the floor on time per token). Per token and layer the cache holds::
+
+    num_kv_heads * (k_row_bytes + v_row_bytes)
+    float row:      head_dim * dtype_bytes
+    quantized row:  head_dim * bits / 8  +  2 * (head_dim / group_size) * scale_bytes
+
+(scales and biases have the cache's float dtype; see ``kvmetal.quant``).
+
+Units: bytes are printed in decimal GB and binary GiB; ``--memory`` is the
+unified memory as sold (a "64GB" Mac has 64 GiB); bandwidth is decimal GB/s as
+Apple publishes it. Context lengths accept K/M suffixes (32K = 32768 tokens).
+
+    kvmetal budget --model llama-3-8b --context 32K --kv f16
+    kvmetal budget --model path/to/config.json --context 128K --kv k8v4 --chip m4-max
+    kvmetal budget --model qwen2.5-7b --context 64K --batch 4 --memory 64 --bandwidth 400 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from . import quant
+
+OP = "budget"
+GIB = 1 << 30
+GB = 1e9
+
+
+def _fail(message: str, error=ValueError):
+    raise error(f"[{OP}] {message}")
+
+
+# ----------------------------------------------------------------------------- model shapes
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV arithmetic needs from a model (and what estimates its weights)."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_heads: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
+    num_experts: int = 1
+    moe_intermediate_size: int = 0
+    weight_bits: float = 16.0          # bits per weight incl. quantization scales
+    weights_bytes: int | None = None   # exact, when read from safetensors files
+    source: str = "preset"
+
+    def param_count(self) -> int:
+        """Parameters from the shape: embeddings, attention projections, gated MLP (x experts)."""
+        if not (self.hidden_size and self.vocab_size and self.num_heads):
+            return 0
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2     # q, o + k, v
+        inter = self.moe_intermediate_size or self.intermediate_size
+        mlp = 3 * h * inter * self.num_experts                                  # gate, up, down
+        norms = 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp + norms) + embed + h
+
+    def estimated_weights_bytes(self) -> int:
+        if self.weights_bytes is not None:
+            return self.weights_bytes
+        return int(self.param_count() * self.weight_bits / 8)
+
+
+def _preset(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts=1):
+    return ModelShape(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts)
+
+
+# Shapes from the models' published config.json files (weights in 16-bit).
+PRESETS = {p.name: p for p in (
+    _preset("llama-3-8b", 32, 8, 128, 32, 4096, 14336, 128256, False),
+    _preset("llama-3-70b", 80, 8, 128, 64, 8192, 28672, 128256, False),
+    _preset("llama-3.2-1b", 16, 8, 64, 32, 2048, 8192, 128256, True),
+    _preset("llama-3.2-3b", 28, 8, 128, 24, 3072, 8192, 128256, True),
+    _preset("mistral-7b", 32, 8, 128, 32, 4096, 14336, 32000, False),
+    _preset("mixtral-8x7b", 32, 8, 128, 32, 4096, 14336, 32000, False, experts=8),
+    _preset("qwen2.5-0.5b", 24, 2, 64, 14, 896, 4864, 151936, True),
+    _preset("qwen2.5-7b", 28, 4, 128, 28, 3584, 18944, 152064, False),
+    _preset("qwen2.5-14b", 48, 8, 128, 40, 5120, 13824, 152064, False),
+    _preset("qwen2.5-32b", 64, 8, 128, 40, 5120, 27648, 152064, False),
+    _preset("qwen2.5-72b", 80, 8, 128, 64, 8192, 29568, 152064, False),
+    _preset("qwen3-8b", 36, 8, 128, 32, 4096, 12288, 151936, False),
+    _preset("gemma-2-2b", 26, 4, 256, 8, 2304, 9216, 256000, True),
+    _preset("gemma-2-9b", 42, 8, 256, 16, 3584, 14336, 256000, True),
+    _preset("gemma-2-27b", 46, 16, 128, 32, 4608, 36864, 256000, True),
+    _preset("phi-3-mini", 32, 32, 96, 32, 3072, 8192, 32064, False),
+)}
+ALIASES = {"llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b"}
+
+
+def _first(cfg: dict, *keys, default=None):
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def shape_from_config(cfg: dict, *, name: str = "config", weights_bytes: int | None = None) -> ModelShape:
+    """A :class:`ModelShape` from an mlx-lm / Hugging Face ``config.json`` dict."""
+    if not isinstance(cfg, dict):
+        _fail(f"config must be a JSON object, got {type(cfg).__name__}", TypeError)
+    if isinstance(cfg.get("text_config"), dict):       # multimodal wrappers keep the LM inside
+        cfg = {**cfg, **cfg["text_config"]}
+    if cfg.get("kv_lora_rank"):
+        _fail(f"{name}: multi-head latent attention (kv_lora_rank) caches a compressed latent, "
+              f"not per-head K/V; this arithmetic does not cover it")
+    layers = _first(cfg, "num_hidden_layers", "n_layer", "n_layers", "num_layers")
+    heads = _first(cfg, "num_attention_heads", "n_head", "n_heads")
+    hidden = _first(cfg, "hidden_size", "n_embd", "d_model", "dim", default=0)
+    if layers is None or heads is None:
+        _fail(f"{name}: config needs num_hidden_layers and num_attention_heads")
+    kv_heads = _first(cfg, "num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                      default=heads)
+    head_dim = _first(cfg, "head_dim")
+    if head_dim is None:
+        if not hidden:
+            _fail(f"{name}: config needs head_dim or hidden_size")
+        head_dim = hidden // heads
+    q = cfg.get("quantization") or cfg.get("quantization_config") or {}
+    weight_bits = 16.0
+    if isinstance(q, dict) and q.get("bits"):
+        # mlx-lm affine weights: bits per value + a 16-bit scale and bias per group
+        weight_bits = q["bits"] + 32 / q.get("group_size", 64)
+    elif cfg.get("torch_dtype") == "float32":
+        weight_bits = 32.0
+    return ModelShape(
+        name=name,
+        num_layers=int(layers),
+        num_kv_heads=int(kv_heads),
+        head_dim=int(head_dim),
+        num_heads=int(heads),
+        hidden_size=int(hidden),
+        intermediate_size=int(_first(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden)),
+        vocab_size=int(_first(cfg, "vocab_size", default=0)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        num_experts=int(_first(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=1)),
+        moe_intermediate_size=int(_first(cfg, "moe_intermediate_size", default=0)),
+        weight_bits=float(weight_bits),
+        weights_bytes=weights_bytes,
+        source="config",
+    )
+
+
+def load_model(spec: str) -> ModelShape:
+    """A preset name, a ``config.json`` path, or a model directory holding one.
+
+    For a directory with ``*.safetensors`` files the weights are their total size.
+    """
+    key = spec.lower()
+    key = ALIASES.get(key, key)
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(spec)
+    if path.is_dir():
+        config_path = path / "config.json"
+        tensors = sorted(path.glob("*.safetensors"))
+        weights = sum(p.stat().st_size for p in tensors) if tensors else None
+    else:
+        config_path, weights = path, None
+    if not config_path.is_file():
+        known = ", ".join(sorted(PRESETS))
+        _fail(f"model {spec!r} is neither a preset ({known}) nor a config.json path / model directory")
+    try:
+        cfg = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        _fail(f"model config {str(config_path)!r} is not valid JSON: {exc}")
+    name = path.name if path.is_dir() else (config_path.parent.name or config_path.name)
+    shape = shape_from_config(cfg, name=name, weights_bytes=weights)
+    return replace(shape, source="safetensors" if weights is not None else "config")
+
+
+# ----------------------------------------------------------------------------- K/V formats
+
+FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+_FLOAT_NAMES = {"f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
+                "bf16": "bf16", "bfloat16": "bf16", "f32": "f32", "fp32": "f32", "float32": "f32"}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How K and V are stored: float (bits None) or quantized, each with its own bits/group."""
+
+    k_bits: int | None = None
+    v_bits: int | None = None
+    k_group_size: int = quant.DEFAULT_GROUP_SIZE
+    v_group_size: int = quant.DEFAULT_GROUP_SIZE
+    dtype: str = "f16"   # float storage, and the dtype of quantization scales/biases
+
+    @property
+    def label(self) -> str:
+        if self.k_bits is None and self.v_bits is None:
+            return self.dtype
+        side = lambda bits: self.dtype if bits is None else str(bits)
+        label = f"K{side(self.k_bits)}/V{side(self.v_bits)}"
+        groups = {g for g, b in ((self.k_group_size, self.k_bits), (self.v_group_size, self.v_bits)) if b}
+        return label + (f" g{groups.pop()}" if len(groups) == 1 else
+                        f" g{self.k_group_size}/{self.v_group_size}")
+
+    def row_bytes(self, head_dim: int, which: str) -> int:
+        """Bytes of one K (``which='k'``) or V row of ``head_dim`` values."""
+        bits = self.k_bits if which == "k" else self.v_bits
+        group = self.k_group_size if which == "k" else self.v_group_size
+        scale_bytes = FLOAT_BYTES[self.dtype]
+        if bits is None:
+            return head_dim * scale_bytes
+        try:
+            return quant.row_nbytes(head_dim, bits=bits, group_size=group, scale_bytes=scale_bytes)
+        except ValueError as exc:
+            _fail(f"{which.upper()} format {self.label}: {str(exc).split('] ', 1)[-1]}")
+
+
+def parse_kv(spec: str, *, dtype: str | None = None) -> KVFormat:
+    """``f16``/``bf16``/``f32``, ``k8v4`` (either side may be a float name: ``k8vf16``), ``q8`` (both)."""
+    s = spec.strip().lower().replace("/", "")
+    base = _FLOAT_NAMES.get(dtype.lower(), None) if dtype else "f16"
+    if dtype and base is None:
+        _fail(f"dtype must be one of f16, bf16, f32, got {dtype!r}")
+    if s in _FLOAT_NAMES:
+        return KVFormat(dtype=_FLOAT_NAMES[s])
+    side = r"(\d+|f16|bf16|f32|fp16|fp32|float16|bfloat16|float32)"
+    m = re.fullmatch(rf"k{side}v{side}", s) or re.fullmatch(r"(?:q|int|kv)(\d+)", s)
+    if not m:
+        _fail(f"--kv must look like f16, bf16, f32, k8v4 or q8, got {spec!r}")
+    parts = m.groups() if len(m.groups()) == 2 else m.groups() * 2
+    bits = []
+    for part in parts:
+        if part in _FLOAT_NAMES:
+            if _FLOAT_NAMES[part] != base and dtype:
+                _fail(f"--kv {spec!r} mixes float {part} with --dtype {dtype}")
+            base = _FLOAT_NAMES[part]
+            bits.append(None)
+        else:
+            bits.append(quant.check_bits(int(part), op=OP, name="--kv bits"))
+    return KVFormat(k_bits=bits[0], v_bits=bits[1], dtype=base)
+
+
+def parse_tokens(text, *, name: str = "--context") -> int:
+    """``32768``, ``32K``, ``32k``, ``1M`` -> tokens (K = 1024)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", str(text))
+        if not m:
+            _fail(f"{name} must be a token count like 8192, 32K or 1M, got {text!r}")
+        value = float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+        if value != int(value):
+            _fail(f"{name} must be a whole number of tokens, got {text!r}")
+        value = int(value)
+    if value <= 0:
+        _fail(f"{name} must be positive, got {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- chips
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    bandwidth_gbs: float        # peak memory bandwidth, decimal GB/s
+    memory_gib: tuple           # unified memory configurations, GiB
+
+
+# Apple's published figures. Binned Max chips have less bandwidth: listed separately.
+CHIPS = {c.name: c for c in (
+    Chip("m1", 68.25, (8, 16)),
+    Chip("m1-pro", 200, (16, 32)),
+    Chip("m1-max", 400, (32, 64)),
+    Chip("m1-ultra", 800, (64, 128)),
+    Chip("m2", 100, (8, 16, 24)),
+    Chip("m2-pro", 200, (16, 32)),
+    Chip("m2-max", 400, (32, 64, 96)),
+    Chip("m2-ultra", 800, (64, 128, 192)),
+    Chip("m3", 100, (8, 16, 24)),
+    Chip("m3-pro", 150, (18, 36)),
+    Chip("m3-max-30c", 300, (36, 96)),
+    Chip("m3-max", 400, (48, 64, 128)),
+    Chip("m3-ultra", 819, (96, 256, 512)),
+    Chip("m4", 120, (16, 24, 32)),
+    Chip("m4-pro", 273, (24, 48, 64)),
+    Chip("m4-max-32c", 410, (36,)),
+    Chip("m4-max", 546, (48, 64, 128)),
+    Chip("m5", 153, (16, 24, 32)),
+)}
+
+
+def default_usable_fraction(memory_gib: float) -> float:
+    """Share of unified memory the GPU may wire by default (about Metal's recommended working set)."""
+    return 2 / 3 if memory_gib <= 36 else 3 / 4
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def bytes_per_token_per_layer(model: ModelShape, fmt: KVFormat) -> dict:
+    k = model.num_kv_heads * fmt.row_bytes(model.head_dim, "k")
+    v = model.num_kv_heads * fmt.row_bytes(model.head_dim, "v")
+    return {"k": k, "v": v, "total": k + v}
+
+
+def bytes_per_token(model: ModelShape, fmt: KVFormat) -> int:
+    """Cache bytes one token adds, all layers, K and V."""
+    return model.num_layers * bytes_per_token_per_layer(model, fmt)["total"]
+
+
+def cache_bytes(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, block_size: int = 1) -> int:
+    """Bytes of the cache holding ``context`` tokens for each of ``batch`` sequences.
+
+    A paged cache allocates whole blocks, so each sequence's tokens round up to ``block_size``.
+    """
+    return bytes_per_token(model, fmt) * _round_up(context, block_size) * batch
+
+
+def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, block_size: int = 16,
+           memory_gib: float | None = None, bandwidth_gbs: float | None = None,
+           weights_bytes: int | None = None, usable_fraction: float | None = None,
+           overhead_gib: float = 0.0, chip: str | None = None) -> dict:
+    """Everything ``kvmetal budget`` prints, as a JSON-ready dict (bytes are ints)."""
+    for name, value in (("context", context), ("batch", batch), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            _fail(f"{name} must be a positive int, got {value!r}")
+    per_layer = bytes_per_token_per_layer(model, fmt)
+    per_token = per_layer["total"] * model.num_layers
+    total = cache_bytes(model, fmt, context=context, batch=batch, block_size=block_size)
+    weights = model.estimated_weights_bytes() if weights_bytes is None else int(weights_bytes)
+    report = {
+        "model": {**asdict(model), "params": model.param_count()},
+        "format": {**asdict(fmt), "label": fmt.label},
+        "context": context,
+        "batch": batch,
+        "block_size": block_size,
+        "bytes_per_token": per_token,
+        "bytes_per_token_per_layer": per_layer["total"],
+        "k_bytes_per_token": per_layer["k"] * model.num_layers,
+        "v_bytes_per_token": per_layer["v"] * model.num_layers,
+        "f16_bytes_per_token": bytes_per_token(model, KVFormat()),
+        "cache_bytes": total,
+        "weights_bytes": weights,
+        "weights_source": "given" if weights_bytes is not None else model.source,
+        "chip": chip,
+        "memory": None,
+        "decode_floor": None,
+    }
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            _fail(f"memory must be positive GiB, got {memory_gib}")
+        fraction = default_usable_fraction(memory_gib) if usable_fraction is None else usable_fraction
+        if not 0 < fraction <= 1:
+            _fail(f"usable fraction must be in (0, 1], got {fraction}")
+        usable = int(memory_gib * GIB * fraction)
+        free = usable - weights - int(overhead_gib * GIB)
+        seq_bytes = cache_bytes(model, fmt, context=context, block_size=block_size)
+        max_context = max(free, 0) // (per_token * batch) // block_size * block_size
+        report["memory"] = {
+            "memory_bytes": int(memory_gib * GIB),
+            "usable_fraction": fraction,
+            "usable_bytes": usable,
+            "overhead_bytes": int(overhead_gib * GIB),
+            "free_for_cache_bytes": free,
+            "fits": free >= total,
+            "max_context_at_batch": int(max_context),
+            "max_batch_at_context": int(max(free, 0) // seq_bytes),
+        }
+    if bandwidth_gbs is not None:
+        if bandwidth_gbs <= 0:
+            _fail(f"bandwidth must be positive GB/s, got {bandwidth_gbs}")
+        bw = bandwidth_gbs * GB
+        cache_s, full_s = total / bw, (total + weights) / bw
+        report["decode_floor"] = {
+            "bandwidth_bytes_per_s": bw,
+            "cache_ms_per_step": cache_s * 1e3,
+            "cache_tokens_per_s_per_seq": 1 / cache_s,
+            "cache_tokens_per_s_total": batch / cache_s,
+            "with_weights_ms_per_step": full_s * 1e3,
+            "with_weights_tokens_per_s_per_seq": 1 / full_s,
+            "with_weights_tokens_per_s_total": batch / full_s,
+        }
+    return report
+
+
+# ----------------------------------------------------------------------------- text output
+
+def human_bytes(n: float) -> str:
+    """``21.47 GB (20.00 GiB)``; small sizes in KiB/MiB."""
+    if n < GIB / 4:
+        return f"{n / 1024:,.1f} KiB" if n < (1 << 20) else f"{n / (1 << 20):,.1f} MiB"
+    return f"{n / GB:,.2f} GB ({n / GIB:,.2f} GiB)"
+
+
+def format_report(r: dict) -> str:
+    m, f = r["model"], r["format"]
+    heads = f", {m['num_heads']} query heads" if m["num_heads"] else ""
+    lines = [
+        f"model       {m['name']}: {m['num_layers']} layers, {m['num_kv_heads']} kv heads, "
+        f"head_dim {m['head_dim']}{heads}",
+        f"KV format   {f['label']}" + ("" if f["k_bits"] is None and f["v_bits"] is None
+                                       else f" ({f['dtype']} scales and biases)"),
+        f"per token   {human_bytes(r['bytes_per_token'])} = {m['num_layers']} layers x "
+        f"{r['bytes_per_token_per_layer']:,} B (K {r['k_bytes_per_token'] // m['num_layers']:,} B + "
+        f"V {r['v_bytes_per_token'] // m['num_layers']:,} B)"
+        + ("" if r["bytes_per_token"] == r["f16_bytes_per_token"] else
+           f"; {r['bytes_per_token'] / r['f16_bytes_per_token']:.3f} x f16"),
+        f"cache       {human_bytes(r['cache_bytes'])} for {r['context']:,} tokens x batch {r['batch']}",
+    ]
+    if r["weights_bytes"]:
+        how = {"given": "given", "safetensors": "safetensors files",
+               "config": f"estimated: {m['params'] / 1e9:.2f} B params x {m['weight_bits']:g} bits",
+               "preset": f"estimated: {m['params'] / 1e9:.2f} B params x {m['weight_bits']:g} bits"}
+        lines.append(f"weights     {human_bytes(r['weights_bytes'])} ({how[r['weights_source']]})")
+    mem = r["memory"]
+    if mem:
+        chip = f"{r['chip']}, " if r["chip"] else ""
+        lines.append(f"memory      {chip}{mem['memory_bytes'] / GIB:g} GiB x {mem['usable_fraction']:.2f} usable "
+                     f"= {human_bytes(mem['usable_bytes'])}; free for the cache after weights"
+                     + (" and overhead" if mem["overhead_bytes"] else "") + f": {human_bytes(max(mem['free_for_cache_bytes'], 0))}")
+        verdict = "fits" if mem["fits"] else "does NOT fit"
+        lines.append(f"fits        this cache {verdict}; largest context at batch {r['batch']}: "
+                     f"{mem['max_context_at_batch']:,} tokens; largest batch at {r['context']:,} tokens: "
+                     f"{mem['max_batch_at_context']:,}")
+    floor = r["decode_floor"]
+    if floor:
+        bw = floor["bandwidth_bytes_per_s"] / GB
+        lines.append(f"decode floor at {bw:g} GB/s: cache alone {floor['cache_ms_per_step']:.2f} ms/step "
+                     f"({floor['cache_tokens_per_s_per_seq']:,.1f} tok/s per sequence, "
+                     f"{floor['cache_tokens_per_s_total']:,.1f} total); with weights "
+                     f"{floor['with_weights_ms_per_step']:.2f} ms/step "
+                     f"({floor['with_weights_tokens_per_s_per_seq']:,.1f} tok/s per sequence, "
+                     f"{floor['with_weights_tokens_per_s_total']:,.1f} total)")
+    if not mem and not floor:
+        lines.append("(give --chip, or --memory and --bandwidth, for what fits and the decode floor)")
+    return "\n".join(lines)
+
+
+COMPARE_FORMATS = ("f16", "k8v8", "k8v4", "k4v4", "k4v2")
+
+
+def compare_table(model: ModelShape, fmt: KVFormat, *, context: int, batch: int, block_size: int) -> str:
+    specs = [parse_kv(s, dtype=fmt.dtype) for s in COMPARE_FORMATS]
+    specs = [replace(s, k_group_size=fmt.k_group_size, v_group_size=fmt.v_group_size) for s in specs]
+    if fmt not in specs:
+        specs.append(fmt)
+    rows = ["format          per token      cache"]
+    for s in specs:
+        try:
+            per = bytes_per_token(model, s)
+        except ValueError as exc:
+            rows.append(f"{s.label:<15} {str(exc).split('] ', 1)[-1]}")
+            continue
+        total = cache_bytes(model, s, context=context, batch=batch, block_size=block_size)
+        rows.append(f"{s.label:<15} {human_bytes(per):<14} {human_bytes(total)}")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- plot
+
+def plot_cache_sizes(model: ModelShape, formats, path: str, *, batch: int = 1, max_context: int = 131072,
+                     free_bytes: int | None = None) -> None:
+    """Cache GiB against context (log2 axis) for several formats, saved to ``path``."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"[{OP}] --plot needs matplotlib: pip install matplotlib ({exc})") from exc
+    contexts = [1 << k for k in range(10, max(11, int(math.log2(max_context)) + 1) + 1)]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for fmt in formats:
+        ys = [cache_bytes(model, fmt, context=c, batch=batch) / GIB for c in contexts]
+        ax.plot(contexts, ys, marker="o", markersize=3, label=f"{fmt.label} ({bytes_per_token(model, fmt) / 1024:.1f} KiB/token)")
+    if free_bytes is not None and free_bytes > 0:
+        ax.axhline(free_bytes / GIB, color="black", linestyle="--", linewidth=1, label="free memory after weights")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("KV cache (GiB)")
+    ax.set_title(f"{model.name}: KV cache at batch {batch}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- command
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvmetal budget",
+        description="KV-cache bytes, what fits next to the weights, and the bandwidth floor on decode.",
+        epilog=f"presets: {', '.join(sorted(PRESETS))}\nchips: {', '.join(CHIPS)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", "-m", required=True, help="preset name, config.json path, or model directory")
+    p.add_argument("--context", "-c", default="32K", help="tokens per sequence, e.g. 8192, 32K, 1M (default 32K)")
+    p.add_argument("--batch", "-b", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--kv", default=None, help="K/V storage: f16, bf16, f32, k8v4, k4v4, q8 ... (default f16)")
+    p.add_argument("--k-bits", type=int, default=None, help="quantize K to these bits (overrides --kv)")
+    p.add_argument("--v-bits", type=int, default=None, help="quantize V to these bits (overrides --kv)")
+    p.add_argument("--group-size", type=int, default=None, help="quantization group size for K and V (default 64)")
+    p.add_argument("--k-group-size", type=int, default=None)
+    p.add_argument("--v-group-size", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="float dtype of the cache / of scales and biases (default f16)")
+    p.add_argument("--block-size", type=int, default=16, help="paged-cache block size: contexts round up to it")
+    p.add_argument("--chip", default=None, help=f"Apple chip: {', '.join(CHIPS)}")
+    p.add_argument("--memory", type=float, default=None, help="unified memory in GiB (default: the chip's largest)")
+    p.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in GB/s (default: the chip's)")
+    p.add_argument("--usable-fraction", type=float, default=None,
+                   help="share of memory the GPU may use (default 2/3 up to 36 GiB, else 3/4)")
+    p.add_argument("--weights-gb", type=float, default=None, help="weights in GB, instead of the estimate")
+    p.add_argument("--overhead-gb", type=float, default=0.0, help="other memory to reserve (activations...), GiB")
+    p.add_argument("--compare", action="store_true", help="also list common K/V formats side by side")
+    p.add_argument("--plot", metavar="PNG", default=None, help="plot cache size against context for several formats")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def _format_from_args(args) -> KVFormat:
+    fmt = parse_kv(args.kv or (args.dtype or "f16"), dtype=args.dtype)
+    if args.k_bits is not None or args.v_bits is not None:
+        k = None if args.k_bits is None else quant.check_bits(args.k_bits, op=OP, name="--k-bits")
+        v = None if args.v_bits is None else quant.check_bits(args.v_bits, op=OP, name="--v-bits")
+        if args.kv is not None and (fmt.k_bits is not None or fmt.v_bits is not None):
+            _fail(f"give either --kv {args.kv} or --k-bits/--v-bits, not both")
+        fmt = replace(fmt, k_bits=k, v_bits=v)
+    g = args.group_size
+    kg = args.k_group_size or g or quant.DEFAULT_GROUP_SIZE
+    vg = args.v_group_size or g or quant.DEFAULT_GROUP_SIZE
+    quant.check_group_size(kg, op=OP, name="--k-group-size" if args.k_group_size else "--group-size")
+    quant.check_group_size(vg, op=OP, name="--v-group-size" if args.v_group_size else "--group-size")
+    return replace(fmt, k_group_size=kg, v_group_size=vg)
+
+
+def run(argv: list[str] | None = None) -> tuple:
+    """Parse ``argv`` and compute: ``(report, text)``; raises ValueError on bad input."""
+    args = _parser().parse_args(argv)
+    model = load_model(args.model)
+    fmt = _format_from_args(args)
+    context = parse_tokens(args.context)
+    if args.batch <= 0:
+        _fail(f"--batch must be positive, got {args.batch}")
+    if args.block_size <= 0:
+        _fail(f"--block-size must be positive, got {args.block_size}")
+    memory, bandwidth = args.memory, args.bandwidth
+    chip = None
+    if args.chip is not None:
+        chip = CHIPS.get(args.chip.lower().replace(" ", "-"))
+        if chip is None:
+            _fail(f"--chip must be one of {', '.join(CHIPS)}, got {args.chip!r}")
+        memory = max(chip.memory_gib) if memory is None else memory
+        bandwidth = chip.bandwidth_gbs if bandwidth is None else bandwidth
+    weights = None if args.weights_gb is None else int(args.weights_gb * GB)
+    report = budget(model, fmt, context=context, batch=args.batch, block_size=args.block_size,
+                    memory_gib=memory, bandwidth_gbs=bandwidth, weights_bytes=weights,
+                    usable_fraction=args.usable_fraction, overhead_gib=args.overhead_gb,
+                    chip=chip.name if chip else None)
+    text = format_report(report)
+    if args.compare:
+        text += "\n\n" + compare_table(model, fmt, context=context, batch=args.batch, block_size=args.block_size)
+    if args.plot:
+        formats = [replace(parse_kv(s, dtype=fmt.dtype), k_group_size=fmt.k_group_size,
+                           v_group_size=fmt.v_group_size) for s in COMPARE_FORMATS]
+        formats = [f for f in formats if _fits_layout(model, f)]
+        if fmt not in formats:
+            formats.append(fmt)
+        free = report["memory"]["free_for_cache_bytes"] if report["memory"] else None
+        plot_cache_sizes(model, formats, args.plot, batch=args.batch,
+                         max_context=max(4 * context, 131072), free_bytes=free)
+        report["plot"] = args.plot
+        text += f"\n\nplot written to {args.plot}"
+    return report, text
+
+
+def _fits_layout(model: ModelShape, fmt: KVFormat) -> bool:
+    try:
+        bytes_per_token(model, fmt)
+        return True
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    try:
+        report, text = run(argv)
+    except (ValueError, TypeError, ImportError) as exc:
+        print(f"kvmetal budget: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if as_json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

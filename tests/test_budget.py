@@ -1,0 +1,239 @@
+"""``kvmetal budget``: the KV arithmetic, config parsing, chips, errors, JSON and plot."""
+import builtins
+import json
+
+import pytest
+
+from kvmetal import budget as B
+from kvmetal.budget import KVFormat, ModelShape
+
+KIB, GIB = 1024, 1 << 30
+
+
+def run_json(capsys, *argv) -> dict:
+    assert B.main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# ----------------------------------------------------------------------------- classic figures
+
+def test_32_layer_8_kv_head_f16_is_128_kib_per_token_and_4_gib_at_32k(capsys):
+    model = ModelShape("m", num_layers=32, num_kv_heads=8, head_dim=128)
+    assert B.bytes_per_token(model, KVFormat()) == 128 * KIB
+    assert B.cache_bytes(model, KVFormat(), context=32 * 1024) == 4 * GIB
+    r = run_json(capsys, "--model", "llama-3-8b", "--context", "32K", "--kv", "f16")
+    assert r["bytes_per_token"] == 128 * KIB and r["cache_bytes"] == 4 * GIB
+    assert r["bytes_per_token_per_layer"] == 4096
+
+
+def test_80_layer_model_at_64k_f16_is_about_21_gb(capsys):
+    r = run_json(capsys, "--model", "llama-3-70b", "--context", "64K")
+    assert r["bytes_per_token"] == 320 * KIB
+    assert r["cache_bytes"] == 80 * 8 * 128 * 2 * 2 * 65536
+    assert round(r["cache_bytes"] / 1e9) == 21
+    assert B.main(["--model", "llama-3-70b", "--context", "64K"]) == 0
+    assert "21.47 GB (20.00 GiB)" in capsys.readouterr().out
+
+
+def test_quantized_bytes_include_scales_and_biases():
+    model = ModelShape("m", num_layers=32, num_kv_heads=8, head_dim=128)
+    # K8: 128 B codes + 2 groups * (scale + bias) * 2 B = 136; V4: 64 + 8 = 72
+    k8v4 = B.parse_kv("k8v4")
+    assert B.bytes_per_token_per_layer(model, k8v4) == {"k": 8 * 136, "v": 8 * 72, "total": 8 * 208}
+    assert B.bytes_per_token(model, k8v4) == 32 * 8 * 208
+    # group 32 doubles the scale overhead; f32 scales double it again
+    k4g32 = KVFormat(k_bits=4, v_bits=4, k_group_size=32, v_group_size=32, dtype="f32")
+    assert k4g32.row_bytes(128, "k") == 64 + 4 * 2 * 4
+    # 3-bit rows are 3/8 of a byte per value
+    assert KVFormat(k_bits=3, v_bits=3).row_bytes(128, "v") == 48 + 8
+
+
+def test_mixed_float_and_quantized_sides():
+    fmt = B.parse_kv("k8vf16")
+    assert (fmt.k_bits, fmt.v_bits) == (8, None)
+    assert fmt.row_bytes(128, "k") == 136 and fmt.row_bytes(128, "v") == 256
+    assert fmt.label == "K8/Vf16 g64"
+
+
+# ----------------------------------------------------------------------------- parsing
+
+@pytest.mark.parametrize("spec,expected", [
+    ("f16", KVFormat()), ("float16", KVFormat()), ("bf16", KVFormat(dtype="bf16")),
+    ("f32", KVFormat(dtype="f32")), ("k8v4", KVFormat(8, 4)), ("K4/V8", KVFormat(4, 8)),
+    ("q8", KVFormat(8, 8)), ("int4", KVFormat(4, 4)),
+])
+def test_parse_kv(spec, expected):
+    assert B.parse_kv(spec) == expected
+
+
+@pytest.mark.parametrize("text,tokens", [("8192", 8192), ("32K", 32768), ("32k", 32768), ("1M", 1 << 20),
+                                         ("1.5K", 1536), (4096, 4096)])
+def test_parse_tokens(text, tokens):
+    assert B.parse_tokens(text) == tokens
+
+
+def test_parse_config_json(tmp_path, capsys):
+    cfg = {
+        "model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "hidden_size": 3584, "intermediate_size": 18944,
+        "vocab_size": 152064, "tie_word_embeddings": False,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    model = B.load_model(str(path))
+    assert (model.num_layers, model.num_kv_heads, model.head_dim) == (28, 4, 128)
+    assert model.param_count() == pytest.approx(7.6e9, rel=0.01)
+    assert B.bytes_per_token(model, KVFormat()) == 28 * 4 * 128 * 2 * 2
+    # a directory works too, and its safetensors give the exact weight bytes
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1234)
+    r = run_json(capsys, "--model", str(tmp_path), "--context", "1K")
+    assert r["weights_bytes"] == 1234 and r["weights_source"] == "safetensors"
+    assert r["cache_bytes"] == 1024 * 28 * 4 * 128 * 4
+
+
+def test_config_variants():
+    # explicit head_dim, missing kv heads (MHA), mlx-lm quantized weights, nested text_config
+    cfg = {"text_config": {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256,
+                           "head_dim": 128, "vocab_size": 1000, "intermediate_size": 512},
+           "quantization": {"bits": 4, "group_size": 64}}
+    model = B.shape_from_config(cfg)
+    assert (model.num_kv_heads, model.head_dim) == (4, 128)
+    assert model.weight_bits == 4.5
+    assert model.estimated_weights_bytes() == int(model.param_count() * 4.5 / 8)
+    with pytest.raises(ValueError, match=r"\[budget\] .*kv_lora_rank"):
+        B.shape_from_config({"num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 512})
+    with pytest.raises(ValueError, match=r"\[budget\] .*needs num_hidden_layers"):
+        B.shape_from_config({"hidden_size": 64})
+
+
+def test_preset_weight_estimates_match_published_sizes():
+    expected = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "mistral-7b": 7.24e9, "qwen2.5-7b": 7.62e9,
+                "gemma-2-9b": 9.24e9, "mixtral-8x7b": 46.7e9, "phi-3-mini": 3.82e9, "llama-3.2-1b": 1.24e9}
+    for name, params in expected.items():
+        assert B.PRESETS[name].param_count() == pytest.approx(params, rel=0.01), name
+    assert B.load_model("Llama-3.1-8B") is B.PRESETS["llama-3-8b"]
+
+
+# ----------------------------------------------------------------------------- memory and bandwidth
+
+def test_fit_and_decode_floor_with_memory_and_bandwidth(capsys):
+    r = run_json(capsys, "--model", "llama-3-8b", "--context", "32K", "--batch", "2", "--memory", "64",
+                 "--bandwidth", "400", "--usable-fraction", "0.5", "--weights-gb", "16")
+    mem, floor = r["memory"], r["decode_floor"]
+    free = 32 * GIB - 16 * 10**9
+    assert mem["usable_bytes"] == 32 * GIB and mem["free_for_cache_bytes"] == free
+    assert mem["max_context_at_batch"] == free // (128 * KIB * 2) // 16 * 16
+    assert mem["max_batch_at_context"] == free // (4 * GIB) == 4
+    assert mem["fits"] is True
+    # decode floor: 8 GiB of cache at 400 GB/s
+    assert floor["cache_ms_per_step"] == pytest.approx(8 * GIB / 400e9 * 1e3)
+    assert floor["with_weights_ms_per_step"] == pytest.approx((8 * GIB + 16e9) / 400e9 * 1e3)
+    assert floor["cache_tokens_per_s_total"] == pytest.approx(2 * floor["cache_tokens_per_s_per_seq"])
+
+
+def test_chip_table_fills_memory_and_bandwidth(capsys):
+    r = run_json(capsys, "--model", "qwen2.5-7b", "--context", "128K", "--kv", "k8v4", "--chip", "M4-Max")
+    assert r["chip"] == "m4-max"
+    assert r["memory"]["memory_bytes"] == 128 * GIB and r["memory"]["usable_fraction"] == 0.75
+    assert r["decode_floor"]["bandwidth_bytes_per_s"] == 546e9
+    small = run_json(capsys, "--model", "llama-3-70b", "--chip", "m2", "--memory", "16")
+    assert small["memory"]["fits"] is False and small["memory"]["max_context_at_batch"] == 0
+    assert small["memory"]["usable_fraction"] == pytest.approx(2 / 3)
+
+
+def test_quantized_cache_fits_more_context(capsys):
+    common = ["--model", "llama-3-8b", "--chip", "m3-max", "--context", "128K"]
+    f16 = run_json(capsys, *common)
+    k8v4 = run_json(capsys, *common, "--kv", "k8v4")
+    ratio = k8v4["bytes_per_token"] / f16["bytes_per_token"]
+    assert ratio == pytest.approx(208 / 512)
+    assert k8v4["memory"]["max_context_at_batch"] > 2.4 * f16["memory"]["max_context_at_batch"]
+    assert k8v4["decode_floor"]["cache_ms_per_step"] == pytest.approx(ratio * f16["decode_floor"]["cache_ms_per_step"])
+
+
+def test_block_size_rounds_contexts_up(capsys):
+    model = ModelShape("m", num_layers=1, num_kv_heads=1, head_dim=64)
+    assert B.cache_bytes(model, KVFormat(), context=17, block_size=16) == 32 * 64 * 2 * 2
+    r = run_json(capsys, "--model", "llama-3-8b", "--context", "100", "--block-size", "32")
+    assert r["cache_bytes"] == 128 * 128 * KIB
+
+
+def test_text_output_and_compare(capsys):
+    assert B.main(["--model", "llama-3-8b", "--kv", "k8v4", "--chip", "m4-pro", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "K8/V4 g64" in out and "0.406 x f16" in out and "decode floor at 273 GB/s" in out
+    assert "K4/V2 g64" in out and "largest context at batch 1" in out
+
+
+# ----------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "no-such-model"], r"model 'no-such-model' is neither a preset"),
+    (["--model", "llama-3-8b", "--kv", "k7v4"], r"--kv bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"),
+    (["--model", "llama-3-8b", "--kv", "fp9"], r"--kv must look like f16, bf16, f32, k8v4 or q8"),
+    (["--model", "llama-3-8b", "--context", "12x"], r"--context must be a token count"),
+    (["--model", "llama-3-8b", "--context", "0"], r"--context must be positive"),
+    (["--model", "llama-3-8b", "--batch", "0"], r"--batch must be positive"),
+    (["--model", "llama-3-8b", "--chip", "m9"], r"--chip must be one of"),
+    (["--model", "llama-3-8b", "--kv", "k8v4", "--group-size", "48"], r"--group-size must be one of \(32, 64, 128\)"),
+    (["--model", "phi-3-mini", "--kv", "k8v4"], r"head_dim 96 is not a multiple of group_size 64"),
+    (["--model", "llama-3-8b", "--kv", "k8v4", "--k-bits", "4"], r"either --kv k8v4 or --k-bits"),
+    (["--model", "llama-3-8b", "--memory", "-1"], r"memory must be positive"),
+    (["--model", "llama-3-8b", "--memory", "8", "--usable-fraction", "1.5"], r"usable fraction must be in"),
+])
+def test_bad_arguments_are_clear_errors(capsys, argv, match):
+    assert B.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvmetal budget: error: [budget]")
+    assert __import__("re").search(match, err), err
+
+
+def test_bad_config_file(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    assert B.main(["--model", str(path)]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err
+
+
+def test_argparse_errors_exit_2():
+    with pytest.raises(SystemExit) as exc:
+        B.main(["--context", "8K"])   # --model is required
+    assert exc.value.code == 2
+
+
+def test_cli_dispatches_budget(capsys):
+    from kvmetal import cli
+
+    assert cli.main(["budget", "--model", "llama-3-8b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_per_token"] == 128 * KIB
+
+
+# ----------------------------------------------------------------------------- plot
+
+def test_plot_written(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "cache.png"
+    r = run_json(capsys, "--model", "llama-3-8b", "--kv", "k8v4", "--chip", "m4-max", "--plot", str(out))
+    assert r["plot"] == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_skips_formats_the_head_dim_cannot_hold(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "phi.png"
+    assert B.main(["--model", "phi-3-mini", "--kv", "k8v4", "--group-size", "32", "--plot", str(out)]) == 0
+    assert out.exists()
+
+
+def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert B.main(["--model", "llama-3-8b", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
