@@ -1,0 +1,196 @@
+"""MSL checks that catch on Linux what only Apple's compiler would otherwise catch.
+
+The simulator compiles the kernels as C++, which accepts things Metal rejects.
+Two checks close part of that gap:
+
+1. ``lint``: the MSL sources in ``kernels/`` must not use ``double``, ``std::``,
+   dynamic allocation, exceptions, function pointers or recursion.
+2. ``syntax``: the exact sources MLX would compile (captured from
+   ``mx.fast.metal_kernel(..., verbose=True)`` while tracing the metal backend
+   over representative specialisations) go through ``clang -fsyntax-only`` with
+   a stub ``<metal_stdlib>`` that gives device / constant / threadgroup real
+   address spaces, so a pointer in the wrong address space is an error here.
+
+Usage: ``python tools/msl_check.py`` (exit status 1 on any finding). Needs clang
+(Debian: ``apt-get install clang``) for the second check.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "kernels"
+STUB_DIR = Path(__file__).resolve().parent / "msl_stub"
+
+FORBIDDEN = [
+    (re.compile(r"\bdouble\b"), "double (Metal has no 64-bit float)"),
+    (re.compile(r"\bstd::"), "std:: (no C++ standard library in MSL)"),
+    (re.compile(r"\b(new|delete|malloc|calloc|free)\b\s*[\[(]?"), "dynamic allocation"),
+    (re.compile(r"\b(throw|try|catch)\b"), "exceptions"),
+    (re.compile(r"\(\s*\*\s*\w*\s*\)\s*\("), "function pointer"),
+    (re.compile(r"\bvirtual\b"), "virtual functions"),
+    (re.compile(r"\bgoto\b"), "goto"),
+]
+
+
+def strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _function_bodies(code: str):
+    """(name, body) of every top-level function definition (brace-matched)."""
+    for match in re.finditer(r"\b(\w+)\s*\([^;{}]*\)\s*(const\s*)?\{", code):
+        name = match.group(1)
+        if name in ("if", "for", "while", "switch", "return", "sizeof"):
+            continue
+        depth, i = 0, match.end() - 1
+        for i in range(match.end() - 1, len(code)):
+            depth += code[i] == "{"
+            depth -= code[i] == "}"
+            if depth == 0:
+                break
+        yield name, code[match.end():i]
+
+
+def lint(paths=None) -> list:
+    """Findings ``path:line: message`` for the MSL rules above."""
+    findings = []
+    paths = paths or sorted(list(KERNELS.glob("*.metal")) + list(KERNELS.glob("*.h")))
+    for path in paths:
+        code = strip_comments(Path(path).read_text())
+        for lineno, line in enumerate(code.splitlines(), 1):
+            for pattern, what in FORBIDDEN:
+                if pattern.search(line):
+                    findings.append(f"{path}:{lineno}: {what}: {line.strip()}")
+        for name, body in _function_bodies(code):
+            if re.search(rf"\b{re.escape(name)}\s*(<[^;()]*>)?\s*\(", body):
+                findings.append(f"{path}: function {name} calls itself (no recursion in MSL)")
+    return findings
+
+
+# ----------------------------------------------------------------------------- generated sources
+
+_DUMP_SCRIPT = r"""
+import os, sys, tempfile
+sys.path.insert(0, {root!r})
+import mlx.core as mx
+from kvmetal import quant
+from kvmetal.backends import metal
+mx.contiguous = lambda x, *a, **k: x          # not exportable; irrelevant to the source
+backend = metal.KernelBackend("msl-check", mx.fast.metal_kernel, call_options=lambda: dict(verbose=True))
+
+def trace(fn, *args):
+    def flat(*a):
+        out = fn(*a)
+        res = []
+        for o in (out if isinstance(out, tuple) else (out,)):
+            res.extend(o.arrays() if isinstance(o, quant.QuantizedKV) else [o])
+        return res
+    mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), flat, *args)
+
+def qkv(x, bits, gs):
+    return quant.quantize(x, bits=bits, group_size=gs)
+
+S, H, Hkv, N, M = 2, 8, 2, 16, 4
+for dtype, D, bs, kq, vq in [(mx.float16, 128, 16, None, None), (mx.bfloat16, 80, 8, None, None),
+                             (mx.float32, 256, 32, None, None), (mx.float16, 128, 16, (8, 64), (4, 64)),
+                             (mx.bfloat16, 96, 32, (3, 32), (6, 32)), (mx.float16, 64, 8, (5, 32), None)]:
+    q = mx.zeros((S, H, D), dtype=dtype)
+    kc = mx.zeros((N, Hkv, bs, D), dtype=dtype)
+    kk = qkv(kc, *kq) if kq else kc
+    vv = qkv(kc, *vq) if vq else kc
+    bt = mx.zeros((S, M), dtype=mx.int32)
+    sl = mx.array([5, 9], dtype=mx.int32)
+    parts = lambda c: c.arrays() if isinstance(c, quant.QuantizedKV) else (c,)
+    rebuild = lambda c, a: quant.QuantizedKV(*a, c.bits, c.group_size) if isinstance(c, quant.QuantizedKV) else a[0]
+    nk, nv = len(parts(kk)), len(parts(vv))
+    def paged(q, bt, sl, *arrs):
+        k, v = rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:])
+        return backend.paged_attention(q, k, v, bt, sl, scale=0.1, softcap=30.0, sliding_window=7,
+                                       sinks=mx.zeros((H,)), num_splits=3)
+    trace(paged, q, bt, sl, *parts(kk), *parts(vv))
+    def contiguous(q, *arrs):
+        k, v = rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:])
+        k = k if isinstance(k, quant.QuantizedKV) else k[:, :, :5]
+        return backend.decode_attention(q.reshape(S, H, 1, D)[:, :, :, :], k, v, scale=0.1, softcap=None,
+                                        sinks=None, num_splits=None)
+    trace(contiguous, q, *parts(kk), *parts(vv))
+    def gather(bt, sl, *arrs):
+        return backend.gather_kv_cache(rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:]), bt, sl, max_len=40)
+    trace(gather, bt, sl, *parts(kk), *parts(vv))
+    rows = mx.zeros((3, Hkv, D), dtype=mx.float32)
+    src, idx = mx.array([0, 0, 2], dtype=mx.int32), mx.arange(3 * Hkv, dtype=mx.int32)
+    def write(rows, src, idx, *arrs):
+        return backend._write_rows(rows, rebuild(kk, arrs), src, idx)
+    trace(write, rows, src, idx, *parts(kk))
+    def copy(s, d, *arrs):
+        return backend._copy(rebuild(kk, arrs), s, d)
+    trace(copy, mx.array([1, 2], dtype=mx.int32), mx.array([3, 4], dtype=mx.int32), *parts(kk))
+"""
+
+
+def generated_sources() -> dict:
+    """{mlx kernel name: source} exactly as MLX generates them, for the variants traced above."""
+    result = subprocess.run([sys.executable, "-c", _DUMP_SCRIPT.format(root=str(ROOT))],
+                            capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0:
+        raise RuntimeError(f"[msl_check] tracing the metal backend failed:\n{result.stderr[-4000:]}")
+    sources = {}
+    for match in re.finditer(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", result.stdout, re.S):
+        sources.setdefault(match.group(1) + f"#{len(sources)}", match.group(2))
+    return sources
+
+
+def _clang_ready(source: str) -> str:
+    """Rewrites what plain clang cannot read but Metal can.
+
+    - function-scope `threadgroup T x[N];` becomes `static` (clang rejects an
+      automatic variable in an address space; Metal allocates it per threadgroup);
+    - MLX's explicit instantiation with `[[host_name]]` becomes an address-of,
+      which instantiates the same specialisation.
+    """
+    source = re.sub(r"^(\s*)threadgroup\s+(\w+\s+\w+\s*\[)", r"\1static threadgroup \2", source, flags=re.M)
+    source = re.sub(r"template \[\[host_name\(\"\w+\"\)\]\] \[\[kernel\]\] decltype\((\w+<[^;]*>)\) \w+<[^;]*>;",
+                    r"static auto* kvcheck_instance = &\1;", source)
+    return "#include <metal_stdlib>\n" + source
+
+
+def syntax(sources: dict, clang: str = "clang") -> list:
+    findings = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, source) in enumerate(sources.items()):
+            path = Path(tmp) / f"k{i}.cpp"
+            path.write_text(_clang_ready(source))
+            cmd = [clang, "--target=aarch64-linux-gnu", "-x", "c++", "-std=c++14", "-fsyntax-only", "-fno-exceptions", "-nostdinc",
+                   "-nostdinc++", f"-I{STUB_DIR}", "-Wno-unknown-attributes", "-Wno-ignored-attributes",
+                   "-ferror-limit=5", str(path)]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                findings.append(f"{name}:\n{result.stderr[-3000:]}")
+    return findings
+
+
+def main() -> int:
+    findings = lint()
+    clang = shutil.which(os.environ.get("CLANG", "clang"))
+    if clang is None:
+        print("msl_check: clang not found; skipping the address-space syntax pass")
+    else:
+        sources = generated_sources()
+        print(f"msl_check: {len(sources)} generated kernel sources")
+        findings += syntax(sources, clang)
+    for finding in findings:
+        print(finding)
+    print(f"msl_check: {len(findings)} finding(s)")
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
