@@ -1,0 +1,136 @@
+"""Compile kernels to shared objects with g++, cached on disk by content hash.
+
+Cache key: the generated C++, the runtime headers, the compiler command and
+its version. Default directory ``~/.cache/kvmetal-sim``; set
+``KVMETAL_SIM_CACHE`` to move it. The runtime (fibers, scheduler) is one
+shared library built once and loaded RTLD_GLOBAL; each kernel .so only holds
+the kernel and its wrapper, which keeps a compile around a second.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from .errors import CompileError, SimError
+
+RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
+KERNEL_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-fwrapv", "-fno-strict-aliasing",
+                "-ftrivial-auto-var-init=pattern", "-fno-exceptions")
+RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread")
+
+_lock = threading.Lock()
+_loaded: dict = {}
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("KVMETAL_SIM_CACHE") or Path.home() / ".cache" / "kvmetal-sim")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def compiler() -> list:
+    return shlex.split(os.environ.get("CXX", "g++"))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_id(cmd: tuple) -> str:
+    try:
+        out = subprocess.run([*cmd, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SimError(f"[kvmetal.sim] no working C++ compiler ({' '.join(cmd)}): {e}; install g++ or set CXX") from e
+    return out.splitlines()[0] if out else " ".join(cmd)
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(RUNTIME_DIR.iterdir()):
+        if p.suffix in (".h", ".cpp"):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+def _compile(src_text: str, out: Path, flags, *, what: str, file_name: str, msl: str | None):
+    cmd = compiler()
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "kernel.cpp"
+        src.write_text(src_text)
+        obj = Path(tmp) / out.name
+        proc = subprocess.run([*cmd, *flags, f"-I{RUNTIME_DIR}", str(src), "-o", str(obj)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CompileError(_explain(proc.stderr, what, file_name, msl))
+        os.replace(obj, out)  # atomic: concurrent processes never see a partial .so
+
+
+def _explain(stderr: str, what: str, file_name: str, msl: str | None) -> str:
+    """Quote the first error that points into the kernel's MSL, with its line."""
+    lines = stderr.splitlines()
+    pat = re.compile(re.escape(file_name) + r":(\d+):(?:(\d+):)?\s*(error|note|warning)?:?\s*(.*)")
+    first_error = next((l for l in lines if ": error:" in l), lines[0] if lines else "")
+    loc = None
+    for l in lines:
+        m = pat.search(l)
+        if m:
+            loc = m
+            if m.group(3) == "error":
+                break
+    msg = f"[{what}] failed to compile: {first_error.strip()}"
+    if loc and msl is not None:
+        n = int(loc.group(1))
+        src_lines = msl.splitlines()
+        if 1 <= n <= len(src_lines):
+            msg += f"\n  MSL line {n}: {src_lines[n - 1].strip()}"
+    tail = "\n".join(lines[:40])
+    return msg + "\n--- compiler output ---\n" + tail
+
+
+def load_runtime() -> ctypes.CDLL:
+    with _lock:
+        lib = _loaded.get("runtime")
+        if lib is not None:
+            return lib
+        cmd = compiler()
+        key = _digest(_runtime_digest(), " ".join(cmd), _compiler_id(tuple(cmd)), " ".join(RUNTIME_FLAGS))
+        path = cache_dir() / f"libkmslrt-{key}.so"
+        if not path.exists():
+            _compile((RUNTIME_DIR / "rt.cpp").read_text(), path, RUNTIME_FLAGS, what="kvmetal.sim runtime",
+                     file_name="rt.cpp", msl=None)
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        _loaded["runtime"] = lib
+        return lib
+
+
+def load_kernel(cpp: str, *, what: str, file_name: str, msl: str) -> ctypes.CDLL:
+    """Compile (or fetch from the caches) one kernel variant and load it."""
+    load_runtime()
+    cmd = compiler()
+    key = _digest(cpp, _runtime_digest(), " ".join(cmd), _compiler_id(tuple(cmd)), " ".join(KERNEL_FLAGS))
+    with _lock:
+        lib = _loaded.get(key)
+    if lib is not None:
+        return lib
+    path = cache_dir() / f"k-{key}.so"
+    if not path.exists():
+        _compile(cpp, path, KERNEL_FLAGS, what=what, file_name=file_name, msl=msl)
+    lib = ctypes.CDLL(str(path))
+    with _lock:
+        _loaded[key] = lib
+    return lib

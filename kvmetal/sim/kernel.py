@@ -1,0 +1,266 @@
+"""kvmetal.sim.metal_kernel: a drop-in for mx.fast.metal_kernel that runs on the CPU."""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from . import build, signature, trace as trace_mod, translate
+from .errors import BY_KIND, SimError, ThreadgroupSizeError
+
+MAX_THREADS_PER_THREADGROUP = 1024
+_MATH_MODES = ("safe", "relaxed", "fast")
+
+
+class _Buf(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_int64), ("start", ctypes.c_int64),
+                ("name", ctypes.c_char_p), ("touched", ctypes.c_void_p)]
+
+
+class _Launch(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("threadgroup", ctypes.c_uint32 * 3), ("nbufs", ctypes.c_int32),
+                ("bufs", ctypes.POINTER(_Buf)), ("seed", ctypes.c_uint64), ("strict", ctypes.c_int32),
+                ("nworkers", ctypes.c_int32), ("kernel_name", ctypes.c_char_p),
+                ("loads", ctypes.POINTER(ctypes.c_uint64)), ("stores", ctypes.POINTER(ctypes.c_uint64)),
+                ("tg_memory", ctypes.c_uint64), ("err_kind", ctypes.c_int32), ("err_msg", ctypes.c_char * 1024)]
+
+
+_NP_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_MX_VIEW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def _host_view(a: mx.array, contiguous: bool) -> np.ndarray:
+    """The array's bytes as a NumPy view (same strides unless `contiguous`), any dtype."""
+    if a.dtype == mx.complex64:
+        raise NotImplementedError("[metal_kernel] the simulator does not support complex64 buffers")
+    raw = a.view(_MX_VIEW[a.dtype.size]) if a.dtype not in (mx.bool_,) else a
+    h = np.asarray(raw)
+    return np.ascontiguousarray(h) if contiguous else h
+
+
+def _span(h: np.ndarray) -> tuple:
+    """(lowest address, bytes spanned, offset of element 0) of a strided view."""
+    ptr = h.__array_interface__["data"][0]
+    if h.size == 0:
+        return ptr, 0, 0
+    lo = sum(min(0, (n - 1) * s) for n, s in zip(h.shape, h.strides))
+    hi = sum(max(0, (n - 1) * s) for n, s in zip(h.shape, h.strides)) + h.itemsize
+    return ptr + lo, hi - lo, -lo
+
+
+def _as_input(x, name: str) -> mx.array:
+    if isinstance(x, mx.array):
+        return x
+    if isinstance(x, (bool, int, float)):
+        return mx.array(x)
+    raise TypeError(f"[metal_kernel] input '{name}' must be an mx.array or a Python scalar, got {type(x).__name__}")
+
+
+def _triple(v, what: str, minimum: int) -> tuple:
+    if not isinstance(v, (tuple, list)) or len(v) != 3 or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise TypeError(f"[metal_kernel] {what} must be a tuple of 3 ints, got {v!r}")
+    if any(x < minimum for x in v):
+        raise ValueError(f"[metal_kernel] {what} entries must be >= {minimum}, got {v!r}")
+    return tuple(v)
+
+
+def _check_template(template) -> list:
+    out = []
+    for item in template or []:
+        if not isinstance(item, (tuple, list)) or len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError(f"[metal_kernel] template entries must be (name, value) pairs, got {item!r}")
+        name, value = item
+        if not isinstance(value, (bool, int, mx.Dtype)):
+            raise ValueError("[metal_kernel] Invalid template argument. Must be `mlx.core.Dtype`, `int` or `bool`.")
+        out.append((name, value))
+    return out
+
+
+def default_workers() -> int:
+    env = os.environ.get("KVMETAL_SIM_THREADS")
+    return max(1, int(env)) if env else max(1, os.cpu_count() or 1)
+
+
+class SimKernel:
+    """What kvmetal.sim.metal_kernel returns; call it like an mx.fast.metal_kernel object."""
+
+    def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                 atomic_outputs=False, compile_options=None):
+        if not isinstance(name, str) or not name:
+            raise ValueError("[metal_kernel] name must be a non-empty string")
+        if not output_names:
+            raise ValueError("[metal_kernel] Must specify at least one output.")
+        if compile_options is not None:
+            mode = dict(compile_options).get("math_mode", "safe")
+            if mode not in _MATH_MODES:
+                raise ValueError(f"[metal_kernel] Invalid Metal math mode {mode!r}")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.source = source
+        self.header = header
+        self.ensure_row_contiguous = bool(ensure_row_contiguous)
+        self.atomic_outputs = bool(atomic_outputs)
+        self.compile_options = compile_options
+        self._shape_infos = signature.shape_infos(source, self.input_names)
+        self._attrs = signature.attributes(source)
+        self._variants: dict = {}
+
+    # -- source generation -------------------------------------------------
+    def metal_source(self, specs, output_dtypes, template) -> tuple:
+        """(kernel function name, the Metal source MLX would compile) for one variant."""
+        fname = signature.kernel_name(self.name, specs, output_dtypes, template)
+        src = signature.write_source(fname, self.header, self.source, specs, self.output_names, output_dtypes,
+                                     template, self._attrs, self._shape_infos, self.atomic_outputs)
+        return fname, src
+
+    def _params(self, specs, output_dtypes) -> list:
+        params = []
+        for spec, info in zip(specs, self._shape_infos):
+            ctype = signature.type_string(spec.dtype)
+            params.append(("scalar" if spec.is_scalar else "ptr", ctype))
+            if spec.ndim > 0:
+                if info[0]:
+                    params.append(("ptr", "int"))
+                if info[1]:
+                    params.append(("ptr", "int64_t"))
+                if info[2]:
+                    params.append(("scalar", "int"))
+        for dt in output_dtypes:
+            t = signature.type_string(dt)
+            params.append(("out", f"metal::atomic<{t}>" if self.atomic_outputs else t))
+        return params
+
+    def _variant(self, specs, output_dtypes, template):
+        fname, msl = self.metal_source(specs, output_dtypes, template)
+        hit = self._variants.get(fname)
+        if hit is None:
+            file_name = f"{fname}.metal"
+            cpp = translate.cpp_source(msl, fname, self._params(specs, output_dtypes), template, self._attrs,
+                                       file_name=file_name)
+            lib = build.load_kernel(cpp, what=f"metal_kernel {self.name}", file_name=file_name, msl=msl)
+            hit = (fname, msl, ctypes.cast(lib.kmsl_entry, ctypes.c_void_p).value, lib)
+            self._variants[fname] = hit
+        return hit
+
+    # -- the call ----------------------------------------------------------
+    def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None, init_value=None,
+                 verbose=False, stream=None, strict=None, seed=None):
+        if len(inputs) != len(self.input_names):
+            raise ValueError(f"[metal_kernel] Expected `inputs` to have size {len(self.input_names)} "
+                             f"but got size {len(inputs)}.")
+        if len(output_shapes) != len(self.output_names):
+            raise ValueError(f"[metal_kernel] Expected `output_shapes` to have size {len(self.output_names)} "
+                             f"but got size {len(output_shapes)}.")
+        if len(output_dtypes) != len(self.output_names):
+            raise ValueError(f"[metal_kernel] Expected `output_dtypes` to have size {len(self.output_names)} "
+                             f"but got size {len(output_dtypes)}.")
+        grid = _triple(grid, "grid", 0)
+        threadgroup = _triple(threadgroup, "threadgroup", 1)
+        template = _check_template(template)
+        strict, seed = trace_mod.options(strict, seed)
+        arrays = [_as_input(x, n) for x, n in zip(inputs, self.input_names)]
+        specs = [signature.InputSpec(n, a.dtype, a.ndim, a.size) for n, a in zip(self.input_names, arrays)]
+        output_dtypes = list(output_dtypes)
+        fname, msl, entry, _lib = self._variant(specs, output_dtypes, template)
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n{msl}\n```", flush=True)
+
+        tg_threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
+        if tg_threads > MAX_THREADS_PER_THREADGROUP:
+            raise ThreadgroupSizeError(
+                f"[metal_kernel] Thread group size ({tg_threads}) is greater than the maximum allowed threads per "
+                f"threadgroup ({MAX_THREADS_PER_THREADGROUP}) in kernel {self.name}.")
+        group = tuple(min(t, g) if g > 0 else t for t, g in zip(threadgroup, grid))
+
+        # Bind buffers in MLX's order; `keep` holds every host array alive during the run.
+        keep, bufs, traced = [], [], []
+
+        def add(h: np.ndarray, pname: str, traced_name=None):
+            lo, span, start = _span(h)
+            touched = np.zeros(max(span, 1), np.uint8)
+            keep.extend([h, touched])
+            name_b = pname.encode()
+            keep.append(name_b)
+            bufs.append(_Buf(lo, span, start, name_b, touched.ctypes.data))
+            traced.append((traced_name, touched, span))
+
+        for a, spec, info in zip(arrays, specs, self._shape_infos):
+            h = _host_view(a, self.ensure_row_contiguous)
+            add(h, spec.name, spec.name)
+            if spec.ndim > 0:
+                if info[0]:
+                    add(np.asarray(h.shape, np.int32), spec.name + "_shape")
+                if info[1]:
+                    add(np.asarray([s // h.itemsize for s in h.strides], np.int64), spec.name + "_strides")
+                if info[2]:
+                    add(np.asarray(h.ndim, np.int32), spec.name + "_ndim")
+        outs = []
+        for oname, shape, dt in zip(self.output_names, output_shapes, output_dtypes):
+            shape = tuple(int(s) for s in shape)
+            if init_value is not None:
+                ref = mx.full(shape, init_value, dtype=dt)
+                h = np.array(ref.view(_MX_VIEW[dt.size]) if dt != mx.bool_ else ref)
+            else:  # Metal leaves outputs uninitialized: poison them so unwritten elements show
+                h = np.full(shape, 0xFF, np.uint8).view(np.uint8) if dt == mx.bool_ else \
+                    np.full(shape, np.iinfo(_NP_VIEW[dt.size]).max, _NP_VIEW[dt.size])
+            outs.append((h, dt))
+            add(h, oname, oname)
+
+        n = len(bufs)
+        launch = _Launch()
+        launch.grid[:] = grid
+        launch.threadgroup[:] = group
+        launch.nbufs = n
+        buf_array = (_Buf * max(n, 1))(*bufs)
+        loads = (ctypes.c_uint64 * max(n, 1))()
+        stores = (ctypes.c_uint64 * max(n, 1))()
+        launch.bufs = buf_array
+        launch.loads = loads
+        launch.stores = stores
+        launch.seed = seed
+        launch.strict = int(strict)
+        launch.nworkers = default_workers()
+        kname = self.name.encode()
+        launch.kernel_name = kname
+        run = build.load_runtime().kmsl_rt_launch
+        run.argtypes = [ctypes.POINTER(_Launch), ctypes.c_void_p]
+        run.restype = ctypes.c_int
+        t0 = time.perf_counter()
+        rc = run(ctypes.byref(launch), entry)
+        seconds = time.perf_counter() - t0
+        if rc != 0:
+            raise BY_KIND.get(launch.err_kind, SimError)(launch.err_msg.decode(errors="replace"))
+
+        buffers = {}
+        for k, (tname, touched, span) in enumerate(traced):
+            if tname is not None:
+                buffers[tname] = trace_mod.BufferTraffic(
+                    loaded=int(loads[k]), stored=int(stores[k]),
+                    distinct_loaded=int(np.count_nonzero(touched[:span])), size=span)
+        trace_mod.record(trace_mod.KernelCall(
+            name=self.name, grid=grid, threadgroup=group, buffers=buffers, threadgroup_memory=int(launch.tg_memory),
+            threads=grid[0] * grid[1] * grid[2], seconds=seconds))
+
+        results = []
+        for h, dt in outs:
+            a = mx.array(h)
+            results.append(a if dt == mx.bool_ else a.view(dt))
+        return results
+
+
+def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                 atomic_outputs=False, compile_options=None) -> SimKernel:
+    """Same signature as ``mx.fast.metal_kernel``; the kernel runs on the CPU simulator.
+
+    Calling the result takes MLX's keyword arguments (``inputs, output_shapes,
+    output_dtypes, grid, threadgroup, template, init_value, verbose, stream``)
+    plus the simulator's ``strict`` and ``seed`` (defaults from
+    ``kvmetal.sim.trace``), and returns a list of ``mx.array``.
+    """
+    return SimKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs,
+                     compile_options)

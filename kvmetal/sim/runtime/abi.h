@@ -1,0 +1,106 @@
+// kvmetal.sim: the C ABI between Python (ctypes), the runtime library (rt.cpp:
+// fibers, scheduler, worker threads) and each compiled kernel .so.
+// Keep in sync with kvmetal/sim/launch.py (ctypes mirrors of these structs).
+#pragma once
+#include <stdint.h>
+
+extern "C" {
+
+// Error kinds reported by a launch (0 = success).
+enum KmslErrorKind {
+  KMSL_OK = 0,
+  KMSL_OUT_OF_BOUNDS = 1,
+  KMSL_DIVERGENT_BARRIER = 2,
+  KMSL_DIVERGENT_COLLECTIVE = 3,
+  KMSL_THREADGROUP_MEMORY = 4,
+  KMSL_THREADGROUP_SIZE = 5,
+  KMSL_MISALIGNED = 6,
+  KMSL_INTERNAL = 7,
+};
+
+// One device/constant buffer bound to the kernel (shape/strides buffers included).
+struct KmslBuf {
+  char* data;        // lowest byte the kernel may touch
+  int64_t size;      // bytes the kernel may touch, from data
+  int64_t start;     // byte offset of element 0 (what the kernel's pointer points to)
+  const char* name;  // parameter name, for error messages
+  uint8_t* touched;  // one byte per byte of [data, data+size): set when loaded
+};
+
+// Per worker (OS thread) and per buffer traffic counters: no sharing, no atomics.
+struct KmslCounter {
+  uint64_t loads;
+  uint64_t stores;
+  const KmslBuf* buf;
+};
+
+// Thread-position values of one Metal thread (everything MLX can pass).
+struct KmslAttrs {
+  uint32_t thread_position_in_grid[3];
+  uint32_t thread_position_in_threadgroup[3];
+  uint32_t threadgroup_position_in_grid[3];
+  uint32_t threads_per_threadgroup[3];
+  uint32_t dispatch_threads_per_threadgroup[3];
+  uint32_t threadgroups_per_grid[3];
+  uint32_t threads_per_grid[3];
+  uint32_t thread_index_in_threadgroup;
+  uint32_t thread_index_in_simdgroup;
+  uint32_t simdgroup_index_in_threadgroup;
+  uint32_t simdgroups_per_threadgroup;
+  uint32_t dispatch_simdgroups_per_threadgroup;
+  uint32_t thread_index_in_quadgroup;
+  uint32_t quadgroup_index_in_threadgroup;
+  uint32_t quadgroups_per_threadgroup;
+  uint32_t dispatch_quadgroups_per_threadgroup;
+  uint32_t threads_per_simdgroup;
+};
+
+// Runs one Metal thread: the kernel .so builds its arguments and calls the body.
+typedef void (*KmslEntry)(const KmslAttrs* attrs, KmslCounter* counters);
+
+struct KmslLaunch {
+  uint32_t grid[3];          // threads, as MLX's `grid`
+  uint32_t threadgroup[3];   // already clamped to the grid, as MLX does
+  int32_t nbufs;
+  KmslBuf* bufs;
+  uint64_t seed;             // 0: natural order; else shuffle threadgroups and fibers
+  int32_t strict;            // report collectives reached by part of a simdgroup
+  int32_t nworkers;          // OS threads
+  const char* kernel_name;
+  // results
+  uint64_t* loads;           // [nbufs]
+  uint64_t* stores;          // [nbufs]
+  uint64_t tg_memory;        // threadgroup bytes used by the last threadgroup
+  int32_t err_kind;
+  char err_msg[1024];
+};
+
+int kmsl_rt_launch(KmslLaunch* launch, KmslEntry entry);
+
+// ---- called by kernel code running on a fiber ----
+
+// A simd collective waiting for its simdgroup. `resolve` runs once per group
+// of lanes that reached the same call site, and fills every lane's `out`.
+struct KmslCollective;
+struct KmslGroup {
+  KmslCollective* lanes[32];  // null where the lane did not take part
+  uint32_t active;            // lanes that reached this call site
+  uint32_t existing;          // lanes that exist in this simdgroup
+  int32_t strict;
+  char* err;                  // resolve writes a message here and returns nonzero
+};
+struct KmslCollective {
+  const void* site;
+  const char* op;
+  int (*resolve)(KmslGroup* group);
+  const void* in;
+  void* out;
+  int64_t arg;                // lane index, delta or mask, depending on op
+};
+
+void kmsl_rt_collective(KmslCollective* c);
+void kmsl_rt_barrier(const void* site, const char* op);
+void* kmsl_rt_tg_alloc(int slot, uint64_t bytes, uint64_t align);
+[[noreturn]] void kmsl_rt_fail(int kind, const char* msg);
+const char* kmsl_rt_kernel_name(void);
+}

@@ -1,0 +1,482 @@
+// kvmetal.sim runtime: runs a kernel launch as fibers (one per Metal thread)
+// on a few OS threads (one threadgroup in flight per thread). Compiled once
+// into libkmslrt.so and loaded RTLD_GLOBAL, so kernel .so files stay lean.
+#include "abi.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+// ---------------------------------------------------------------------------
+// Context switch: saves callee-saved registers on the current stack, stores
+// the stack pointer in *save, and resumes the stack `next`. About 10x cheaper
+// than swapcontext, which makes a syscall for the signal mask.
+extern "C" void kmsl_switch(void** save, void* next);
+
+#if defined(__x86_64__)
+asm(R"(
+.text
+.globl kmsl_switch
+.type kmsl_switch,@function
+kmsl_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size kmsl_switch,.-kmsl_switch
+)");
+static const int kSavedWords = 6;  // words popped before `ret`
+#elif defined(__aarch64__)
+asm(R"(
+.text
+.globl kmsl_switch
+.type kmsl_switch,%function
+kmsl_switch:
+  sub sp, sp, #160
+  stp x19, x20, [sp, #0]
+  stp x21, x22, [sp, #16]
+  stp x23, x24, [sp, #32]
+  stp x25, x26, [sp, #48]
+  stp x27, x28, [sp, #64]
+  stp x29, x30, [sp, #80]
+  stp d8, d9, [sp, #96]
+  stp d10, d11, [sp, #112]
+  stp d12, d13, [sp, #128]
+  stp d14, d15, [sp, #144]
+  mov x2, sp
+  str x2, [x0]
+  mov sp, x1
+  ldp x19, x20, [sp, #0]
+  ldp x21, x22, [sp, #16]
+  ldp x23, x24, [sp, #32]
+  ldp x25, x26, [sp, #48]
+  ldp x27, x28, [sp, #64]
+  ldp x29, x30, [sp, #80]
+  ldp d8, d9, [sp, #96]
+  ldp d10, d11, [sp, #112]
+  ldp d12, d13, [sp, #128]
+  ldp d14, d15, [sp, #144]
+  add sp, sp, #160
+  ret
+.size kmsl_switch,.-kmsl_switch
+)");
+#else
+#error "kvmetal.sim: context switch implemented for x86-64 and aarch64 only"
+#endif
+
+namespace {
+
+constexpr size_t kStackBytes = 64 * 1024;
+constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
+constexpr int kMaxSlots = 256;
+
+enum FiberState { READY, AT_BARRIER, AT_COLLECTIVE, DONE };
+
+struct Fiber {
+  void* sp = nullptr;
+  char* stack_top = nullptr;
+  FiberState state = DONE;
+  const void* site = nullptr;
+  const char* op = nullptr;
+  KmslCollective* coll = nullptr;
+  KmslAttrs attrs{};
+};
+
+struct Shared {
+  KmslLaunch* launch;
+  KmslEntry entry;
+  std::vector<uint32_t> tg_order;
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex err_mutex;
+};
+
+struct Worker;
+thread_local Worker* tls_worker = nullptr;
+
+void fiber_main();
+
+struct Worker {
+  Shared* shared;
+  std::vector<KmslCounter> counters;
+  std::vector<Fiber> fibers;
+  char* stacks = nullptr;
+  size_t stacks_bytes = 0;
+  void* sched_sp = nullptr;
+  Fiber* current = nullptr;
+  alignas(64) unsigned char arena[kMaxThreadgroupMemory];
+  uint64_t arena_used = 0;
+  int64_t slot_offset[kMaxSlots];
+  std::mt19937_64 rng;
+  std::vector<uint32_t> order;
+  bool aborted = false;
+
+  ~Worker() {
+    if (stacks) munmap(stacks, stacks_bytes);
+  }
+
+  void alloc_stacks(size_t n) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t per = kStackBytes + page;  // guard page below each stack
+    stacks_bytes = per * n;
+    void* mem = mmap(nullptr, stacks_bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (mem == MAP_FAILED) {
+      stacks = nullptr;
+      return;
+    }
+    stacks = (char*)mem;
+    fibers.resize(n);
+    for (size_t i = 0; i < n; i++) {
+      char* base = stacks + i * per;
+      mprotect(base, page, PROT_NONE);
+      fibers[i].stack_top = base + per;
+    }
+  }
+
+  void prepare_fiber(Fiber& f) {
+    // Initial frame: kSavedWords zeroed registers, then the "return address"
+    // fiber_main, then a fake return address for fiber_main itself, so the
+    // ABI's stack alignment holds on entry.
+    uintptr_t top = (uintptr_t)f.stack_top & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;
+#if defined(__x86_64__)
+    *--sp = (void*)&fiber_main;
+    for (int i = 0; i < kSavedWords; i++) *--sp = nullptr;
+#else
+    sp -= 1;  // keep 16-byte alignment
+    sp -= 20;
+    for (int i = 0; i < 20; i++) sp[i] = nullptr;
+    sp[11] = (void*)&fiber_main;  // x30 slot
+#endif
+    f.sp = sp;
+    f.state = READY;
+    f.site = nullptr;
+    f.coll = nullptr;
+  }
+
+  void fail(int kind, const char* msg) {
+    KmslLaunch* L = shared->launch;
+    std::lock_guard<std::mutex> lock(shared->err_mutex);
+    if (!shared->failed.load()) {
+      L->err_kind = kind;
+      snprintf(L->err_msg, sizeof(L->err_msg), "%s", msg);
+      shared->failed.store(true);
+    }
+    aborted = true;
+  }
+
+  void run_fiber(Fiber& f) {
+    current = &f;
+    kmsl_switch(&sched_sp, f.sp);
+    current = nullptr;
+  }
+
+  void resolve_collectives(uint32_t n) {
+    KmslLaunch* L = shared->launch;
+    char err[512];
+    for (uint32_t sg = 0; sg * 32 < n && !aborted; sg++) {
+      uint32_t first = sg * 32, count = std::min<uint32_t>(32, n - first);
+      uint32_t existing = count == 32 ? 0xffffffffu : ((1u << count) - 1);
+      uint32_t pending = 0;
+      for (uint32_t l = 0; l < count; l++)
+        if (fibers[first + l].state == AT_COLLECTIVE) pending |= 1u << l;
+      while (pending && !aborted) {
+        int lead = __builtin_ctz(pending);
+        const void* site = fibers[first + lead].site;
+        KmslGroup g{};
+        g.existing = existing;
+        g.strict = L->strict;
+        g.err = err;
+        err[0] = 0;
+        for (uint32_t l = 0; l < count; l++) {
+          Fiber& f = fibers[first + l];
+          if ((pending >> l & 1) && f.site == site) {
+            g.lanes[l] = f.coll;
+            g.active |= 1u << l;
+          }
+        }
+        pending &= ~g.active;
+        const KmslCollective* c = g.lanes[lead];
+        if (L->strict && g.active != existing) {
+          snprintf(err, sizeof(err),
+                   "[%s] %s reached by only part of simdgroup %u of threadgroup (%u,%u,%u): "
+                   "active lanes mask 0x%08x of 0x%08x (strict mode)",
+                   L->kernel_name, c->op, sg, fibers[first].attrs.threadgroup_position_in_grid[0],
+                   fibers[first].attrs.threadgroup_position_in_grid[1],
+                   fibers[first].attrs.threadgroup_position_in_grid[2], g.active, existing);
+          fail(KMSL_DIVERGENT_COLLECTIVE, err);
+          return;
+        }
+        if (c->resolve && c->resolve(&g) != 0) {
+          char msg[768];
+          snprintf(msg, sizeof(msg), "[%s] %s in simdgroup %u: %s", L->kernel_name, c->op, sg, err);
+          fail(KMSL_DIVERGENT_COLLECTIVE, msg);
+          return;
+        }
+        for (uint32_t l = 0; l < count; l++)
+          if (g.active >> l & 1) fibers[first + l].state = READY;
+      }
+    }
+  }
+
+  void release_barrier(uint32_t n) {
+    KmslLaunch* L = shared->launch;
+    const void* site = nullptr;
+    const char* op = nullptr;
+    uint32_t waiting = 0, done = 0, other_site = 0;
+    for (uint32_t i = 0; i < n; i++) {
+      Fiber& f = fibers[i];
+      if (f.state == DONE) {
+        done++;
+      } else {  // AT_BARRIER
+        if (!site) {
+          site = f.site;
+          op = f.op;
+        }
+        if (f.site != site) other_site++;
+        waiting++;
+      }
+    }
+    if (done || other_site) {
+      char msg[512];
+      snprintf(msg, sizeof(msg),
+               "[%s] divergent %s in threadgroup (%u,%u,%u): %u of %u threads wait at it, "
+               "%u exited, %u wait at a different barrier",
+               L->kernel_name, op, fibers[0].attrs.threadgroup_position_in_grid[0],
+               fibers[0].attrs.threadgroup_position_in_grid[1],
+               fibers[0].attrs.threadgroup_position_in_grid[2], waiting - other_site, n, done,
+               other_site);
+      fail(KMSL_DIVERGENT_BARRIER, msg);
+      return;
+    }
+    for (uint32_t i = 0; i < n; i++) fibers[i].state = READY;
+  }
+
+  void run_threadgroup(uint32_t linear_tg) {
+    KmslLaunch* L = shared->launch;
+    uint32_t ntg[3], tgc[3], size[3];
+    for (int d = 0; d < 3; d++) ntg[d] = (L->grid[d] + L->threadgroup[d] - 1) / L->threadgroup[d];
+    tgc[0] = linear_tg % ntg[0];
+    tgc[1] = (linear_tg / ntg[0]) % ntg[1];
+    tgc[2] = linear_tg / (ntg[0] * ntg[1]);
+    // dispatchThreads: edge threadgroups are smaller (non-uniform threadgroups).
+    for (int d = 0; d < 3; d++)
+      size[d] = std::min(L->threadgroup[d], L->grid[d] - tgc[d] * L->threadgroup[d]);
+    uint32_t n = size[0] * size[1] * size[2];
+    uint32_t dispatch_n = L->threadgroup[0] * L->threadgroup[1] * L->threadgroup[2];
+    for (uint32_t i = 0; i < n; i++) {
+      Fiber& f = fibers[i];
+      prepare_fiber(f);
+      KmslAttrs& a = f.attrs;
+      uint32_t p[3] = {i % size[0], (i / size[0]) % size[1], i / (size[0] * size[1])};
+      for (int d = 0; d < 3; d++) {
+        a.thread_position_in_threadgroup[d] = p[d];
+        a.threadgroup_position_in_grid[d] = tgc[d];
+        a.thread_position_in_grid[d] = tgc[d] * L->threadgroup[d] + p[d];
+        a.threads_per_threadgroup[d] = size[d];
+        a.dispatch_threads_per_threadgroup[d] = L->threadgroup[d];
+        a.threadgroups_per_grid[d] = ntg[d];
+        a.threads_per_grid[d] = L->grid[d];
+      }
+      a.thread_index_in_threadgroup = i;
+      a.thread_index_in_simdgroup = i % 32;
+      a.simdgroup_index_in_threadgroup = i / 32;
+      a.simdgroups_per_threadgroup = (n + 31) / 32;
+      a.dispatch_simdgroups_per_threadgroup = (dispatch_n + 31) / 32;
+      a.thread_index_in_quadgroup = i % 4;
+      a.quadgroup_index_in_threadgroup = i / 4;
+      a.quadgroups_per_threadgroup = (n + 3) / 4;
+      a.dispatch_quadgroups_per_threadgroup = (dispatch_n + 3) / 4;
+      a.threads_per_simdgroup = 32;
+    }
+    // Poison threadgroup memory: a missing barrier or an unwritten slot reads NaN / -1.
+    memset(arena, 0xff, sizeof(arena));
+    arena_used = 0;
+    for (int s = 0; s < kMaxSlots; s++) slot_offset[s] = -1;
+
+    order.resize(n);
+    for (uint32_t i = 0; i < n; i++) order[i] = i;
+    const bool shuffle = L->seed != 0;
+    for (;;) {
+      if (shuffle) std::shuffle(order.begin(), order.end(), rng);
+      bool any_ready = true;
+      while (any_ready) {
+        any_ready = false;
+        for (uint32_t k = 0; k < n; k++) {
+          Fiber& f = fibers[order[k]];
+          if (f.state == READY) {
+            run_fiber(f);
+            if (aborted || shared->failed.load(std::memory_order_relaxed)) {
+              aborted = true;
+              return;
+            }
+            any_ready = any_ready || f.state == READY;
+          }
+        }
+      }
+      bool coll = false, barrier = false;
+      for (uint32_t i = 0; i < n; i++) {
+        coll |= fibers[i].state == AT_COLLECTIVE;
+        barrier |= fibers[i].state == AT_BARRIER;
+      }
+      if (coll) {
+        resolve_collectives(n);
+      } else if (barrier) {
+        release_barrier(n);
+      } else {
+        break;  // every thread finished
+      }
+      if (aborted) return;
+    }
+    L->tg_memory = arena_used;
+  }
+
+  void run() {
+    KmslLaunch* L = shared->launch;
+    tls_worker = this;
+    uint32_t max_n = L->threadgroup[0] * L->threadgroup[1] * L->threadgroup[2];
+    alloc_stacks(max_n);
+    if (!stacks) {
+      fail(KMSL_INTERNAL, "[kvmetal.sim] could not allocate fiber stacks");
+      return;
+    }
+    counters.resize(L->nbufs);
+    for (int b = 0; b < L->nbufs; b++) counters[b] = KmslCounter{0, 0, &L->bufs[b]};
+    for (;;) {
+      size_t k = shared->next.fetch_add(1);
+      if (k >= shared->tg_order.size() || shared->failed.load()) break;
+      run_threadgroup(shared->tg_order[k]);
+      if (aborted) break;
+    }
+    tls_worker = nullptr;
+  }
+};
+
+void fiber_main() {
+  Worker* w = tls_worker;
+  Fiber* f = w->current;
+  w->shared->entry(&f->attrs, w->counters.data());
+  f->state = DONE;
+  kmsl_switch(&f->sp, w->sched_sp);
+  __builtin_trap();  // a finished fiber is never resumed
+}
+
+void yield_to_scheduler(Worker* w, Fiber* f) { kmsl_switch(&f->sp, w->sched_sp); }
+
+}  // namespace
+
+extern "C" {
+
+void kmsl_rt_collective(KmslCollective* c) {
+  Worker* w = tls_worker;
+  Fiber* f = w->current;
+  f->coll = c;
+  f->site = c->site;
+  f->op = c->op;
+  f->state = AT_COLLECTIVE;
+  yield_to_scheduler(w, f);
+}
+
+void kmsl_rt_barrier(const void* site, const char* op) {
+  Worker* w = tls_worker;
+  Fiber* f = w->current;
+  f->site = site;
+  f->op = op;
+  f->state = AT_BARRIER;
+  yield_to_scheduler(w, f);
+}
+
+void* kmsl_rt_tg_alloc(int slot, uint64_t bytes, uint64_t align) {
+  Worker* w = tls_worker;
+  if (slot < 0 || slot >= kMaxSlots) kmsl_rt_fail(KMSL_INTERNAL, "[kvmetal.sim] too many threadgroup declarations");
+  if (w->slot_offset[slot] < 0) {
+    if (align < 16) align = 16;
+    uint64_t off = (w->arena_used + align - 1) & ~(align - 1);
+    if (off + bytes > kMaxThreadgroupMemory) {
+      char msg[256];
+      snprintf(msg, sizeof(msg),
+               "[%s] threadgroup memory exceeds Metal's 32 KiB limit: %llu bytes requested",
+               w->shared->launch->kernel_name, (unsigned long long)(off + bytes));
+      kmsl_rt_fail(KMSL_THREADGROUP_MEMORY, msg);
+    }
+    w->slot_offset[slot] = (int64_t)off;
+    w->arena_used = off + bytes;
+  }
+  return w->arena + w->slot_offset[slot];
+}
+
+void kmsl_rt_fail(int kind, const char* msg) {
+  Worker* w = tls_worker;
+  w->fail(kind, msg);
+  Fiber* f = w->current;
+  f->state = DONE;
+  yield_to_scheduler(w, f);
+  __builtin_trap();
+}
+
+const char* kmsl_rt_kernel_name(void) { return tls_worker->shared->launch->kernel_name; }
+
+int kmsl_rt_launch(KmslLaunch* L, KmslEntry entry) {
+  L->err_kind = KMSL_OK;
+  L->err_msg[0] = 0;
+  for (int b = 0; b < L->nbufs; b++) L->loads[b] = L->stores[b] = 0;
+  for (int d = 0; d < 3; d++)
+    if (L->grid[d] == 0 || L->threadgroup[d] == 0) return KMSL_OK;
+  Shared shared;
+  shared.launch = L;
+  shared.entry = entry;
+  uint32_t ntg = 1;
+  for (int d = 0; d < 3; d++) ntg *= (L->grid[d] + L->threadgroup[d] - 1) / L->threadgroup[d];
+  shared.tg_order.resize(ntg);
+  for (uint32_t i = 0; i < ntg; i++) shared.tg_order[i] = i;
+  if (L->seed) {
+    std::mt19937_64 rng(L->seed);
+    std::shuffle(shared.tg_order.begin(), shared.tg_order.end(), rng);
+  }
+  int nworkers = std::max(1, std::min<int>(L->nworkers, (int)ntg));
+  std::vector<Worker*> workers;
+  for (int i = 0; i < nworkers; i++) {
+    Worker* w = new Worker();
+    w->shared = &shared;
+    w->rng.seed(L->seed * 0x9e3779b97f4a7c15ull + i);
+    workers.push_back(w);
+  }
+  if (nworkers == 1) {
+    workers[0]->run();
+  } else {
+    std::vector<std::thread> threads;
+    for (Worker* w : workers) threads.emplace_back([w] { w->run(); });
+    for (auto& t : threads) t.join();
+  }
+  for (Worker* w : workers) {
+    for (int b = 0; b < L->nbufs && b < (int)w->counters.size(); b++) {
+      L->loads[b] += w->counters[b].loads;
+      L->stores[b] += w->counters[b].stores;
+    }
+    delete w;
+  }
+  return L->err_kind;
+}
+
+}  // extern "C"

@@ -1,0 +1,135 @@
+"""MSL -> C++ pre-pass, and the C++ wrapper that binds buffers and attributes.
+
+The pre-pass rewrites only what the compatibility header (runtime/msl.h)
+cannot express, and keeps every line where it was, so a compile error points
+at the MSL line that caused it:
+
+- comments are blanked, ``#include <metal_*>`` dropped, ``[[...]]`` attributes removed;
+- ``threadgroup T x[N];`` becomes a slot in the per-threadgroup arena;
+- ``device T*`` / ``constant T*`` become checked pointers (``kmsl::dptr<T>``),
+  ``device T&`` a checked reference, ``constant T&`` a ``const T&``;
+- the remaining address-space keywords are removed;
+- ``0.5h`` half literals, ``v.xy`` swizzles and ``reinterpret_cast`` are mapped.
+"""
+from __future__ import annotations
+
+import re
+
+from .signature import type_string
+
+_TYPE = r"(?:metal::)?[A-Za-z_]\w*(?:::\w+)*(?:\s*<[^<>;()]*(?:<[^<>;()]*>[^<>;()]*)*>)?"
+
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_METAL_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<metal_\w+>[ \t]*$", re.M)
+_INSTANTIATION = re.compile(r"^template \[\[host_name\(.*$", re.M)
+_ATTRIBUTE = re.compile(r"\[\[[^\[\]]*\]\]")
+_TG_DECL = re.compile(
+    r"\bthreadgroup\s+(?P<type>(?:const\s+)?" + _TYPE + r")\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"(?P<dims>(?:\[[^\];]+\]\s*)*);"
+)
+_ADDR_PTR = re.compile(
+    r"(?P<pre>\bconst\s+)?\b(?P<space>device|constant)\s+(?P<c1>const\s+)?(?P<vol>volatile\s+)?"
+    r"(?P<type>" + _TYPE + r")(?P<c2>\s+const)?\s*(?P<kind>[*&])"
+)
+_ADDR_WORD = re.compile(r"\b(?:device|constant|threadgroup|thread)\b[ \t]*")
+_HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)h\b")
+_SWIZZLE = re.compile(r"\.([xyzw]{2,4}|[rgba]{2,4})\b")
+_REINTERPRET = re.compile(r"\breinterpret_cast\s*<")
+
+_COMPONENT = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
+
+
+def _blank(match: re.Match) -> str:
+    # Keep newlines so line numbers survive.
+    return re.sub(r"[^\n]", " ", match.group(0))
+
+
+def _threadgroup_decl(counter):
+    def sub(m: re.Match) -> str:
+        slot = next(counter)
+        dims = re.sub(r"\s+", "", m.group("dims"))
+        return f"auto& {m.group('name')} = *kmsl::tg_array<{m.group('type')}{dims}>({slot});"
+    return sub
+
+
+def _address_space(m: re.Match) -> str:
+    const = bool(m.group("pre") or m.group("c1") or m.group("c2")) or m.group("space") == "constant"
+    t = m.group("type")
+    if m.group("kind") == "*":
+        return f"kmsl::dptr<{'const ' if const else ''}{t}> "
+    return f"const {t}& " if const else f"kmsl::dref<{t}> "
+
+
+def _swizzle(m: re.Match) -> str:
+    idx = ",".join(str(_COMPONENT[c]) for c in m.group(1))
+    return f".swz(kmsl::sw<{idx}>{{}})"
+
+
+def translate(msl: str) -> str:
+    """Rewrite MLX-generated Metal source into C++ for runtime/msl.h (same line count)."""
+    import itertools
+
+    s = _COMMENT.sub(_blank, msl)
+    s = _METAL_INCLUDE.sub("", s)
+    s = _INSTANTIATION.sub("", s)
+    s = _ATTRIBUTE.sub("", s)
+    s = _TG_DECL.sub(_threadgroup_decl(itertools.count()), s)
+    s = _ADDR_PTR.sub(_address_space, s)
+    s = _ADDR_WORD.sub("", s)
+    s = _HALF_LITERAL.sub(r"((metal::half)(\1))", s)
+    s = _SWIZZLE.sub(_swizzle, s)
+    s = _REINTERPRET.sub("kmsl::kmsl_cast<", s)
+    return s
+
+
+def _attr_value(attr: str, msl_type: str) -> str:
+    src = {"grid_size": "threads_per_grid"}.get(attr, attr)
+    if attr == "grid_origin":
+        return "metal::uint3(0u, 0u, 0u)"
+    if attr == "thread_execution_width":
+        return "32u"
+    if msl_type == "uint3":
+        return f"metal::uint3(a->{src}[0], a->{src}[1], a->{src}[2])"
+    return f"a->{src}"
+
+
+def cpp_source(msl: str, func_name: str, params, template, attrs, *, file_name: str) -> str:
+    """The whole C++ translation unit: header include, translated kernel, C entry point.
+
+    ``params`` lists the buffer parameters in MLX's order as (kind, c_type) with
+    kind in {"ptr", "scalar", "out"}; counter index = position in this list.
+    """
+    args = []
+    for k, (kind, ctype) in enumerate(params):
+        if kind == "scalar":
+            args.append(f"*(const {ctype}*)(c[{k}].buf->data + c[{k}].buf->start)")
+        elif kind == "out":
+            args.append(f"kmsl::dptr<{ctype}>(&c[{k}])")
+        else:
+            args.append(f"kmsl::dptr<const {ctype}>(&c[{k}])")
+    args += [_attr_value(a, t) for a, t in attrs]
+    targs = ""
+    if template:
+        vals = []
+        for _, v in template:
+            if isinstance(v, bool):
+                vals.append("true" if v else "false")
+            elif isinstance(v, int):
+                vals.append(str(v))
+            else:
+                vals.append(type_string(v))
+        targs = "<" + ", ".join(vals) + ">"
+    call_args = ",\n      ".join(args)
+    return (
+        '#include "msl.h"\n'
+        "using namespace metal;\n"
+        "namespace kmsl_user {\n"
+        "using namespace metal;\n"
+        f'#line 1 "{file_name}"\n'
+        f"{translate(msl)}\n"
+        "}  // namespace kmsl_user\n"
+        '#line 100000 "kvmetal-sim-wrapper.cpp"\n'
+        'extern "C" void kmsl_entry(const KmslAttrs* a, KmslCounter* c) {\n'
+        f"  kmsl_user::{func_name}{targs}(\n      {call_args});\n"
+        "}\n"
+    )
