@@ -83,6 +83,7 @@ class BlockAllocator:
         self._block_of_hash: dict = {}
         self._seqs: dict = {}
         self.prefix_hit_blocks = 0  # blocks a new sequence found already computed
+        self.num_owned = 0  # blocks with refcount >= 1, kept current for O(1) accounting
         self.grow(num_blocks)
 
     # ------------------------------------------------------------------ queries
@@ -137,13 +138,18 @@ class BlockAllocator:
 
     # ------------------------------------------------------------------ sequence lifecycle
 
-    def add(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> int:
+    def add(self, seq_id, tokens=None, *, num_tokens: int | None = None, share_limit: int | None = None) -> int:
         """Start a sequence holding ``tokens`` (ids; enables prefix sharing) or ``num_tokens``.
 
         Full blocks whose chain hash is already known are shared instead of allocated,
         up to but excluding the block holding the last token (the caller always has at
-        least one token to run through the model). Returns how many leading tokens
-        were found cached: their K/V are in place and need not be written.
+        least one token to run through the model) and to at most ``share_limit``
+        tokens. Returns how many leading tokens were found cached: their K/V are in
+        place and need not be written.
+
+        A block's hash is registered as soon as the block is full, before the caller
+        writes its K/V: write the tokens of an ``add``/``append`` before the next
+        ``add``, or undo them with ``truncate``.
         """
         if seq_id in self._seqs:
             raise ValueError(f"[add] sequence {seq_id!r} already exists")
@@ -156,21 +162,7 @@ class BlockAllocator:
             if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
                 raise ValueError(f"[add] num_tokens must be an int >= 0, got {num_tokens!r}")
             count = int(num_tokens)
-        bs = self.block_size
-        # Longest run of cached full blocks among the first count - 1 tokens.
-        hashes, hits = [], []
-        if tokens is not None:
-            previous = b""
-            for i in range(len(tokens) // bs):
-                previous = _chain_hash(previous, tokens[i * bs:(i + 1) * bs])
-                hashes.append(previous)
-            for i, h in enumerate(hashes):
-                if (i + 1) * bs > count - 1 or h not in self._block_of_hash:
-                    break
-                hits.append(self._block_of_hash[h])
-        total = -(-count // bs)
-        needed = total - len(hits)
-        available = self.num_free - sum(1 for b in hits if self.refcount[b] == 0)
+        hashes, hits, needed, available = self._plan_add(tokens, count, share_limit)
         if needed > available:
             raise KVCacheFull(f"[add] sequence {seq_id!r} needs {needed} blocks, only {available} are free")
         for b in hits:
@@ -180,7 +172,18 @@ class BlockAllocator:
         self._seqs[seq_id] = seq
         self.prefix_hit_blocks += len(hits)
         self._register_full_blocks(seq)
-        return len(hits) * bs
+        return len(hits) * self.block_size
+
+    def can_add(self, tokens=None, *, num_tokens: int | None = None, share_limit: int | None = None) -> bool:
+        """Whether ``add`` would find enough blocks (changes nothing)."""
+        count = len(tokens) if tokens is not None else int(num_tokens)
+        _, _, needed, available = self._plan_add(None if tokens is None else [int(t) for t in tokens], count,
+                                                  share_limit)
+        return needed <= available
+
+    def cached_prefix(self, tokens) -> int:
+        """How many leading tokens ``add(tokens)`` would find cached (changes nothing)."""
+        return len(self._plan_add([int(t) for t in tokens], len(tokens), None)[1]) * self.block_size
 
     def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> Append:
         """Extend a sequence by ``tokens`` (ids) or ``num_tokens``; return their slots."""
@@ -294,6 +297,25 @@ class BlockAllocator:
         except KeyError:
             raise KeyError(f"[{op}] unknown sequence {seq_id!r}") from None
 
+    def _plan_add(self, tokens, count: int, share_limit: int | None) -> tuple:
+        """(chain hashes of full blocks, cached blocks to share, blocks to take, blocks available)."""
+        bs = self.block_size
+        hashes, hits = [], []
+        if tokens is not None:
+            previous = b""
+            for i in range(len(tokens) // bs):
+                previous = _chain_hash(previous, tokens[i * bs:(i + 1) * bs])
+                hashes.append(previous)
+            # Share the longest cached run among the first count - 1 tokens.
+            limit = count - 1 if share_limit is None else min(count - 1, share_limit)
+            for i, h in enumerate(hashes):
+                if (i + 1) * bs > limit or h not in self._block_of_hash:
+                    break
+                hits.append(self._block_of_hash[h])
+        needed = -(-count // bs) - len(hits)
+        available = self.num_free - sum(1 for b in hits if self.refcount[b] == 0)
+        return hashes, hits, needed, available
+
     def _blocks_needed(self, seq: _Sequence, count: int) -> int:
         bs = self.block_size
         new = -(-(seq.num_tokens + count) // bs) - len(seq.blocks)
@@ -311,17 +333,20 @@ class BlockAllocator:
                 b, _ = self._cached.popitem(last=False)
                 del self._block_of_hash[self._hash_of_block.pop(b)]
             self.refcount[b] = 1
+            self.num_owned += 1
             taken.append(b)
         return taken
 
     def _acquire(self, b: int) -> None:
         if self.refcount[b] == 0:
             del self._cached[b]
+            self.num_owned += 1
         self.refcount[b] += 1
 
     def _release(self, b: int) -> None:
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
+            self.num_owned -= 1
             if b in self._hash_of_block:
                 self._cached[b] = None  # most recently used end
             else:
@@ -387,10 +412,11 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ sequences
 
-    def add_sequence(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> int:
+    def add_sequence(self, seq_id, tokens=None, *, num_tokens: int | None = None,
+                     share_limit: int | None = None) -> int:
         """Allocate a sequence for ``tokens`` (ids) or ``num_tokens``; returns the number of
         leading tokens already cached through prefix sharing (skip writing those)."""
-        return self.allocator.add(seq_id, tokens, num_tokens=num_tokens)
+        return self.allocator.add(seq_id, tokens, num_tokens=num_tokens, share_limit=share_limit)
 
     def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> np.ndarray:
         """Extend a sequence; returns the slots of the new tokens (copy-on-write applied)."""
@@ -456,6 +482,11 @@ class PagedKVCache:
         return sum(c.nbytes for c in self.key_caches + self.value_caches)
 
     @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks sequences own right now (what a right-sized pool needs)."""
+        return self.allocator.num_owned * self.bytes_per_block
+
+    @property
     def bytes_per_block(self) -> int:
         return self.nbytes // self.allocator.num_blocks
 
@@ -468,7 +499,7 @@ class PagedKVCache:
 
     def stats(self) -> dict:
         a = self.allocator
-        owned = sum(1 for r in a.refcount if r > 0)
+        owned = a.num_owned
         shared = sum(1 for r in a.refcount if r > 1)
         refs = sum(a.refcount)
         return {

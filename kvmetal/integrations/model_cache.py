@@ -21,6 +21,7 @@ from .. import ops
 from ..cache import KVCacheFull, PagedKVCache
 
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
+GROWTH = 0.25  # a full growable pool adds this fraction of its size: held bytes stay near the need
 
 
 @dataclass(frozen=True)
@@ -76,44 +77,48 @@ class PagedModelCache:
         self.block_size = block_size
         self._version = [0] * len(self.pools)  # bumped on every table change: plans go stale
         self._plans = [None] * len(self.pools)
-        self.peak_used_blocks = 0
+        self.peak_used_bytes = 0
 
     # ------------------------------------------------------------------ sequences
 
     def add_sequence(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> int:
         """Start a sequence in every group; returns the leading tokens already cached in
-        all of them (prefix sharing), i.e. where the caller's forward pass must start."""
-        cached = []
+        all of them (prefix sharing), i.e. where the caller's forward pass must start.
+        Checks every group's room first: on ``KVCacheFull`` nothing changed."""
+        start = 0
+        if tokens is not None:
+            start = min(p.allocator.cached_prefix(tokens) for p in self.pools)
         for g, pool in enumerate(self.pools):
-            try:
-                cached.append(self._with_growth(g, lambda: pool.add_sequence(seq_id, tokens, num_tokens=num_tokens)))
-            except KVCacheFull:
-                for done in self.pools[:g]:
-                    done.free(seq_id)
-                raise
-        start = min(cached)
-        # A group that found more than the others still writes from ``start``: its extra
-        # shared blocks would be written twice, so give them up (copy-on-write does it).
-        for g, pool in enumerate(self.pools):
-            if cached[g] > start:
-                pool.truncate(seq_id, start)
-                self._extend(g, seq_id, tokens[start:] if tokens is not None else None,
-                             None if tokens is not None else num_tokens - start)
+            fits = lambda: pool.allocator.can_add(tokens, num_tokens=num_tokens, share_limit=start)
+            while not fits():
+                if not self.growable:
+                    raise KVCacheFull(f"[add_sequence] sequence {seq_id!r} does not fit in the free blocks")
+                self._grow(g)
+        for pool in self.pools:
+            pool.add_sequence(seq_id, tokens, num_tokens=num_tokens, share_limit=start)
         self._touch()
         return start
 
     def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> None:
-        """Extend a sequence in every group (window groups first drop what they no longer need)."""
-        done = []
-        try:
-            for g in range(len(self.pools)):
-                before = self.pools[g].num_tokens(seq_id)
-                self._extend(g, seq_id, tokens, num_tokens)
-                done.append((g, before))
-        except KVCacheFull:
-            for g, before in done:
-                self.pools[g].truncate(seq_id, before)
-            raise
+        """Extend a sequence in every group (window groups first drop what they no longer need).
+        Checks every group's room first: on ``KVCacheFull`` only evictions happened."""
+        count = len(tokens) if tokens is not None else num_tokens
+        for g, (pool, window) in enumerate(zip(self.pools, self.windows)):
+            if window is not None:
+                # The first new query sees the last window - 1 cached tokens and itself.
+                pool.evict(seq_id, window=window - 1)
+        for g, pool in enumerate(self.pools):
+            while pool.allocator.blocks_needed(seq_id, count) > pool.allocator.num_free:
+                if not self.growable:
+                    raise KVCacheFull(f"[append] sequence {seq_id!r} needs more blocks than are free")
+                self._grow(g)
+        for pool in self.pools:
+            pool.append(seq_id, tokens, num_tokens=num_tokens)
+        self._touch()
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        for pool in self.pools:
+            pool.truncate(seq_id, num_tokens)
         self._touch()
 
     def free(self, seq_id) -> None:
@@ -144,7 +149,8 @@ class PagedModelCache:
 
     @property
     def used_bytes(self) -> int:
-        return sum(p.stats()["used_bytes"] for p in self.pools)
+        """Bytes of the blocks live sequences own (every group)."""
+        return sum(p.used_bytes for p in self.pools)
 
     def stats(self) -> dict:
         per_group = [p.stats() for p in self.pools]
@@ -157,26 +163,23 @@ class PagedModelCache:
 
     def _touch(self):
         self._version = [v + 1 for v in self._version]
-        used = sum(p.stats()["used_blocks"] for p in self.pools)
-        self.peak_used_blocks = max(self.peak_used_blocks, used)
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
-    def _with_growth(self, g: int, action):
-        """Run ``action``; if the pool is full and may grow, grow it and retry."""
-        while True:
-            try:
-                return action()
-            except KVCacheFull:
-                if not self.growable:
-                    raise
-                pool = self.pools[g]
-                pool.grow(pool.allocator.num_blocks)
+    def _grow(self, g: int) -> None:
+        pool = self.pools[g]
+        pool.grow(max(8, int(pool.allocator.num_blocks * GROWTH)))
 
-    def _extend(self, g: int, seq_id, tokens, num_tokens) -> None:
+    def _extend_group(self, g: int, seq_id, num_new: int) -> None:
+        """mlx-lm's path: the first layer of a group to see new tokens makes room for them."""
         pool, window = self.pools[g], self.windows[g]
         if window is not None:
-            # The first new query sees the last window - 1 cached tokens and itself.
             pool.evict(seq_id, window=window - 1)
-        self._with_growth(g, lambda: pool.append(seq_id, tokens, num_tokens=num_tokens))
+        while pool.allocator.blocks_needed(seq_id, num_new) > pool.allocator.num_free:
+            if not self.growable:
+                raise KVCacheFull(f"[PagedLayerCache] sequence {seq_id!r} needs more blocks than are free")
+            self._grow(g)
+        pool.append(seq_id, num_tokens=num_new)
+        self._touch()
 
     def _plan(self, g: int, seq_ids: list, offsets: list, num_new: int) -> _Plan:
         """Slots and tables for ``num_new`` tokens after ``offsets``; built once per group and pass."""
@@ -188,8 +191,7 @@ class PagedModelCache:
         for seq, off in zip(seq_ids, offsets):
             have = pool.num_tokens(seq)
             if have == off:  # first layer of this group in this pass: make room
-                self._extend(g, seq, None, num_new)
-                self._touch()
+                self._extend_group(g, seq, num_new)
                 key = key[:3] + (self._version[g],)
             elif have != off + num_new:
                 raise ValueError(f"[PagedLayerCache] sequence {seq!r} holds {have} tokens in this layer group, "
