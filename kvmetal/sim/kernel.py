@@ -51,6 +51,21 @@ def _span(h: np.ndarray) -> tuple:
     return ptr + lo, hi - lo, -lo
 
 
+def _aligned_bytes(nbytes: int, first: int = 0) -> np.ndarray:
+    """nbytes of fresh memory whose byte `first` sits on a 64-byte boundary (as Metal buffers do)."""
+    raw = np.empty(nbytes + 128, np.uint8)
+    shift = (-(raw.ctypes.data + first)) % 64
+    return raw[shift:shift + nbytes]
+
+
+def _aligned_output(shape, np_dtype, fill) -> np.ndarray:
+    itemsize = np.dtype(np_dtype).itemsize
+    n = int(np.prod(shape, dtype=np.int64))
+    out = _aligned_bytes(n * itemsize).view(np_dtype).reshape(shape)
+    out[...] = fill
+    return out
+
+
 def _as_input(x, name: str) -> mx.array:
     if isinstance(x, mx.array):
         return x
@@ -182,6 +197,12 @@ class SimKernel:
 
         def add(h: np.ndarray, pname: str, traced_name=None):
             lo, span, start = _span(h)
+            if (lo + start) % 64:
+                # MLX's CPU allocations are only 8-byte aligned; Metal buffers are page aligned.
+                copy = _aligned_bytes(span, start)
+                ctypes.memmove(copy.ctypes.data, lo, span)
+                keep.append(copy)
+                lo = copy.ctypes.data
             touched = np.zeros(max(span, 1), np.uint8)
             keep.extend([h, touched])
             name_b = pname.encode()
@@ -202,12 +223,13 @@ class SimKernel:
         outs = []
         for oname, shape, dt in zip(self.output_names, output_shapes, output_dtypes):
             shape = tuple(int(s) for s in shape)
+            np_dtype = np.bool_ if dt == mx.bool_ else _NP_VIEW[dt.size]
             if init_value is not None:
                 ref = mx.full(shape, init_value, dtype=dt)
-                h = np.array(ref.view(_MX_VIEW[dt.size]) if dt != mx.bool_ else ref)
+                h = _aligned_output(shape, np_dtype, np.array(ref.view(_MX_VIEW[dt.size]) if dt != mx.bool_ else ref))
             else:  # Metal leaves outputs uninitialized: poison them so unwritten elements show
-                h = np.full(shape, 0xFF, np.uint8).view(np.uint8) if dt == mx.bool_ else \
-                    np.full(shape, np.iinfo(_NP_VIEW[dt.size]).max, _NP_VIEW[dt.size])
+                h = _aligned_output(shape, np.uint8, 0xFF).view(np.bool_) if dt == mx.bool_ else \
+                    _aligned_output(shape, np_dtype, np.iinfo(np_dtype).max)
             outs.append((h, dt))
             add(h, oname, oname)
 
