@@ -188,7 +188,6 @@ template <class P> using atomic_t = typename atomic_value<decay_t<P>>::type;
 
 // Read-modify-write with a CAS loop (works for float as well as integers).
 template <class T, class F> T atomic_rmw(T* addr, F f) {
-  T old = __atomic_load_n((T*)addr, __ATOMIC_RELAXED);
   if constexpr (sizeof(T) == 4 || sizeof(T) == 8) {
     using B = typename cond<sizeof(T) == 4, uint32_t, uint64_t>::type;
     B* baddr = (B*)addr;
@@ -201,9 +200,9 @@ template <class T, class F> T atomic_rmw(T* addr, F f) {
       __builtin_memcpy(&nextb, &next, sizeof(T));
       if (__atomic_compare_exchange_n(baddr, &oldb, nextb, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return cur;
     }
-  } else {
-    T next = f(old);
-    *addr = next;
+  } else {  // 1- and 2-byte atomics do not exist in MSL device memory; plain RMW
+    T old = *addr;
+    *addr = f(old);
     return old;
   }
 }
