@@ -79,21 +79,30 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
     for (int d = 0; d < D; ++d) sc.q[g * D + d] = load_as_f32(p.query, row + d, p.q_kind) * p.scale;
   }
 
-  for (int t = range.lo; t < range.hi;) {
-    // Locate the tile: rows [row0, row0 + n) of (outer, kvh).
+  // The tile holding token t: rows [row0, row0 + n) of (outer, kvh).
+  struct Tile {
     int64_t outer;
     int row0, n;
+  };
+  auto tile_at = [&](int t) {
     if (p.paged) {
-      const int blk = t / p.block_size;
-      row0 = t % p.block_size;
-      n = std::min(p.block_size - row0, range.hi - t);
-      outer = p.block_tables[static_cast<int64_t>(s) * p.max_blocks + blk];
-    } else {
-      outer = s;
-      row0 = t;
-      n = std::min(kMaxTileRows - t % kMaxTileRows, range.hi - t);
+      const int row0 = t % p.block_size;
+      return Tile{p.block_tables[static_cast<int64_t>(s) * p.max_blocks + t / p.block_size], row0,
+                  std::min(p.block_size - row0, range.hi - t)};
     }
+    return Tile{s, t, std::min(kMaxTileRows - t % kMaxTileRows, range.hi - t)};
+  };
+
+  for (int t = range.lo; t < range.hi;) {
+    const Tile tile = tile_at(t);
+    const int64_t outer = tile.outer;
+    const int row0 = tile.row0, n = tile.n;
     t += n;
+    if (t < range.hi) {  // start loading the next tile while this one computes
+      const Tile next = tile_at(t);
+      k.prefetch(next.outer, kvh, next.row0, next.n);
+      v.prefetch(next.outer, kvh, next.row0, next.n);
+    }
 
     int64_t ks, vs;
     const float* kt = k.tile(outer, kvh, row0, n, sc.k_tile.data(), &ks, tk);
@@ -181,8 +190,7 @@ int resolve_num_splits(const AttentionParams& p) {
 }
 
 void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v) {
-  // The SIMD kernels step through head_dim 8 floats at a time.
-  const TileKernels& tk = p.head_dim % 8 == 0 ? tile_kernels() : portable_tile_kernels();
+  const TileKernels& tk = tile_kernels(p.head_dim);
   const int splits = resolve_num_splits(p);
   const PartialLayout lay{p.num_heads / p.num_kv_heads, p.head_dim};
   const int64_t n_items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * splits;

@@ -10,7 +10,7 @@ namespace kvmetal {
 void gather_kv(const GatherParams& p, const KVView& cache) {
   const int D = p.head_dim;
   const int out_size = float_kind_size(p.out_kind);
-  const TileKernels& tk = D % 8 == 0 ? tile_kernels() : portable_tile_kernels();
+  const TileKernels& tk = tile_kernels(D);
   ThreadPool::instance().parallel_for(static_cast<int64_t>(p.num_seqs) * p.num_kv_heads, [&](int64_t item) {
     const int s = static_cast<int>(item / p.num_kv_heads);
     const int h = static_cast<int>(item % p.num_kv_heads);

@@ -94,6 +94,13 @@ NB_MODULE(_ext, m) {
       "set_num_threads", [](int n) { kvmetal::ThreadPool::instance().set_num_threads(n); }, "n"_a,
       "Resize the kernel thread pool (the caller counts as one thread).");
   m.def("num_threads", []() { return kvmetal::ThreadPool::instance().num_threads(); });
-  m.def("simd_level", []() { return std::string(kvmetal::tile_kernels().name); },
-        "The tile kernels chosen for this CPU: 'avx2' or 'portable'.");
+  m.def("simd_level", []() { return std::string(kvmetal::best_tile_kernels().name); },
+        "The widest tile kernels in use: 'avx512', 'avx2' or 'portable'.");
+  m.def(
+      "cap_simd_level",
+      [](const std::string& name) {
+        if (!kvmetal::cap_tile_level(name))
+          throw std::invalid_argument("[cap_simd_level] name must be 'portable', 'avx2' or 'avx512'");
+      },
+      "name"_a, "Use no kernels wider than `name` (tests run every implementation the CPU has).");
 }

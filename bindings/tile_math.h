@@ -7,11 +7,13 @@
 //
 // Two implementations: a portable one (any compiler, any CPU; arm64 gets NEON
 // from auto-vectorization, NEON being baseline there) and, on x86-64, an
-// AVX2+FMA+F16C one compiled in its own translation unit and chosen at run
-// time with __builtin_cpu_supports, so the default build runs on any x86-64.
+// AVX2+FMA+F16C one and an AVX-512F one, each compiled in its own translation
+// unit and chosen at run time with __builtin_cpu_supports, so the default build
+// runs on any x86-64.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace kvmetal {
 
@@ -33,8 +35,16 @@ struct TileKernels {
   void (*f32_to_f16)(const float* src, int n, uint16_t* dst);
 };
 
-// The best implementation this CPU supports (chosen once).
-const TileKernels& tile_kernels();
+// The best implementation this CPU supports (chosen once) for head_dim D:
+// avx512 needs D % 16 == 0, avx2 D % 8 == 0; anything else runs portable.
+const TileKernels& tile_kernels(int D);
+
+// The widest implementation this CPU supports (for reporting).
+const TileKernels& best_tile_kernels();
+
+// Use nothing wider than `name` ("portable", "avx2", "avx512") from now on;
+// tests use it to check every implementation the CPU can run. False if unknown.
+bool cap_tile_level(const std::string& name);
 
 // Always available; also used by tests to cross-check the SIMD version.
 const TileKernels& portable_tile_kernels();
@@ -42,6 +52,8 @@ const TileKernels& portable_tile_kernels();
 #if defined(__x86_64__) || defined(_M_X64)
 // Defined in tile_math_avx2.cpp; only call when the CPU has avx2, fma and f16c.
 const TileKernels& avx2_tile_kernels();
+// Defined in tile_math_avx512.cpp; only call when the CPU also has avx512f.
+const TileKernels& avx512_tile_kernels();
 #endif
 
 }  // namespace kvmetal

@@ -1,7 +1,10 @@
 // Portable tile kernels: plain loops written so compilers vectorize them
 // (NEON on arm64, SSE2 on baseline x86-64), plus the run-time choice of the
 // best implementation.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <string>
 
 #include "float_convert.h"
 #include "tile_math.h"
@@ -54,23 +57,47 @@ void to_f16(const float* src, int n, uint16_t* dst) {
 
 const TileKernels kPortable{"portable", f16_rows, bf16_rows, scores, accumulate, exp_inplace, to_f16};
 
-const TileKernels& choose() {
+enum class Level { portable, avx2, avx512 };
+
+Level cpu_level() {
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-    return avx2_tile_kernels();
-  }
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f")) return Level::avx512;
+  if (avx2) return Level::avx2;
 #endif
-  return kPortable;
+  return Level::portable;
 }
+
+// Tests may cap the level (to run the narrower kernels on a wider CPU).
+std::atomic<int> g_level_cap{static_cast<int>(Level::avx512)};
 
 }  // namespace
 
 const TileKernels& portable_tile_kernels() { return kPortable; }
 
-const TileKernels& tile_kernels() {
-  static const TileKernels& chosen = choose();
-  return chosen;
+bool cap_tile_level(const std::string& name) {
+  Level cap;
+  if (name == "portable") cap = Level::portable;
+  else if (name == "avx2") cap = Level::avx2;
+  else if (name == "avx512") cap = Level::avx512;
+  else return false;
+  g_level_cap = static_cast<int>(cap);
+  return true;
 }
+
+const TileKernels& tile_kernels(int D) {
+  static const Level cpu = cpu_level();
+  const Level level = static_cast<Level>(std::min(static_cast<int>(cpu), g_level_cap.load()));
+#if defined(__x86_64__) || defined(_M_X64)
+  if (level == Level::avx512 && D % 16 == 0) return avx512_tile_kernels();
+  if (level != Level::portable && D % 8 == 0) return avx2_tile_kernels();
+#else
+  (void)level;
+#endif
+  return kPortable;
+}
+
+const TileKernels& best_tile_kernels() { return tile_kernels(256); }
 
 }  // namespace kvmetal

@@ -1,0 +1,187 @@
+// AVX-512F tile kernels (16 floats per register, 32 registers). Compiled alone
+// with -mavx512f -mavx2 -mfma -mf16c (see CMakeLists.txt) and handed out only
+// when __builtin_cpu_supports("avx512f") and head_dim % 16 == 0. On CPUs that
+// have it this halves the FMA count of the attention loop, which is what
+// bounds float16 decode on two cores.
+#if defined(__x86_64__) || defined(_M_X64)
+
+#include <immintrin.h>
+
+#include "tile_math.h"
+
+namespace kvmetal {
+namespace {
+
+void f16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const uint16_t* s = src + r * stride;
+    float* o = dst + r * D;
+    for (int d = 0; d < D; d += 16)
+      _mm512_storeu_ps(o + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + d))));
+  }
+}
+
+void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const uint16_t* s = src + r * stride;
+    float* o = dst + r * D;
+    for (int d = 0; d < D; d += 16) {
+      __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + d)));
+      _mm512_storeu_ps(o + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+  }
+}
+
+// Horizontal sums of 16 registers at once: lane 4c + p of the result is the
+// sum of v[4p + c]. A transpose-and-add tree, 45 instructions instead of 16
+// separate reductions (128).
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+}
+
+// 4 heads x 4 rows: 16 accumulators, each K and q register used 4 times.
+void scores_4x4(const float* q, const float* k, int64_t stride, int D, float* out) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 16) {
+    __m512 kr[4];
+    for (int r = 0; r < 4; ++r) kr[r] = _mm512_loadu_ps(k + r * stride + d);
+    for (int h = 0; h < 4; ++h) {
+      __m512 qh = _mm512_loadu_ps(q + h * D + d);
+      for (int r = 0; r < 4; ++r) acc[4 * h + r] = _mm512_fmadd_ps(qh, kr[r], acc[4 * h + r]);
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, hsum16(acc));
+  // acc index 4h + r  ->  lane 4r + h.
+  for (int h = 0; h < 4; ++h)
+    for (int r = 0; r < 4; ++r) out[h * kMaxTileRows + r] = sums[4 * r + h];
+}
+
+// Any head count, one row at a time (the leftovers of the 4x4 blocking).
+template <int NH>
+void scores_rows(const float* q, const float* k, int64_t stride, int r0, int n, int D, float* out) {
+  for (int r = r0; r < n; ++r) {
+    __m512 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+      __m512 kr = _mm512_loadu_ps(k + r * stride + d);
+      for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), kr, acc[h]);
+    }
+    for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = _mm512_reduce_add_ps(acc[h]);
+  }
+}
+
+void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
+  int g = 0;
+  for (; g + 4 <= G; g += 4) {
+    int r = 0;
+    for (; r + 4 <= n; r += 4) scores_4x4(q + g * D, k + r * stride, stride, D, out + g * kMaxTileRows + r);
+    scores_rows<4>(q + g * D, k, stride, r, n, D, out + g * kMaxTileRows);
+  }
+  switch (G - g) {
+    case 3: scores_rows<3>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
+    case 2: scores_rows<2>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
+    case 1: scores_rows<1>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
+    default: break;
+  }
+}
+
+// NH heads x W registers of columns stay in registers while the rows stream.
+template <int NH, int W>
+void accumulate_cols(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, int d,
+                     float* acc) {
+  __m512 a[NH][W];
+  for (int h = 0; h < NH; ++h) {
+    __m512 c = _mm512_set1_ps(corr[h]);
+    for (int w = 0; w < W; ++w) a[h][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + d + 16 * w), c);
+  }
+  for (int r = 0; r < n; ++r) {
+    __m512 x[W];
+    for (int w = 0; w < W; ++w) x[w] = _mm512_loadu_ps(v + r * stride + d + 16 * w);
+    for (int h = 0; h < NH; ++h) {
+      __m512 ph = _mm512_set1_ps(p[h * kMaxTileRows + r]);
+      for (int w = 0; w < W; ++w) a[h][w] = _mm512_fmadd_ps(ph, x[w], a[h][w]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + h * D + d + 16 * w, a[h][w]);
+}
+
+template <int NH>
+void accumulate_heads(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, float* acc) {
+  int d = 0;
+  for (; d + 64 <= D; d += 64) accumulate_cols<NH, 4>(p, corr, v, stride, n, D, d, acc);
+  for (; d + 32 <= D; d += 32) accumulate_cols<NH, 2>(p, corr, v, stride, n, D, d, acc);
+  for (; d < D; d += 16) accumulate_cols<NH, 1>(p, corr, v, stride, n, D, d, acc);
+}
+
+void accumulate(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D, float* acc) {
+  int g = 0;
+  for (; g + 4 <= G; g += 4)
+    accumulate_heads<4>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
+  switch (G - g) {
+    case 3: accumulate_heads<3>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 2: accumulate_heads<2>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 1: accumulate_heads<1>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    default: break;
+  }
+}
+
+// Same polynomial as the AVX2 exp8 (about 2 ulp; NaN stays NaN; below -87.3 -> 0).
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(lo, _mm512_min_ps(_mm512_set1_ps(88.3f), x));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), y);
+}
+
+void exp_inplace(float* x, int n) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp16(_mm512_loadu_ps(x + i)));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, m, exp16(_mm512_maskz_loadu_ps(m, x + i)));
+  }
+}
+
+void to_f16(const float* src, int n, uint16_t* dst) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+const TileKernels kAvx512{"avx512", f16_rows, bf16_rows, scores, accumulate, exp_inplace, to_f16};
+
+}  // namespace
+
+const TileKernels& avx512_tile_kernels() { return kAvx512; }
+
+}  // namespace kvmetal
+
+#endif
