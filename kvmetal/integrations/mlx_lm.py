@@ -169,7 +169,6 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         if bits is not None and bits not in quant.SUPPORTED_BITS:
             raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
-    if isinstance(getattr(model, "make_cache", None), type(PagedCacheHandle.make_cache)) and \
-            isinstance(getattr(model.make_cache, "__self__", None), PagedCacheHandle):
+    if isinstance(getattr(getattr(model, "make_cache", None), "__self__", None), PagedCacheHandle):
         raise ValueError("[use_paged_cache] this model already uses a paged cache; undo that one first")
     return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)

@@ -46,3 +46,29 @@ def build(family: str, *, dtype=mx.float32, seed: int = 0, **overrides) -> nn.Mo
 
 def cast_like(tree, dtype):
     return tree_map(lambda x: x.astype(dtype) if isinstance(x, mx.array) else x, tree)
+
+
+def word_tokenizer(vocab_size: int = COMMON["vocab_size"]):
+    """A Hugging Face tokenizer over the words ``t0 .. t{vocab_size - 1}`` (built offline)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", eos_token=f"t{vocab_size - 1}")
+
+
+def save(family: str, path, *, dtype=mx.float16, seed: int = 0) -> None:
+    """Write a random ``family`` model as an mlx-lm model directory (config, weights, tokenizer)."""
+    from pathlib import Path
+
+    from mlx_lm.utils import save_config, save_model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = build(family, dtype=dtype, seed=seed)
+    save_model(path, model)
+    config = dict(ARGS[family], model_type=family, torch_dtype={mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(dtype, "float32"))
+    save_config(config, path / "config.json")
+    word_tokenizer(config["vocab_size"]).save_pretrained(path)
