@@ -71,8 +71,8 @@ inline void kv_attend_split(
     // Score, online softmax and accumulate, one token at a time.
     const int r_end = min(hi, t0 + TT) - t0;
     for (int r = max(lo, t0) - t0; r < r_end; r++) {
-      const threadgroup float4* krow = (const threadgroup float4*)(ktile + r * D);
-      const threadgroup float4* vrow = (const threadgroup float4*)(vtile + r * D);
+      const threadgroup float4* krow = reinterpret_cast<const threadgroup float4*>(ktile + r * D);
+      const threadgroup float4* vrow = reinterpret_cast<const threadgroup float4*>(vtile + r * D);
       for (int j = 0; j < HPS; j++) {
         if (int(sg) + j * NSG >= G) {
           break;  // uniform across the simdgroup
@@ -117,7 +117,7 @@ inline void kv_attend_split(
     for (int c = 0; c < CPL; c++) {
       const int idx = int(lane) + 32 * c;
       if (idx < C4) {
-        *((device float4*)(part_acc + size_t(prow) * D + idx * 4)) = acc[j][c];
+        kv_store4<float>(part_acc + size_t(prow) * D + idx * 4, acc[j][c]);
       }
     }
   }
