@@ -23,7 +23,9 @@ from .errors import CompileError, SimError
 
 RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
 KERNEL_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-fwrapv", "-fno-strict-aliasing",
-                "-ftrivial-auto-var-init=pattern", "-fno-exceptions")
+                "-ftrivial-auto-var-init=pattern", "-fno-exceptions",
+                # keep every barrier/collective call site distinct (sites are return addresses)
+                "-fno-crossjumping", "-fno-tree-tail-merge", "-fno-code-hoisting")
 RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread")
 
 _lock = threading.Lock()
