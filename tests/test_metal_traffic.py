@@ -47,3 +47,15 @@ def test_one_long_sequence_fills_the_gpu():
     figures = sim_traffic(32768, num_kv_heads=8, num_heads=8, head_dim=64)
     assert figures["threadgroups"] >= 4 * metal.FALLBACK_GPU_CORES
     assert figures["loaded"] <= 1.02 * figures["live_bytes"]
+
+
+def test_bench_rows_without_metal_are_labelled_sim_traffic():
+    import mlx.core as mx
+
+    from kvmetal.benchmarks.metal_cases import SIM_LABEL, run_metal_cases
+
+    if mx.metal.is_available():
+        pytest.skip("on a Mac the rows are timings")
+    rows = run_metal_cases(lambda message: None)
+    assert rows and all(SIM_LABEL in r["name"] and r["seconds"] is None for r in rows)
+    assert all(r["loaded_over_live"] <= 1.02 for r in rows)

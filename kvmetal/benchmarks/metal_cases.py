@@ -138,7 +138,7 @@ def _sim_results(progress):
     for name, kwargs in cases:
         progress(f"sim traffic {name}")
         figures = sim_traffic(1024, **kwargs)
-        results.append({"name": f"{name} T=1024 D=64", "backend": "sim", "seconds": None,
+        results.append({"name": f"{name} T=1024 D=64 [{SIM_LABEL}]", "backend": "sim", "seconds": None,
                         "kv_bytes": figures["live_bytes"], "gbps": None, "note": SIM_LABEL,
                         "loaded_bytes": figures["loaded"], "loaded_over_live": figures["ratio"]})
     return results
