@@ -35,35 +35,44 @@ void gather_kv(const GatherParams& p, const KVView& cache) {
   });
 }
 
-void write_rows(const char* rows, FloatKind rows_kind, int num_tokens, int num_kv_heads,
-                const std::vector<int64_t>& slots, int block_size, const KVView& cache) {
-  const int D = cache.D;
-  const int64_t heads = num_kv_heads;
+void write_rows(const char* rows, FloatKind rows_kind, int num_tokens, int num_kv_heads, int head_dim,
+                const std::vector<int64_t>& slots, int block_size, const RowTarget& target) {
+  const int D = head_dim;
   const int rows_size = float_kind_size(rows_kind);
+  const int groups = target.part == CachePart::float_rows ? 0 : D / target.fmt.group_size;
   auto write_token = [&](int64_t i) {
     const int64_t slot = slots[i];
     if (slot < 0) return;  // padding
     const int64_t block = slot / block_size;
     const int64_t r = slot % block_size;
-    std::vector<float> x(D);
-    for (int64_t h = 0; h < heads; ++h) {
-      const char* src = rows + (i * heads + h) * D * rows_size;
-      if (cache.quantized) {
-        for (int d = 0; d < D; ++d) x[d] = load_as_f32(src, d, rows_kind);
-        const int sz = float_kind_size(cache.fmt.scale_kind);
-        quantize_row(x.data(), cache.fmt, D,
-                     const_cast<uint32_t*>(reinterpret_cast<const uint32_t*>(cache.data)) +
-                         cache.offset(cache.stride, block, h, r),
-                     const_cast<char*>(cache.scales) + sz * cache.offset(cache.scale_stride, block, h, r),
-                     const_cast<char*>(cache.biases) + sz * cache.offset(cache.bias_stride, block, h, r));
+    std::vector<float> x(D), scales(groups), biases(groups);
+    std::vector<uint32_t> words(target.part == CachePart::float_rows ? 0 : D * target.fmt.bits / 32);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const char* src = rows + (i * num_kv_heads + h) * D * rows_size;
+      const int64_t off = block * target.stride[0] + h * target.stride[1] + r * target.stride[2];
+      if (target.part == CachePart::float_rows) {
+        const int size = float_kind_size(target.kind);
+        if (target.kind == rows_kind) {
+          std::memcpy(target.ptr + off * size, src, static_cast<size_t>(D) * size);
+        } else {
+          for (int d = 0; d < D; ++d) store_from_f32(target.ptr + off * size, d, load_as_f32(src, d, rows_kind), target.kind);
+        }
         continue;
       }
-      const int cache_size = float_kind_size(cache.kind);
-      char* dst = const_cast<char*>(cache.data) + cache.offset(cache.stride, block, h, r) * cache_size;
-      if (cache.kind == rows_kind) {
-        std::memcpy(dst, src, static_cast<size_t>(D) * cache_size);
-      } else {
-        for (int d = 0; d < D; ++d) store_from_f32(dst, d, load_as_f32(src, d, rows_kind), cache.kind);
+      for (int d = 0; d < D; ++d) x[d] = load_as_f32(src, d, rows_kind);
+      QuantFormat f32_fmt = target.fmt;
+      f32_fmt.scale_kind = FloatKind::f32;  // the words do not depend on the scale dtype
+      quantize_row(x.data(), f32_fmt, D, words.data(), scales.data(), biases.data());
+      switch (target.part) {
+        case CachePart::quant_data:
+          std::memcpy(target.ptr + off * 4, words.data(), words.size() * 4);
+          break;
+        case CachePart::quant_scales:
+          for (int g = 0; g < groups; ++g) store_from_f32(target.ptr + off * float_kind_size(target.kind), g, scales[g], target.kind);
+          break;
+        default:
+          for (int g = 0; g < groups; ++g) store_from_f32(target.ptr + off * float_kind_size(target.kind), g, biases[g], target.kind);
+          break;
       }
     }
   };

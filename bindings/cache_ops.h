@@ -21,11 +21,25 @@ struct GatherParams {
 // out[s, h, t] = cache row of token t of sequence s (dequantized), zero for t >= seq_len.
 void gather_kv(const GatherParams& p, const KVView& cache);
 
+// Which array of a cache a write targets: a float cache, or one of the three
+// arrays of a quantized one. Each is written by its own MLX primitive, because
+// MLX donates an input buffer to an output only for single-output primitives
+// (sibling outputs each hold a reference to the inputs).
+enum class CachePart { float_rows, quant_data, quant_scales, quant_biases };
+
+struct RowTarget {
+  CachePart part = CachePart::float_rows;
+  char* ptr = nullptr;             // row-major [num_blocks, Hkv, block_size, last]
+  int64_t stride[3] = {0, 0, 0};   // in elements
+  FloatKind kind = FloatKind::f32; // float rows / scales / biases element type
+  QuantFormat fmt;                 // quantized parts
+};
+
 // Write rows[i, h] (row-major [T, Hkv, D], rows_kind) to the cache slot
-// slots[i] (negative: skip), converting or quantizing to the cache's format.
-// `cache` points at a writable, row-major cache [num_blocks, Hkv, block_size, ...].
-void write_rows(const char* rows, FloatKind rows_kind, int num_tokens, int num_kv_heads,
-                const std::vector<int64_t>& slots, int block_size, const KVView& cache);
+// slots[i] (negative: skip), converted or quantized (each row on its own, like
+// mx.quantize) into the target array.
+void write_rows(const char* rows, FloatKind rows_kind, int num_tokens, int num_kv_heads, int head_dim,
+                const std::vector<int64_t>& slots, int block_size, const RowTarget& target);
 
 // block dst[i] = block src[i] (as it was before the call), for a row-major
 // array whose blocks are `block_bytes` apart.

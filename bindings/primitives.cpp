@@ -314,27 +314,33 @@ mx::array gather_kv(const std::vector<mx::array>& cache, QuantSpec q, const mx::
 // ---------------------------------------------------------------- cache write
 
 void CacheWritePrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const int n = q_.num_arrays();
-  std::vector<Tensor> in_t, out_t;
-  std::vector<bool> shared;
-  for (int j = 0; j < n; ++j) {
-    shared.push_back(share_or_allocate(inputs[1 + j], outputs[j]));
-    in_t.push_back(describe(inputs[1 + j]));
-    out_t.push_back(as_row_major_output(outputs[j]));
-  }
+  auto& out = outputs[0];
+  const bool shared = share_or_allocate(inputs[1], out);
+  Tensor in = describe(inputs[1]);
+  Tensor target = as_row_major_output(out);
   Tensor rows = describe(inputs[0]);
-  Tensor slots = describe(inputs[n + 1]);
+  Tensor slots = describe(inputs[2]);
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
-  for (auto& o : outputs) enc.set_output_array(o);
-  enc.dispatch([rows, slots, in_t, out_t, shared, q = q_]() {
-    for (size_t j = 0; j < out_t.size(); ++j)
-      if (!shared[j]) copy_strided(in_t[j], out_t[j].ptr);
+  enc.set_output_array(out);
+  enc.dispatch([rows, slots, in, target, shared, q = q_, part = part_]() {
+    if (!shared) copy_strided(in, target.ptr);
     Storage st;
     Tensor r = row_major(rows, new_slot(st));
-    KVView cache = make_view(out_t, q, st);
+    RowTarget t;
+    t.ptr = target.ptr;
+    for (int i = 0; i < 3; ++i) t.stride[i] = target.strides[i];
+    if (q.bits == 0) {
+      t.part = CachePart::float_rows;
+      t.kind = float_kind(target.dtype, "reshape_and_cache");
+    } else {
+      t.part = part == 0 ? CachePart::quant_data : part == 1 ? CachePart::quant_scales : CachePart::quant_biases;
+      if (part != 0) t.kind = float_kind(target.dtype, "reshape_and_cache");
+      t.fmt = QuantFormat{q.bits, q.group_size, t.kind};
+    }
     write_rows(r.ptr, float_kind(r.dtype, "reshape_and_cache"), static_cast<int>(r.shape[0]),
-               static_cast<int>(r.shape[1]), read_indices(slots), static_cast<int>(out_t[0].shape[2]), cache);
+               static_cast<int>(r.shape[1]), static_cast<int>(r.shape[2]), read_indices(slots),
+               static_cast<int>(target.shape[2]), t);
   });
 }
 
@@ -344,7 +350,7 @@ void CacheWritePrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx
 
 bool CacheWritePrimitive::is_equivalent(const mx::Primitive& other) const {
   auto* o = dynamic_cast<const CacheWritePrimitive*>(&other);
-  return o && q_ == o->q_;
+  return o && q_ == o->q_ && part_ == o->part_;
 }
 
 std::vector<mx::array> cache_write(const mx::array& rows, const std::vector<mx::array>& cache, QuantSpec q,
@@ -358,42 +364,30 @@ std::vector<mx::array> cache_write(const mx::array& rows, const std::vector<mx::
     fail(op, "slot_mapping must be [num_tokens]");
   if (slot_mapping.dtype() != mx::int32 && slot_mapping.dtype() != mx::int64)
     fail(op, "slot_mapping must be int32 or int64");
-  std::vector<mx::array> inputs{rows};
-  inputs.insert(inputs.end(), cache.begin(), cache.end());
-  inputs.push_back(slot_mapping);
-  std::vector<mx::Shape> shapes;
-  std::vector<mx::Dtype> dtypes;
-  for (auto& a : cache) {
-    shapes.push_back(a.shape());
-    dtypes.push_back(a.dtype());
+  std::vector<mx::array> out;
+  for (size_t part = 0; part < cache.size(); ++part) {
+    auto prim = std::make_shared<CacheWritePrimitive>(cpu_stream(), q, static_cast<int>(part));
+    out.emplace_back(cache[part].shape(), cache[part].dtype(), prim,
+                     std::vector<mx::array>{rows, cache[part], slot_mapping});
   }
-  return mx::array::make_arrays(shapes, dtypes, std::make_shared<CacheWritePrimitive>(cpu_stream(), q), inputs);
+  return out;
 }
 
 // ---------------------------------------------------------------- copy blocks
 
 void CopyBlocksPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  const size_t n = outputs.size();
-  std::vector<Tensor> in_t, out_t;
-  std::vector<bool> shared;
-  for (size_t j = 0; j < n; ++j) {
-    shared.push_back(share_or_allocate(inputs[j], outputs[j]));
-    in_t.push_back(describe(inputs[j]));
-    out_t.push_back(as_row_major_output(outputs[j]));
-  }
-  Tensor src = describe(inputs[n]);
-  Tensor dst = describe(inputs[n + 1]);
+  auto& out = outputs[0];
+  const bool shared = share_or_allocate(inputs[0], out);
+  Tensor in = describe(inputs[0]);
+  Tensor target = as_row_major_output(out);
+  Tensor src = describe(inputs[1]);
+  Tensor dst = describe(inputs[2]);
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
-  for (auto& o : outputs) enc.set_output_array(o);
-  enc.dispatch([src, dst, in_t, out_t, shared]() {
-    const std::vector<int64_t> s = read_indices(src);
-    const std::vector<int64_t> d = read_indices(dst);
-    for (size_t j = 0; j < out_t.size(); ++j) {
-      if (!shared[j]) copy_strided(in_t[j], out_t[j].ptr);
-      const int64_t block_bytes = out_t[j].strides[0] * out_t[j].itemsize;
-      copy_blocks(out_t[j].ptr, block_bytes, s, d);
-    }
+  enc.set_output_array(out);
+  enc.dispatch([src, dst, in, target, shared]() {
+    if (!shared) copy_strided(in, target.ptr);
+    copy_blocks(target.ptr, target.strides[0] * target.itemsize, read_indices(src), read_indices(dst));
   });
 }
 
@@ -405,18 +399,13 @@ std::vector<mx::array> copy_blocks(const std::vector<mx::array>& arrays, const m
   const char* op = "copy_blocks";
   if (arrays.empty()) fail(op, "no cache arrays given");
   if (src.ndim() != 1 || dst.ndim() != 1 || src.shape(0) != dst.shape(0)) fail(op, "src and dst must be [n]");
-  for (auto& a : arrays)
-    if (a.ndim() < 1 || a.shape(0) != arrays[0].shape(0)) fail(op, "cache arrays must share num_blocks");
-  std::vector<mx::array> inputs(arrays);
-  inputs.push_back(src);
-  inputs.push_back(dst);
-  std::vector<mx::Shape> shapes;
-  std::vector<mx::Dtype> dtypes;
+  std::vector<mx::array> out;
   for (auto& a : arrays) {
-    shapes.push_back(a.shape());
-    dtypes.push_back(a.dtype());
+    if (a.ndim() < 1 || a.shape(0) != arrays[0].shape(0)) fail(op, "cache arrays must share num_blocks");
+    out.emplace_back(a.shape(), a.dtype(), std::make_shared<CopyBlocksPrimitive>(cpu_stream()),
+                     std::vector<mx::array>{a, src, dst});
   }
-  return mx::array::make_arrays(shapes, dtypes, std::make_shared<CopyBlocksPrimitive>(cpu_stream()), inputs);
+  return out;
 }
 
 }  // namespace kvmetal

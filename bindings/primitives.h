@@ -74,10 +74,14 @@ class GatherKVPrimitive : public mx::Primitive {
   int max_len_;
 };
 
-// Inputs: rows [T, Hkv, D], cache arrays, slot_mapping -> updated cache arrays.
+// Inputs: rows [T, Hkv, D], one cache array, slot_mapping -> that array
+// updated. A quantized cache takes three of these (part 0: data, 1: scales,
+// 2: biases), each quantizing the new rows again (cheap: only new rows):
+// MLX donates input buffers only to single-output primitives, and donation is
+// what makes the update in place.
 class CacheWritePrimitive : public mx::Primitive {
  public:
-  CacheWritePrimitive(mx::Stream stream, QuantSpec q) : mx::Primitive(stream), q_(q) {}
+  CacheWritePrimitive(mx::Stream stream, QuantSpec q, int part) : mx::Primitive(stream), q_(q), part_(part) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "KvmetalReshapeAndCache"; }
@@ -85,9 +89,11 @@ class CacheWritePrimitive : public mx::Primitive {
 
  private:
   QuantSpec q_;
+  int part_;
 };
 
-// Inputs: n arrays with blocks along axis 0, src, dst -> the n arrays updated.
+// Inputs: one array with blocks along axis 0, src, dst -> the array updated
+// (one primitive per array, for the same donation reason).
 class CopyBlocksPrimitive : public mx::Primitive {
  public:
   explicit CopyBlocksPrimitive(mx::Stream stream) : mx::Primitive(stream) {}

@@ -1,0 +1,334 @@
+"""What is specific to the native CPU backend (kvmetal._ext + kvmetal/backends/cpu.py).
+
+The oracle matrix over shapes and dtypes lives in test_ops.py (it runs this backend
+through kvmetal.ops). Here: every SIMD implementation the CPU has, GQA up to 16 and
+MQA, laziness and mx.compile, in-place cache updates (buffer reuse through MLX
+donation), strided views read without copies, thread-count and split-count
+independence, exact agreement of cache quantization with mx.quantize, and the
+C++ entry points' own argument errors.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvmetal import _ext, quant, reference
+from kvmetal.backends import cpu
+from kvcases import DTYPES, assert_close, free_slots, paged_case
+
+# Every tile-kernel implementation this CPU can run (narrower ones are forced
+# with cap_simd_level, so an AVX-512 machine also checks the AVX2 and portable code).
+_LEVELS = ("portable", "avx2", "avx512")
+SIMD_LEVELS = _LEVELS[: _LEVELS.index(_ext.simd_level()) + 1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_globals():
+    threads = _ext.num_threads()
+    yield
+    _ext.cap_simd_level("avx512")
+    _ext.set_num_threads(threads)
+
+
+def _paged(case, **opts):
+    return cpu.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                               case.seq_lens, **opts)
+
+
+def _paged_ref(case, **opts):
+    opts.pop("num_splits", None)
+    return reference.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                     case.seq_lens, **opts)
+
+
+# ------------------------------------------------------------------ numerics per SIMD level
+
+
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("head_dim", (64, 80, 96, 112, 128, 192, 256))
+def test_every_simd_level_matches_oracle(level, dtype, head_dim):
+    _ext.cap_simd_level(level)
+    case = paged_case([1, 15, 70], num_heads=12, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                      dtype=dtype, seed=head_dim)
+    sinks = mx.array(np.linspace(-1, 2, 12, dtype=np.float32))
+    for opts in ({}, {"softcap": 3.0, "sinks": sinks}, {"sliding_window": 9, "num_splits": 3}):
+        assert_close(_paged(case, **opts), _paged_ref(case, **opts), dtype)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 1), (32, 2), (48, 3), (64, 4), (7, 1)])
+def test_gqa_factors_and_mqa(num_heads, num_kv_heads):
+    case = paged_case([33, 200], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                      block_size=8, dtype=mx.float32, seed=num_heads)
+    assert_close(_paged(case), _paged_ref(case), mx.float32)
+
+
+def test_sliding_window_never_reads_outside_window():
+    # Poison every token before the window: an implementation that loads (even
+    # masks) out-of-window blocks returns NaN.
+    case = paged_case([100], num_heads=4, num_kv_heads=1, head_dim=64, block_size=8, dtype=mx.float32)
+    window = 30  # tokens 70..99 are visible; blocks holding only tokens < 64 are out
+    kc = np.array(case.key_cache)
+    vc = np.array(case.value_cache)
+    table = np.array(case.block_tables)[0]
+    for t in range(100 - window):
+        kc[table[t // 8], :, t % 8] = np.nan
+        vc[table[t // 8], :, t % 8] = np.nan
+    case.key_cache, case.value_cache = mx.array(kc), mx.array(vc)
+    out = _paged(case, sliding_window=window)
+    assert np.isfinite(np.array(out)).all()
+    assert_close(out, _paged_ref(case, sliding_window=window), mx.float32)
+
+
+# ------------------------------------------------------------------ laziness and compile
+
+
+def test_ops_are_lazy():
+    case = paged_case([20], dtype=mx.float32)
+    out = _paged(case)
+    with pytest.raises(ValueError, match="evaluate the array first"):
+        _ext.data_pointer(out)  # nothing has run yet
+    mx.eval(out)
+    assert _ext.data_pointer(out) != 0
+
+
+def test_paged_attention_under_compile():
+    case = paged_case([5, 40], dtype=mx.float16)
+
+    @mx.compile
+    def step(q, kc, vc, tables, lens):
+        return cpu.paged_attention(q * 2.0, kc, vc, tables, lens, softcap=4.0) + 1.0
+
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    eager = cpu.paged_attention(case.query * 2.0, *args[1:], softcap=4.0) + 1.0
+    for _ in range(2):  # the second call reuses the compiled graph
+        assert mx.array_equal(step(*args), eager).item()
+
+
+def test_cache_update_under_compile():
+    case = paged_case([10], dtype=mx.float32)
+    slots = mx.array(free_slots(case, 3))
+    rows = mx.random.normal((3, 2, 64))
+
+    @mx.compile
+    def write(k, v, kc, vc, s):
+        return cpu.reshape_and_cache(k, v, kc, vc, s)
+
+    kc, vc = write(rows, rows * 2, case.key_cache, case.value_cache, slots)
+    ref_k, ref_v = reference.reshape_and_cache(rows, rows * 2, case.key_cache, case.value_cache, slots)
+    np.testing.assert_array_equal(np.array(kc), ref_k)
+    np.testing.assert_array_equal(np.array(vc), ref_v)
+
+
+# ------------------------------------------------------------------ in-place updates
+
+
+def _float_cache(num_blocks=64, dtype=mx.float16):
+    kc = mx.zeros((num_blocks, 2, 16, 64), dtype=dtype)
+    vc = mx.zeros((num_blocks, 2, 16, 64), dtype=dtype)
+    mx.eval(kc, vc)
+    return kc, vc
+
+
+def test_reshape_and_cache_reuses_the_buffer_when_donated():
+    kc, vc = _float_cache()
+    k_ptr, v_ptr = _ext.data_pointer(kc), _ext.data_pointer(vc)
+    rows = mx.ones((3, 2, 64), dtype=mx.float32)  # converted to the cache dtype
+    slots = mx.array([5, -1, 40], dtype=mx.int32)
+    kc, vc = cpu.reshape_and_cache(rows, rows * 3, kc, vc, slots)  # old caches dropped here
+    mx.eval(kc, vc)
+    assert _ext.data_pointer(kc) == k_ptr and _ext.data_pointer(vc) == v_ptr
+    k = np.array(kc)
+    assert (k[0, :, 5] == 1).all() and (k[2, :, 8] == 1).all() and (np.array(vc)[2, :, 8] == 3).all()
+    assert np.count_nonzero(k) == 2 * 2 * 64  # the skipped slot wrote nothing
+
+
+def test_reshape_and_cache_copies_when_the_old_cache_is_still_held():
+    kc, vc = _float_cache()
+    old_k = kc
+    k_ptr = _ext.data_pointer(kc)
+    new_k, new_v = cpu.reshape_and_cache(mx.ones((1, 2, 64)), mx.ones((1, 2, 64)), kc, vc,
+                                         mx.array([0], dtype=mx.int32))
+    mx.eval(new_k, new_v)
+    assert _ext.data_pointer(new_k) != k_ptr
+    assert not np.array(old_k).any()  # the held array is untouched
+    assert (np.array(new_k)[0, :, 0] == 1).all()
+
+
+def test_in_place_update_allocates_no_cache_copy():
+    kc, vc = _float_cache(num_blocks=2048, dtype=mx.float32)  # 16 MiB each
+    rows = mx.ones((4, 2, 64))
+    slots = mx.array([1, 2, 3, 4], dtype=mx.int32)
+    mx.eval(rows, slots)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    kc, vc = cpu.reshape_and_cache(rows, rows, kc, vc, slots)
+    mx.eval(kc, vc)
+    assert mx.get_peak_memory() - before < kc.nbytes // 8
+
+
+def test_quantized_reshape_and_cache_is_in_place():
+    kq = quant.empty_like_layout((32, 2, 16, 64), bits=8, group_size=32, dtype=mx.float16)
+    vq = quant.empty_like_layout((32, 2, 16, 64), bits=4, group_size=64, dtype=mx.float16)
+    mx.eval(*kq.arrays(), *vq.arrays())
+    ptrs = [_ext.data_pointer(a) for a in (*kq.arrays(), *vq.arrays())]
+    rows = mx.random.normal((2, 2, 64))
+    kq, vq = cpu.reshape_and_cache(rows, rows, kq, vq, mx.array([3, 17], dtype=mx.int32))
+    mx.eval(*kq.arrays(), *vq.arrays())
+    assert [_ext.data_pointer(a) for a in (*kq.arrays(), *vq.arrays())] == ptrs
+    assert isinstance(kq, quant.QuantizedKV) and (kq.bits, vq.bits) == (8, 4)
+
+
+def test_copy_blocks_in_place_and_reads_the_old_contents():
+    kc, vc = _float_cache(num_blocks=8, dtype=mx.float32)
+    kc = mx.arange(kc.size, dtype=mx.float32).reshape(kc.shape)
+    vc = -kc
+    mx.eval(kc, vc)
+    before_k, before_v = np.array(kc), np.array(vc)
+    k_ptr = _ext.data_pointer(kc)
+    src, dst = mx.array([1, 2, 5], dtype=mx.int32), mx.array([2, 3, 1], dtype=mx.int32)  # chained
+    ref_k, ref_v = reference.copy_blocks(before_k, before_v, src, dst)
+    kc, vc = cpu.copy_blocks(kc, vc, src, dst)
+    mx.eval(kc, vc)
+    assert _ext.data_pointer(kc) == k_ptr
+    np.testing.assert_array_equal(np.array(kc), ref_k)
+    np.testing.assert_array_equal(np.array(vc), ref_v)
+
+
+def test_copy_blocks_quantized_moves_all_three_arrays():
+    kq = quant.quantize(mx.random.normal((6, 2, 8, 64)), bits=4, group_size=32)
+    vq = quant.quantize(mx.random.normal((6, 2, 8, 64)), bits=8, group_size=64)
+    mx.eval(*kq.arrays(), *vq.arrays())
+    src, dst = mx.array([0, 4], dtype=mx.int32), mx.array([5, 2], dtype=mx.int32)
+    ref_k, ref_v = reference.copy_blocks(kq, vq, src, dst)
+    new_k, new_v = cpu.copy_blocks(kq, vq, src, dst)
+    np.testing.assert_array_equal(reference.to_f64(new_k), ref_k)
+    np.testing.assert_array_equal(reference.to_f64(new_v), ref_v)
+
+
+# ------------------------------------------------------------------ strided views
+
+
+def test_decode_attention_reads_strided_views_in_place():
+    b, hkv, t_max, d, h = 2, 4, 4096, 128, 16
+    rng = np.random.default_rng(1)
+    # [B, T, Hkv, D] storage (heads interleaved), viewed as [B, Hkv, T, D] and cut to 3000 tokens.
+    k_store = mx.array(rng.standard_normal((b, t_max, hkv, d), dtype=np.float32))
+    v_store = mx.array(rng.standard_normal((b, t_max, hkv, d), dtype=np.float32))
+    q = mx.array(rng.standard_normal((b, h, 1, d), dtype=np.float32))
+    mx.eval(k_store, v_store, q)
+    keys = k_store.transpose(0, 2, 1, 3)[:, :, :3000]
+    values = v_store.transpose(0, 2, 1, 3)[:, :, :3000]
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    out = cpu.decode_attention(q, keys, values, softcap=20.0)
+    mx.eval(out)
+    assert mx.get_peak_memory() - before < keys.nbytes // 16  # no copy of the views
+    ref = reference.decode_attention(q, keys, values, softcap=20.0)
+    assert_close(out, ref, mx.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_decode_attention_sliced_cache_matches_oracle(dtype):
+    rng = np.random.default_rng(2)
+    big_k = mx.array(rng.standard_normal((3, 2, 300, 64), dtype=np.float32)).astype(dtype)
+    big_v = mx.array(rng.standard_normal((3, 2, 300, 64), dtype=np.float32)).astype(dtype)
+    q = mx.array(rng.standard_normal((2, 8, 1, 64), dtype=np.float32)).astype(dtype)
+    keys, values = big_k[1:, :, 7:140], big_v[1:, :, 7:140]  # offset + row stride of a bigger cache
+    sinks = mx.array(rng.standard_normal(8).astype(np.float32))
+    for splits in (None, 1, 5):
+        out = cpu.decode_attention(q, keys, values, sinks=sinks, num_splits=splits)
+        assert_close(out, reference.decode_attention(q, keys, values, sinks=sinks), dtype)
+
+
+# ------------------------------------------------------------------ threads and splits
+
+
+def test_results_do_not_depend_on_thread_count():
+    case = paged_case([3, 97, 513, 1000], num_heads=16, num_kv_heads=4, head_dim=128, dtype=mx.float16)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        _ext.set_num_threads(threads)
+        assert _ext.num_threads() == threads
+        outs.append(np.array(_paged(case, num_splits=4)))
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])  # bit-identical: fixed work items
+
+
+def test_results_do_not_depend_on_split_count():
+    case = paged_case([1, 64, 1000], num_heads=8, num_kv_heads=2, head_dim=64, dtype=mx.float32)
+    ref = _paged_ref(case)
+    base = np.array(_paged(case, num_splits=1))
+    for splits in (None, 2, 3, 7, 64, 200):  # more splits than blocks leaves some empty
+        out = _paged(case, num_splits=splits)
+        assert_close(out, ref, mx.float32)
+        np.testing.assert_allclose(np.array(out), base, rtol=0, atol=1e-5 * np.abs(base).max())
+
+
+# ------------------------------------------------------------------ quantized caches
+
+
+def _exact_numpy(a):
+    """NumPy has no bfloat16: widen it (exactly) to float32."""
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+
+
+@pytest.mark.parametrize("bits", quant.SUPPORTED_BITS)
+@pytest.mark.parametrize("group_size", quant.SUPPORTED_GROUP_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_cache_quantization_matches_mx_quantize(bits, group_size, dtype):
+    d = 128
+    rows = (mx.random.normal((5, 2, d)) * mx.array([0.1, 3.0])[None, :, None]).astype(dtype)
+    rows = mx.concatenate([rows, mx.zeros((1, 2, d), dtype=dtype)])  # a constant row (zero range)
+    cache = quant.empty_like_layout((4, 2, 8, d), bits=bits, group_size=group_size, dtype=dtype)
+    slots = mx.array([0, 9, 31, 17, 2, 3], dtype=mx.int32)
+    cache, _ = cpu.reshape_and_cache(rows, rows, cache, cache, slots)
+    want = quant.quantize(rows, bits=bits, group_size=group_size)  # mx.quantize row by row
+    s = np.array(slots)
+    for name in ("data", "scales", "biases"):
+        got = _exact_numpy(getattr(cache, name))[s // 8, :, s % 8]  # [token, head, ...]
+        np.testing.assert_array_equal(got, _exact_numpy(getattr(want, name)), err_msg=name)
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(8, 4), (4, 8), (3, 5), (6, 2), (8, None), (None, 4)])
+def test_quantized_attention_and_gather(k_bits, v_bits):
+    case = paged_case([1, 40, 130], num_heads=8, num_kv_heads=2, head_dim=128, dtype=mx.float16,
+                      k_bits=k_bits, v_bits=v_bits, group_size=32)
+    assert_close(_paged(case, num_splits=3, softcap=10.0), _paged_ref(case, softcap=10.0), mx.float16)
+    got = cpu.gather_kv_cache(case.key_cache, case.value_cache, case.block_tables, case.seq_lens, max_len=150)
+    want = reference.gather_kv_cache(case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                     max_len=150)
+    for g, w in zip(got, want):
+        assert g.dtype == mx.float16
+        np.testing.assert_allclose(np.array(g.astype(mx.float32)), w, rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_decode_attention():
+    rng = np.random.default_rng(3)
+    keys = quant.quantize(mx.array(rng.standard_normal((2, 2, 77, 64), dtype=np.float32)), bits=8, group_size=64)
+    values = quant.quantize(mx.array(rng.standard_normal((2, 2, 77, 64), dtype=np.float32)), bits=4,
+                            group_size=32)
+    q = mx.array(rng.standard_normal((2, 4, 1, 64), dtype=np.float32))
+    out = cpu.decode_attention(q, keys, values, num_splits=2)
+    assert_close(out, reference.decode_attention(q, keys, values), mx.float32)
+
+
+# ------------------------------------------------------------------ the C++ entry points' own checks
+
+
+def test_extension_rejects_bad_shapes():
+    q = mx.zeros((1, 4, 64))
+    kc = mx.zeros((4, 2, 16, 64))
+    tables = mx.zeros((1, 2), dtype=mx.int32)
+    lens = mx.array([3], dtype=mx.int32)
+    with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3"):
+        _ext.paged_attention(q[None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"\[paged_attention\] num_heads must be a multiple"):
+        _ext.paged_attention(mx.zeros((1, 3, 64)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"\[paged_attention\] key/value head_dim"):
+        _ext.paged_attention(mx.zeros((1, 4, 32)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"\[reshape_and_cache\] slot_mapping"):
+        _ext.cache_write(mx.zeros((2, 2, 64)), [kc], 0, 0, mx.zeros((3,), dtype=mx.int32))
+    with pytest.raises(ValueError, match=r"\[cap_simd_level\]"):
+        _ext.cap_simd_level("sse9")
