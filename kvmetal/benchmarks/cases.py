@@ -102,7 +102,7 @@ def decode_contiguous(*, backend, tokens, repeat, baseline, progress):
 def write_and_gather(*, backend, tokens, repeat, baseline, progress):
     """reshape_and_cache of 512 new tokens, and gather_kv_cache of the whole sequence."""
     query, kc, vc, tables, lens, _, _ = _paged_setup(tokens, mx.float16)
-    new = 512
+    new = min(512, kc.shape[0] * BLOCK_SIZE)
     rows_k = mx.random.normal((new, NUM_KV_HEADS, HEAD_DIM)).astype(mx.float16)
     rows_v = mx.random.normal((new, NUM_KV_HEADS, HEAD_DIM)).astype(mx.float16)
     slots = mx.array(np.random.default_rng(1).choice(kc.shape[0] * BLOCK_SIZE, new, replace=False).astype(np.int32))
