@@ -23,8 +23,9 @@ inline void kv_attend_split(
     KR krows, VR vrows, KI kindex, VI vindex,
     PQ q,  // [G, D] query rows of this kv head, query dtype
     int lo, int hi, int tile0, float scale, float softcap,
-    threadgroup float* ktile,  // [TT, D]
-    threadgroup float* vtile,  // [TT, D]
+    threadgroup float4* ktile4,  // [TT, D / 4]
+    threadgroup float4* vtile4,  // [TT, D / 4]
+    threadgroup float4* merge,   // [NSG, D / 4] accumulators, then [NSG] (max, sum, -, -)
     uint tid, uint sg, uint lane,
     device float* part_max,  // [.., splits]  row part_row0 + g * head_stride
     device float* part_sum,
@@ -32,8 +33,16 @@ inline void kv_attend_split(
     int part_row0, int head_stride) {
   constexpr int C4 = D / 4;                  // float4 chunks per row
   constexpr int CPL = (C4 + 31) / 32;        // chunks per lane
-  constexpr int HPS = (G + NSG - 1) / NSG;   // heads per simdgroup
+  // With fewer heads than simdgroups (G = 1, 2) the simdgroups also split each
+  // tile's tokens into P phases, and merge their states at the end.
+  constexpr int P = G < NSG ? NSG / G : 1;   // token phases
+  constexpr int SPP = NSG / P;               // simdgroups per phase
+  constexpr int HPS = (G + SPP - 1) / SPP;   // heads per simdgroup
   constexpr int NT = NSG * 32;
+  const int phase = int(sg) / SPP;
+  const int slot = int(sg) % SPP;
+  threadgroup float* ktile = reinterpret_cast<threadgroup float*>(ktile4);
+  threadgroup float* vtile = reinterpret_cast<threadgroup float*>(vtile4);
 
   // Read the query (pre-scaled) and reset the running state.
   float4 qr[HPS][CPL];
@@ -41,7 +50,7 @@ inline void kv_attend_split(
   float mrun[HPS];
   float lrun[HPS];
   for (int j = 0; j < HPS; j++) {
-    const int g = int(sg) + j * NSG;
+    const int g = slot + j * SPP;
     for (int c = 0; c < CPL; c++) {
       const int idx = int(lane) + 32 * c;
       qr[j][c] = (g < G && idx < C4) ? kv_load4(q + g * D + idx * 4) * scale : float4(0.0f);
@@ -70,11 +79,11 @@ inline void kv_attend_split(
 
     // Score, online softmax and accumulate, one token at a time.
     const int r_end = min(hi, t0 + TT) - t0;
-    for (int r = max(lo, t0) - t0; r < r_end; r++) {
-      const threadgroup float4* krow = reinterpret_cast<const threadgroup float4*>(ktile + r * D);
-      const threadgroup float4* vrow = reinterpret_cast<const threadgroup float4*>(vtile + r * D);
+    for (int r = max(lo, t0) - t0 + phase; r < r_end; r += P) {
+      const threadgroup float4* krow = ktile4 + r * C4;
+      const threadgroup float4* vrow = vtile4 + r * C4;
       for (int j = 0; j < HPS; j++) {
-        if (int(sg) + j * NSG >= G) {
+        if (slot + j * SPP >= G) {
           break;  // uniform across the simdgroup
         }
         float s = 0.0f;
@@ -103,10 +112,49 @@ inline void kv_attend_split(
     }
   }
 
+  // Merge the token phases (one head per simdgroup when P > 1): every phase
+  // publishes (max, sum, accumulator), phase 0 combines them.
+  if (P > 1) {
+    threadgroup float4* stats = merge + NSG * C4;
+    if (lane == 0) {
+      stats[sg] = kv_float4(mrun[0], lrun[0], 0.0f, 0.0f);
+    }
+    for (int c = 0; c < CPL; c++) {
+      const int idx = int(lane) + 32 * c;
+      if (idx < C4) {
+        merge[int(sg) * C4 + idx] = acc[0][c];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (phase == 0) {
+      float m_all = KV_NEG_BIG;
+      for (int p = 0; p < P; p++) {
+        m_all = max(m_all, stats[p * SPP + slot].x);
+      }
+      float l_all = 0.0f;
+      for (int c = 0; c < CPL; c++) {
+        acc[0][c] = float4(0.0f);
+      }
+      for (int p = 0; p < P; p++) {
+        const int from = p * SPP + slot;
+        const float w = exp(stats[from].x - m_all);
+        l_all += w * stats[from].y;
+        for (int c = 0; c < CPL; c++) {
+          const int idx = int(lane) + 32 * c;
+          if (idx < C4) {
+            acc[0][c] += w * merge[from * C4 + idx];
+          }
+        }
+      }
+      mrun[0] = m_all;
+      lrun[0] = l_all;
+    }
+  }
+
   // Write this split's partials.
   for (int j = 0; j < HPS; j++) {
-    const int g = int(sg) + j * NSG;
-    if (g >= G) {
+    const int g = slot + j * SPP;
+    if (g >= G || phase != 0) {
       break;
     }
     const int prow = part_row0 + g * head_stride;
@@ -170,11 +218,12 @@ const VRowsT vrows = {value_data, value_scales, value_biases};
 const KIndexT kindex = {block_tables + seq * max_blocks, num_kv_heads, kvh};
 const VIndexT vindex = {block_tables + seq * max_blocks, num_kv_heads, kvh};
 
-threadgroup float ktile[TT * D];
-threadgroup float vtile[TT * D];
+threadgroup float4 ktile[TT * D / 4];
+threadgroup float4 vtile[TT * D / 4];
+threadgroup float4 merge[NSG * (D / 4 + 1)];
 kv_attend_split<D, G, TT, NSG>(
     krows, vrows, kindex, vindex, query + size_t(seq * num_heads + kvh * G) * D,
-    range.lo, range.hi, range.tile0, scalars[0], scalars[1], ktile, vtile,
+    range.lo, range.hi, range.tile0, scalars[0], scalars[1], ktile, vtile, merge,
     thread_index_in_threadgroup, simdgroup_index_in_threadgroup, thread_index_in_simdgroup,
     part_max, part_sum, part_acc, (seq * num_heads + kvh * G) * num_splits + split, num_splits);
 
@@ -213,11 +262,12 @@ const StridedRowIndex vindex = {
     KvRowAt{size_t(value_data_strides[2]), size_t(value_scales_strides[2]),
             size_t(value_biases_strides[2]), 0, 0, 0}};
 
-threadgroup float ktile[TT * D];
-threadgroup float vtile[TT * D];
+threadgroup float4 ktile[TT * D / 4];
+threadgroup float4 vtile[TT * D / 4];
+threadgroup float4 merge[NSG * (D / 4 + 1)];
 kv_attend_split<D, G, TT, NSG>(
     krows, vrows, kindex, vindex, query + size_t(batch * num_heads + kvh * G) * D,
-    range.lo, range.hi, range.tile0, scalars[0], scalars[1], ktile, vtile,
+    range.lo, range.hi, range.tile0, scalars[0], scalars[1], ktile, vtile, merge,
     thread_index_in_threadgroup, simdgroup_index_in_threadgroup, thread_index_in_simdgroup,
     part_max, part_sum, part_acc, (batch * num_heads + kvh * G) * num_splits + split, num_splits);
 

@@ -3,7 +3,7 @@
 
 The shape matrix is a covering subset, not a product: each row changes several
 axes at once so that every dtype, head_dim (64..256), block size (8/16/32), GQA
-factor (1, 4, 6, 8, 16), quantized format and option (softcap, sinks, sliding
+factor (1, 2, 3, 4, 6, 8, 16), quantized format and option (softcap, sinks, sliding
 window, odd split counts, length 1, lengths off the block grid) appears, and
 each axis meets the others in some row.
 """
@@ -13,6 +13,7 @@ import pytest
 
 import kvmetal as kv
 from kvmetal import quant
+from kvmetal.backends import metal
 from kvmetal import reference as ref
 
 from test_metal_common import (SEEDS, TOLERANCE, kernel_backends, maybe_quantize, paged_cache, random,
@@ -31,6 +32,8 @@ PAGED = [
     (f16, 256, 32, 1, 6, (45, 130), 3, None, True, 64, None, None),
     (f32, 256, 16, 1, 8, (81,), 2, 50.0, False, None, None, None),
     (bf16, 64, 32, 1, 16, (150, 31), None, 10.0, True, 100, None, None),
+    (f16, 128, 16, 2, 2, (60, 19), 3, None, True, None, None, None),
+    (f32, 80, 8, 1, 3, (25, 2), None, 5.0, False, 9, None, None),
     # quantized: default K8/V4, straddling 3/5/6-bit, mixed float and quantized
     (f16, 128, 16, 2, 4, (77, 3), 3, None, False, None, (8, 64), (4, 64)),
     (bf16, 96, 8, 1, 6, (40,), None, 15.0, True, None, (3, 32), (6, 32)),
@@ -58,11 +61,20 @@ def test_paged_attention(case, backend):
     options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
     expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
     for seed in SEEDS if backend == "sim" else SEEDS[:1]:
-        with run_on(backend, seed=seed):
+        with run_on(backend, seed=seed) as trace:
             out = kv.paged_attention(query, kc, vc, tables, seq_lens, num_splits=splits, **options)
             mx.eval(out)
         assert out.dtype == dtype and out.shape == query.shape
         assert rel_err(out, expected) <= TOLERANCE[dtype]
+        if trace is not None:
+            # The description's threadgroup memory is what the MSL declares.
+            call = next(c for c in trace.calls if "paged_attention_partials" in c.name)
+            tile = metal.tile_tokens(head_dim, block_size)
+            geometry = metal.SPECS["paged_attention_partials"].geometry(
+                splits=1, num_kv_heads=1, num_seqs=1, head_dim=head_dim, tile=tile)
+            assert call.threadgroup_memory == geometry.threadgroup_bytes
+            if splits is not None:
+                assert call.grid[0] == splits * metal.SIMDGROUPS * 32
 
 
 # dtype, head_dim, kv heads, GQA, tokens, splits, softcap, sinks, view, K quant, V quant
@@ -72,6 +84,7 @@ CONTIGUOUS = [
     (bf16, 80, 1, 6, 130, 5, None, False, "slice_heads", None, None),
     (f16, 256, 1, 8, 45, None, None, True, "transposed", None, None),
     (f32, 192, 2, 1, 33, 7, None, False, "contiguous", None, None),
+    (f16, 112, 2, 2, 64, 2, None, False, "slice_heads", None, None),
     (f16, 128, 2, 4, 90, 3, None, False, "slice_t", (8, 64), (4, 64)),
     (bf16, 96, 1, 6, 17, None, 10.0, True, "contiguous", (3, 32), (5, 32)),
 ]

@@ -130,7 +130,7 @@ class KernelSpec:
 def _attention_geometry(*, splits, num_kv_heads, num_seqs, head_dim, tile):
     return Geometry(grid=(splits * SIMDGROUPS * 32, num_kv_heads, num_seqs),
                     threadgroup=(SIMDGROUPS * 32, 1, 1),
-                    threadgroup_bytes=2 * tile * head_dim * 4)
+                    threadgroup_bytes=4 * (2 * tile * head_dim + SIMDGROUPS * (head_dim + 4)))
 
 
 _ATTENTION_TEMPLATE = ("TK", "TV", "D", "G", "TT", "NSG", "KBITS", "KGS", "VBITS", "VGS")
