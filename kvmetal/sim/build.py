@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -23,9 +24,11 @@ from .errors import CompileError, SimError
 
 RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
 KERNEL_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-fwrapv", "-fno-strict-aliasing",
-                "-ftrivial-auto-var-init=pattern", "-fno-exceptions",
-                # keep every barrier/collective call site distinct (sites are return addresses)
-                "-fno-crossjumping", "-fno-tree-tail-merge", "-fno-code-hoisting")
+                "-ftrivial-auto-var-init=pattern", "-fno-exceptions")
+# Keep every barrier/collective call site distinct (a site is a return address):
+# no merging of identical calls from different branches.
+GCC_SITE_FLAGS = ("-fno-crossjumping", "-fno-tree-tail-merge", "-fno-code-hoisting")
+CLANG_SITE_FLAGS = ("-mllvm", "-enable-tail-merge=false")
 RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread")
 
 _lock = threading.Lock()
@@ -59,6 +62,15 @@ def _runtime_digest() -> str:
             h.update(p.name.encode())
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def kernel_flags() -> tuple:
+    cmd = compiler()
+    ident = _compiler_id(tuple(cmd))
+    extra = CLANG_SITE_FLAGS if "clang" in ident.lower() else GCC_SITE_FLAGS
+    if sys.platform == "darwin":
+        extra += ("-undefined", "dynamic_lookup")  # runtime symbols come from libkmslrt, loaded first
+    return KERNEL_FLAGS + extra
 
 
 def _digest(*parts: str) -> str:
@@ -124,14 +136,15 @@ def load_kernel(cpp: str, *, what: str, file_name: str, msl: str) -> ctypes.CDLL
     """Compile (or fetch from the caches) one kernel variant and load it."""
     load_runtime()
     cmd = compiler()
-    key = _digest(cpp, _runtime_digest(), " ".join(cmd), _compiler_id(tuple(cmd)), " ".join(KERNEL_FLAGS))
+    flags = kernel_flags()
+    key = _digest(cpp, _runtime_digest(), " ".join(cmd), _compiler_id(tuple(cmd)), " ".join(flags))
     with _lock:
         lib = _loaded.get(key)
     if lib is not None:
         return lib
     path = cache_dir() / f"k-{key}.so"
     if not path.exists():
-        _compile(cpp, path, KERNEL_FLAGS, what=what, file_name=file_name, msl=msl)
+        _compile(cpp, path, flags, what=what, file_name=file_name, msl=msl)
     lib = ctypes.CDLL(str(path))
     with _lock:
         _loaded[key] = lib
