@@ -165,6 +165,15 @@ class AllocatorMachine(RuleBasedStateMachine):
     def evict(self, i, window, keep):
         self.m.evict(self._pick(i), window, keep)
 
+    @precondition(lambda self: self.m.expected)
+    @rule(i=st.integers(0, 100), cut=st.integers(0, 40))
+    def truncate(self, i, cut):
+        seq = self._pick(i)
+        table, bs = self.m.alloc.block_table(seq), self.m.bs
+        # Only to a length whose last block is still live (evicted tokens cannot come back).
+        valid = [n for n in range(self.m.alloc.num_tokens(seq) + 1) if n == 0 or table[(n - 1) // bs] != HOLE]
+        self.m.truncate(seq, valid[cut % len(valid)])
+
     @invariant()
     def consistent(self):
         self.m.check()
