@@ -165,7 +165,7 @@ inline void kv_attend_split(
     for (int c = 0; c < CPL; c++) {
       const int idx = int(lane) + 32 * c;
       if (idx < C4) {
-        kv_store4<float>(part_acc + size_t(prow) * D + idx * 4, acc[j][c]);
+        *reinterpret_cast<device float4*>(part_acc + size_t(prow) * D + idx * 4) = acc[j][c];
       }
     }
   }

@@ -35,13 +35,7 @@ inline float4 kv_float4(float a, float b, float c, float d) {
 inline float4 kv_widen(half4 h) { return kv_float4(float(h.x), float(h.y), float(h.z), float(h.w)); }
 
 // One vectorized load of four elements, widened to float.
-// float rows load as two float2: 8-byte alignment is all any MLX buffer (and
-// the simulator's view of MLX's CPU buffers) guarantees for an offset of 4k.
-inline float4 kv_load4(const device float* p) {
-  const float2 lo = reinterpret_cast<const device float2*>(p)[0];
-  const float2 hi = reinterpret_cast<const device float2*>(p)[1];
-  return kv_float4(lo.x, lo.y, hi.x, hi.y);
-}
+inline float4 kv_load4(const device float* p) { return *reinterpret_cast<const device float4*>(p); }
 inline float4 kv_load4(const device half* p) { return kv_widen(*reinterpret_cast<const device half4*>(p)); }
 // bfloat vectors exist only on newer Metal; four scalar loads are the portable form.
 inline float4 kv_load4(const device bfloat16_t* p) {
