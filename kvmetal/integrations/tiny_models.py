@@ -10,7 +10,6 @@ import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
 
 COMMON = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
               num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=False)
@@ -39,13 +38,26 @@ def build(family: str, *, dtype=mx.float32, seed: int = 0, **overrides) -> nn.Mo
         for layer in model.layers:
             layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
     model.set_dtype(dtype)
+    if family == "gpt_oss" and dtype != mx.float32 and not mx.metal.is_available():
+        # MLX's CPU GatherMM (the experts) runs float32 only: keep the expert blocks in
+        # float32 behind a cast; attention and the KV cache stay in ``dtype``.
+        for layer in model.layers:
+            layer.mlp = Float32Block(layer.mlp)
     # Random normal init of norms/embeddings is fine; make every array real before timing.
     mx.eval(model.parameters())
     return model
 
 
-def cast_like(tree, dtype):
-    return tree_map(lambda x: x.astype(dtype) if isinstance(x, mx.array) else x, tree)
+class Float32Block(nn.Module):
+    """Runs ``inner`` in float32 and returns its output in the input's dtype."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        inner.set_dtype(mx.float32)
+        self.inner = inner
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.inner(x.astype(mx.float32)).astype(x.dtype)
 
 
 def word_tokenizer(vocab_size: int = COMMON["vocab_size"]):
