@@ -11,7 +11,8 @@ namespace kvmetal {
 namespace {
 
 constexpr int kMinTokensPerSplit = 256;  // below this a split costs more than it saves
-constexpr int kItemsPerThread = 4;       // enough items to balance uneven ones
+constexpr int kItemsPerThread = 8;       // enough items to balance uneven ones (and
+                                         // threads that the OS pauses)
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
@@ -79,56 +80,79 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
     for (int d = 0; d < D; ++d) sc.q[g * D + d] = load_as_f32(p.query, row + d, p.q_kind) * p.scale;
   }
 
-  // The tile holding token t: rows [row0, row0 + n) of (outer, kvh).
-  struct Tile {
+  // A tile is up to kMaxTileRows consecutive tokens, made of segments: runs
+  // of rows [row0, row0 + n) of one (outer, kvh). Float32 tiles are read in
+  // place, so they stay within one block; tiles that are converted into
+  // scratch anyway (f16/bf16/quantized) merge small blocks, which halves the
+  // per-tile work (softmax step, accumulator rescale) for block_size 16.
+  struct Segment {
     int64_t outer;
     int row0, n;
   };
-  auto tile_at = [&](int t) {
+  constexpr int kMaxSegments = kMaxTileRows / 8;
+  auto segment_at = [&](int t) {
     if (p.paged) {
       const int row0 = t % p.block_size;
-      return Tile{p.block_tables[static_cast<int64_t>(s) * p.max_blocks + t / p.block_size], row0,
-                  std::min(p.block_size - row0, range.hi - t)};
+      return Segment{p.block_tables[static_cast<int64_t>(s) * p.max_blocks + t / p.block_size], row0,
+                     std::min(p.block_size - row0, range.hi - t)};
     }
-    return Tile{s, t, std::min(kMaxTileRows - t % kMaxTileRows, range.hi - t)};
+    return Segment{s, t, std::min(kMaxTileRows - t % kMaxTileRows, range.hi - t)};
+  };
+  const bool merge = p.paged && k.converts() && v.converts();
+  // Fills segs for the tile starting at token t; returns the segment count.
+  auto tile_at = [&](int t, Segment* segs, int* rows) {
+    int count = 0;
+    *rows = 0;
+    do {
+      segs[count] = segment_at(t + *rows);
+      *rows += segs[count++].n;
+    } while (merge && count < kMaxSegments && t + *rows < range.hi && *rows + p.block_size <= kMaxTileRows);
+    return count;
+  };
+  // One K or V tile as float32 rows `*stride` apart.
+  auto load = [&](const KVView& view, const Segment* segs, int count, float* scratch, int64_t* stride) {
+    if (count == 1) return view.tile(segs[0].outer, kvh, segs[0].row0, segs[0].n, scratch, stride, tk);
+    for (int i = 0, off = 0; i < count; off += segs[i++].n)
+      view.tile(segs[i].outer, kvh, segs[i].row0, segs[i].n, scratch + static_cast<int64_t>(off) * D, stride, tk);
+    *stride = D;
+    return static_cast<const float*>(scratch);
   };
 
+  Segment cur[kMaxSegments], next[kMaxSegments];
+  int cur_rows;
+  int cur_count = tile_at(range.lo, cur, &cur_rows);
   for (int t = range.lo; t < range.hi;) {
-    const Tile tile = tile_at(t);
-    const int64_t outer = tile.outer;
-    const int row0 = tile.row0, n = tile.n;
+    const int n = cur_rows;
     t += n;
+    int next_rows = 0, next_count = 0;
     if (t < range.hi) {  // start loading the next tile while this one computes
-      const Tile next = tile_at(t);
-      k.prefetch(next.outer, kvh, next.row0, next.n);
-      v.prefetch(next.outer, kvh, next.row0, next.n);
+      next_count = tile_at(t, next, &next_rows);
+      for (int i = 0; i < next_count; ++i) {
+        k.prefetch(next[i].outer, kvh, next[i].row0, next[i].n);
+        v.prefetch(next[i].outer, kvh, next[i].row0, next[i].n);
+      }
     }
 
     int64_t ks, vs;
-    const float* kt = k.tile(outer, kvh, row0, n, sc.k_tile.data(), &ks, tk);
+    const float* kt = load(k, cur, cur_count, sc.k_tile.data(), &ks);
     float* scores = sc.scores.data();
     tk.scores(sc.q.data(), G, kt, ks, n, D, scores);
-
-    // Online softmax: new running max, rescale factor, probabilities.
-    for (int g = 0; g < G; ++g) {
-      float* sg = scores + g * kMaxTileRows;
-      if (p.has_softcap) {
-        for (int r = 0; r < n; ++r) sg[r] = p.softcap * std::tanh(sg[r] / p.softcap);
-      }
-      float tile_max = sg[0];
-      for (int r = 1; r < n; ++r) tile_max = std::max(tile_max, sg[r]);
-      const float m_new = std::max(m[g], tile_max);
-      sc.corr[g] = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first tile
-      m[g] = m_new;
-      for (int r = 0; r < n; ++r) sg[r] -= m_new;
-      tk.exp_inplace(sg, n);
-      float sum = 0.f;
-      for (int r = 0; r < n; ++r) sum += sg[r];
-      l[g] = l[g] * sc.corr[g] + sum;
+    if (p.has_softcap) {
+      for (int g = 0; g < G; ++g)
+        for (int r = 0; r < n; ++r) {
+          float& x = scores[g * kMaxTileRows + r];
+          x = p.softcap * std::tanh(x / p.softcap);
+        }
     }
+    // Online softmax: new running max, rescale factors, probabilities.
+    tk.softmax_update(scores, G, n, m, l, sc.corr.data());
 
-    const float* vt = v.tile(outer, kvh, row0, n, sc.v_tile.data(), &vs, tk);
+    const float* vt = load(v, cur, cur_count, sc.v_tile.data(), &vs);
     tk.accumulate(scores, sc.corr.data(), G, vt, vs, n, D, acc);
+
+    std::copy(next, next + next_count, cur);
+    cur_count = next_count;
+    cur_rows = next_rows;
   }
 }
 

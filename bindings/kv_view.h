@@ -32,6 +32,9 @@ struct KVView {
     return outer * s[0] + head * s[1] + row * s[2];
   }
 
+  // True when tiles go through a scratch buffer (anything but float32).
+  bool converts() const { return quantized || kind != FloatKind::f32; }
+
   // Ask for rows [row0, row0 + n) of (outer, head) to be pulled into cache:
   // tiles of a paged cache are scattered (shuffled block ids), so the hardware
   // prefetcher cannot guess the next one, but the block table can.

@@ -31,6 +31,11 @@ struct TileKernels {
                      float* acc);
   // x[i] = exp(x[i]) for i < n.
   void (*exp_inplace)(float* x, int n);
+  // One online-softmax step for G heads over a tile of n scores each
+  // (scores[g * kMaxTileRows + r]; entries past n may be overwritten):
+  //   m_new = max(m[g], max_r s);  corr[g] = exp(m[g] - m_new);  s <- exp(s - m_new);
+  //   l[g] = l[g] * corr[g] + sum_r s;  m[g] = m_new.
+  void (*softmax_update)(float* scores, int G, int n, float* m, float* l, float* corr);
   // dst[i] = float16/bfloat16 bits of src[i] (round to nearest even).
   void (*f32_to_f16)(const float* src, int n, uint16_t* dst);
 };

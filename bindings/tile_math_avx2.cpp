@@ -173,7 +173,41 @@ void to_f16(const float* src, int n, uint16_t* dst) {
   for (; i < n; ++i) dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-const TileKernels kAvx2{"avx2", f16_rows, bf16_rows, scores, accumulate, exp_inplace, to_f16};
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// Vectorized along the tile's rows; the rows past n are padded with -inf
+// (exp gives 0, max ignores them). The G rescale factors share one exp call.
+void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr) {
+  const int n8 = (n + 7) & ~7;
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * kMaxTileRows;
+    for (int r = n; r < n8; ++r) sg[r] = -__builtin_inff();
+    __m256 mx = _mm256_loadu_ps(sg);
+    for (int r = 8; r < n8; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
+    const float m_new = m[g] > hmax(mx) ? m[g] : hmax(mx);
+    corr[g] = m[g] - m_new;
+    m[g] = m_new;
+  }
+  exp_inplace(corr, G);
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * kMaxTileRows;
+    const __m256 mn = _mm256_set1_ps(m[g]);
+    __m256 sum = _mm256_setzero_ps();
+    for (int r = 0; r < n8; r += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + r), mn));
+      _mm256_storeu_ps(sg + r, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    l[g] = l[g] * corr[g] + hsum(sum);
+  }
+}
+
+const TileKernels kAvx2{"avx2", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update, to_f16};
 
 }  // namespace
 

@@ -176,7 +176,38 @@ void to_f16(const float* src, int n, uint16_t* dst) {
   for (; i < n; ++i) dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-const TileKernels kAvx512{"avx512", f16_rows, bf16_rows, scores, accumulate, exp_inplace, to_f16};
+// Vectorized along the tile's rows (masked past n); the G rescale factors
+// share one exp call.
+void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr) {
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  const __mmask16 m0 = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 m1 = n <= 16 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << (n - 16)) - 1);
+  for (int g = 0; g < G; ++g) {
+    const float* sg = scores + g * kMaxTileRows;
+    __m512 mx = _mm512_mask_loadu_ps(neg_inf, m0, sg);
+    if (m1) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, m1, sg + 16));
+    const float tile_max = _mm512_reduce_max_ps(mx);
+    const float m_new = m[g] > tile_max ? m[g] : tile_max;
+    corr[g] = m[g] - m_new;
+    m[g] = m_new;
+  }
+  exp_inplace(corr, G);
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * kMaxTileRows;
+    const __m512 mn = _mm512_set1_ps(m[g]);
+    __m512 e = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, m0, sg), mn)));
+    _mm512_mask_storeu_ps(sg, m0, e);
+    __m512 sum = e;
+    if (m1) {
+      e = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, m1, sg + 16), mn)));
+      _mm512_mask_storeu_ps(sg + 16, m1, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(sum);
+  }
+}
+
+const TileKernels kAvx512{"avx512", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update, to_f16};
 
 }  // namespace
 

@@ -55,7 +55,24 @@ void to_f16(const float* src, int n, uint16_t* dst) {
   for (int i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
 }
 
-const TileKernels kPortable{"portable", f16_rows, bf16_rows, scores, accumulate, exp_inplace, to_f16};
+void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr) {
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * kMaxTileRows;
+    float tile_max = sg[0];
+    for (int r = 1; r < n; ++r) tile_max = std::max(tile_max, sg[r]);
+    const float m_new = std::max(m[g], tile_max);
+    corr[g] = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first tile
+    m[g] = m_new;
+    float sum = 0.f;
+    for (int r = 0; r < n; ++r) {
+      sg[r] = std::exp(sg[r] - m_new);
+      sum += sg[r];
+    }
+    l[g] = l[g] * corr[g] + sum;
+  }
+}
+
+const TileKernels kPortable{"portable", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update, to_f16};
 
 enum class Level { portable, avx2, avx512 };
 
