@@ -103,7 +103,7 @@ class PagedModelCache:
         """Extend a sequence in every group (window groups first drop what they no longer need).
         Checks every group's room first: on ``KVCacheFull`` only evictions happened."""
         count = len(tokens) if tokens is not None else num_tokens
-        for g, (pool, window) in enumerate(zip(self.pools, self.windows)):
+        for pool, window in zip(self.pools, self.windows):
             if window is not None:
                 # The first new query sees the last window - 1 cached tokens and itself.
                 pool.evict(seq_id, window=window - 1)
@@ -161,8 +161,10 @@ class PagedModelCache:
 
     # ------------------------------------------------------------------ internals
 
-    def _touch(self):
-        self._version = [v + 1 for v in self._version]
+    def _touch(self, group: int | None = None):
+        """Tables changed (in ``group``, or all): cached plans are stale."""
+        for g in range(len(self._version)) if group is None else (group,):
+            self._version[g] += 1
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def _grow(self, g: int) -> None:
@@ -179,7 +181,7 @@ class PagedModelCache:
                 raise KVCacheFull(f"[PagedLayerCache] sequence {seq_id!r} needs more blocks than are free")
             self._grow(g)
         pool.append(seq_id, num_tokens=num_new)
-        self._touch()
+        self._touch(g)
 
     def _plan(self, g: int, seq_ids: list, offsets: list, num_new: int) -> _Plan:
         """Slots and tables for ``num_new`` tokens after ``offsets``; built once per group and pass."""
@@ -293,7 +295,9 @@ class PagedLayerCache:
         return arrays
 
     def is_trimmable(self) -> bool:
-        return len(self.seq_ids) == 1
+        # Like mlx-lm's RotatingKVCache: a window layer is trimmable until it dropped tokens.
+        one = len(self.seq_ids) == 1
+        return one and (self.window is None or self._offsets[0] < self.window)
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens (the first layer of a group truncates the sequence)."""
@@ -304,7 +308,7 @@ class PagedLayerCache:
         target = self._offsets[0] - n
         if self.pool.num_tokens(seq) > target:
             self.pool.truncate(seq, target)
-            self.model_cache._touch()
+            self.model_cache._touch(self._group)
         self._offsets[0] = target
         return n
 
