@@ -41,6 +41,8 @@ inline void kv_attend_split(
   constexpr int NT = NSG * 32;
   const int phase = int(sg) / SPP;
   const int slot = int(sg) % SPP;
+  const KvRowAt kstep = kindex.row_step();
+  const KvRowAt vstep = vindex.row_step();
   threadgroup float* ktile = reinterpret_cast<threadgroup float*>(ktile4);
   threadgroup float* vtile = reinterpret_cast<threadgroup float*>(vtile4);
 
@@ -62,17 +64,21 @@ inline void kv_attend_split(
 
   for (int t0 = tile0; t0 < hi; t0 += TT) {
     // Load the tile's live rows (tokens outside [lo, hi) are never read).
+    // A tile lies inside one block: locate its first row once (one block-table
+    // read per tile), then step row by row.
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    const KvRowAt kfirst = kindex(t0);
+    const KvRowAt vfirst = vindex(t0);
     for (int i = int(tid); i < TT * KR::TASKS; i += NT) {
-      const int t = t0 + i / KR::TASKS;
-      if (t >= lo && t < hi) {
-        krows.template read<float>(kindex(t), i % KR::TASKS, ktile + (i / KR::TASKS) * D);
+      const int r = i / KR::TASKS;
+      if (t0 + r >= lo && t0 + r < hi) {
+        krows.template read<float>(kv_advance(kfirst, kstep, r), i % KR::TASKS, ktile + r * D);
       }
     }
     for (int i = int(tid); i < TT * VR::TASKS; i += NT) {
-      const int t = t0 + i / VR::TASKS;
-      if (t >= lo && t < hi) {
-        vrows.template read<float>(vindex(t), i % VR::TASKS, vtile + (i / VR::TASKS) * D);
+      const int r = i / VR::TASKS;
+      if (t0 + r >= lo && t0 + r < hi) {
+        vrows.template read<float>(kv_advance(vfirst, vstep, r), i % VR::TASKS, vtile + r * D);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -98,6 +98,8 @@ struct PagedRowIndex {
     size_t row = (size_t(table[t / BS]) * num_kv_heads + kvh) * BS + (t % BS);
     return KvRowAt{row * W, row * NG, row * NG, 1, 1, 1};
   }
+  // From one row to the next inside a block (tiles never straddle blocks).
+  KvRowAt row_step() const { return KvRowAt{W, NG, NG, 0, 0, 0}; }
 };
 
 // Contiguous cache [B, Hkv, T, W] read in place through its element strides
@@ -110,7 +112,14 @@ struct StridedRowIndex {
                    first.bias + size_t(t) * step.bias, first.data_step, first.scale_step,
                    first.bias_step};
   }
+  KvRowAt row_step() const { return KvRowAt{step.data, step.scale, step.bias, 0, 0, 0}; }
 };
+
+// Row `base` advanced by r rows of `step` (the *_step fields of base are kept).
+inline KvRowAt kv_advance(KvRowAt base, KvRowAt step, int r) {
+  return KvRowAt{base.data + size_t(r) * step.data, base.scale + size_t(r) * step.scale,
+                 base.bias + size_t(r) * step.bias, base.data_step, base.scale_step, base.bias_step};
+}
 
 // Float rows: data TE [..., D]; scales/biases are unused placeholders.
 template <int BITS, int GS, int D, typename TE, typename PD, typename PS>
