@@ -277,3 +277,25 @@ def test_cache_write_is_in_place(backend):
     assert _data_pointer(kc) == k_address and _data_pointer(vc) == v_address
     assert grown < kc.nbytes / 4, f"peak grew by {grown} bytes for a {kc.nbytes}-byte cache"
     assert np.array_equal(np.array(kc[5 // 16, :, 5 % 16]), np.array(key[0]))
+
+
+@pytest.mark.parametrize("backend", kernel_backends())
+def test_decode_attention_reads_quantized_views_in_place(backend):
+    rng = np.random.default_rng(11)
+    full_k, full_v = random(rng, (2, 3, 60, 128), f16), random(rng, (2, 3, 60, 128), f16)
+    kq, vq = quant.quantize(full_k, bits=8, group_size=64), quant.quantize(full_v, bits=4, group_size=32)
+
+    def window(q):  # kv heads 1..2, tokens 7..49 of the packed arrays, no copy
+        return q.replace(*(a[:, 1:3, 7:50] for a in q.arrays()))
+
+    keys, values = window(kq), window(vq)
+    query = random(rng, (2, 8, 1, 128), f16)
+    expected = ref.decode_attention(query, keys, values)
+    with run_on(backend, seed=1) as trace:
+        out = kv.decode_attention(query, keys, values, num_splits=3)
+        mx.eval(out)
+    assert rel_err(out, expected) <= TOLERANCE[f16]
+    if trace is not None:
+        call = next(c for c in trace.calls if "decode_attention_partials" in c.name)
+        assert call.buffers["key_data"].size > keys.data.nbytes
+        assert call.buffers["value_scales"].size > values.scales.nbytes
