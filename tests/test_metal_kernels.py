@@ -299,3 +299,18 @@ def test_decode_attention_reads_quantized_views_in_place(backend):
         call = next(c for c in trace.calls if "decode_attention_partials" in c.name)
         assert call.buffers["key_data"].size > keys.data.nbytes
         assert call.buffers["value_scales"].size > values.scales.nbytes
+
+
+def test_kernels_are_built_once_per_specialisation():
+    rng = np.random.default_rng(2)
+    kc, vc, tables, seq_lens = paged_cache(rng, lens=(20,), num_kv_heads=1, head_dim=64, block_size=8, dtype=f16)
+    query = random(rng, (1, 4, 64), f16)
+    backend = metal.sim_backend()
+    assert metal.sim_backend() is backend
+    with run_on("sim"):
+        mx.eval(kv.paged_attention(query, kc, vc, tables, seq_lens))
+        built = dict(backend._kernels)
+        mx.eval(kv.paged_attention(query * 2, kc, vc, tables, seq_lens))
+    assert backend._kernels == built
+    names = [n for n in built if "paged_attention_partials" in n and "_d64_g4_bs8_" in n]
+    assert names and all(n.startswith("kvmetal_paged_attention_partials_tkf16") for n in names)
