@@ -162,3 +162,36 @@ def test_threadgroup_memory_is_poisoned_for_every_threadgroup():
     """
     got = run1(src, [mx.zeros(1)], (4,), grid=(4, 1, 1), threadgroup=(1, 1, 1))
     assert got[0] == 5.0 and np.isnan(got[1:]).all()
+
+
+def test_threadgroup_array_index_out_of_bounds():
+    src = """
+    threadgroup float buf[4][32];
+    uint l = thread_index_in_threadgroup;
+    buf[l / 32][l % 32] = 1.0f;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    out[l] = buf[0][l + 1];
+    """
+    with pytest.raises(sim.OutOfBoundsError, match=r"\[tgidx\].*threadgroup array 'buf' at index 32 \(it has 32"):
+        run1(src, [mx.zeros(1)], (128,), grid=(128, 1, 1), threadgroup=(128, 1, 1), name="tgidx")
+    with pytest.raises(sim.OutOfBoundsError, match=r"'buf' at index 4 \(it has 4 elements"):
+        run1(src.replace("l / 32", "l / 16"), [mx.zeros(1)], (128,), grid=(128, 1, 1), threadgroup=(128, 1, 1))
+
+
+def test_threadgroup_overrun_through_a_pointer_is_caught_by_guards():
+    src = """
+    threadgroup float first[32];
+    threadgroup float second[32];
+    int l = int(thread_index_in_threadgroup);
+    threadgroup float* p = second;
+    first[l] = 1.0f;
+    p[l + OFF - 1] = 2.0f;  // OFF = 2: the last thread writes one past the end; OFF = 0: one before
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    out[l] = first[l] + second[l];
+    """
+    with pytest.raises(sim.OutOfBoundsError, match=r"threadgroup array 'second' \(128 bytes\).*byte 0 past its end"):
+        run1(src, [mx.zeros(1)], (32,), grid=(32, 1, 1), threadgroup=(32, 1, 1), template=[("OFF", 2)])
+    with pytest.raises(sim.OutOfBoundsError, match=r"'second'.*before its start"):
+        run1(src, [mx.zeros(1)], (32,), grid=(32, 1, 1), threadgroup=(32, 1, 1), template=[("OFF", 0)])
+    got = run1(src, [mx.zeros(1)], (32,), grid=(32, 1, 1), threadgroup=(32, 1, 1), template=[("OFF", 1)])
+    np.testing.assert_array_equal(got, np.full(32, 3.0))

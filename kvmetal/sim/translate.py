@@ -35,6 +35,14 @@ _ADDR_WORD = re.compile(r"\b(?:device|constant|threadgroup|thread)\b[ \t]*")
 _HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)h\b")
 _SWIZZLE = re.compile(r"\.([xyzw]{2,4}|[rgba]{2,4})\b")
 _REINTERPRET = re.compile(r"\breinterpret_cast\s*<")
+_SYNC_CALL = re.compile(
+    r"(?P<prev>[A-Za-z_]\w*\s+)?\b(?:metal::)?(?P<fn>"
+    r"simd_(?:sum|product|max|min|and|or|xor|prefix_(?:in|ex)clusive_(?:sum|product)"
+    r"|shuffle(?:_xor|_up|_down|_rotate_down|_rotate_up)?|broadcast(?:_first)?|ballot|all|any"
+    r"|active_threads_mask|is_first)"
+    r"|quad_(?:sum|product|max|min|shuffle(?:_xor|_up|_down)?|broadcast)"
+    r"|threadgroup_barrier|simdgroup_barrier)\s*\((?P<empty>\s*\))?")
+_CALL_KEYWORDS = {"return", "else", "case", "do", "co_return", "co_yield", "throw"}
 
 _COMPONENT = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
 
@@ -48,8 +56,57 @@ def _threadgroup_decl(counter):
     def sub(m: re.Match) -> str:
         slot = next(counter)
         dims = re.sub(r"\s+", "", m.group("dims"))
-        return f"auto& {m.group('name')} = *kmsl::tg_array<{m.group('type')}{dims}>({slot});"
+        name = m.group("name")
+        return f'auto& {name} = *kmsl::tg_array<{m.group("type")}{dims}>({slot}, "{name}");'
     return sub
+
+
+def _matching_bracket(s: str, open_pos: int) -> int:
+    depth = 0
+    for j in range(open_pos, len(s)):
+        if s[j] == "[":
+            depth += 1
+        elif s[j] == "]":
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def _check_tg_indices(s: str, arrays: dict) -> str:
+    """Wrap every index of a threadgroup array in a bounds check: `buf[i]` ->
+    `buf[kmsl::tg_index(i, N, "buf")]`. The array keeps its C++ type, so it
+    still decays to a pointer and deduces in templates like the MSL original."""
+    if not arrays:
+        return s
+    pat = re.compile(r"\b(" + "|".join(map(re.escape, arrays)) + r")\s*\[")
+    starts = {name: s.find(f"auto& {name} = *kmsl::tg_array") for name in arrays}
+    out, i = [], 0
+    while True:
+        m = pat.search(s, i)
+        if not m:
+            out.append(s[i:])
+            return "".join(out)
+        name = m.group(1)
+        if m.start() < starts[name]:
+            out.append(s[i:m.end()])
+            i = m.end()
+            continue
+        out.append(s[i:m.end() - 1])
+        pos, dims = m.end() - 1, arrays[name]
+        for k, extent in enumerate(dims):
+            close = _matching_bracket(s, pos)
+            if close < 0:
+                break
+            inner = _check_tg_indices(s[pos + 1:close], arrays)
+            out.append(f'[kmsl::tg_index({inner}, ({extent}), "{name}")]')
+            pos = close + 1
+            nxt = re.match(r"\s*\[", s[pos:])
+            if k + 1 >= len(dims) or not nxt:
+                break
+            out.append(s[pos:pos + nxt.end() - 1])
+            pos += nxt.end() - 1
+        i = pos
 
 
 def _address_space(m: re.Match) -> str:
@@ -58,6 +115,19 @@ def _address_space(m: re.Match) -> str:
     if m.group("kind") == "*":
         return f"kmsl::dptr<{'const ' if const else ''}{t}> "
     return f"const {t}& " if const else f"kmsl::dref<{t}> "
+
+
+def _number_sync_calls(counter):
+    """Give every barrier/collective call its own site number: `simd_sum(x)` ->
+    `simd_sum(kmsl::site_t(7), x)`. Definitions (`T simd_sum(T x)`) are left alone."""
+    def sub(m: re.Match) -> str:
+        prev = m.group("prev")
+        if prev and prev.strip() not in _CALL_KEYWORDS:
+            return m.group(0)
+        site = f"kmsl::site_t({next(counter)})"
+        head = m.group(0)[: m.group(0).index("(") + 1]
+        return head + (site + ")" if m.group("empty") else site + ", ")
+    return sub
 
 
 def _swizzle(m: re.Match) -> str:
@@ -73,12 +143,15 @@ def translate(msl: str) -> str:
     s = _METAL_INCLUDE.sub("", s)
     s = _INSTANTIATION.sub("", s)
     s = _ATTRIBUTE.sub("", s)
+    arrays = {m.group("name"): re.findall(r"\[([^\]]+)\]", m.group("dims")) for m in _TG_DECL.finditer(s)}
     s = _TG_DECL.sub(_threadgroup_decl(itertools.count()), s)
+    s = _check_tg_indices(s, {name: dims for name, dims in arrays.items() if dims})
     s = _ADDR_PTR.sub(_address_space, s)
     s = _ADDR_WORD.sub("", s)
     s = _HALF_LITERAL.sub(r"((metal::half)(\1))", s)
     s = _SWIZZLE.sub(_swizzle, s)
     s = _REINTERPRET.sub("kmsl::kmsl_cast<", s)
+    s = _SYNC_CALL.sub(_number_sync_calls(itertools.count()), s)
     return s
 
 

@@ -153,8 +153,21 @@ template <class To, class From> To kmsl_cast(From&& f) {
   }
 }
 
+// Every index into a threadgroup array is checked (translate.py wraps it).
+template <class I> inline I tg_index(I i, int64_t extent, const char* name) {
+  if (__builtin_expect((int64_t)i < 0 || (int64_t)i >= extent, 0)) {
+    char msg[256];
+    __builtin_snprintf(msg, sizeof(msg), "[%s] out-of-bounds access of threadgroup array '%s' at index %lld (it has %lld elements)",
+                       kmsl_rt_kernel_name(), name, (long long)i, (long long)extent);
+    kmsl_rt_fail(KMSL_OUT_OF_BOUNDS, msg);
+  }
+  return i;
+}
+
 // Threadgroup declarations become slots in the per-threadgroup arena (poisoned 0xFF).
-template <class A> A* tg_array(int slot) { return (A*)kmsl_rt_tg_alloc(slot, sizeof(A), alignof(A)); }
+template <class A> A* tg_array(int slot, const char* name) {
+  return (A*)kmsl_rt_tg_alloc(slot, sizeof(A), alignof(A), name);
+}
 
 }  // namespace kmsl
 

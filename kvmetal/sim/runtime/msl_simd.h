@@ -2,7 +2,8 @@
 // Each call yields to the scheduler; the scheduler resolves one call site of
 // one simdgroup at a time, over the lanes that reached it (Metal's rule: a
 // collective inside a branch combines only the lanes that took the branch).
-// The call site is the return address of these noinline functions.
+// The call site is a number translate.py gives each call in the MSL text
+// (else the return address of the noinline overloads).
 #pragma once
 #include "abi.h"
 #include "msl_math.h"
@@ -122,7 +123,15 @@ inline R collective(const void* site, const char* op, int (*resolve)(KmslGroup*)
   kmsl_rt_collective(&c);
   return out;
 }
-#define KMSL_SITE __builtin_return_address(0)
+#define KMSL_SITE kmsl::site_t(__builtin_return_address(0))
+// A call site: translate.py numbers every collective/barrier call in the MSL
+// text (robust to the optimizer duplicating code); calls it did not rewrite
+// fall back to the return address.
+struct site_t {
+  const void* p;
+  explicit site_t(const void* ra) : p(ra) {}
+  explicit site_t(int id) : p((const void*)(uintptr_t)(id + 1)) {}
+};
 }  // namespace kmsl
 
 namespace metal {
@@ -136,9 +145,10 @@ struct simd_vote {
 };
 
 #define KMSL_REDUCE(name, Op, W)                                                                   \
-  template <class T> [[gnu::noinline]] T name(T x) {                                               \
-    return kmsl::collective<T>(KMSL_SITE, #name, &kmsl::resolve_reduce<T, kmsl::Op, W>, x, 0);     \
-  }
+  template <class T> T name(kmsl::site_t s, T x) {                                                 \
+    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_reduce<T, kmsl::Op, W>, x, 0);           \
+  }                                                                                                \
+  template <class T> [[gnu::noinline]] T name(T x) { return name(KMSL_SITE, x); }
 KMSL_REDUCE(simd_sum, op_add, 32)
 KMSL_REDUCE(simd_product, op_mul, 32)
 KMSL_REDUCE(simd_max, op_max, 32)
@@ -153,9 +163,10 @@ KMSL_REDUCE(quad_min, op_min, 4)
 #undef KMSL_REDUCE
 
 #define KMSL_PREFIX(name, Op, Incl)                                                                 \
-  template <class T> [[gnu::noinline]] T name(T x) {                                                \
-    return kmsl::collective<T>(KMSL_SITE, #name, &kmsl::resolve_prefix<T, kmsl::Op, Incl>, x, 0);   \
-  }
+  template <class T> T name(kmsl::site_t s, T x) {                                                  \
+    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_prefix<T, kmsl::Op, Incl>, x, 0);         \
+  }                                                                                                 \
+  template <class T> [[gnu::noinline]] T name(T x) { return name(KMSL_SITE, x); }
 KMSL_PREFIX(simd_prefix_inclusive_sum, op_add, true)
 KMSL_PREFIX(simd_prefix_exclusive_sum, op_add, false)
 KMSL_PREFIX(simd_prefix_inclusive_product, op_mul, true)
@@ -163,9 +174,10 @@ KMSL_PREFIX(simd_prefix_exclusive_product, op_mul, false)
 #undef KMSL_PREFIX
 
 #define KMSL_SHUFFLE(name, Kind, W)                                                                          \
-  template <class T, class I> [[gnu::noinline]] T name(T x, I arg) {                                         \
-    return kmsl::collective<T>(KMSL_SITE, #name, &kmsl::resolve_shuffle<T, kmsl::Kind, W>, x, (int64_t)arg); \
-  }
+  template <class T, class I> T name(kmsl::site_t s, T x, I arg) {                                           \
+    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_shuffle<T, kmsl::Kind, W>, x, (int64_t)arg);       \
+  }                                                                                                          \
+  template <class T, class I> [[gnu::noinline]] T name(T x, I arg) { return name(KMSL_SITE, x, arg); }
 KMSL_SHUFFLE(simd_shuffle, SH_INDEX, 32)
 KMSL_SHUFFLE(simd_shuffle_xor, SH_XOR, 32)
 KMSL_SHUFFLE(simd_shuffle_up, SH_UP, 32)
@@ -180,33 +192,40 @@ KMSL_SHUFFLE(quad_shuffle_down, SH_DOWN, 4)
 KMSL_SHUFFLE(quad_broadcast, SH_INDEX, 4)
 #undef KMSL_SHUFFLE
 
-template <class T> [[gnu::noinline]] T simd_broadcast_first(T x) {
-  return kmsl::collective<T>(KMSL_SITE, "simd_broadcast_first", &kmsl::resolve_shuffle<T, kmsl::SH_BROADCAST_FIRST, 32>,
-                             x, 0);
+template <class T> T simd_broadcast_first(kmsl::site_t s, T x) {
+  return kmsl::collective<T>(s.p, "simd_broadcast_first", &kmsl::resolve_shuffle<T, kmsl::SH_BROADCAST_FIRST, 32>, x, 0);
 }
-[[gnu::noinline]] inline simd_vote simd_ballot(bool b) {
-  return simd_vote{kmsl::collective<uint64_t>(KMSL_SITE, "simd_ballot", &kmsl::resolve_ballot, b, 0)};
+template <class T> [[gnu::noinline]] T simd_broadcast_first(T x) { return simd_broadcast_first(KMSL_SITE, x); }
+inline simd_vote simd_ballot(kmsl::site_t s, bool b) {
+  return simd_vote{kmsl::collective<uint64_t>(s.p, "simd_ballot", &kmsl::resolve_ballot, b, 0)};
 }
-[[gnu::noinline]] inline bool simd_all(bool b) {
-  uint64_t m = kmsl::collective<uint64_t>(KMSL_SITE, "simd_all", &kmsl::resolve_ballot, b, 0);
-  uint64_t a = kmsl::collective<uint64_t>(KMSL_SITE, "simd_all", &kmsl::resolve_active_mask, b, 0);
+[[gnu::noinline]] inline simd_vote simd_ballot(bool b) { return simd_ballot(KMSL_SITE, b); }
+inline bool simd_all(kmsl::site_t s, bool b) {
+  uint64_t m = kmsl::collective<uint64_t>(s.p, "simd_all", &kmsl::resolve_ballot, b, 0);
+  uint64_t a = kmsl::collective<uint64_t>(s.p, "simd_all", &kmsl::resolve_active_mask, b, 0);
   return m == a;
 }
-[[gnu::noinline]] inline bool simd_any(bool b) {
-  return kmsl::collective<uint64_t>(KMSL_SITE, "simd_any", &kmsl::resolve_ballot, b, 0) != 0;
+[[gnu::noinline]] inline bool simd_all(bool b) { return simd_all(KMSL_SITE, b); }
+inline bool simd_any(kmsl::site_t s, bool b) {
+  return kmsl::collective<uint64_t>(s.p, "simd_any", &kmsl::resolve_ballot, b, 0) != 0;
 }
-[[gnu::noinline]] inline simd_vote simd_active_threads_mask() {
-  return simd_vote{kmsl::collective<uint64_t>(KMSL_SITE, "simd_active_threads_mask", &kmsl::resolve_active_mask, 0, 0)};
+[[gnu::noinline]] inline bool simd_any(bool b) { return simd_any(KMSL_SITE, b); }
+inline simd_vote simd_active_threads_mask(kmsl::site_t s) {
+  return simd_vote{kmsl::collective<uint64_t>(s.p, "simd_active_threads_mask", &kmsl::resolve_active_mask, 0, 0)};
 }
-[[gnu::noinline]] inline bool simd_is_first() {
-  return kmsl::collective<bool>(KMSL_SITE, "simd_is_first", &kmsl::resolve_is_first, 0, 0);
+[[gnu::noinline]] inline simd_vote simd_active_threads_mask() { return simd_active_threads_mask(KMSL_SITE); }
+inline bool simd_is_first(kmsl::site_t s) {
+  return kmsl::collective<bool>(s.p, "simd_is_first", &kmsl::resolve_is_first, 0, 0);
 }
+[[gnu::noinline]] inline bool simd_is_first() { return simd_is_first(KMSL_SITE); }
 
-[[gnu::noinline]] inline void threadgroup_barrier(mem_flags = mem_flags::mem_none) {
-  kmsl_rt_barrier(KMSL_SITE, "threadgroup_barrier");
+inline void threadgroup_barrier(kmsl::site_t s, mem_flags = mem_flags::mem_none) {
+  kmsl_rt_barrier(s.p, "threadgroup_barrier");
 }
-[[gnu::noinline]] inline void simdgroup_barrier(mem_flags = mem_flags::mem_none) {
-  kmsl::collective<int>(KMSL_SITE, "simdgroup_barrier", &kmsl::resolve_nothing, 0, 0);
+[[gnu::noinline]] inline void threadgroup_barrier(mem_flags f = mem_flags::mem_none) { threadgroup_barrier(KMSL_SITE, f); }
+inline void simdgroup_barrier(kmsl::site_t s, mem_flags = mem_flags::mem_none) {
+  kmsl::collective<int>(s.p, "simdgroup_barrier", &kmsl::resolve_nothing, 0, 0);
 }
+[[gnu::noinline]] inline void simdgroup_barrier(mem_flags f = mem_flags::mem_none) { simdgroup_barrier(KMSL_SITE, f); }
 
 }  // namespace metal

@@ -87,7 +87,11 @@ namespace {
 
 constexpr size_t kStackBytes = 64 * 1024;
 constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
-constexpr int kMaxSlots = 256;
+constexpr int kMaxSlots = 128;
+// Poisoned guard bytes around every threadgroup array: a write past either end
+// is reported at the next barrier or when the threadgroup finishes.
+constexpr uint32_t kGuard = 256;
+constexpr uint32_t kArenaBytes = kMaxThreadgroupMemory + kMaxSlots * (kGuard + 64) + kGuard;
 
 enum FiberState { READY, AT_BARRIER, AT_COLLECTIVE, DONE };
 
@@ -123,9 +127,15 @@ struct Worker {
   size_t stacks_bytes = 0;
   void* sched_sp = nullptr;
   Fiber* current = nullptr;
-  alignas(64) unsigned char arena[kMaxThreadgroupMemory];
-  uint64_t arena_used = 0;
+  alignas(64) unsigned char arena[kArenaBytes];
+  uint64_t arena_used = 0;     // arena bytes in use (arrays, guards, padding)
+  uint64_t arena_dirty = kArenaBytes;  // bytes to re-poison for the next threadgroup
+  uint64_t tg_bytes = 0;       // threadgroup memory as Metal counts it
   int64_t slot_offset[kMaxSlots];
+  uint64_t slot_bytes[kMaxSlots];
+  const char* slot_name[kMaxSlots];
+  int alloc_order[kMaxSlots];
+  int nallocs = 0;
   std::mt19937_64 rng;
   std::vector<uint32_t> order;
   bool aborted = false;
@@ -270,6 +280,7 @@ struct Worker {
       fail(KMSL_DIVERGENT_BARRIER, msg);
       return;
     }
+    check_guards("at a threadgroup_barrier");
     for (uint32_t i = 0; i < n; i++) fibers[i].state = READY;
   }
 
@@ -311,8 +322,10 @@ struct Worker {
       a.threads_per_simdgroup = 32;
     }
     // Poison threadgroup memory: a missing barrier or an unwritten slot reads NaN / -1.
-    memset(arena, 0xff, sizeof(arena));
+    memset(arena, 0xff, std::min<uint64_t>(arena_dirty, kArenaBytes));
     arena_used = 0;
+    tg_bytes = 0;
+    nallocs = 0;
     for (int s = 0; s < kMaxSlots; s++) slot_offset[s] = -1;
 
     order.resize(n);
@@ -349,7 +362,43 @@ struct Worker {
       }
       if (aborted) return;
     }
-    L->tg_memory = arena_used;
+    check_guards("at the end of the threadgroup");
+    arena_dirty = arena_used + kGuard;
+    L->tg_memory = tg_bytes;
+  }
+
+  // Every byte outside the threadgroup arrays must still hold the 0xFF poison.
+  void check_guards(const char* when) {
+    if (aborted) return;
+    uint64_t prev_end = 0;
+    for (int k = 0; k <= nallocs; k++) {
+      uint64_t lo = prev_end, hi;
+      if (k < nallocs) {
+        hi = (uint64_t)slot_offset[alloc_order[k]];
+      } else {
+        hi = arena_used + kGuard;
+      }
+      for (uint64_t b = lo; b < hi; b++) {
+        if (arena[b] != 0xff) {
+          // Name the nearest array: the one ending before b, else the one starting after it.
+          int before = k > 0 ? alloc_order[k - 1] : -1, after = k < nallocs ? alloc_order[k] : -1;
+          bool past_end = before >= 0 && (after < 0 || b - prev_end < hi - b);
+          int s = past_end ? before : after;
+          int64_t dist = past_end ? (int64_t)(b - prev_end) : (int64_t)(hi - b);
+          char msg[512];
+          snprintf(msg, sizeof(msg),
+                   "[%s] threadgroup array '%s' (%llu bytes) written out of bounds: byte %lld %s it was "
+                   "modified; detected %s in threadgroup (%u,%u,%u)",
+                   shared->launch->kernel_name, slot_name[s], (unsigned long long)slot_bytes[s],
+                   (long long)(past_end ? dist : dist), past_end ? "past its end" : "before its start", when,
+                   fibers[0].attrs.threadgroup_position_in_grid[0], fibers[0].attrs.threadgroup_position_in_grid[1],
+                   fibers[0].attrs.threadgroup_position_in_grid[2]);
+          fail(KMSL_OUT_OF_BOUNDS, msg);
+          return;
+        }
+      }
+      if (k < nallocs) prev_end = slot_offset[alloc_order[k]] + slot_bytes[alloc_order[k]];
+    }
   }
 
   void run() {
@@ -407,20 +456,26 @@ void kmsl_rt_barrier(const void* site, const char* op) {
   yield_to_scheduler(w, f);
 }
 
-void* kmsl_rt_tg_alloc(int slot, uint64_t bytes, uint64_t align) {
+void* kmsl_rt_tg_alloc(int slot, uint64_t bytes, uint64_t align, const char* name) {
   Worker* w = tls_worker;
   if (slot < 0 || slot >= kMaxSlots) kmsl_rt_fail(KMSL_INTERNAL, "[kvmetal.sim] too many threadgroup declarations");
   if (w->slot_offset[slot] < 0) {
     if (align < 16) align = 16;
-    uint64_t off = (w->arena_used + align - 1) & ~(align - 1);
-    if (off + bytes > kMaxThreadgroupMemory) {
+    if (align > 64) align = 64;  // the arena itself is 64-byte aligned
+    uint64_t counted = w->tg_bytes + ((bytes + 15) & ~15ull);  // Metal allocates in 16-byte units
+    if (counted > kMaxThreadgroupMemory) {
       char msg[256];
       snprintf(msg, sizeof(msg),
-               "[%s] threadgroup memory exceeds Metal's 32 KiB limit: %llu bytes requested",
-               w->shared->launch->kernel_name, (unsigned long long)(off + bytes));
+               "[%s] threadgroup memory exceeds Metal's 32 KiB limit: %llu bytes with '%s'",
+               w->shared->launch->kernel_name, (unsigned long long)counted, name);
       kmsl_rt_fail(KMSL_THREADGROUP_MEMORY, msg);
     }
+    uint64_t off = (w->arena_used + kGuard + align - 1) & ~(align - 1);
+    w->tg_bytes = counted;
     w->slot_offset[slot] = (int64_t)off;
+    w->slot_bytes[slot] = bytes;
+    w->slot_name[slot] = name;
+    w->alloc_order[w->nallocs++] = slot;
     w->arena_used = off + bytes;
   }
   return w->arena + w->slot_offset[slot];
