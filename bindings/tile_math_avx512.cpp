@@ -207,7 +207,45 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
   }
 }
 
-const TileKernels kAvx512{"avx512", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update, to_f16};
+inline float scale_at(const void* base, int64_t i, int kind) {
+  if (kind == 0) return static_cast<const float*>(base)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(base)[i];
+  if (kind == 1) return _cvtsh_ss(bits);
+  return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(bits) << 16)));
+}
+
+// 16 values per step: lane i of a step takes word (i * bits / 32) of the
+// step's words and shifts it right by (i * bits) % 32. Groups are >= 32
+// values, so one scale and bias cover each step.
+void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                  const void* biases, int64_t bias_stride, int scale_kind, int bits, int group_size, int n, int D,
+                  float* dst) {
+  const int words_per_step = bits / 2;  // 16 * bits / 32
+  const __mmask16 load_mask = static_cast<__mmask16>((1u << words_per_step) - 1);
+  alignas(64) int32_t idx[16], shift[16];
+  for (int i = 0; i < 16; ++i) {
+    idx[i] = i * bits / 32;
+    shift[i] = (i * bits) % 32;
+  }
+  const __m512i vidx = _mm512_load_si512(idx);
+  const __m512i vshift = _mm512_load_si512(shift);
+  const __m512i vmask = _mm512_set1_epi32((1 << bits) - 1);
+  for (int r = 0; r < n; ++r) {
+    const uint32_t* w = words + r * word_stride;
+    float* o = dst + static_cast<int64_t>(r) * D;
+    for (int d = 0; d < D; d += 16) {
+      const int g = d / group_size;
+      const __m512 sc = _mm512_set1_ps(scale_at(scales, r * scale_stride + g, scale_kind));
+      const __m512 bi = _mm512_set1_ps(scale_at(biases, r * bias_stride + g, scale_kind));
+      __m512i v = _mm512_maskz_loadu_epi32(load_mask, w + d * bits / 32);
+      v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(vidx, v), vshift), vmask);
+      _mm512_storeu_ps(o + d, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
+    }
+  }
+}
+
+const TileKernels kAvx512{"avx512", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update,
+                          dequant_rows, to_f16};
 
 }  // namespace
 
