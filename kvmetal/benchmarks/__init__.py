@@ -85,8 +85,13 @@ def _summary(r: dict) -> str:
         text += f", {r['gbps']:.1f} GB/s"
     base = r.get("baseline")
     if base:
-        text += f" | baseline {base['name']}: {base['seconds'] * 1e3:.2f} ms ({base['seconds'] / r['seconds']:.1f}x)"
+        text += f" | baseline {base['name']}: {base['seconds'] * 1e3:.2f} ms ({_ratio(r)})"
     return text
+
+
+def _ratio(r: dict) -> str:
+    speedup = r["baseline"]["seconds"] / r["seconds"]
+    return f"kvmetal {speedup:.1f}x faster" if speedup >= 1 else f"kvmetal {1 / speedup:.1f}x slower"
 
 
 def _print_table(results: list, read_gbps: float):
@@ -100,7 +105,7 @@ def _print_table(results: list, read_gbps: float):
             continue
         gbps = r.get("gbps")
         base = r.get("baseline")
-        base_text = f"{base['name']}: {base['seconds'] * 1e3:.2f} ms, {base['seconds'] / r['seconds']:.1f}x slower" if base else ""
+        base_text = f"{base['name']}: {base['seconds'] * 1e3:.2f} ms; {_ratio(r)}" if base else ""
         print(f"{r['name']:<34} {r['backend']:<7} {r['seconds'] * 1e3:>9.2f} "
               f"{gbps if gbps is not None else float('nan'):>7.1f} "
               f"{100 * r['fraction_of_read'] if 'fraction_of_read' in r else float('nan'):>6.0f}%  {base_text}")
