@@ -34,6 +34,7 @@ PAGED = [
     (bf16, 64, 32, 1, 16, (150, 31), None, 10.0, True, 100, None, None),
     (f16, 128, 16, 2, 2, (60, 19), 3, None, True, None, None, None),
     (f32, 80, 8, 1, 3, (25, 2), None, 5.0, False, 9, None, None),
+    (f16, 256, 8, 1, 16, (70,), 4, None, True, None, (8, 64), (4, 64)),
     # quantized: default K8/V4, straddling 3/5/6-bit, mixed float and quantized
     (f16, 128, 16, 2, 4, (77, 3), 3, None, False, None, (8, 64), (4, 64)),
     (bf16, 96, 8, 1, 6, (40,), None, 15.0, True, None, (3, 32), (6, 32)),
@@ -314,3 +315,17 @@ def test_kernels_are_built_once_per_specialisation():
     assert backend._kernels == built
     names = [n for n in built if "paged_attention_partials" in n and "_d64_g4_bs8_" in n]
     assert names and all(n.startswith("kvmetal_paged_attention_partials_tkf16") for n in names)
+
+
+def test_split_count_changes_only_rounding():
+    rng = np.random.default_rng(9)
+    kc, vc, tables, seq_lens = paged_cache(rng, lens=(300, 45), num_kv_heads=2, head_dim=128, block_size=16,
+                                           dtype=f32)
+    query = random(rng, (2, 8, 128), f32)
+    outs = []
+    with run_on("sim", seed=3):
+        for splits in (1, 2, 7, 19, None):
+            outs.append(np.array(kv.paged_attention(query, kc, vc, tables, seq_lens, num_splits=splits,
+                                                    sinks=mx.zeros((8,)))))
+    for out in outs[1:]:
+        assert np.abs(out - outs[0]).max() <= 1e-6 * np.abs(outs[0]).max()
