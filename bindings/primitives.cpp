@@ -213,7 +213,7 @@ static mx::array attention_op(const char* op, bool paged, const mx::array& query
                               const std::optional<mx::array>& sinks) {
   check_float(query, op, "query");
   const int qrank = paged ? 3 : 4;
-  if (query.ndim() != qrank) fail(op, "query must have rank " + std::to_string(qrank) + ", got " + shape_str(query.shape()));
+  if (static_cast<int>(query.ndim()) != qrank) fail(op, "query must have rank " + std::to_string(qrank) + ", got " + shape_str(query.shape()));
   const int D = query.shape(-1);
   if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
     fail(op, "key/value head_dim must equal the query's " + std::to_string(D));

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <string>
 
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
 #include "float_convert.h"
 #include "tile_math.h"
 
@@ -79,7 +83,10 @@ enum class Level { portable, avx2, avx512 };
 Level cpu_level() {
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  // clang has no "f16c" for __builtin_cpu_supports: read CPUID leaf 1, ECX bit 29.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29));
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   if (avx2 && __builtin_cpu_supports("avx512f")) return Level::avx512;
   if (avx2) return Level::avx2;
 #endif
@@ -111,6 +118,7 @@ const TileKernels& tile_kernels(int D) {
   if (level != Level::portable && D % 8 == 0) return avx2_tile_kernels();
 #else
   (void)level;
+  (void)D;
 #endif
   return kPortable;
 }
