@@ -29,34 +29,77 @@ template <class T> struct is_pointer { static constexpr bool value = false; };
 template <class T> struct is_pointer<T*> { static constexpr bool value = true; };
 }  // namespace kmsl
 
+// half is the compiler's _Float16 where C++ has it (g++ >= 12 on x86-64, g++ >= 13,
+// clang where __FLT16_MAX__ is defined); otherwise a 16-bit class like bfloat.
+#if !defined(KMSL_SOFT_HALF)
+#if (defined(__clang__) && defined(__FLT16_MAX__)) || \
+    (!defined(__clang__) && defined(__GNUC__) && (__GNUC__ >= 13 || (__GNUC__ >= 12 && defined(__x86_64__))))
+#define KMSL_NATIVE_HALF 1
+#endif
+#endif
+
 namespace metal {
 
-typedef _Float16 half;
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
 typedef unsigned long ulong;
 
-// bfloat: 16-bit storage, float arithmetic, round-to-nearest-even on conversion.
-struct bfloat {
+// A 16-bit float stored as bits, computed in float, rounded to nearest even on
+// conversion. Kind 0: bfloat (8-bit exponent); kind 1: IEEE binary16 half.
+template <int Kind> struct f16 {
   uint16_t bits;
-  bfloat() = default;
+  f16() = default;
   static constexpr uint16_t from_float(float f) {
     uint32_t u = __builtin_bit_cast(uint32_t, f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return uint16_t(u >> 16);
+    if (Kind == 0) {
+      if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+      u += 0x7fffu + ((u >> 16) & 1u);
+      return uint16_t(u >> 16);
+    }
+    uint32_t sign = (u >> 16) & 0x8000u, x = u & 0x7fffffffu;
+    if (x >= 0x7f800000u) return uint16_t(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (x >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to infinity
+    if (x < 0x38800000u) {  // half subnormal: round x * 2^24 to an integer, ties to even
+      float t = __builtin_bit_cast(float, x) * 16777216.0f;
+      uint32_t m = uint32_t((t + 8388608.0f) - 8388608.0f);
+      return uint16_t(sign | m);
+    }
+    uint32_t r = x + 0x0fffu + ((x >> 13) & 1u);
+    return uint16_t(sign | ((r - (112u << 23)) >> 13));
+  }
+  static constexpr float to_float(uint16_t h) {
+    if (Kind == 0) return __builtin_bit_cast(float, uint32_t(h) << 16);
+    uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) {
+      float v = float(m) * (1.0f / 16777216.0f);
+      return sign ? -v : v;
+    }
+    if (e == 31) return __builtin_bit_cast(float, sign | 0x7f800000u | (m << 13));
+    return __builtin_bit_cast(float, sign | ((e + 112u) << 23) | (m << 13));
   }
   template <class U, class = decltype(float(U()))>
-  constexpr bfloat(U v) : bits(from_float(float(v))) {}
-  constexpr operator float() const { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
-  bfloat& operator+=(bfloat o) { return *this = bfloat(float(*this) + float(o)); }
-  bfloat& operator-=(bfloat o) { return *this = bfloat(float(*this) - float(o)); }
-  bfloat& operator*=(bfloat o) { return *this = bfloat(float(*this) * float(o)); }
-  bfloat& operator/=(bfloat o) { return *this = bfloat(float(*this) / float(o)); }
-  bfloat operator-() const { bfloat r; r.bits = uint16_t(bits ^ 0x8000); return r; }
-  bfloat operator+() const { return *this; }
+  constexpr f16(U v) : bits(from_float(float(v))) {}
+  constexpr operator float() const { return to_float(bits); }
+  f16& operator+=(f16 o) { return *this = f16(float(*this) + float(o)); }
+  f16& operator-=(f16 o) { return *this = f16(float(*this) - float(o)); }
+  f16& operator*=(f16 o) { return *this = f16(float(*this) * float(o)); }
+  f16& operator/=(f16 o) { return *this = f16(float(*this) / float(o)); }
+  f16& operator++() { return *this += f16(1.0f); }
+  f16& operator--() { return *this -= f16(1.0f); }
+  constexpr f16 operator-() const {
+    f16 r = *this;
+    r.bits = uint16_t(bits ^ 0x8000);
+    return r;
+  }
+  constexpr f16 operator+() const { return *this; }
 };
+typedef f16<0> bfloat;
+#if defined(KMSL_NATIVE_HALF)
+typedef _Float16 half;
+#else
+typedef f16<1> half;
+#endif
 
 }  // namespace metal
 
@@ -68,43 +111,46 @@ template <class T> struct is_arith { static constexpr bool value = false; };
 KMSL_ARITH(bool) KMSL_ARITH(char) KMSL_ARITH(signed char) KMSL_ARITH(unsigned char)
 KMSL_ARITH(short) KMSL_ARITH(unsigned short) KMSL_ARITH(int) KMSL_ARITH(unsigned int)
 KMSL_ARITH(long) KMSL_ARITH(unsigned long) KMSL_ARITH(long long) KMSL_ARITH(unsigned long long)
-KMSL_ARITH(float) KMSL_ARITH(double) KMSL_ARITH(half)
+KMSL_ARITH(float) KMSL_ARITH(double)
+#if defined(KMSL_NATIVE_HALF)
+KMSL_ARITH(half)
+#endif
 #undef KMSL_ARITH
 template <class T> struct is_float_like {
   static constexpr bool value = is_same<T, float>::value || is_same<T, double>::value || is_same<T, half>::value;
 };
-// bfloat with another arithmetic type: floating types promote to float, integers to bfloat.
-template <class U>
-using bf_result = enable_if_t<is_arith<U>::value, typename cond<is_float_like<U>::value, float, bfloat>::type>;
+// A 16-bit float with another arithmetic type: floating types promote to float, integers to the 16-bit type.
+template <int K, class U>
+using f16_result = enable_if_t<is_arith<U>::value, typename cond<is_float_like<U>::value, float, metal::f16<K>>::type>;
 }  // namespace kmsl
 
 namespace metal {
-#define KMSL_BF_ARITH(op)                                                                     \
-  inline bfloat operator op(bfloat a, bfloat b) { return bfloat(float(a) op float(b)); }      \
-  template <class U> kmsl::bf_result<U> operator op(bfloat a, U b) {                          \
-    return kmsl::bf_result<U>(float(a) op float(b));                                           \
-  }                                                                                           \
-  template <class U> kmsl::bf_result<U> operator op(U a, bfloat b) {                          \
-    return kmsl::bf_result<U>(float(a) op float(b));                                           \
+#define KMSL_F16_ARITH(op)                                                                           \
+  template <int K> f16<K> operator op(f16<K> a, f16<K> b) { return f16<K>(float(a) op float(b)); }  \
+  template <int K, class U> kmsl::f16_result<K, U> operator op(f16<K> a, U b) {                      \
+    return kmsl::f16_result<K, U>(float(a) op float(b));                                              \
+  }                                                                                                  \
+  template <int K, class U> kmsl::f16_result<K, U> operator op(U a, f16<K> b) {                      \
+    return kmsl::f16_result<K, U>(float(a) op float(b));                                              \
   }
-KMSL_BF_ARITH(+)
-KMSL_BF_ARITH(-)
-KMSL_BF_ARITH(*)
-KMSL_BF_ARITH(/)
-#undef KMSL_BF_ARITH
-#define KMSL_BF_CMP(op)                                                                        \
-  inline bool operator op(bfloat a, bfloat b) { return float(a) op float(b); }                 \
-  template <class U, class = kmsl::enable_if_t<kmsl::is_arith<U>::value>>                      \
-  bool operator op(bfloat a, U b) { return float(a) op float(b); }                              \
-  template <class U, class = kmsl::enable_if_t<kmsl::is_arith<U>::value>>                      \
-  bool operator op(U a, bfloat b) { return float(a) op float(b); }
-KMSL_BF_CMP(==)
-KMSL_BF_CMP(!=)
-KMSL_BF_CMP(<)
-KMSL_BF_CMP(>)
-KMSL_BF_CMP(<=)
-KMSL_BF_CMP(>=)
-#undef KMSL_BF_CMP
+KMSL_F16_ARITH(+)
+KMSL_F16_ARITH(-)
+KMSL_F16_ARITH(*)
+KMSL_F16_ARITH(/)
+#undef KMSL_F16_ARITH
+#define KMSL_F16_CMP(op)                                                                         \
+  template <int K> bool operator op(f16<K> a, f16<K> b) { return float(a) op float(b); }         \
+  template <int K, class U, class = kmsl::enable_if_t<kmsl::is_arith<U>::value>>                 \
+  bool operator op(f16<K> a, U b) { return float(a) op float(b); }                               \
+  template <int K, class U, class = kmsl::enable_if_t<kmsl::is_arith<U>::value>>                 \
+  bool operator op(U a, f16<K> b) { return float(a) op float(b); }
+KMSL_F16_CMP(==)
+KMSL_F16_CMP(!=)
+KMSL_F16_CMP(<)
+KMSL_F16_CMP(>)
+KMSL_F16_CMP(<=)
+KMSL_F16_CMP(>=)
+#undef KMSL_F16_CMP
 
 // ---------------------------------------------------------------------------
 // Vectors. MSL sizes and alignment: a 3-vector occupies 4 elements.

@@ -21,7 +21,7 @@
 // than swapcontext, which makes a syscall for the signal mask.
 extern "C" void kmsl_switch(void** save, void* next);
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(__APPLE__)
 asm(R"(
 .text
 .globl kmsl_switch
@@ -46,41 +46,42 @@ kmsl_switch:
 )");
 static const int kSavedWords = 6;  // words popped before `ret`
 #elif defined(__aarch64__)
-asm(R"(
-.text
-.globl kmsl_switch
-.type kmsl_switch,%function
-kmsl_switch:
-  sub sp, sp, #160
-  stp x19, x20, [sp, #0]
-  stp x21, x22, [sp, #16]
-  stp x23, x24, [sp, #32]
-  stp x25, x26, [sp, #48]
-  stp x27, x28, [sp, #64]
-  stp x29, x30, [sp, #80]
-  stp d8, d9, [sp, #96]
-  stp d10, d11, [sp, #112]
-  stp d12, d13, [sp, #128]
-  stp d14, d15, [sp, #144]
-  mov x2, sp
-  str x2, [x0]
-  mov sp, x1
-  ldp x19, x20, [sp, #0]
-  ldp x21, x22, [sp, #16]
-  ldp x23, x24, [sp, #32]
-  ldp x25, x26, [sp, #48]
-  ldp x27, x28, [sp, #64]
-  ldp x29, x30, [sp, #80]
-  ldp d8, d9, [sp, #96]
-  ldp d10, d11, [sp, #112]
-  ldp d12, d13, [sp, #128]
-  ldp d14, d15, [sp, #144]
-  add sp, sp, #160
-  ret
-.size kmsl_switch,.-kmsl_switch
-)");
+#if defined(__APPLE__)
+#define KMSL_ASM_HEAD ".text\n.globl _kmsl_switch\n.p2align 2\n_kmsl_switch:\n"
+#define KMSL_ASM_TAIL ""
 #else
-#error "kvmetal.sim: context switch implemented for x86-64 and aarch64 only"
+#define KMSL_ASM_HEAD ".text\n.globl kmsl_switch\n.type kmsl_switch,%function\nkmsl_switch:\n"
+#define KMSL_ASM_TAIL ".size kmsl_switch,.-kmsl_switch\n"
+#endif
+asm(KMSL_ASM_HEAD
+    "  sub sp, sp, #160\n"
+    "  stp x19, x20, [sp, #0]\n"
+    "  stp x21, x22, [sp, #16]\n"
+    "  stp x23, x24, [sp, #32]\n"
+    "  stp x25, x26, [sp, #48]\n"
+    "  stp x27, x28, [sp, #64]\n"
+    "  stp x29, x30, [sp, #80]\n"
+    "  stp d8, d9, [sp, #96]\n"
+    "  stp d10, d11, [sp, #112]\n"
+    "  stp d12, d13, [sp, #128]\n"
+    "  stp d14, d15, [sp, #144]\n"
+    "  mov x2, sp\n"
+    "  str x2, [x0]\n"
+    "  mov sp, x1\n"
+    "  ldp x19, x20, [sp, #0]\n"
+    "  ldp x21, x22, [sp, #16]\n"
+    "  ldp x23, x24, [sp, #32]\n"
+    "  ldp x25, x26, [sp, #48]\n"
+    "  ldp x27, x28, [sp, #64]\n"
+    "  ldp x29, x30, [sp, #80]\n"
+    "  ldp d8, d9, [sp, #96]\n"
+    "  ldp d10, d11, [sp, #112]\n"
+    "  ldp d12, d13, [sp, #128]\n"
+    "  ldp d14, d15, [sp, #144]\n"
+    "  add sp, sp, #160\n"
+    "  ret\n" KMSL_ASM_TAIL);
+#else
+#error "kvmetal.sim: context switch implemented for x86-64 Linux and aarch64 (Linux, macOS) only"
 #endif
 
 namespace {
