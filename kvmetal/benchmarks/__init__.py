@@ -96,16 +96,19 @@ def _ratio(r: dict) -> str:
 
 def _print_table(results: list, read_gbps: float):
     print(f"\nsingle-pass read bandwidth of this machine: {read_gbps:.1f} GB/s\n")
+    timed = [r for r in results if r.get("seconds") is not None]
+    untimed = [r for r in results if r.get("seconds") is None]
     header = f"{'case':<34} {'backend':<7} {'ms':>9} {'GB/s':>7} {'% read':>7}  baseline (same run)"
     print(header)
     print("-" * len(header))
-    for r in results:
-        if r.get("seconds") is None:
-            print(f"{r['name']:<34} {r['backend']:<7} {'-':>9} {'-':>7} {'-':>7}  {r.get('note', '')}")
-            continue
+    for r in timed:
         gbps = r.get("gbps")
         base = r.get("baseline")
         base_text = f"{base['name']}: {base['seconds'] * 1e3:.2f} ms; {_ratio(r)}" if base else ""
         print(f"{r['name']:<34} {r['backend']:<7} {r['seconds'] * 1e3:>9.2f} "
               f"{gbps if gbps is not None else float('nan'):>7.1f} "
               f"{100 * r['fraction_of_read'] if 'fraction_of_read' in r else float('nan'):>6.0f}%  {base_text}")
+    if untimed:
+        print()
+        for r in untimed:
+            print(f"{r['name']} [{r['backend']}]: {r.get('note', '')}")

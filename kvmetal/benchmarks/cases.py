@@ -100,39 +100,49 @@ def decode_contiguous(*, backend, tokens, repeat, baseline, progress):
 
 
 def write_and_gather(*, backend, tokens, repeat, baseline, progress):
-    """reshape_and_cache of 512 new tokens, and gather_kv_cache of the whole sequence."""
+    """reshape_and_cache of up to 512 new tokens, and gather_kv_cache of the whole sequence.
+
+    The write threads the caches through every call and keeps no other reference, as a
+    decode loop does, so both kvmetal and the MLX baseline can update them in place.
+    """
     query, kc, vc, tables, lens, _, _ = _paged_setup(tokens, mx.float16)
     new = min(512, kc.shape[0] * BLOCK_SIZE)
     rows_k = mx.random.normal((new, NUM_KV_HEADS, HEAD_DIM)).astype(mx.float16)
     rows_v = mx.random.normal((new, NUM_KV_HEADS, HEAD_DIM)).astype(mx.float16)
     slots = mx.array(np.random.default_rng(1).choice(kc.shape[0] * BLOCK_SIZE, new, replace=False).astype(np.int32))
     mx.eval(rows_k, rows_v, slots)
-    results = []
+    caches = [kc, vc]
+    del kc, vc
+
+    def kvmetal_write():
+        k, v = caches
+        caches[:] = ops.reshape_and_cache(rows_k, rows_v, k, v, slots, validate=False)
+        return caches[0], caches[1]
+
     with use_backend(backend):
-        write = median_seconds(lambda: ops.reshape_and_cache(rows_k, rows_v, kc, vc, slots, validate=False),
-                               repeat=repeat)
-        gather = median_seconds(lambda: ops.gather_kv_cache(kc, vc, tables, lens, validate=False), repeat=repeat)
+        write = median_seconds(kvmetal_write, repeat=repeat)
+        gather = median_seconds(lambda: ops.gather_kv_cache(caches[0], caches[1], tables, lens, validate=False),
+                                repeat=repeat)
     write_base = gather_base = None
     if baseline:
         blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
 
-        def mlx_write():  # MLX's own scatter into the same layout
-            k, v = mx.array(kc), mx.array(vc)
+        def mlx_write():  # MLX's own scatter into the same layout, on the same threaded caches
+            k, v = caches
             k[blocks, :, offsets] = rows_k
             v[blocks, :, offsets] = rows_v
             return k, v
 
         def mlx_gather():
-            return (kc[tables[0]].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM),
-                    vc[tables[0]].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM))
+            k, v = caches
+            return (k[tables[0]].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM),
+                    v[tables[0]].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM))
 
         write_base = {"name": "MLX indexed assignment (scatter)", "seconds": median_seconds(mlx_write, repeat=repeat)}
         gather_base = {"name": "MLX take + transpose", "seconds": median_seconds(mlx_gather, repeat=repeat)}
-    results.append(_result(f"reshape_and_cache_f16 {new} rows", backend, write, 2 * new * NUM_KV_HEADS * HEAD_DIM * 2,
-                           write_base))
-    results.append(_result(f"gather_kv_cache_f16 T={tokens}", backend, gather, _live_kv_bytes(tokens, 2, 2),
-                           gather_base))
-    return results
+    row_bytes = 2 * new * NUM_KV_HEADS * HEAD_DIM * 2
+    return [_result(f"reshape_and_cache_f16 {new} rows", backend, write, row_bytes, write_base),
+            _result(f"gather_kv_cache_f16 T={tokens}", backend, gather, _live_kv_bytes(tokens, 2, 2), gather_base)]
 
 
 def metal_kernels(*, backend, tokens, repeat, baseline, progress):
