@@ -32,7 +32,8 @@ CLANG_SITE_FLAGS = ("-mllvm", "-enable-tail-merge=false")
 RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread")
 
 _lock = threading.Lock()
-_loaded: dict = {}
+_loaded: dict = {}          # kernel cache key -> loaded kernel library
+_runtime = None             # the one runtime library of this process
 
 
 def cache_dir() -> Path:
@@ -117,19 +118,20 @@ def _explain(stderr: str, what: str, file_name: str, msl: str | None) -> str:
 
 
 def load_runtime() -> ctypes.CDLL:
+    """Build (once per compiler) and load the fiber runtime. Loaded once per process:
+    kernels bind to its symbols by name, so a second copy would split its state."""
+    global _runtime
     with _lock:
-        lib = _loaded.get("runtime")
-        if lib is not None:
-            return lib
+        if _runtime is not None:
+            return _runtime
         cmd = compiler()
         key = _digest(_runtime_digest(), " ".join(cmd), _compiler_id(tuple(cmd)), " ".join(RUNTIME_FLAGS))
         path = cache_dir() / f"libkmslrt-{key}.so"
         if not path.exists():
             _compile((RUNTIME_DIR / "rt.cpp").read_text(), path, RUNTIME_FLAGS, what="kvmetal.sim runtime",
                      file_name="rt.cpp", msl=None)
-        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-        _loaded["runtime"] = lib
-        return lib
+        _runtime = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        return _runtime
 
 
 def load_kernel(cpp: str, *, what: str, file_name: str, msl: str) -> ctypes.CDLL:
