@@ -49,8 +49,9 @@ struct PartialLayout {
 };
 
 struct Scratch {
-  std::vector<float> q, k_tile, v_tile, scores, corr;
+  std::vector<float> q, k_tile, v_tile, scores, corr, ones;
   void fit(int G, int D) {
+    ones.assign(G, 1.f);
     q.resize(static_cast<size_t>(G) * D);
     k_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
     v_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
@@ -81,10 +82,11 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
   }
 
   // A tile is up to kMaxTileRows consecutive tokens, made of segments: runs
-  // of rows [row0, row0 + n) of one (outer, kvh). Float32 tiles are read in
-  // place, so they stay within one block; tiles that are converted into
-  // scratch anyway (f16/bf16/quantized) merge small blocks, which halves the
-  // per-tile work (softmax step, accumulator rescale) for block_size 16.
+  // of rows [row0, row0 + n) of one (outer, kvh), i.e. one block of a paged
+  // cache. One softmax step (and one accumulator rescale) serves the whole
+  // tile. Rows the kernels can read in place (float32; float16 where the CPU
+  // widens it in registers) are used where they are, segment by segment;
+  // other rows are converted (or dequantized) once into a scratch tile.
   struct Segment {
     int64_t outer;
     int row0, n;
@@ -98,7 +100,6 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
     }
     return Segment{s, t, std::min(kMaxTileRows - t % kMaxTileRows, range.hi - t)};
   };
-  const bool merge = p.paged && k.converts() && v.converts();
   // Fills segs for the tile starting at token t; returns the segment count.
   auto tile_at = [&](int t, Segment* segs, int* rows) {
     int count = 0;
@@ -106,15 +107,21 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
     do {
       segs[count] = segment_at(t + *rows);
       *rows += segs[count++].n;
-    } while (merge && count < kMaxSegments && t + *rows < range.hi && *rows + p.block_size <= kMaxTileRows);
+    } while (p.paged && count < kMaxSegments && t + *rows < range.hi && *rows + p.block_size <= kMaxTileRows);
     return count;
   };
-  // One K or V tile as float32 rows `*stride` apart.
-  auto load = [&](const KVView& view, const Segment* segs, int count, float* scratch, int64_t* stride) {
-    if (count == 1) return view.tile(segs[0].outer, kvh, segs[0].row0, segs[0].n, scratch, stride, tk);
+  // Converting float16 in registers repeats the conversion for every 4 query
+  // heads; past 8 heads a scratch copy converted once is cheaper.
+  auto in_place = [&](const KVView& view) {
+    return !view.quantized &&
+           (view.kind == FloatKind::f32 || (view.kind == FloatKind::f16 && tk.scores_f16 && G <= 8));
+  };
+  const bool k_in_place = in_place(k), v_in_place = in_place(v);
+  // A converted tile: all segments into scratch, rows D floats apart.
+  auto convert = [&](const KVView& view, const Segment* segs, int count, float* scratch) {
+    int64_t stride;
     for (int i = 0, off = 0; i < count; off += segs[i++].n)
-      view.tile(segs[i].outer, kvh, segs[i].row0, segs[i].n, scratch + static_cast<int64_t>(off) * D, stride, tk);
-    *stride = D;
+      view.tile(segs[i].outer, kvh, segs[i].row0, segs[i].n, scratch + static_cast<int64_t>(off) * D, &stride, tk);
     return static_cast<const float*>(scratch);
   };
 
@@ -133,10 +140,18 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
       }
     }
 
-    int64_t ks, vs;
-    const float* kt = load(k, cur, cur_count, sc.k_tile.data(), &ks);
     float* scores = sc.scores.data();
-    tk.scores(sc.q.data(), G, kt, ks, n, D, scores);
+    if (k_in_place) {
+      for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
+        const Segment& sg = cur[i];
+        if (k.kind == FloatKind::f32)
+          tk.scores(sc.q.data(), G, k.f32_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
+        else
+          tk.scores_f16(sc.q.data(), G, k.u16_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
+      }
+    } else {
+      tk.scores(sc.q.data(), G, convert(k, cur, cur_count, sc.k_tile.data()), D, n, D, scores);
+    }
     if (p.has_softcap) {
       for (int g = 0; g < G; ++g)
         for (int r = 0; r < n; ++r) {
@@ -147,8 +162,19 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
     // Online softmax: new running max, rescale factors, probabilities.
     tk.softmax_update(scores, G, n, m, l, sc.corr.data());
 
-    const float* vt = load(v, cur, cur_count, sc.v_tile.data(), &vs);
-    tk.accumulate(scores, sc.corr.data(), G, vt, vs, n, D, acc);
+    if (v_in_place) {
+      // The first segment rescales the accumulators; the others add on top.
+      for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
+        const Segment& sg = cur[i];
+        const float* corr = i == 0 ? sc.corr.data() : sc.ones.data();
+        if (v.kind == FloatKind::f32)
+          tk.accumulate(scores + off, corr, G, v.f32_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
+        else
+          tk.accumulate_f16(scores + off, corr, G, v.u16_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
+      }
+    } else {
+      tk.accumulate(scores, sc.corr.data(), G, convert(v, cur, cur_count, sc.v_tile.data()), D, n, D, acc);
+    }
 
     std::copy(next, next + next_count, cur);
     cur_count = next_count;

@@ -32,8 +32,13 @@ struct KVView {
     return outer * s[0] + head * s[1] + row * s[2];
   }
 
-  // True when tiles go through a scratch buffer (anything but float32).
-  bool converts() const { return quantized || kind != FloatKind::f32; }
+  // First element of a row of a float32 / float16 cache.
+  const float* f32_row(int64_t outer, int head, int row) const {
+    return reinterpret_cast<const float*>(data) + offset(stride, outer, head, row);
+  }
+  const uint16_t* u16_row(int64_t outer, int head, int row) const {
+    return reinterpret_cast<const uint16_t*>(data) + offset(stride, outer, head, row);
+  }
 
   // Ask for rows [row0, row0 + n) of (outer, head) to be pulled into cache:
   // tiles of a paged cache are scattered (shuffled block ids), so the hardware

@@ -42,6 +42,11 @@ struct TileKernels {
   void (*dequant_rows)(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
                        const void* biases, int64_t bias_stride, int scale_kind, int bits, int group_size, int n,
                        int D, float* dst);
+  // As scores / accumulate, on float16 rows (raw bits) read in place and
+  // widened in registers (null when the implementation has none).
+  void (*scores_f16)(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* scores);
+  void (*accumulate_f16)(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
+                         float* acc);
   // dst[i] = float16/bfloat16 bits of src[i] (round to nearest even).
   void (*f32_to_f16)(const float* src, int n, uint16_t* dst);
 };

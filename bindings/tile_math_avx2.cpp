@@ -207,7 +207,7 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
   }
 }
 
-const TileKernels kAvx2{"avx2", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update, nullptr, to_f16};
+const TileKernels kAvx2{"avx2", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update, nullptr, nullptr, nullptr, to_f16};
 
 }  // namespace
 

@@ -32,6 +32,13 @@ void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
   }
 }
 
+// 16 values of a K/V row as float32: float rows as they are, float16 rows
+// (raw bits) widened in registers, so float16 caches need no scratch copy.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Horizontal sums of 16 registers at once: lane 4c + p of the result is the
 // sum of v[4p + c]. A transpose-and-add tree, 45 instructions instead of 16
 // separate reductions (128).
@@ -49,12 +56,13 @@ inline __m512 hsum16(const __m512* v) {
 }
 
 // 4 heads x 4 rows: 16 accumulators, each K and q register used 4 times.
-void scores_4x4(const float* q, const float* k, int64_t stride, int D, float* out) {
+template <typename T>
+void scores_4x4(const float* q, const T* k, int64_t stride, int D, float* out) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 16) {
     __m512 kr[4];
-    for (int r = 0; r < 4; ++r) kr[r] = _mm512_loadu_ps(k + r * stride + d);
+    for (int r = 0; r < 4; ++r) kr[r] = load16(k + r * stride + d);
     for (int h = 0; h < 4; ++h) {
       __m512 qh = _mm512_loadu_ps(q + h * D + d);
       for (int r = 0; r < 4; ++r) acc[4 * h + r] = _mm512_fmadd_ps(qh, kr[r], acc[4 * h + r]);
@@ -68,37 +76,38 @@ void scores_4x4(const float* q, const float* k, int64_t stride, int D, float* ou
 }
 
 // Any head count, one row at a time (the leftovers of the 4x4 blocking).
-template <int NH>
-void scores_rows(const float* q, const float* k, int64_t stride, int r0, int n, int D, float* out) {
+template <int NH, typename T>
+void scores_rows(const float* q, const T* k, int64_t stride, int r0, int n, int D, float* out) {
   for (int r = r0; r < n; ++r) {
     __m512 acc[NH];
     for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 16) {
-      __m512 kr = _mm512_loadu_ps(k + r * stride + d);
+      __m512 kr = load16(k + r * stride + d);
       for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d), kr, acc[h]);
     }
     for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = _mm512_reduce_add_ps(acc[h]);
   }
 }
 
-void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
+template <typename T>
+void scores_t(const float* q, int G, const T* k, int64_t stride, int n, int D, float* out) {
   int g = 0;
   for (; g + 4 <= G; g += 4) {
     int r = 0;
     for (; r + 4 <= n; r += 4) scores_4x4(q + g * D, k + r * stride, stride, D, out + g * kMaxTileRows + r);
-    scores_rows<4>(q + g * D, k, stride, r, n, D, out + g * kMaxTileRows);
+    scores_rows<4, T>(q + g * D, k, stride, r, n, D, out + g * kMaxTileRows);
   }
   switch (G - g) {
-    case 3: scores_rows<3>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
-    case 2: scores_rows<2>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
-    case 1: scores_rows<1>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
+    case 3: scores_rows<3, T>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
+    case 2: scores_rows<2, T>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
+    case 1: scores_rows<1, T>(q + g * D, k, stride, 0, n, D, out + g * kMaxTileRows); break;
     default: break;
   }
 }
 
 // NH heads x W registers of columns stay in registers while the rows stream.
-template <int NH, int W>
-void accumulate_cols(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, int d,
+template <int NH, int W, typename T>
+void accumulate_cols(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, int d,
                      float* acc) {
   __m512 a[NH][W];
   for (int h = 0; h < NH; ++h) {
@@ -107,7 +116,7 @@ void accumulate_cols(const float* p, const float* corr, const float* v, int64_t 
   }
   for (int r = 0; r < n; ++r) {
     __m512 x[W];
-    for (int w = 0; w < W; ++w) x[w] = _mm512_loadu_ps(v + r * stride + d + 16 * w);
+    for (int w = 0; w < W; ++w) x[w] = load16(v + r * stride + d + 16 * w);
     for (int h = 0; h < NH; ++h) {
       __m512 ph = _mm512_set1_ps(p[h * kMaxTileRows + r]);
       for (int w = 0; w < W; ++w) a[h][w] = _mm512_fmadd_ps(ph, x[w], a[h][w]);
@@ -117,24 +126,39 @@ void accumulate_cols(const float* p, const float* corr, const float* v, int64_t 
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + h * D + d + 16 * w, a[h][w]);
 }
 
-template <int NH>
-void accumulate_heads(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, float* acc) {
+template <int NH, typename T>
+void accumulate_heads(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, float* acc) {
   int d = 0;
-  for (; d + 64 <= D; d += 64) accumulate_cols<NH, 4>(p, corr, v, stride, n, D, d, acc);
-  for (; d + 32 <= D; d += 32) accumulate_cols<NH, 2>(p, corr, v, stride, n, D, d, acc);
-  for (; d < D; d += 16) accumulate_cols<NH, 1>(p, corr, v, stride, n, D, d, acc);
+  for (; d + 64 <= D; d += 64) accumulate_cols<NH, 4, T>(p, corr, v, stride, n, D, d, acc);
+  for (; d + 32 <= D; d += 32) accumulate_cols<NH, 2, T>(p, corr, v, stride, n, D, d, acc);
+  for (; d < D; d += 16) accumulate_cols<NH, 1, T>(p, corr, v, stride, n, D, d, acc);
 }
 
-void accumulate(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D, float* acc) {
+template <typename T>
+void accumulate_t(const float* p, const float* corr, int G, const T* v, int64_t stride, int n, int D, float* acc) {
   int g = 0;
   for (; g + 4 <= G; g += 4)
-    accumulate_heads<4>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
+    accumulate_heads<4, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
   switch (G - g) {
-    case 3: accumulate_heads<3>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
-    case 2: accumulate_heads<2>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
-    case 1: accumulate_heads<1>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 3: accumulate_heads<3, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 2: accumulate_heads<2, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 1: accumulate_heads<1, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
     default: break;
   }
+}
+
+void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
+  scores_t(q, G, k, stride, n, D, out);
+}
+void scores_f16(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* out) {
+  scores_t(q, G, k, stride, n, D, out);
+}
+void accumulate(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D, float* acc) {
+  accumulate_t(p, corr, G, v, stride, n, D, acc);
+}
+void accumulate_f16(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
+                    float* acc) {
+  accumulate_t(p, corr, G, v, stride, n, D, acc);
 }
 
 // Same polynomial as the AVX2 exp8 (about 2 ulp; NaN stays NaN; below -87.3 -> 0).
@@ -244,8 +268,9 @@ void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales
   }
 }
 
-const TileKernels kAvx512{"avx512", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update,
-                          dequant_rows, to_f16};
+const TileKernels kAvx512{"avx512",      f16_rows,       bf16_rows,      scores,       accumulate,
+                          exp_inplace,   softmax_update, dequant_rows,   scores_f16,   accumulate_f16,
+                          to_f16};
 
 }  // namespace
 
