@@ -41,19 +41,23 @@ void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
   }
 }
 
+// 8 values of a K/V row as float32 (float16 raw bits widened in registers).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // NH query heads against the tile, two rows at a time (2 * NH independent
 // accumulators keep both FMA ports busy).
-template <int NH>
-void scores_heads(const float* q, const float* k, int64_t stride, int n, int D, float* out) {
+template <int NH, typename T>
+void scores_heads(const float* q, const T* k, int64_t stride, int n, int D, float* out) {
   int r = 0;
   for (; r + 2 <= n; r += 2) {
-    const float* k0 = k + r * stride;
-    const float* k1 = k0 + stride;
+    const T* k0 = k + r * stride;
+    const T* k1 = k0 + stride;
     __m256 a0[NH], a1[NH];
     for (int h = 0; h < NH; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
-      __m256 x0 = _mm256_loadu_ps(k0 + d);
-      __m256 x1 = _mm256_loadu_ps(k1 + d);
+      __m256 x0 = load8(k0 + d);
+      __m256 x1 = load8(k1 + d);
       for (int h = 0; h < NH; ++h) {
         __m256 qh = _mm256_loadu_ps(q + h * D + d);
         a0[h] = _mm256_fmadd_ps(qh, x0, a0[h]);
@@ -66,32 +70,33 @@ void scores_heads(const float* q, const float* k, int64_t stride, int n, int D, 
     }
   }
   if (r < n) {
-    const float* k0 = k + r * stride;
+    const T* k0 = k + r * stride;
     __m256 a0[NH];
     for (int h = 0; h < NH; ++h) a0[h] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
-      __m256 x0 = _mm256_loadu_ps(k0 + d);
+      __m256 x0 = load8(k0 + d);
       for (int h = 0; h < NH; ++h) a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), x0, a0[h]);
     }
     for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = hsum(a0[h]);
   }
 }
 
-void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
+template <typename T>
+void scores_t(const float* q, int G, const T* k, int64_t stride, int n, int D, float* out) {
   int g = 0;
-  for (; g + 4 <= G; g += 4) scores_heads<4>(q + g * D, k, stride, n, D, out + g * kMaxTileRows);
+  for (; g + 4 <= G; g += 4) scores_heads<4, T>(q + g * D, k, stride, n, D, out + g * kMaxTileRows);
   switch (G - g) {
-    case 3: scores_heads<3>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
-    case 2: scores_heads<2>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
-    case 1: scores_heads<1>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
+    case 3: scores_heads<3, T>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
+    case 2: scores_heads<2, T>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
+    case 1: scores_heads<1, T>(q + g * D, k, stride, n, D, out + g * kMaxTileRows); break;
     default: break;
   }
 }
 
 // NH heads' accumulators for W * 8 columns stay in registers while the tile's
 // rows stream through.
-template <int NH, int W>
-void accumulate_cols(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, int d,
+template <int NH, int W, typename T>
+void accumulate_cols(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, int d,
                      float* acc) {
   __m256 a[NH][W];
   for (int h = 0; h < NH; ++h) {
@@ -100,7 +105,7 @@ void accumulate_cols(const float* p, const float* corr, const float* v, int64_t 
   }
   for (int r = 0; r < n; ++r) {
     __m256 x[W];
-    for (int w = 0; w < W; ++w) x[w] = _mm256_loadu_ps(v + r * stride + d + 8 * w);
+    for (int w = 0; w < W; ++w) x[w] = load8(v + r * stride + d + 8 * w);
     for (int h = 0; h < NH; ++h) {
       __m256 ph = _mm256_broadcast_ss(p + h * kMaxTileRows + r);
       for (int w = 0; w < W; ++w) a[h][w] = _mm256_fmadd_ps(ph, x[w], a[h][w]);
@@ -110,23 +115,38 @@ void accumulate_cols(const float* p, const float* corr, const float* v, int64_t 
     for (int w = 0; w < W; ++w) _mm256_storeu_ps(acc + h * D + d + 8 * w, a[h][w]);
 }
 
-template <int NH>
-void accumulate_heads(const float* p, const float* corr, const float* v, int64_t stride, int n, int D, float* acc) {
+template <int NH, typename T>
+void accumulate_heads(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, float* acc) {
   int d = 0;
-  for (; d + 16 <= D; d += 16) accumulate_cols<NH, 2>(p, corr, v, stride, n, D, d, acc);
-  if (d < D) accumulate_cols<NH, 1>(p, corr, v, stride, n, D, d, acc);
+  for (; d + 16 <= D; d += 16) accumulate_cols<NH, 2, T>(p, corr, v, stride, n, D, d, acc);
+  if (d < D) accumulate_cols<NH, 1, T>(p, corr, v, stride, n, D, d, acc);
 }
 
-void accumulate(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D, float* acc) {
+template <typename T>
+void accumulate_t(const float* p, const float* corr, int G, const T* v, int64_t stride, int n, int D, float* acc) {
   int g = 0;
   for (; g + 4 <= G; g += 4)
-    accumulate_heads<4>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
+    accumulate_heads<4, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
   switch (G - g) {
-    case 3: accumulate_heads<3>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
-    case 2: accumulate_heads<2>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
-    case 1: accumulate_heads<1>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 3: accumulate_heads<3, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 2: accumulate_heads<2, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
+    case 1: accumulate_heads<1, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D); break;
     default: break;
   }
+}
+
+void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
+  scores_t(q, G, k, stride, n, D, out);
+}
+void scores_f16(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* out) {
+  scores_t(q, G, k, stride, n, D, out);
+}
+void accumulate(const float* p, const float* corr, int G, const float* v, int64_t stride, int n, int D, float* acc) {
+  accumulate_t(p, corr, G, v, stride, n, D, acc);
+}
+void accumulate_f16(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
+                    float* acc) {
+  accumulate_t(p, corr, G, v, stride, n, D, acc);
 }
 
 // exp(x) to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
@@ -207,7 +227,8 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
   }
 }
 
-const TileKernels kAvx2{"avx2", f16_rows, bf16_rows, scores, accumulate, exp_inplace, softmax_update, nullptr, nullptr, nullptr, to_f16};
+const TileKernels kAvx2{"avx2",      f16_rows,       bf16_rows, scores,     accumulate,     exp_inplace,
+                        softmax_update, nullptr,  scores_f16, accumulate_f16, to_f16};
 
 }  // namespace
 
