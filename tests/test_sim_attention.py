@@ -59,7 +59,11 @@ def test_traffic_shows_kv_read_once_for_all_query_heads():
     assert partials.buffers["pacc"].stored == hq * 4 * d * 4
     assert partials.threadgroup_memory == 2 * 16 * d * 4
     assert partials.grid == (32 * 4, hkv, 4) and partials.threads == 32 * 4 * hkv * 4
-    assert reduce.buffers["out"].stored == hq * d * 4
+    assert reduce.buffers["out"].stored == hq * d * 4 and reduce.buffers["out"].distinct_stored == hq * d * 4
+    # Every partial is written exactly once.
+    for name in ("pmax", "psum", "pacc"):
+        b = partials.buffers[name]
+        assert b.stored == b.distinct_stored == b.size
 
 
 def test_one_mib_read_exactly_once():
@@ -79,6 +83,7 @@ def test_one_mib_read_exactly_once():
     traffic = tr.calls[0].buffers["inp"]
     assert traffic.loaded == 1 << 20 and traffic.distinct_loaded == 1 << 20 and traffic.stored == 0
     assert tr.calls[0].buffers["out"].stored == n // 128 * 4
+    assert tr.calls[0].buffers["out"].distinct_stored == n // 128 * 4
     np.testing.assert_allclose(np.array(o), np.array(x).reshape(-1, 128).sum(1), rtol=1e-4, atol=1e-4)
     # Reading every element twice doubles `loaded` but not `distinct_loaded`.
     k2 = sim.metal_kernel(name="read_twice", input_names=["inp"], output_names=["out"],

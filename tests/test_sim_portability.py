@@ -66,9 +66,9 @@ extern "C" void kmsl_entry(const KmslAttrs* a, KmslCounter* c);
 int main() {
   const int n = 256;
   static float in[n], out[n];
-  static uint8_t t0[n * 4], t1[n * 4];
+  static uint8_t t0[n * 4], t1[n * 4], w0[n * 4], w1[n * 4];
   for (int i = 0; i < n; i++) in[i] = float(i % 7);
-  KmslBuf bufs[2] = {{(char*)in, n * 4, 0, "inp", t0}, {(char*)out, n * 4, 0, "out", t1}};
+  KmslBuf bufs[2] = {{(char*)in, n * 4, 0, "inp", t0, w0}, {(char*)out, n * 4, 0, "out", t1, w1}};
   uint64_t loads[2], stores[2];
   KmslLaunch L{};
   L.grid[0] = n; L.grid[1] = L.grid[2] = 1;

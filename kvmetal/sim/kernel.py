@@ -17,7 +17,8 @@ _MATH_MODES = ("safe", "relaxed", "fast")
 
 class _Buf(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_int64), ("start", ctypes.c_int64),
-                ("name", ctypes.c_char_p), ("touched", ctypes.c_void_p)]
+                ("name", ctypes.c_char_p), ("touched", ctypes.c_void_p),
+                ("written", ctypes.c_void_p)]
 
 
 class _Launch(ctypes.Structure):
@@ -204,11 +205,12 @@ class SimKernel:
                 keep.append(copy)
                 lo = copy.ctypes.data
             touched = np.zeros(max(span, 1), np.uint8)
-            keep.extend([h, touched])
+            written = np.zeros(max(span, 1), np.uint8)
+            keep.extend([h, touched, written])
             name_b = pname.encode()
             keep.append(name_b)
-            bufs.append(_Buf(lo, span, start, name_b, touched.ctypes.data))
-            traced.append((traced_name, touched, span))
+            bufs.append(_Buf(lo, span, start, name_b, touched.ctypes.data, written.ctypes.data))
+            traced.append((traced_name, touched, written, span))
 
         for a, spec, info in zip(arrays, specs, self._shape_infos):
             h = _host_view(a, self.ensure_row_contiguous)
@@ -259,11 +261,12 @@ class SimKernel:
             raise BY_KIND.get(launch.err_kind, SimError)(launch.err_msg.decode(errors="replace"))
 
         buffers = {}
-        for k, (tname, touched, span) in enumerate(traced):
+        for k, (tname, touched, written, span) in enumerate(traced):
             if tname is not None:
                 buffers[tname] = trace_mod.BufferTraffic(
                     loaded=int(loads[k]), stored=int(stores[k]),
-                    distinct_loaded=int(np.count_nonzero(touched[:span])), size=span)
+                    distinct_loaded=int(np.count_nonzero(touched[:span])),
+                    distinct_stored=int(np.count_nonzero(written[:span])), size=span)
         trace_mod.record(trace_mod.KernelCall(
             name=self.name, grid=grid, threadgroup=group, buffers=buffers, threadgroup_memory=int(launch.tg_memory),
             threads=grid[0] * grid[1] * grid[2], seconds=seconds))

@@ -15,6 +15,7 @@ class BufferTraffic:
     loaded: int           # bytes loaded (every access counts)
     stored: int           # bytes stored
     distinct_loaded: int  # distinct bytes loaded at least once
+    distinct_stored: int  # distinct bytes stored at least once
     size: int             # bytes the buffer spans
 
 

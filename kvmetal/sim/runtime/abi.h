@@ -25,6 +25,7 @@ struct KmslBuf {
   int64_t start;     // byte offset of element 0 (what the kernel's pointer points to)
   const char* name;  // parameter name, for error messages
   uint8_t* touched;  // one byte per byte of [data, data+size): set when loaded
+  uint8_t* written;  // likewise, set when stored
 };
 
 // Per worker (OS thread) and per buffer traffic counters: no sharing, no atomics.

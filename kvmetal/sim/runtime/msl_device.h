@@ -48,6 +48,7 @@ template <class T> struct dref {
   T get() const { return T(*this); }
   const dref& operator=(const T& v) const {
     c->stores += sizeof(T);
+    __builtin_memset(c->buf->written + off, 1, sizeof(T));
     *p = v;
     return *this;
   }
@@ -89,6 +90,10 @@ template <class T> struct dptr {
     c->loads += sizeof(T);
     __builtin_memset(c->buf->touched + o, 1, sizeof(T));
   }
+  void count_store(int64_t o) const {
+    c->stores += sizeof(T);
+    __builtin_memset(c->buf->written + o, 1, sizeof(T));
+  }
 
   // const element: a load; atomic element: a read-modify-write; else a proxy.
   template <class I> decltype(auto) operator[](I i) const {
@@ -99,7 +104,7 @@ template <class T> struct dptr {
     } else if constexpr (is_atomic<elem>::value) {
       int64_t o = checked((int64_t)i, "atomic access");
       count_load(o);
-      c->stores += sizeof(T);
+      count_store(o);
       return *(elem*)(base + o);
     } else {
       int64_t o = checked((int64_t)i, "access");
@@ -115,7 +120,7 @@ template <class T> struct dptr {
     } else {
       int64_t o = checked(0, "access");
       count_load(o);
-      c->stores += sizeof(T);
+      count_store(o);
       return (T*)(base + o);
     }
   }
