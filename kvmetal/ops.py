@@ -166,7 +166,8 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache, value_cache, sl
         key, value: [T, Hkv, D] new rows, any float dtype.
         key_cache, value_cache: [N, Hkv, bs, D] float caches or QuantizedKV.
         slot_mapping: int32/int64 [T]; row t goes to slot ``block * bs + offset``;
-            a negative slot skips the row (padding).
+            a negative slot skips the row (padding). With ``validate=False`` the caller
+            vouches for the slots: in range, distinct, and at least one non-negative.
     Returns:
         (key_cache, value_cache): the updated caches. The write is in place when the
         caller holds no other reference to the cache arrays (MLX buffer donation), so
@@ -194,6 +195,8 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache, value_cache, sl
             _fail(op, f"slot_mapping[{t}] = {slots[t]} is out of range [0, {num_slots})")
         if np.unique(live).size != live.size:
             _fail(op, "slot_mapping writes the same slot twice; each slot takes one token")
+        if live.size == 0:  # all padding: nothing to write
+            return key_cache, value_cache
     return backends.get().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 

@@ -306,11 +306,12 @@ class KernelBackend:
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         num_tokens = key.shape[0]
-        valid = slot_mapping >= 0
         # Padding tokens repeat the first real token's row and slot, so the scatter
-        # needs no mask; with no real token at all there is nothing to write.
-        if num_tokens == 0 or not mx.any(valid).item():
+        # needs no mask. ops.reshape_and_cache returns early when no slot is real (or,
+        # with validate=False, its caller promises one is): no host sync here.
+        if num_tokens == 0:
             return key_cache, value_cache
+        valid = slot_mapping >= 0
         first = mx.argmax(valid.astype(mx.int32))
         src_token = mx.where(valid, mx.arange(num_tokens, dtype=mx.int32), first.astype(mx.int32))
         slots = mx.where(valid, slot_mapping, slot_mapping[first])
