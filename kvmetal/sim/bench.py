@@ -7,14 +7,14 @@ switch into the scheduler and back, per lane).
 from __future__ import annotations
 
 import argparse
-import time
 
 import mlx.core as mx
 import numpy as np
 
 from . import trace
 from .examples import split_kv_attention
-from .kernel import default_workers, metal_kernel
+from .kernel import metal_kernel
+from .launch import default_workers
 
 
 def decode_attention(hq=32, hkv=8, t=2048, d=128, splits=8, repeats=3):

@@ -2,69 +2,15 @@
 from __future__ import annotations
 
 import ctypes
-import os
-import time
 
 import mlx.core as mx
 import numpy as np
 
-from . import build, signature, trace as trace_mod, translate
-from .errors import BY_KIND, SimError, ThreadgroupSizeError
+from . import build, launch, signature, trace as trace_mod, translate
+from .errors import ThreadgroupSizeError
 
 MAX_THREADS_PER_THREADGROUP = 1024
 _MATH_MODES = ("safe", "relaxed", "fast")
-
-
-class _Buf(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_int64), ("start", ctypes.c_int64),
-                ("name", ctypes.c_char_p), ("touched", ctypes.c_void_p),
-                ("written", ctypes.c_void_p)]
-
-
-class _Launch(ctypes.Structure):
-    _fields_ = [("grid", ctypes.c_uint32 * 3), ("threadgroup", ctypes.c_uint32 * 3), ("nbufs", ctypes.c_int32),
-                ("bufs", ctypes.POINTER(_Buf)), ("seed", ctypes.c_uint64), ("strict", ctypes.c_int32),
-                ("nworkers", ctypes.c_int32), ("kernel_name", ctypes.c_char_p),
-                ("loads", ctypes.POINTER(ctypes.c_uint64)), ("stores", ctypes.POINTER(ctypes.c_uint64)),
-                ("tg_memory", ctypes.c_uint64), ("err_kind", ctypes.c_int32), ("err_msg", ctypes.c_char * 1024)]
-
-
-_NP_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_MX_VIEW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
-
-
-def _host_view(a: mx.array, contiguous: bool) -> np.ndarray:
-    """The array's bytes as a NumPy view (same strides unless `contiguous`), any dtype."""
-    if a.dtype == mx.complex64:
-        raise NotImplementedError("[metal_kernel] the simulator does not support complex64 buffers")
-    raw = a.view(_MX_VIEW[a.dtype.size]) if a.dtype not in (mx.bool_,) else a
-    h = np.asarray(raw)
-    return np.ascontiguousarray(h) if contiguous else h
-
-
-def _span(h: np.ndarray) -> tuple:
-    """(lowest address, bytes spanned, offset of element 0) of a strided view."""
-    ptr = h.__array_interface__["data"][0]
-    if h.size == 0:
-        return ptr, 0, 0
-    lo = sum(min(0, (n - 1) * s) for n, s in zip(h.shape, h.strides))
-    hi = sum(max(0, (n - 1) * s) for n, s in zip(h.shape, h.strides)) + h.itemsize
-    return ptr + lo, hi - lo, -lo
-
-
-def _aligned_bytes(nbytes: int, first: int = 0) -> np.ndarray:
-    """nbytes of fresh memory whose byte `first` sits on a 64-byte boundary (as Metal buffers do)."""
-    raw = np.empty(nbytes + 128, np.uint8)
-    shift = (-(raw.ctypes.data + first)) % 64
-    return raw[shift:shift + nbytes]
-
-
-def _aligned_output(shape, np_dtype, fill) -> np.ndarray:
-    itemsize = np.dtype(np_dtype).itemsize
-    n = int(np.prod(shape, dtype=np.int64))
-    out = _aligned_bytes(n * itemsize).view(np_dtype).reshape(shape)
-    out[...] = fill
-    return out
 
 
 def _as_input(x, name: str) -> mx.array:
@@ -94,11 +40,6 @@ def _check_template(template) -> list:
             raise ValueError("[metal_kernel] Invalid template argument. Must be `mlx.core.Dtype`, `int` or `bool`.")
         out.append((name, value))
     return out
-
-
-def default_workers() -> int:
-    env = os.environ.get("KVMETAL_SIM_THREADS")
-    return max(1, int(env)) if env else max(1, os.cpu_count() or 1)
 
 
 class SimKernel:
@@ -193,89 +134,30 @@ class SimKernel:
                 f"threadgroup ({MAX_THREADS_PER_THREADGROUP}) in kernel {self.name}.")
         group = tuple(min(t, g) if g > 0 else t for t, g in zip(threadgroup, grid))
 
-        # Bind buffers in MLX's order; `keep` holds every host array alive during the run.
-        keep, bufs, traced = [], [], []
-
-        def add(h: np.ndarray, pname: str, traced_name=None):
-            lo, span, start = _span(h)
-            if (lo + start) % 64:
-                # MLX's CPU allocations are only 8-byte aligned; Metal buffers are page aligned.
-                copy = _aligned_bytes(span, start)
-                ctypes.memmove(copy.ctypes.data, lo, span)
-                keep.append(copy)
-                lo = copy.ctypes.data
-            touched = np.zeros(max(span, 1), np.uint8)
-            written = np.zeros(max(span, 1), np.uint8)
-            keep.extend([h, touched, written])
-            name_b = pname.encode()
-            keep.append(name_b)
-            bufs.append(_Buf(lo, span, start, name_b, touched.ctypes.data, written.ctypes.data))
-            traced.append((traced_name, touched, written, span))
-
+        # Bind buffers in MLX's order: each input, then its shape/strides/ndim, then outputs.
+        bindings = launch.Bindings()
         for a, spec, info in zip(arrays, specs, self._shape_infos):
-            h = _host_view(a, self.ensure_row_contiguous)
-            add(h, spec.name, spec.name)
+            h = launch.host_view(a, self.ensure_row_contiguous)
+            bindings.add(h, spec.name, spec.name)
             if spec.ndim > 0:
                 if info[0]:
-                    add(np.asarray(h.shape, np.int32), spec.name + "_shape")
+                    bindings.add(np.asarray(h.shape, np.int32), spec.name + "_shape")
                 if info[1]:
-                    add(np.asarray([s // h.itemsize for s in h.strides], np.int64), spec.name + "_strides")
+                    bindings.add(np.asarray([s // h.itemsize for s in h.strides], np.int64), spec.name + "_strides")
                 if info[2]:
-                    add(np.asarray(h.ndim, np.int32), spec.name + "_ndim")
+                    bindings.add(np.asarray(h.ndim, np.int32), spec.name + "_ndim")
         outs = []
         for oname, shape, dt in zip(self.output_names, output_shapes, output_dtypes):
-            shape = tuple(int(s) for s in shape)
-            np_dtype = np.bool_ if dt == mx.bool_ else _NP_VIEW[dt.size]
-            if init_value is not None:
-                ref = mx.full(shape, init_value, dtype=dt)
-                h = _aligned_output(shape, np_dtype, np.array(ref.view(_MX_VIEW[dt.size]) if dt != mx.bool_ else ref))
-            else:  # Metal leaves outputs uninitialized: poison them so unwritten elements show
-                h = _aligned_output(shape, np.uint8, 0xFF).view(np.bool_) if dt == mx.bool_ else \
-                    _aligned_output(shape, np_dtype, np.iinfo(np_dtype).max)
+            h = launch.new_output(tuple(int(s) for s in shape), dt, init_value)
             outs.append((h, dt))
-            add(h, oname, oname)
+            bindings.add(h, oname, oname)
 
-        n = len(bufs)
-        launch = _Launch()
-        launch.grid[:] = grid
-        launch.threadgroup[:] = group
-        launch.nbufs = n
-        buf_array = (_Buf * max(n, 1))(*bufs)
-        loads = (ctypes.c_uint64 * max(n, 1))()
-        stores = (ctypes.c_uint64 * max(n, 1))()
-        launch.bufs = buf_array
-        launch.loads = loads
-        launch.stores = stores
-        launch.seed = seed
-        launch.strict = int(strict)
-        launch.nworkers = default_workers()
-        kname = self.name.encode()
-        launch.kernel_name = kname
-        run = build.load_runtime().kmsl_rt_launch
-        run.argtypes = [ctypes.POINTER(_Launch), ctypes.c_void_p]
-        run.restype = ctypes.c_int
-        t0 = time.perf_counter()
-        rc = run(ctypes.byref(launch), entry)
-        seconds = time.perf_counter() - t0
-        if rc != 0:
-            raise BY_KIND.get(launch.err_kind, SimError)(launch.err_msg.decode(errors="replace"))
-
-        buffers = {}
-        for k, (tname, touched, written, span) in enumerate(traced):
-            if tname is not None:
-                buffers[tname] = trace_mod.BufferTraffic(
-                    loaded=int(loads[k]), stored=int(stores[k]),
-                    distinct_loaded=int(np.count_nonzero(touched[:span])),
-                    distinct_stored=int(np.count_nonzero(written[:span])), size=span)
+        traffic, tg_memory, seconds = launch.run(entry, bindings, grid=grid, threadgroup=group, seed=seed,
+                                                 strict=strict, kernel_name=self.name)
         trace_mod.record(trace_mod.KernelCall(
-            name=self.name, grid=grid, threadgroup=group, buffers=buffers, threadgroup_memory=int(launch.tg_memory),
+            name=self.name, grid=grid, threadgroup=group, buffers=traffic, threadgroup_memory=tg_memory,
             threads=grid[0] * grid[1] * grid[2], seconds=seconds))
-
-        results = []
-        for h, dt in outs:
-            a = mx.array(h)
-            results.append(a if dt == mx.bool_ else a.view(dt))
-        return results
+        return [launch.to_mx(h, dt) for h, dt in outs]
 
 
 def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
