@@ -451,3 +451,24 @@ def test_seeded_order_gives_the_same_answer_for_a_correct_kernel():
     for seed in (0, 1, 7):
         got = run1(src, [mx.array(x)], (128,), grid=(128, 1, 1), threadgroup=(32, 1, 1), names=["inp"], seed=seed)
         np.testing.assert_array_equal(got, x.reshape(4, 32)[:, ::-1].ravel())
+
+
+@pytest.mark.parametrize("make", ["broadcast", "transpose_f32", "transpose_f16"])
+def test_broadcast_and_transposed_views_keep_their_strides(make):
+    view = {
+        "broadcast": lambda: mx.broadcast_to(mx.arange(4, dtype=mx.float32), (3, 4)),         # strides (0, 1)
+        "transpose_f32": lambda: mx.arange(12, dtype=mx.float32).reshape(3, 4).T,             # strides (1, 4)
+        "transpose_f16": lambda: mx.arange(12, dtype=mx.float16).reshape(3, 4).T,
+    }[make]()
+    src = """
+    uint i = thread_position_in_grid.x;
+    out[i] = float(inp[elem_to_loc(i, inp_shape, inp_strides, inp_ndim)]) + float(inp_strides[0]) * 1000.0f;
+    """
+    k = sim.metal_kernel(name="views", input_names=["inp"], output_names=["out"], source=src,
+                         ensure_row_contiguous=False)
+    with sim.trace() as t:
+        (o,) = k(inputs=[view], output_shapes=[(12,)], output_dtypes=[mx.float32], grid=(12, 1, 1),
+                 threadgroup=(12, 1, 1))
+    stride0 = 0 if make == "broadcast" else 1
+    np.testing.assert_array_equal(np.array(o), np.array(view.astype(mx.float32)).ravel() + 1000.0 * stride0)
+    assert t.calls[0].buffers["inp"].size == (4 if make == "broadcast" else 12) * view.dtype.size
