@@ -472,3 +472,20 @@ def test_broadcast_and_transposed_views_keep_their_strides(make):
     stride0 = 0 if make == "broadcast" else 1
     np.testing.assert_array_equal(np.array(o), np.array(view.astype(mx.float32)).ravel() + 1000.0 * stride0)
     assert t.calls[0].buffers["inp"].size == (4 if make == "broadcast" else 12) * view.dtype.size
+
+
+def test_reading_back_written_vector_outputs():
+    src = """
+    uint i = thread_position_in_grid.x;
+    device float4* o = (device float4*)out;
+    o[i] = float4(inp[i]);
+    o[i] = o[i] * 2.0f + 1.0f;          // read the element back through the writable pointer
+    o[i] += float4(0.0f, 1.0f, 2.0f, 3.0f);
+    float4 v = o[i];
+    out[4 * i] = 0.5f * v.x + out[4 * i + 1] - 1.0f;
+    """
+    x = RNG.standard_normal(8).astype(np.float32)
+    got = run1(src, [mx.array(x)], (32,), grid=(8, 1, 1), threadgroup=(8, 1, 1), names=["inp"]).reshape(8, 4)
+    want = 2 * x[:, None] + 1 + np.arange(4, dtype=np.float32)
+    want[:, 0] = 0.5 * want[:, 0] + want[:, 1] - 1
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -33,6 +33,10 @@ namespace kmsl {
 }
 
 template <class T> struct dptr;
+template <class T> T declval_();
+template <class T> struct dref;
+template <class T> struct is_dref { static constexpr bool value = false; };
+template <class T> struct is_dref<dref<T>> { static constexpr bool value = true; };
 
 // Reference to one element behind a writable device pointer: reads count as
 // loads, assignments as stores.
@@ -59,7 +63,19 @@ template <class T> struct dref {
   KMSL_DREF_OP(&) KMSL_DREF_OP(|) KMSL_DREF_OP(^) KMSL_DREF_OP(<<) KMSL_DREF_OP(>>)
 #undef KMSL_DREF_OP
   dptr<T> operator&() const;
+  // Arithmetic reads the element first, so `out[i] * 2.0f` works for vector elements too.
+#define KMSL_DREF_BIN(op) \
+  template <class U> auto operator op(const U& u) const -> decltype(kmsl::declval_<T>() op u) { return T(*this) op u; }
+  KMSL_DREF_BIN(+) KMSL_DREF_BIN(-) KMSL_DREF_BIN(*) KMSL_DREF_BIN(/)
+#undef KMSL_DREF_BIN
 };
+#define KMSL_DREF_RBIN(op)                                                                       \
+  template <class U, class T, class = enable_if_t<!is_dref<U>::value>>                           \
+  auto operator op(const U& u, const dref<T>& r) -> decltype(u op kmsl::declval_<T>()) {         \
+    return u op T(r);                                                                            \
+  }
+KMSL_DREF_RBIN(+) KMSL_DREF_RBIN(-) KMSL_DREF_RBIN(*) KMSL_DREF_RBIN(/)
+#undef KMSL_DREF_RBIN
 
 template <class T> struct is_atomic { static constexpr bool value = false; };
 
