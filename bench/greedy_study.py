@@ -1,4 +1,10 @@
-"""Greedy decode with quantized K/V against a float16 cache, on a small random mlx-lm model.
+"""Greedy decode with quantized K/V against a float16 cache, on small mlx-lm models built in code.
+
+Two models (``--model``): ``copy`` (default), a one-layer llama whose weights are
+set by hand to retrieve a token through attention, confidently, with an outlier
+channel in its keys (see :func:`build_copy_model`); and ``random``, a seeded
+random llama, whose near-tied logits make any perturbation flip greedy decode.
+docs/quantization.md explains the choice and holds the results.
 
 For each K/V format (K and V with their own bits) the study runs two things on
 the same seeded model and prompt:
@@ -23,6 +29,8 @@ Usage::
 
     python bench/greedy_study.py                      # prints the markdown table
     python bench/greedy_study.py --write table.md     # and writes it
+    python bench/greedy_study.py --path kvmetal --backend cpu
+    python bench/greedy_study.py --model random --seed 3
 """
 from __future__ import annotations
 
@@ -323,7 +331,8 @@ def run_study(config: StudyConfig = StudyConfig(), formats=FORMATS, *, path="own
         "logit_std": float(ref_logits.std()),
         "distinct_tokens": len(set(ref_tokens)),
     }
-    reference = RunResult(f"{config.dtype} cache", None, None, ref_tokens, config.steps, None, 0.0, 0.0)
+    label = f"{config.dtype} cache" + (", paged" if path == "kvmetal" else "")
+    reference = RunResult(label, None, None, ref_tokens, config.steps, None, 0.0, 0.0)
     results = [compare_format(model, prompt, config, label, kb, vb, (ref_tokens, ref_logits), path=path)
                for label, kb, vb in formats]
     return reference, results, summary
