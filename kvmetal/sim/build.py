@@ -12,6 +12,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -65,10 +66,21 @@ def _runtime_digest() -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_has_f16c() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " f16c" in line for line in f)
+    except OSError:
+        return False
+
+
 def kernel_flags() -> tuple:
     cmd = compiler()
     ident = _compiler_id(tuple(cmd))
     extra = CLANG_SITE_FLAGS if "clang" in ident.lower() else GCC_SITE_FLAGS
+    if platform.machine() in ("x86_64", "AMD64") and _cpu_has_f16c():
+        extra += ("-mf16c",)  # inline half<->float conversions instead of libgcc calls
     if sys.platform == "darwin":
         extra += ("-undefined", "dynamic_lookup")  # runtime symbols come from libkmslrt, loaded first
     return KERNEL_FLAGS + extra
