@@ -78,3 +78,13 @@ def test_kvmetal_integration_agrees_with_the_study_cache(setup):
     paged = study.decode_run(model, prompt, CONFIG, 8, 4, path="kvmetal", forced=reference[0])
     assert paged[0] == own[0]
     np.testing.assert_allclose(paged[1], own[1], atol=0.1)
+
+
+def test_study_command_prints_and_writes_the_table(tmp_path, capsys):
+    out = tmp_path / "table.md"
+    assert study.main(["--steps", "8", "--write", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.strip() == out.read_text().strip()
+    assert "| K8/V4 | 8/8 | - |" in printed and "designed copy model" in printed
+    with pytest.raises(ValueError, match=r"\[greedy_study\] model must be 'copy' or 'random'"):
+        study.build_model(study.StudyConfig(model="trained"))

@@ -266,8 +266,40 @@ def test_check_layout_messages():
         quant.quantize(mx.zeros((2, 64)), bits=1)
 
 
+def test_check_bits_rejects_bools_and_names_the_argument():
+    with pytest.raises(TypeError, match=r"\[budget\] --k-bits must be an int"):
+        quant.check_bits(True, op="budget", name="--k-bits")
+    assert quant.check_bits(np.int64(4)) == 4
+
+
 def test_row_nbytes():
     # K8 at head_dim 128, group 64, float16 scales: 128 code bytes + 2 groups * (scale + bias) * 2 B
     assert quant.row_nbytes(128, bits=8, group_size=64) == 136
     assert quant.row_nbytes(128, bits=4, group_size=64) == 72
     assert quant.row_nbytes(128, bits=3, group_size=32, scale_bytes=4) == 48 + 32
+
+
+# ----------------------------------------------------------------------------- backends write the same format
+
+@pytest.mark.parametrize("backend", ("cpu", "sim"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 64), (3, 32), (5, 128), (6, 64), (2, 32)])
+def test_backend_cache_writes_are_bit_exact_with_quantize_rows(backend, dtype, bits, group_size):
+    """reshape_and_cache into a quantized cache stores exactly what mx.quantize would."""
+    import kvmetal as kv
+
+    T, H, D, bs, N = 20, 2, 128, 16, 4
+    key = (mx.random.normal((T, H, D), key=mx.random.key(bits)) * 3).astype(dtype)
+    value = mx.random.normal((T, H, D), key=mx.random.key(bits + 50)).astype(dtype)
+    kc, vc = make_paged_kv_caches(N, H, bs, D, dtype=dtype, k_bits=bits, v_bits=bits,
+                                  k_group_size=group_size, v_group_size=group_size)
+    slots = np.random.default_rng(bits).permutation(N * bs)[:T]
+    with kv.use_backend(backend):
+        kc, vc = kv.reshape_and_cache(key, value, kc, vc, mx.array(slots, dtype=mx.int32))
+    for cache, rows in ((kc, key), (vc, value)):
+        # [N, H, bs, X] -> one row per slot: [N * bs, H, X], then the written slots
+        by_slot = lambda a: _np(a).transpose(0, 2, 1, 3).reshape(N * bs, H, -1)[slots]
+        data, scales, biases = quantize_rows(rows, bits=bits, group_size=group_size)
+        np.testing.assert_array_equal(by_slot(cache.data), data)
+        np.testing.assert_array_equal(by_slot(cache.scales), scales)
+        np.testing.assert_array_equal(by_slot(cache.biases), biases)
