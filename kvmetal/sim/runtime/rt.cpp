@@ -96,14 +96,14 @@ constexpr uint32_t kArenaBytes = kMaxThreadgroupMemory + kMaxSlots * (kGuard + 6
 
 enum FiberState { READY, AT_BARRIER, AT_COLLECTIVE, DONE };
 
-struct Fiber {
+struct Fiber {  // kept small: the scheduler scans these every round
   void* sp = nullptr;
   char* stack_top = nullptr;
   FiberState state = DONE;
+  uint32_t index = 0;  // linear thread index in the threadgroup
   const void* site = nullptr;
   const char* op = nullptr;
   KmslCollective* coll = nullptr;
-  KmslAttrs attrs{};
 };
 
 struct Shared {
@@ -124,6 +124,10 @@ struct Worker {
   Shared* shared;
   std::vector<KmslCounter> counters;
   std::vector<Fiber> fibers;
+  std::vector<KmslAttrs> attrs;      // per fiber, read once when it starts
+  uint32_t n_coll = 0;               // fibers waiting at a collective
+  uint32_t n_barrier = 0;            // fibers waiting at a barrier
+  uint32_t sg_coll[32];              // per simdgroup: lanes waiting at a collective
   char* stacks = nullptr;
   size_t stacks_bytes = 0;
   void* sched_sp = nullptr;
@@ -157,6 +161,7 @@ struct Worker {
     }
     stacks = (char*)mem;
     fibers.resize(n);
+    attrs.resize(n);
     for (size_t i = 0; i < n; i++) {
       char* base = stacks + i * per;
       mprotect(base, page, PROT_NONE);
@@ -209,9 +214,8 @@ struct Worker {
     for (uint32_t sg = 0; sg * 32 < n && !aborted; sg++) {
       uint32_t first = sg * 32, count = std::min<uint32_t>(32, n - first);
       uint32_t existing = count == 32 ? 0xffffffffu : ((1u << count) - 1);
-      uint32_t pending = 0;
-      for (uint32_t l = 0; l < count; l++)
-        if (fibers[first + l].state == AT_COLLECTIVE) pending |= 1u << l;
+      uint32_t pending = sg_coll[sg];
+      sg_coll[sg] = 0;
       while (pending && !aborted) {
         int lead = __builtin_ctz(pending);
         const void* site = fibers[first + lead].site;
@@ -233,9 +237,9 @@ struct Worker {
           snprintf(err, sizeof(err),
                    "[%s] %s reached by only part of simdgroup %u of threadgroup (%u,%u,%u): "
                    "active lanes mask 0x%08x of 0x%08x (strict mode)",
-                   L->kernel_name, c->op, sg, fibers[first].attrs.threadgroup_position_in_grid[0],
-                   fibers[first].attrs.threadgroup_position_in_grid[1],
-                   fibers[first].attrs.threadgroup_position_in_grid[2], g.active, existing);
+                   L->kernel_name, c->op, sg, attrs[0].threadgroup_position_in_grid[0],
+                   attrs[0].threadgroup_position_in_grid[1], attrs[0].threadgroup_position_in_grid[2], g.active,
+                   existing);
           fail(KMSL_DIVERGENT_COLLECTIVE, err);
           return;
         }
@@ -249,6 +253,7 @@ struct Worker {
           if (g.active >> l & 1) fibers[first + l].state = READY;
       }
     }
+    n_coll = 0;
   }
 
   void release_barrier(uint32_t n) {
@@ -274,15 +279,15 @@ struct Worker {
       snprintf(msg, sizeof(msg),
                "[%s] divergent %s in threadgroup (%u,%u,%u): %u of %u threads wait at it, "
                "%u exited, %u wait at a different barrier",
-               L->kernel_name, op, fibers[0].attrs.threadgroup_position_in_grid[0],
-               fibers[0].attrs.threadgroup_position_in_grid[1],
-               fibers[0].attrs.threadgroup_position_in_grid[2], waiting - other_site, n, done,
-               other_site);
+               L->kernel_name, op, attrs[0].threadgroup_position_in_grid[0],
+               attrs[0].threadgroup_position_in_grid[1], attrs[0].threadgroup_position_in_grid[2],
+               waiting - other_site, n, done, other_site);
       fail(KMSL_DIVERGENT_BARRIER, msg);
       return;
     }
     check_guards("at a threadgroup_barrier");
     for (uint32_t i = 0; i < n; i++) fibers[i].state = READY;
+    n_barrier = 0;
   }
 
   void run_threadgroup(uint32_t linear_tg) {
@@ -300,7 +305,8 @@ struct Worker {
     for (uint32_t i = 0; i < n; i++) {
       Fiber& f = fibers[i];
       prepare_fiber(f);
-      KmslAttrs& a = f.attrs;
+      f.index = i;
+      KmslAttrs& a = attrs[i];
       uint32_t p[3] = {i % size[0], (i / size[0]) % size[1], i / (size[0] * size[1])};
       for (int d = 0; d < 3; d++) {
         a.thread_position_in_threadgroup[d] = p[d];
@@ -328,6 +334,8 @@ struct Worker {
     tg_bytes = 0;
     nallocs = 0;
     for (int s = 0; s < kMaxSlots; s++) slot_offset[s] = -1;
+    n_coll = n_barrier = 0;
+    for (int k = 0; k < 32; k++) sg_coll[k] = 0;
 
     order.resize(n);
     for (uint32_t i = 0; i < n; i++) order[i] = i;
@@ -349,14 +357,9 @@ struct Worker {
           }
         }
       }
-      bool coll = false, barrier = false;
-      for (uint32_t i = 0; i < n; i++) {
-        coll |= fibers[i].state == AT_COLLECTIVE;
-        barrier |= fibers[i].state == AT_BARRIER;
-      }
-      if (coll) {
+      if (n_coll) {
         resolve_collectives(n);
-      } else if (barrier) {
+      } else if (n_barrier) {
         release_barrier(n);
       } else {
         break;  // every thread finished
@@ -392,8 +395,8 @@ struct Worker {
                    "modified; detected %s in threadgroup (%u,%u,%u)",
                    shared->launch->kernel_name, slot_name[s], (unsigned long long)slot_bytes[s],
                    (long long)(past_end ? dist : dist), past_end ? "past its end" : "before its start", when,
-                   fibers[0].attrs.threadgroup_position_in_grid[0], fibers[0].attrs.threadgroup_position_in_grid[1],
-                   fibers[0].attrs.threadgroup_position_in_grid[2]);
+                   attrs[0].threadgroup_position_in_grid[0], attrs[0].threadgroup_position_in_grid[1],
+                   attrs[0].threadgroup_position_in_grid[2]);
           fail(KMSL_OUT_OF_BOUNDS, msg);
           return;
         }
@@ -426,7 +429,7 @@ struct Worker {
 void fiber_main() {
   Worker* w = tls_worker;
   Fiber* f = w->current;
-  w->shared->entry(&f->attrs, w->counters.data());
+  w->shared->entry(&w->attrs[f->index], w->counters.data());
   f->state = DONE;
   kmsl_switch(&f->sp, w->sched_sp);
   __builtin_trap();  // a finished fiber is never resumed
@@ -445,6 +448,8 @@ void kmsl_rt_collective(KmslCollective* c) {
   f->site = c->site;
   f->op = c->op;
   f->state = AT_COLLECTIVE;
+  w->n_coll++;
+  w->sg_coll[f->index / 32] |= 1u << (f->index % 32);
   yield_to_scheduler(w, f);
 }
 
@@ -454,6 +459,7 @@ void kmsl_rt_barrier(const void* site, const char* op) {
   f->site = site;
   f->op = op;
   f->state = AT_BARRIER;
+  w->n_barrier++;
   yield_to_scheduler(w, f);
 }
 
