@@ -333,7 +333,7 @@ def cache_bytes(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 
 def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, block_size: int = 16,
            memory_gib: float | None = None, bandwidth_gbs: float | None = None,
            weights_bytes: int | None = None, usable_fraction: float | None = None,
-           overhead_gib: float = 0.0, chip: str | None = None) -> dict:
+           overhead_bytes: int = 0, chip: str | None = None) -> dict:
     """Everything ``kvmetal budget`` prints, as a JSON-ready dict (bytes are ints)."""
     for name, value in (("context", context), ("batch", batch), ("block_size", block_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -367,14 +367,14 @@ def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, bl
         if not 0 < fraction <= 1:
             _fail(f"usable fraction must be in (0, 1], got {fraction}")
         usable = int(memory_gib * GIB * fraction)
-        free = usable - weights - int(overhead_gib * GIB)
+        free = usable - weights - int(overhead_bytes)
         seq_bytes = cache_bytes(model, fmt, context=context, block_size=block_size)
         max_context = max(free, 0) // (per_token * batch) // block_size * block_size
         report["memory"] = {
             "memory_bytes": int(memory_gib * GIB),
             "usable_fraction": fraction,
             "usable_bytes": usable,
-            "overhead_bytes": int(overhead_gib * GIB),
+            "overhead_bytes": int(overhead_bytes),
             "free_for_cache_bytes": free,
             "fits": free >= total,
             "max_context_at_batch": int(max_context),
@@ -525,7 +525,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--usable-fraction", type=float, default=None,
                    help="share of memory the GPU may use (default 2/3 up to 36 GiB, else 3/4)")
     p.add_argument("--weights-gb", type=float, default=None, help="weights in GB, instead of the estimate")
-    p.add_argument("--overhead-gb", type=float, default=0.0, help="other memory to reserve (activations...), GiB")
+    p.add_argument("--overhead-gb", type=float, default=0.0, help="other memory to reserve (activations...), GB")
     p.add_argument("--compare", action="store_true", help="also list common K/V formats side by side")
     p.add_argument("--plot", metavar="PNG", default=None, help="plot cache size against context for several formats")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -569,7 +569,7 @@ def run(argv: list[str] | None = None) -> tuple:
     weights = None if args.weights_gb is None else int(args.weights_gb * GB)
     report = budget(model, fmt, context=context, batch=args.batch, block_size=args.block_size,
                     memory_gib=memory, bandwidth_gbs=bandwidth, weights_bytes=weights,
-                    usable_fraction=args.usable_fraction, overhead_gib=args.overhead_gb,
+                    usable_fraction=args.usable_fraction, overhead_bytes=int(args.overhead_gb * GB),
                     chip=chip.name if chip else None)
     text = format_report(report)
     if args.compare:

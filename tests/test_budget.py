@@ -151,6 +151,12 @@ def test_quantized_cache_fits_more_context(capsys):
     assert k8v4["decode_floor"]["cache_ms_per_step"] == pytest.approx(ratio * f16["decode_floor"]["cache_ms_per_step"])
 
 
+def test_overhead_is_reserved(capsys):
+    base = ["--model", "llama-3-8b", "--memory", "64", "--usable-fraction", "1", "--weights-gb", "16"]
+    plain, reserved = run_json(capsys, *base), run_json(capsys, *base, "--overhead-gb", "2.5")
+    assert plain["memory"]["free_for_cache_bytes"] - reserved["memory"]["free_for_cache_bytes"] == 2.5e9
+
+
 def test_block_size_rounds_contexts_up(capsys):
     model = ModelShape("m", num_layers=1, num_kv_heads=1, head_dim=64)
     assert B.cache_bytes(model, KVFormat(), context=17, block_size=16) == 32 * 64 * 2 * 2
