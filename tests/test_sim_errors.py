@@ -195,3 +195,22 @@ def test_threadgroup_overrun_through_a_pointer_is_caught_by_guards():
         run1(src, [mx.zeros(1)], (32,), grid=(32, 1, 1), threadgroup=(32, 1, 1), template=[("OFF", 0)])
     got = run1(src, [mx.zeros(1)], (32,), grid=(32, 1, 1), threadgroup=(32, 1, 1), template=[("OFF", 1)])
     np.testing.assert_array_equal(got, np.full(32, 3.0))
+
+
+def test_several_threadgroup_arrays_in_one_declaration():
+    src = """
+    threadgroup float a[32], b[32];
+    uint l = thread_index_in_threadgroup;
+    a[l] = float(l);
+    b[l] = 2.0f * float(l);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    out[l] = a[31 - l] + b[l];
+    """
+    got = run1(src, [mx.zeros(1)], (32,), grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    np.testing.assert_array_equal(got, 31 - np.arange(32) + 2 * np.arange(32))
+
+
+def test_untranslatable_threadgroup_declaration_is_a_compile_error_not_a_silent_local():
+    src = "threadgroup float q[2] = {0.0f, 1.0f};\nout[0] = q[1];"
+    with pytest.raises(sim.CompileError, match=r"unsupported threadgroup declaration.*\n  MSL line \d+: threadgroup float q"):
+        run1(src, [mx.zeros(1)], (1,), grid=(1, 1, 1), threadgroup=(1, 1, 1))

@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import build, launch, signature, trace as trace_mod, translate
-from .errors import ThreadgroupSizeError
+from .errors import CompileError, ThreadgroupSizeError
 
 MAX_THREADS_PER_THREADGROUP = 1024
 _MATH_MODES = ("safe", "relaxed", "fast")
@@ -97,8 +97,12 @@ class SimKernel:
         hit = self._variants.get(fname)
         if hit is None:
             file_name = f"{fname}.metal"
-            cpp = translate.cpp_source(msl, fname, self._params(specs, output_dtypes), template, self._attrs,
-                                       file_name=file_name)
+            try:
+                cpp = translate.cpp_source(msl, fname, self._params(specs, output_dtypes), template, self._attrs,
+                                           file_name=file_name)
+            except translate.UnsupportedMSL as e:
+                raise CompileError(f"[metal_kernel {self.name}] {e}\n  MSL line {e.line}: "
+                                   f"{msl.splitlines()[e.line - 1].strip()}") from None
             lib = build.load_kernel(cpp, what=f"metal_kernel {self.name}", file_name=file_name, msl=msl)
             hit = (fname, msl, ctypes.cast(lib.kmsl_entry, ctypes.c_void_p).value, lib)
             self._variants[fname] = hit

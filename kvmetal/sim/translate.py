@@ -23,10 +23,14 @@ _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 _METAL_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<metal_\w+>[ \t]*$", re.M)
 _INSTANTIATION = re.compile(r"^template \[\[host_name\(.*$", re.M)
 _ATTRIBUTE = re.compile(r"\[\[[^\[\]]*\]\]")
+_DECLARATOR = r"[A-Za-z_]\w*\s*(?:\[[^\];]+\]\s*)*"
 _TG_DECL = re.compile(
-    r"\bthreadgroup\s+(?P<type>(?:const\s+)?" + _TYPE + r")\s+(?P<name>[A-Za-z_]\w*)\s*"
-    r"(?P<dims>(?:\[[^\];]+\]\s*)*);"
+    r"\bthreadgroup\s+(?P<type>(?:const\s+)?" + _TYPE + r")\s+"
+    r"(?P<decls>" + _DECLARATOR + r"(?:,\s*" + _DECLARATOR + r")*);"
 )
+_ONE_DECLARATOR = re.compile(r"(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\];]+\]\s*)*)")
+# A threadgroup variable the rewrite did not turn into arena storage (not a pointer/reference).
+_TG_LEFTOVER = re.compile(r"\bthreadgroup\s+(?:const\s+)?" + _TYPE + r"\s+[A-Za-z_]\w*\s*[\[;,=]")
 _ADDR_PTR = re.compile(
     r"(?P<pre>\bconst\s+)?\b(?P<space>device|constant)\s+(?P<c1>const\s+)?(?P<vol>volatile\s+)?"
     r"(?P<type>" + _TYPE + r")(?P<c2>\s+const)?\s*(?P<kind>[*&])"
@@ -47,17 +51,31 @@ _CALL_KEYWORDS = {"return", "else", "case", "do", "co_return", "co_yield", "thro
 _COMPONENT = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
 
 
+class UnsupportedMSL(Exception):
+    """MSL the pre-pass cannot translate faithfully; `line` is 1-based in the MSL text."""
+
+    def __init__(self, message: str, line: int):
+        super().__init__(message)
+        self.line = line
+
+
 def _blank(match: re.Match) -> str:
     # Keep newlines so line numbers survive.
     return re.sub(r"[^\n]", " ", match.group(0))
 
 
+def _declarators(decls: str) -> list:
+    """[(name, dims text)] of `a[N], b[M][K], c`."""
+    return [(d.group("name"), re.sub(r"\s+", "", d.group("dims"))) for d in _ONE_DECLARATOR.finditer(decls)]
+
+
 def _threadgroup_decl(counter):
     def sub(m: re.Match) -> str:
-        slot = next(counter)
-        dims = re.sub(r"\s+", "", m.group("dims"))
-        name = m.group("name")
-        return f'auto& {name} = *kmsl::tg_array<{m.group("type")}{dims}>({slot}, "{name}");'
+        out = []
+        for name, dims in _declarators(m.group("decls")):
+            slot = next(counter)
+            out.append(f'auto& {name} = *kmsl::tg_array<{m.group("type")}{dims}>({slot}, "{name}");')
+        return " ".join(out)
     return sub
 
 
@@ -143,8 +161,13 @@ def translate(msl: str) -> str:
     s = _METAL_INCLUDE.sub("", s)
     s = _INSTANTIATION.sub("", s)
     s = _ATTRIBUTE.sub("", s)
-    arrays = {m.group("name"): re.findall(r"\[([^\]]+)\]", m.group("dims")) for m in _TG_DECL.finditer(s)}
+    arrays = {name: re.findall(r"\[([^\]]+)\]", dims)
+              for m in _TG_DECL.finditer(s) for name, dims in _declarators(m.group("decls"))}
     s = _TG_DECL.sub(_threadgroup_decl(itertools.count()), s)
+    left = _TG_LEFTOVER.search(s)
+    if left:
+        line = s.count("\n", 0, left.start()) + 1
+        raise UnsupportedMSL(f"unsupported threadgroup declaration (use `threadgroup T name[N];`)", line)
     s = _check_tg_indices(s, {name: dims for name, dims in arrays.items() if dims})
     s = _ADDR_PTR.sub(_address_space, s)
     s = _ADDR_WORD.sub("", s)
