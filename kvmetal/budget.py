@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import quant
+from .chips import CHIPS
 
 OP = "budget"
 GIB = 1 << 30
@@ -270,34 +271,7 @@ def parse_tokens(text, *, name: str = "--context") -> int:
 
 # ----------------------------------------------------------------------------- chips
 
-@dataclass(frozen=True)
-class Chip:
-    name: str
-    bandwidth_gbs: float        # peak memory bandwidth, decimal GB/s
-    memory_gib: tuple           # unified memory configurations, GiB
-
-
-# Apple's published figures. Binned Max chips have less bandwidth: listed separately.
-CHIPS = {c.name: c for c in (
-    Chip("m1", 68.25, (8, 16)),
-    Chip("m1-pro", 200, (16, 32)),
-    Chip("m1-max", 400, (32, 64)),
-    Chip("m1-ultra", 800, (64, 128)),
-    Chip("m2", 100, (8, 16, 24)),
-    Chip("m2-pro", 200, (16, 32)),
-    Chip("m2-max", 400, (32, 64, 96)),
-    Chip("m2-ultra", 800, (64, 128, 192)),
-    Chip("m3", 100, (8, 16, 24)),
-    Chip("m3-pro", 150, (18, 36)),
-    Chip("m3-max-30c", 300, (36, 96)),
-    Chip("m3-max", 400, (48, 64, 128)),
-    Chip("m3-ultra", 819, (96, 256, 512)),
-    Chip("m4", 120, (16, 24, 32)),
-    Chip("m4-pro", 273, (24, 48, 64)),
-    Chip("m4-max-32c", 410, (36,)),
-    Chip("m4-max", 546, (48, 64, 128)),
-    Chip("m5", 153, (16, 24, 32)),
-)}
+# The chip table lives in kvmetal.chips (shared with the metal backend and the benchmarks).
 
 
 def default_usable_fraction(memory_gib: float) -> float:

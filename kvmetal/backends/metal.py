@@ -24,6 +24,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .. import chips
 from ..quant import QuantizedKV
 
 # ----------------------------------------------------------------------------- tuning
@@ -37,16 +38,6 @@ THREADGROUPS_PER_CORE = 8           # split-KV target occupancy
 MIN_TOKENS_PER_SPLIT = 256          # below this a split costs more than it saves
 MAX_SPLITS = 64
 
-# GPU cores of the largest configuration of each chip (binned parts have fewer;
-# the split heuristic only needs the order of magnitude).
-GPU_CORES = {
-    "Apple M1": 8, "Apple M1 Pro": 16, "Apple M1 Max": 32, "Apple M1 Ultra": 64,
-    "Apple M2": 10, "Apple M2 Pro": 19, "Apple M2 Max": 38, "Apple M2 Ultra": 76,
-    "Apple M3": 10, "Apple M3 Pro": 18, "Apple M3 Max": 40, "Apple M3 Ultra": 80,
-    "Apple M4": 10, "Apple M4 Pro": 20, "Apple M4 Max": 40,
-    "Apple M5": 10,
-}
-
 DTYPE_TAGS = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32", mx.uint32: "u32", mx.int32: "i32"}
 
 
@@ -58,7 +49,8 @@ def gpu_core_count() -> int:
     for key in ("gpu_core_count", "num_gpu_cores", "core_count"):
         if isinstance(info.get(key), int) and info[key] > 0:
             return info[key]
-    return GPU_CORES.get(str(info.get("device_name", "")).strip(), FALLBACK_GPU_CORES)
+    chip = chips.from_device_name(info.get("device_name", ""))
+    return chip.gpu_cores if chip is not None else FALLBACK_GPU_CORES
 
 
 def choose_num_splits(work_tokens: int, parallel_groups: int, *, cores: int | None = None) -> int:

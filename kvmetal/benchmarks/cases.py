@@ -11,21 +11,24 @@ from .timing import median_seconds
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
-def _paged_setup(tokens: int, dtype, *, seed: int = 0):
+def paged_setup(tokens: int, dtype, *, num_kv_heads: int = NUM_KV_HEADS, num_heads: int = NUM_HEADS,
+                head_dim: int = HEAD_DIM, seed: int = 0):
     """One sequence of ``tokens`` in a paged cache with shuffled block ids, and the same
-    keys/values in contiguous SDPA layout for the baseline."""
+    keys/values in contiguous SDPA layout for the baselines.
+
+    Returns (query [1, H, D], key_cache, value_cache, block_tables, seq_lens, keys, values)."""
     rng = np.random.default_rng(seed)
     num_blocks = -(-tokens // BLOCK_SIZE)
-    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
     key_cache = mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
     value_cache = mx.random.normal(shape, key=mx.random.key(seed + 1)).astype(dtype)
     table = rng.permutation(num_blocks).astype(np.int32)
     block_tables = mx.array(table[None])
     seq_lens = mx.array([tokens], dtype=mx.int32)
-    query = mx.random.normal((1, NUM_HEADS, HEAD_DIM), key=mx.random.key(seed + 2)).astype(dtype)
+    query = mx.random.normal((1, num_heads, head_dim), key=mx.random.key(seed + 2)).astype(dtype)
 
     def contiguous(cache):  # [N, Hkv, bs, D] in table order -> [1, Hkv, T, D]
-        rows = cache[mx.array(table)].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM)
+        rows = cache[mx.array(table)].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
         return rows[None, :, :tokens]
 
     keys, values = contiguous(key_cache), contiguous(value_cache)
@@ -58,7 +61,7 @@ def paged_decode(dtype_name: str):
     dtype = {"f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16}[dtype_name]
 
     def run(*, backend, tokens, repeat, baseline, progress):
-        query, kc, vc, tables, lens, keys, values = _paged_setup(tokens, dtype)
+        query, kc, vc, tables, lens, keys, values = paged_setup(tokens, dtype)
         with use_backend(backend):
             seconds = median_seconds(lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
                                      repeat=repeat)
@@ -71,7 +74,7 @@ def paged_decode(dtype_name: str):
 
 def paged_decode_quantized(k_bits: int, v_bits: int):
     def run(*, backend, tokens, repeat, baseline, progress):
-        query, kc, vc, tables, lens, _, _ = _paged_setup(tokens, mx.float16)
+        query, kc, vc, tables, lens, _, _ = paged_setup(tokens, mx.float16)
         qk = quant.quantize(kc, bits=k_bits, group_size=64)
         qv = quant.quantize(vc, bits=v_bits, group_size=64)
         mx.eval(*qk.arrays(), *qv.arrays())
@@ -91,7 +94,7 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
 
 
 def decode_contiguous(*, backend, tokens, repeat, baseline, progress):
-    query, _, _, _, _, keys, values = _paged_setup(tokens, mx.float16)
+    query, _, _, _, _, keys, values = paged_setup(tokens, mx.float16)
     q4 = query[:, :, None, :]
     with use_backend(backend):
         seconds = median_seconds(lambda: ops.decode_attention(q4, keys, values), repeat=repeat)
@@ -105,7 +108,7 @@ def write_and_gather(*, backend, tokens, repeat, baseline, progress):
     The write threads the caches through every call and keeps no other reference, as a
     decode loop does, so both kvmetal and the MLX baseline can update them in place.
     """
-    query, kc, vc, tables, lens, _, _ = _paged_setup(tokens, mx.float16)
+    query, kc, vc, tables, lens, _, _ = paged_setup(tokens, mx.float16)
     new = min(512, kc.shape[0] * BLOCK_SIZE)
     rows_k = mx.random.normal((new, NUM_KV_HEADS, HEAD_DIM)).astype(mx.float16)
     rows_v = mx.random.normal((new, NUM_KV_HEADS, HEAD_DIM)).astype(mx.float16)

@@ -10,48 +10,20 @@ labelled "sim traffic (no timing)".
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
-from .. import ops, quant
+from .. import chips, ops, quant
 from ..backends import metal, use_backend
+from .cases import HEAD_DIM, NUM_KV_HEADS, paged_setup
 from .timing import median_seconds
 
-# Peak memory bandwidth (GB/s) of the top configuration of each chip, keyed by
-# mx.metal.device_info()["device_name"]. Binned parts may be lower.
-PEAK_GBPS = {
-    "Apple M1": 68.25, "Apple M1 Pro": 200.0, "Apple M1 Max": 400.0, "Apple M1 Ultra": 800.0,
-    "Apple M2": 100.0, "Apple M2 Pro": 200.0, "Apple M2 Max": 400.0, "Apple M2 Ultra": 800.0,
-    "Apple M3": 100.0, "Apple M3 Pro": 150.0, "Apple M3 Max": 400.0, "Apple M3 Ultra": 819.0,
-    "Apple M4": 120.0, "Apple M4 Pro": 273.0, "Apple M4 Max": 546.0,
-    "Apple M5": 153.0,
-}
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SIM_LABEL = "sim traffic (no timing)"
 
 
-def _setup(tokens: int, dtype, *, num_kv_heads=NUM_KV_HEADS, num_heads=NUM_HEADS, head_dim=HEAD_DIM, seed=0):
-    """One sequence of ``tokens`` in a paged cache (shuffled blocks) and the same rows contiguous."""
-    rng = np.random.default_rng(seed)
-    num_blocks = -(-tokens // BLOCK_SIZE)
-    shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
-    key_cache = mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
-    value_cache = mx.random.normal(shape, key=mx.random.key(seed + 1)).astype(dtype)
-    table = rng.permutation(num_blocks).astype(np.int32)
-    query = mx.random.normal((1, num_heads, head_dim), key=mx.random.key(seed + 2)).astype(dtype)
-
-    def contiguous(cache):
-        rows = cache[mx.array(table)].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-        return rows[None, :, :tokens]
-
-    keys, values = contiguous(key_cache), contiguous(value_cache)
-    mx.eval(key_cache, value_cache, keys, values, query)
-    return query, key_cache, value_cache, mx.array(table[None]), mx.array([tokens], dtype=mx.int32), keys, values
-
-
 def _chip_peak():
+    """(device name, peak GB/s of its full configuration or None) from kvmetal.chips."""
     name = str(mx.metal.device_info().get("device_name", "")).strip()
-    return name, PEAK_GBPS.get(name)
+    chip = chips.from_device_name(name)
+    return name, chip.bandwidth_gbs if chip is not None else None
 
 
 def _timed(name, fn, kv_bytes, baseline_fn, peak, repeat):
@@ -71,7 +43,7 @@ def _metal_results(progress, *, repeat=10):
     for tokens in (4096, 32768):
         for dtype, tag in ((mx.float16, "f16"), (mx.bfloat16, "bf16")):
             progress(f"metal paged_attention {tag} T={tokens}")
-            q, kc, vc, tables, lens, keys, values = _setup(tokens, dtype)
+            q, kc, vc, tables, lens, keys, values = paged_setup(tokens, dtype)
             kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * 2
             sdpa = lambda: mx.fast.scaled_dot_product_attention(q[:, :, None], keys, values, scale=HEAD_DIM ** -0.5)
             with use_backend("metal"):
@@ -85,7 +57,7 @@ def _metal_results(progress, *, repeat=10):
                                       lambda: ops.gather_kv_cache(kc, vc, tables, lens, validate=False),
                                       2 * kv_bytes, None, peak, repeat))
         progress(f"metal paged_attention K8/V4 T={tokens}")
-        q, kc, vc, tables, lens, keys, values = _setup(tokens, mx.float16)
+        q, kc, vc, tables, lens, keys, values = paged_setup(tokens, mx.float16)
         kq, vq = quant.quantize(kc, bits=8, group_size=64), quant.quantize(vc, bits=4, group_size=64)
         mx.eval(*kq.arrays(), *vq.arrays())
         sdpa = lambda: mx.fast.scaled_dot_product_attention(q[:, :, None], keys, values, scale=HEAD_DIM ** -0.5)
@@ -102,7 +74,7 @@ def sim_traffic(tokens: int, *, num_kv_heads: int, num_heads: int, head_dim: int
     """Bytes the simulated paged decode loads from the K/V caches vs the live rows' bytes."""
     from .. import sim
 
-    q, kc, vc, tables, lens, _, _ = _setup(tokens, dtype, num_kv_heads=num_kv_heads, num_heads=num_heads,
+    q, kc, vc, tables, lens, _, _ = paged_setup(tokens, dtype, num_kv_heads=num_kv_heads, num_heads=num_heads,
                                            head_dim=head_dim)
     kk = quant.quantize(kc, bits=k_bits, group_size=group_size) if k_bits else kc
     vv = quant.quantize(vc, bits=v_bits, group_size=group_size) if v_bits else vc

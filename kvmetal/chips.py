@@ -1,0 +1,60 @@
+"""Apple M-series chips: peak memory bandwidth, unified memory sizes and GPU cores.
+
+One table for everyone who needs chip facts: ``kvmetal budget`` (decode floors and
+what fits), the metal backend (split counts from GPU cores) and ``kvmetal bench``
+(fraction of peak bandwidth). Figures are Apple's published ones for each
+configuration; binned variants that differ in bandwidth are listed separately.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _is_core_count(tag: str) -> bool:  # "30c": a binned variant's GPU core count
+    return tag.endswith("c") and tag[:-1].isdigit()
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str                   # slug, e.g. "m3-max"; binned parts add the core count
+    bandwidth_gbs: float        # peak memory bandwidth, decimal GB/s
+    memory_gib: tuple           # unified memory configurations, GiB
+    gpu_cores: int
+
+    @property
+    def device_name(self) -> str:
+        """The name ``mx.metal.device_info()["device_name"]`` reports for this chip."""
+        family, *tier = self.name.split("-")
+        tier = [t for t in tier if not _is_core_count(t)]
+        return " ".join(["Apple", family.upper(), *(t.capitalize() for t in tier)])
+
+
+CHIPS = {c.name: c for c in (
+    Chip("m1", 68.25, (8, 16), 8),
+    Chip("m1-pro", 200, (16, 32), 16),
+    Chip("m1-max", 400, (32, 64), 32),
+    Chip("m1-ultra", 800, (64, 128), 64),
+    Chip("m2", 100, (8, 16, 24), 10),
+    Chip("m2-pro", 200, (16, 32), 19),
+    Chip("m2-max", 400, (32, 64, 96), 38),
+    Chip("m2-ultra", 800, (64, 128, 192), 76),
+    Chip("m3", 100, (8, 16, 24), 10),
+    Chip("m3-pro", 150, (18, 36), 18),
+    Chip("m3-max-30c", 300, (36, 96), 30),
+    Chip("m3-max", 400, (48, 64, 128), 40),
+    Chip("m3-ultra", 819, (96, 256, 512), 80),
+    Chip("m4", 120, (16, 24, 32), 10),
+    Chip("m4-pro", 273, (24, 48, 64), 20),
+    Chip("m4-max-32c", 410, (36,), 32),
+    Chip("m4-max", 546, (48, 64, 128), 40),
+    Chip("m5", 153, (16, 24, 32), 10),
+)}
+
+
+def from_device_name(device_name: str) -> Chip | None:
+    """The full (unbinned) configuration of the chip MLX reports, or None if unknown."""
+    wanted = str(device_name).strip()
+    for chip in CHIPS.values():
+        if chip.device_name == wanted and not _is_core_count(chip.name.split("-")[-1]):
+            return chip
+    return None
