@@ -8,11 +8,14 @@ at the MSL line that caused it:
 - ``threadgroup T x[N];`` becomes a slot in the per-threadgroup arena;
 - ``device T*`` / ``constant T*`` become checked pointers (``kmsl::dptr<T>``),
   ``device T&`` a checked reference, ``constant T&`` a ``const T&``;
+- every index into a threadgroup array is bounds-checked;
 - the remaining address-space keywords are removed;
-- ``0.5h`` half literals, ``v.xy`` swizzles and ``reinterpret_cast`` are mapped.
+- ``0.5h`` half literals, ``v.xy`` swizzles and ``reinterpret_cast`` are mapped;
+- every barrier/collective call gets a call-site number.
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 from .signature import type_string
@@ -155,8 +158,6 @@ def _swizzle(m: re.Match) -> str:
 
 def translate(msl: str) -> str:
     """Rewrite MLX-generated Metal source into C++ for runtime/msl.h (same line count)."""
-    import itertools
-
     s = _COMMENT.sub(_blank, msl)
     s = _METAL_INCLUDE.sub("", s)
     s = _INSTANTIATION.sub("", s)
