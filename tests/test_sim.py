@@ -489,3 +489,15 @@ def test_reading_back_written_vector_outputs():
     want = 2 * x[:, None] + 1 + np.arange(4, dtype=np.float32)
     want[:, 0] = 0.5 * want[:, 0] + want[:, 1] - 1
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_atomics_through_a_cast_plain_output_and_fences():
+    src = """
+    uint i = thread_position_in_grid.x;
+    device atomic_uint* counter = (device atomic_uint*)&out[0];
+    atomic_fetch_add_explicit(counter, i, memory_order_relaxed);
+    atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
+    atomic_fetch_max_explicit((device atomic_uint*)&out[1], i * 3u, memory_order_relaxed);
+    """
+    got = run1(src, [mx.zeros(1)], (2,), mx.uint32, grid=(100, 1, 1), threadgroup=(32, 1, 1), init_value=0)
+    np.testing.assert_array_equal(got, [sum(range(100)), 297])

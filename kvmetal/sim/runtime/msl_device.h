@@ -196,7 +196,7 @@ namespace metal {
 
 enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release, memory_order_acq_rel,
                     memory_order_seq_cst };
-enum class thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+enum thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
 
 template <class T> struct atomic {
   T value;
@@ -267,6 +267,10 @@ KMSL_ATOMIC_RMW(atomic_fetch_xor_explicit, x ^ v)
 KMSL_ATOMIC_RMW(atomic_fetch_min_explicit, v < x ? v : x)
 KMSL_ATOMIC_RMW(atomic_fetch_max_explicit, x < v ? v : x)
 #undef KMSL_ATOMIC_RMW
+// Fences order device memory between threads; OS threads here see each other's
+// writes through the RMW loop above, so a full fence is enough.
+template <class F, class... Rest> inline void atomic_thread_fence(F, Rest...) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
 template <class P>
 bool atomic_compare_exchange_weak_explicit(P obj, kmsl::atomic_t<P>* expected, kmsl::ident_t<kmsl::atomic_t<P>> desired,
                                            memory_order = memory_order_relaxed, memory_order = memory_order_relaxed) {
