@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import backends
-from .quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedKV
+from . import quant
+from .quant import QuantizedKV
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 INDEX_DTYPES = (mx.int32, mx.int64)
@@ -57,19 +58,18 @@ def _check_index(op: str, name: str, x, *, ndim: int, what: str) -> mx.array:
 
 
 def _check_quantized(op: str, name: str, q: QuantizedKV, ndim: int, what: str):
-    if q.bits not in SUPPORTED_BITS:
-        _fail(op, f"{name}.bits must be one of {SUPPORTED_BITS}, got {q.bits}")
-    if q.group_size not in SUPPORTED_GROUP_SIZES:
-        _fail(op, f"{name}.group_size must be one of {SUPPORTED_GROUP_SIZES}, got {q.group_size}")
+    quant.check_bits(q.bits, op=op, name=f"{name}.bits")
+    quant.check_group_size(q.group_size, op=op, name=f"{name}.group_size")
     _check_array(op, f"{name}.data", q.data, ndim=ndim, dtypes=(mx.uint32,), what=what)
     for part in ("scales", "biases"):
         _check_array(op, f"{name}.{part}", getattr(q, part), ndim=ndim, dtypes=FLOAT_DTYPES, what=what)
     if (q.data.shape[-1] * 32) % q.bits:
         _fail(op, f"{name}.data last axis {q.data.shape[-1]} words do not hold whole {q.bits}-bit values")
-    groups = q.head_dim // q.group_size
-    if q.head_dim % q.group_size:
-        _fail(op, f"{name}: head_dim {q.head_dim} is not a multiple of group_size {q.group_size}")
-    lead = tuple(q.data.shape[:-1])
+    try:
+        quant.check_layout(q.head_dim, bits=q.bits, group_size=q.group_size, op=op)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in {name})") from None
+    lead, groups = tuple(q.data.shape[:-1]), q.head_dim // q.group_size
     for part in ("scales", "biases"):
         arr = getattr(q, part)
         if tuple(arr.shape) != lead + (groups,):
