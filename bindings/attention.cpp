@@ -50,9 +50,9 @@ struct PartialLayout {
 
 struct Scratch {
   std::vector<float> q, k_tile, v_tile, scores, corr, ones;
-  void fit(int G, int D) {
+  void fit(int query_rows, int G, int D) {
     ones.assign(G, 1.f);
-    q.resize(static_cast<size_t>(G) * D);
+    q.resize(static_cast<size_t>(query_rows) * D);
     k_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
     v_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
     scores.resize(static_cast<size_t>(G) * kMaxTileRows);
@@ -60,25 +60,32 @@ struct Scratch {
   }
 };
 
-void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, const TileKernels& tk, int s, int kvh,
-                 TokenRange range, float* partial) {
+// One work item: kv heads [kvh0, kvh1) of sequence s over `range`. The item
+// walks the range tile by tile and, for each tile, every kv head of its
+// chunk, so consecutive reads are the adjacent (block, head) tiles of one
+// block: long sequential runs that the hardware prefetcher follows, where one
+// head at a time would jump between scattered 4-8 KiB pieces.
+// Partials of (s, kvh, split) go to partial(kvh).
+template <typename PartialAt>
+void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, const TileKernels& tk, int s, int kvh0,
+                 int kvh1, TokenRange range, PartialAt partial) {
   const int G = p.num_heads / p.num_kv_heads;
   const int D = p.head_dim;
-  float* m = partial;
-  float* l = partial + G;
-  float* acc = partial + 2 * G;
-  std::fill(m, m + G, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + G, 0.f);
-  std::fill(acc, acc + static_cast<int64_t>(G) * D, 0.f);
+  const int HC = kvh1 - kvh0;
+  for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+    float* part = partial(kvh);
+    std::fill(part, part + G, -std::numeric_limits<float>::infinity());
+    std::fill(part + G, part + 2 * G + static_cast<int64_t>(G) * D, 0.f);
+  }
   if (range.empty()) return;
 
   thread_local Scratch sc;
-  sc.fit(G, D);
+  sc.fit(HC * G, G, D);
 
-  // The group's query rows, pre-scaled: scores come out already times `scale`.
-  for (int g = 0; g < G; ++g) {
-    const int64_t row = (static_cast<int64_t>(s) * p.num_heads + kvh * G + g) * D;
-    for (int d = 0; d < D; ++d) sc.q[g * D + d] = load_as_f32(p.query, row + d, p.q_kind) * p.scale;
+  // The chunk's query rows, pre-scaled: scores come out already times `scale`.
+  for (int j = 0; j < HC * G; ++j) {
+    const int64_t row = (static_cast<int64_t>(s) * p.num_heads + kvh0 * G + j) * D;
+    for (int d = 0; d < D; ++d) sc.q[static_cast<int64_t>(j) * D + d] = load_as_f32(p.query, row + d, p.q_kind) * p.scale;
   }
 
   // A tile is up to kMaxTileRows consecutive tokens, made of segments: runs
@@ -118,7 +125,7 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
   };
   const bool k_in_place = in_place(k), v_in_place = in_place(v);
   // A converted tile: all segments into scratch, rows D floats apart.
-  auto convert = [&](const KVView& view, const Segment* segs, int count, float* scratch) {
+  auto convert = [&](const KVView& view, int kvh, const Segment* segs, int count, float* scratch) {
     int64_t stride;
     for (int i = 0, off = 0; i < count; off += segs[i++].n)
       view.tile(segs[i].outer, kvh, segs[i].row0, segs[i].n, scratch + static_cast<int64_t>(off) * D, &stride, tk);
@@ -132,48 +139,50 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
     const int n = cur_rows;
     t += n;
     int next_rows = 0, next_count = 0;
-    if (t < range.hi) {  // start loading the next tile while this one computes
-      next_count = tile_at(t, next, &next_rows);
-      for (int i = 0; i < next_count; ++i) {
-        k.prefetch(next[i].outer, kvh, next[i].row0, next[i].n);
-        v.prefetch(next[i].outer, kvh, next[i].row0, next[i].n);
-      }
-    }
+    if (t < range.hi) next_count = tile_at(t, next, &next_rows);
 
-    float* scores = sc.scores.data();
-    if (k_in_place) {
-      for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
-        const Segment& sg = cur[i];
-        if (k.kind == FloatKind::f32)
-          tk.scores(sc.q.data(), G, k.f32_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
-        else
-          tk.scores_f16(sc.q.data(), G, k.u16_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
-      }
-    } else {
-      tk.scores(sc.q.data(), G, convert(k, cur, cur_count, sc.k_tile.data()), D, n, D, scores);
-    }
-    if (p.has_softcap) {
-      for (int g = 0; g < G; ++g)
-        for (int r = 0; r < n; ++r) {
-          float& x = scores[g * kMaxTileRows + r];
-          x = p.softcap * std::tanh(x / p.softcap);
+    for (int kvh = kvh0; kvh < kvh1; ++kvh) {
+      float* part = partial(kvh);
+      float* m = part;
+      float* l = part + G;
+      float* acc = part + 2 * G;
+      const float* q = sc.q.data() + static_cast<int64_t>(kvh - kvh0) * G * D;
+
+      float* scores = sc.scores.data();
+      if (k_in_place) {
+        for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
+          const Segment& sg = cur[i];
+          if (k.kind == FloatKind::f32)
+            tk.scores(q, G, k.f32_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
+          else
+            tk.scores_f16(q, G, k.u16_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
         }
-    }
-    // Online softmax: new running max, rescale factors, probabilities.
-    tk.softmax_update(scores, G, n, m, l, sc.corr.data());
-
-    if (v_in_place) {
-      // The first segment rescales the accumulators; the others add on top.
-      for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
-        const Segment& sg = cur[i];
-        const float* corr = i == 0 ? sc.corr.data() : sc.ones.data();
-        if (v.kind == FloatKind::f32)
-          tk.accumulate(scores + off, corr, G, v.f32_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
-        else
-          tk.accumulate_f16(scores + off, corr, G, v.u16_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
+      } else {
+        tk.scores(q, G, convert(k, kvh, cur, cur_count, sc.k_tile.data()), D, n, D, scores);
       }
-    } else {
-      tk.accumulate(scores, sc.corr.data(), G, convert(v, cur, cur_count, sc.v_tile.data()), D, n, D, acc);
+      if (p.has_softcap) {
+        for (int g = 0; g < G; ++g)
+          for (int r = 0; r < n; ++r) {
+            float& x = scores[g * kMaxTileRows + r];
+            x = p.softcap * std::tanh(x / p.softcap);
+          }
+      }
+      // Online softmax: new running max, rescale factors, probabilities.
+      tk.softmax_update(scores, G, n, m, l, sc.corr.data());
+
+      if (v_in_place) {
+        // The first segment rescales the accumulators; the others add on top.
+        for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
+          const Segment& sg = cur[i];
+          const float* corr = i == 0 ? sc.corr.data() : sc.ones.data();
+          if (v.kind == FloatKind::f32)
+            tk.accumulate(scores + off, corr, G, v.f32_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
+          else
+            tk.accumulate_f16(scores + off, corr, G, v.u16_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
+        }
+      } else {
+        tk.accumulate(scores, sc.corr.data(), G, convert(v, kvh, cur, cur_count, sc.v_tile.data()), D, n, D, acc);
+      }
     }
 
     std::copy(next, next + next_count, cur);
@@ -224,35 +233,58 @@ void reduce_head(const AttentionParams& p, const TileKernels& tk, const float* p
   }
 }
 
-}  // namespace
 
-int resolve_num_splits(const AttentionParams& p) {
-  if (p.num_splits > 0) return p.num_splits;
+// How the work is cut: `splits` token ranges per sequence, and kv heads in
+// chunks of `heads_per_item`. Whole sequences' heads per item read the cache
+// most sequentially; chunks shrink only when that leaves too few items.
+struct Grid {
+  int splits = 1;
+  int heads_per_item = 1;
+};
+
+Grid plan(const AttentionParams& p) {
   int max_tokens = 0;
   for (int s = 0; s < p.num_seqs; ++s) {
     TokenRange r = live_range(p, s);
     max_tokens = std::max(max_tokens, r.hi - r.lo);
   }
-  const int64_t base_items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads;
-  const int want = ceil_div(static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads(), base_items);
+  const int64_t target = static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads();
   const int cap = std::max(1, max_tokens / kMinTokensPerSplit);
-  return std::max(1, std::min(want, cap));
+  Grid g;
+  g.heads_per_item = p.num_kv_heads;
+  for (;;) {
+    const int64_t base = static_cast<int64_t>(p.num_seqs) * (p.num_kv_heads / g.heads_per_item);
+    g.splits = p.num_splits > 0 ? p.num_splits : std::max(1, std::min(ceil_div(target, base), cap));
+    if (base * g.splits >= target || g.heads_per_item % 2) return g;
+    g.heads_per_item /= 2;
+  }
 }
+
+}  // namespace
+
+int resolve_num_splits(const AttentionParams& p) { return plan(p).splits; }
 
 void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v) {
   const TileKernels& tk = tile_kernels(p.head_dim);
-  const int splits = resolve_num_splits(p);
+  const Grid grid = plan(p);
+  const int splits = grid.splits;
+  const int chunks = p.num_kv_heads / grid.heads_per_item;
   const PartialLayout lay{p.num_heads / p.num_kv_heads, p.head_dim};
-  const int64_t n_items = static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * splits;
-  std::vector<float> partials(static_cast<size_t>(n_items * lay.floats_per_item()));
+  // Partials of (s, kvh, split), whatever the chunking.
+  std::vector<float> partials(static_cast<size_t>(p.num_seqs) * p.num_kv_heads * splits * lay.floats_per_item());
 
   ThreadPool& pool = ThreadPool::instance();
+  const int64_t n_items = static_cast<int64_t>(p.num_seqs) * chunks * splits;
   pool.parallel_for(n_items, [&](int64_t item) {
     const int split = static_cast<int>(item % splits);
-    const int kvh = static_cast<int>(item / splits % p.num_kv_heads);
-    const int s = static_cast<int>(item / splits / p.num_kv_heads);
+    const int chunk = static_cast<int>(item / splits % chunks);
+    const int s = static_cast<int>(item / splits / chunks);
     const TokenRange range = split_range(p, live_range(p, s), split, splits);
-    attend_item(p, k, v, tk, s, kvh, range, partials.data() + item * lay.floats_per_item());
+    const int kvh0 = chunk * grid.heads_per_item;
+    auto partial = [&](int kvh) {
+      return partials.data() + ((static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits + split) * lay.floats_per_item();
+    };
+    attend_item(p, k, v, tk, s, kvh0, kvh0 + grid.heads_per_item, range, partial);
   });
 
   pool.parallel_for(p.num_seqs, [&](int64_t s) {

@@ -40,18 +40,6 @@ struct KVView {
     return reinterpret_cast<const uint16_t*>(data) + offset(stride, outer, head, row);
   }
 
-  // Ask for rows [row0, row0 + n) of (outer, head) to be pulled into cache:
-  // tiles of a paged cache are scattered (shuffled block ids), so the hardware
-  // prefetcher cannot guess the next one, but the block table can.
-  void prefetch(int64_t outer, int head, int row0, int n) const {
-    const int elem = quantized ? 4 : float_kind_size(kind);
-    const int64_t row_bytes = quantized ? static_cast<int64_t>(D) * fmt.bits / 8 : static_cast<int64_t>(D) * elem;
-    for (int r = 0; r < n; ++r) {
-      const char* row = data + offset(stride, outer, head, row0 + r) * elem;
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
-    }
-  }
-
   // Rows [row0, row0 + n) of (outer, head) as float32. float32 rows are read
   // where they are (no copy); other types are converted or dequantized into
   // `scratch` ([n, D]). *row_stride gets the distance between returned rows.
