@@ -1,12 +1,16 @@
 // Split-KV decode attention on the CPU (one query token per sequence).
 //
-// Work items are (sequence, kv head, split). An item walks its token range
-// tile by tile (a tile = the rows of one block, or 32 rows of a contiguous
-// cache), converts each K and V tile to float32 once and updates the online
-// softmax state (max, sum, accumulator) of every query head of its group, so
-// every K/V row is read from memory once per step, whatever the GQA factor.
-// Items write float32 partials; a reduce step merges the splits (and the
-// attention sinks) into the output. Splits only change rounding.
+// Work items are (sequence, chunk of kv heads, split): a split is a range of
+// whole tiles (a tile = up to 32 consecutive tokens: the rows of one or more
+// blocks, or 32 rows of a contiguous cache). For each tile and each kv head
+// of its chunk, an item reads the K and V rows once (float32/float16 in
+// place, other types converted or dequantized once into a scratch tile) and
+// updates the online-softmax state (max, sum, float32 accumulator) of every
+// query head of that kv head's group, so every K/V row is read from memory
+// once per step whatever the GQA factor. Items write float32 partials; a
+// reduce step merges the splits (and the attention sinks) into the output.
+// The split count only changes rounding; chunking and thread count change
+// nothing (each (sequence, kv head, split) is computed the same way).
 #pragma once
 
 #include <cstdint>

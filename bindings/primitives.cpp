@@ -296,6 +296,12 @@ bool GatherKVPrimitive::is_equivalent(const mx::Primitive& other) const {
   return o && q_ == o->q_ && max_len_ == o->max_len_;
 }
 
+std::vector<mx::Shape> GatherKVPrimitive::output_shapes(const std::vector<mx::array>& inputs) {
+  const int n = q_.num_arrays();
+  const int D = q_.bits ? inputs[0].shape(3) * 32 / q_.bits : inputs[0].shape(3);
+  return {mx::Shape{inputs[n].shape(0), inputs[0].shape(1), max_len_, D}};
+}
+
 mx::array gather_kv(const std::vector<mx::array>& cache, QuantSpec q, const mx::array& block_tables,
                     const mx::array& seq_lens, int max_len) {
   const char* op = "gather_kv_cache";

@@ -68,6 +68,7 @@ class GatherKVPrimitive : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "KvmetalGatherKV"; }
   bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
 
  private:
   QuantSpec q_;
@@ -86,6 +87,7 @@ class CacheWritePrimitive : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "KvmetalReshapeAndCache"; }
   bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[1].shape()}; }
 
  private:
   QuantSpec q_;
@@ -100,7 +102,8 @@ class CopyBlocksPrimitive : public mx::Primitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "KvmetalCopyBlocks"; }
-  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
 // The op functions (what the Python bindings call).

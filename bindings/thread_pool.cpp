@@ -42,7 +42,7 @@ void ThreadPool::set_num_threads(int n) {
 }
 
 // Claim items one at a time until none are left. Items are coarse (a whole
-// (sequence, kv head, split) of attention), so a mutex-guarded counter costs
+// (sequence, kv-head chunk, split) of attention), so a mutex-guarded counter costs
 // nothing measurable.
 void ThreadPool::run_items() {
   for (;;) {

@@ -108,6 +108,20 @@ def test_paged_attention_under_compile():
         assert mx.array_equal(step(*args), eager).item()
 
 
+def test_ops_under_shapeless_compile():
+    # shapeless=True asks every primitive for its output shapes.
+    attend = mx.compile(lambda *a: cpu.paged_attention(*a), shapeless=True)
+    gather = mx.compile(lambda *a: cpu.gather_kv_cache(*a, max_len=48), shapeless=True)
+    for lens in ([5, 40], [17, 3, 30]):  # a second shape reuses the traced graph
+        case = paged_case(lens, dtype=mx.float32)
+        args = (case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+        assert_close(attend(case.query, *args), _paged_ref(case), mx.float32)
+        keys, values = gather(*args)
+        ref_k, ref_v = reference.gather_kv_cache(*args, max_len=48)
+        np.testing.assert_array_equal(np.array(keys), ref_k)
+        np.testing.assert_array_equal(np.array(values), ref_v)
+
+
 def test_cache_update_under_compile():
     case = paged_case([10], dtype=mx.float32)
     slots = mx.array(free_slots(case, 3))

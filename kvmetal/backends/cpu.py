@@ -2,7 +2,7 @@
 
 Every op is a lazy MLX op (it only adds a node to the graph, so it also works
 under ``mx.compile``); the C++ ``eval_cpu`` runs when the result is evaluated,
-multithreaded over (sequence, kv head, split) work items.
+multithreaded over (sequence, kv-head chunk, split) work items.
 
 A cache is either a float ``mx.array`` or a :class:`kvmetal.quant.QuantizedKV`.
 The primitives take a cache as a list of arrays plus ``bits`` (0 for a float
