@@ -320,6 +320,14 @@ def test_quantized_attention_and_gather(k_bits, v_bits):
         np.testing.assert_allclose(np.array(g.astype(mx.float32)), w, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_quantized_attention_scale_dtypes(dtype):
+    # Scales/biases in each float dtype, head_dim 96 with group 32 (three groups per row).
+    case = paged_case([9, 77], num_heads=4, num_kv_heads=2, head_dim=96, dtype=dtype, k_bits=8, v_bits=2,
+                      group_size=32)
+    assert_close(_paged(case, num_splits=2), _paged_ref(case), dtype)
+
+
 def test_quantized_decode_attention():
     rng = np.random.default_rng(3)
     keys = quant.quantize(mx.array(rng.standard_normal((2, 2, 77, 64), dtype=np.float32)), bits=8, group_size=64)
