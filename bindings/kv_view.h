@@ -40,6 +40,15 @@ struct KVView {
     return reinterpret_cast<const uint16_t*>(data) + offset(stride, outer, head, row);
   }
 
+  // Where a row starts in memory, and how many bytes of `data` it spans
+  // (the packed words of a quantized row; its scales are a few bytes more).
+  const char* row_address(int64_t outer, int head, int row) const {
+    return data + offset(stride, outer, head, row) * (quantized ? 4 : float_kind_size(kind));
+  }
+  int64_t row_bytes() const {
+    return quantized ? static_cast<int64_t>(D) * fmt.bits / 8 : static_cast<int64_t>(D) * float_kind_size(kind);
+  }
+
   // Rows [row0, row0 + n) of (outer, head) as float32. float32 rows are read
   // where they are (no copy); other types are converted or dequantized into
   // `scratch` ([n, D]). *row_stride gets the distance between returned rows.
