@@ -320,9 +320,12 @@ def test_quantized_attention_and_gather(k_bits, v_bits):
         np.testing.assert_allclose(np.array(g.astype(mx.float32)), w, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("level", SIMD_LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_quantized_attention_scale_dtypes(dtype):
-    # Scales/biases in each float dtype, head_dim 96 with group 32 (three groups per row).
+def test_quantized_attention_scale_dtypes(dtype, level):
+    # Scales/biases in each float dtype, head_dim 96 with group 32 (three groups per
+    # row); every SIMD level (AVX-512 dequantizes 2/4/8-bit rows in registers).
+    _ext.cap_simd_level(level)
     case = paged_case([9, 77], num_heads=4, num_kv_heads=2, head_dim=96, dtype=dtype, k_bits=8, v_bits=2,
                       group_size=32)
     assert_close(_paged(case, num_splits=2), _paged_ref(case), dtype)
