@@ -319,9 +319,10 @@ Grid plan(const AttentionParams& p) {
 
 }  // namespace
 
-int resolve_num_splits(const AttentionParams& p) { return plan(p).splits; }
+int resolve_num_splits(const AttentionParams& p) { return p.num_seqs ? plan(p).splits : 1; }
 
 void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v) {
+  if (p.num_seqs == 0 || p.num_heads == 0 || p.head_dim == 0) return;  // empty output
   const TileKernels& tk = tile_kernels(p.head_dim);
   const Grid grid = plan(p);
   const int splits = grid.splits;

@@ -341,6 +341,18 @@ def test_quantized_decode_attention():
     assert_close(out, reference.decode_attention(q, keys, values), mx.float32)
 
 
+def test_empty_inputs():
+    case = paged_case([7, 50], dtype=mx.float16)
+    out = cpu.paged_attention(case.query[:0], case.key_cache, case.value_cache, case.block_tables[:0],
+                              case.seq_lens[:0])
+    keys, _ = cpu.gather_kv_cache(case.key_cache, case.value_cache, case.block_tables[:0], case.seq_lens[:0])
+    kc, vc = cpu.reshape_and_cache(mx.zeros((0, 2, 64)), mx.zeros((0, 2, 64)), case.key_cache, case.value_cache,
+                                   mx.array([], dtype=mx.int32))
+    mx.eval(out, keys, kc, vc)
+    assert out.shape == (0, 8, 64) and keys.shape[0] == 0
+    np.testing.assert_array_equal(np.array(kc), np.array(case.key_cache))
+
+
 # ------------------------------------------------------------------ the C++ entry points' own checks
 
 
