@@ -26,15 +26,23 @@ void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
     for (int d = 0; d < D; ++d) dst[r * D + d] = bf16_to_f32(src[r * stride + d]);
 }
 
+// Eight independent partial sums: lanes a compiler can map onto SIMD registers
+// without reassociating a single float sum (which strict IEEE forbids).
+inline float dot(const float* a, const float* b, int D) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int d = 0;
+  for (; d + 8 <= D; d += 8)
+    for (int j = 0; j < 8; ++j) part[j] += a[d + j] * b[d + j];
+  float s = 0.f;
+  for (; d < D; ++d) s += a[d] * b[d];
+  for (int j = 0; j < 8; ++j) s += part[j];
+  return s;
+}
+
 void scores(const float* q, int G, const float* k, int64_t stride, int n, int D, float* out) {
   for (int r = 0; r < n; ++r) {
     const float* kr = k + r * stride;
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float s = 0.f;
-      for (int d = 0; d < D; ++d) s += qg[d] * kr[d];
-      out[g * kMaxTileRows + r] = s;
-    }
+    for (int g = 0; g < G; ++g) out[g * kMaxTileRows + r] = dot(q + g * D, kr, D);
   }
 }
 
