@@ -246,24 +246,28 @@ void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales
                   float* dst) {
   const int words_per_step = bits / 2;  // 16 * bits / 32
   const __mmask16 load_mask = static_cast<__mmask16>((1u << words_per_step) - 1);
-  alignas(64) int32_t idx[16], shift[16];
-  for (int i = 0; i < 16; ++i) {
-    idx[i] = i * bits / 32;
-    shift[i] = (i * bits) % 32;
+  __m512i vidx, vshift;
+  {
+    alignas(64) int32_t idx[16], shift[16];
+    for (int i = 0; i < 16; ++i) {
+      idx[i] = i * bits / 32;
+      shift[i] = (i * bits) % 32;
+    }
+    vidx = _mm512_load_si512(idx);
+    vshift = _mm512_load_si512(shift);
   }
-  const __m512i vidx = _mm512_load_si512(idx);
-  const __m512i vshift = _mm512_load_si512(shift);
   const __m512i vmask = _mm512_set1_epi32((1 << bits) - 1);
   for (int r = 0; r < n; ++r) {
     const uint32_t* w = words + r * word_stride;
     float* o = dst + static_cast<int64_t>(r) * D;
-    for (int d = 0; d < D; d += 16) {
-      const int g = d / group_size;
+    for (int g = 0; g < D / group_size; ++g) {
       const __m512 sc = _mm512_set1_ps(scale_at(scales, r * scale_stride + g, scale_kind));
       const __m512 bi = _mm512_set1_ps(scale_at(biases, r * bias_stride + g, scale_kind));
-      __m512i v = _mm512_maskz_loadu_epi32(load_mask, w + d * bits / 32);
-      v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(vidx, v), vshift), vmask);
-      _mm512_storeu_ps(o + d, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
+      for (int d = g * group_size; d < (g + 1) * group_size; d += 16) {
+        __m512i v = _mm512_maskz_loadu_epi32(load_mask, w + d * bits / 32);
+        v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(vidx, v), vshift), vmask);
+        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
+      }
     }
   }
 }
