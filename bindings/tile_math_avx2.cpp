@@ -41,6 +41,16 @@ void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
   }
 }
 
+// Horizontal sums of 8 registers at once: lane i of the result is the sum of
+// v[i] (21 uops instead of 8 separate reductions' 48).
+inline __m256 hsum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves of v0..v3), u1 likewise for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // 8 values of a K/V row as float32 (float16 raw bits widened in registers).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -64,9 +74,20 @@ void scores_heads(const float* q, const T* k, int64_t stride, int n, int D, floa
         a1[h] = _mm256_fmadd_ps(qh, x1, a1[h]);
       }
     }
-    for (int h = 0; h < NH; ++h) {
-      out[h * kMaxTileRows + r] = hsum(a0[h]);
-      out[h * kMaxTileRows + r + 1] = hsum(a1[h]);
+    if constexpr (NH == 4) {
+      // All 8 sums at once: lane 2h + j holds row r + j of head h.
+      __m256 v[8] = {a0[0], a1[0], a0[1], a1[1], a0[2], a1[2], a0[3], a1[3]};
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, hsum8(v));
+      for (int h = 0; h < 4; ++h) {
+        out[h * kMaxTileRows + r] = sums[2 * h];
+        out[h * kMaxTileRows + r + 1] = sums[2 * h + 1];
+      }
+    } else {
+      for (int h = 0; h < NH; ++h) {
+        out[h * kMaxTileRows + r] = hsum(a0[h]);
+        out[h * kMaxTileRows + r + 1] = hsum(a1[h]);
+      }
     }
   }
   if (r < n) {
