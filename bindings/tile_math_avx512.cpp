@@ -264,8 +264,13 @@ void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales
       const __m512 sc = _mm512_set1_ps(scale_at(scales, r * scale_stride + g, scale_kind));
       const __m512 bi = _mm512_set1_ps(scale_at(biases, r * bias_stride + g, scale_kind));
       for (int d = g * group_size; d < (g + 1) * group_size; d += 16) {
-        __m512i v = _mm512_maskz_loadu_epi32(load_mask, w + d * bits / 32);
-        v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(vidx, v), vshift), vmask);
+        __m512i v;
+        if (bits == 8) {  // one byte per value: a plain widening load
+          v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + d / 4)));
+        } else {
+          v = _mm512_maskz_loadu_epi32(load_mask, w + d * bits / 32);
+          v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(vidx, v), vshift), vmask);
+        }
         _mm512_storeu_ps(o + d, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
       }
     }
