@@ -130,8 +130,8 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
   // A tile is up to kMaxTileRows consecutive tokens, made of segments: runs
   // of rows [row0, row0 + n) of one (outer, kvh), i.e. one block of a paged
   // cache. One softmax step (and one accumulator rescale) serves the whole
-  // tile. Rows the kernels can read in place (float32; float16 where the CPU
-  // widens it in registers) are used where they are, segment by segment;
+  // tile. Rows the kernels can read in place (float32; float16/bfloat16 where
+  // the CPU widens them in registers) are used where they are, segment by segment;
   // other rows are converted (or dequantized) once into a scratch tile.
   struct Segment {
     int64_t outer;
@@ -156,13 +156,18 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
     } while (p.paged && count < kMaxSegments && t + *rows < range.hi && *rows + p.block_size <= kMaxTileRows);
     return count;
   };
-  // Converting float16 in registers repeats the conversion for every 4 query
-  // heads; past 8 heads a scratch copy converted once is cheaper.
+  // Widening float16/bfloat16 in registers repeats the conversion for every 4
+  // query heads; past 8 heads a scratch copy converted once is cheaper.
+  auto half_scores = [&](const KVView& view) { return view.kind == FloatKind::f16 ? tk.scores_f16 : tk.scores_bf16; };
+  auto half_accumulate = [&](const KVView& view) {
+    return view.kind == FloatKind::f16 ? tk.accumulate_f16 : tk.accumulate_bf16;
+  };
   auto in_place = [&](const KVView& view) {
-    return !view.quantized &&
-           (view.kind == FloatKind::f32 || (view.kind == FloatKind::f16 && tk.scores_f16 && G <= 8));
+    return !view.quantized && (view.kind == FloatKind::f32 || (half_scores(view) && G <= 8));
   };
   const bool k_in_place = in_place(k), v_in_place = in_place(v);
+  const auto k_half_scores = half_scores(k);
+  const auto v_half_accumulate = half_accumulate(v);
   // A converted tile: all segments into scratch, rows D floats apart.
   auto convert = [&](const KVView& view, int kvh, const Segment* segs, int count, float* scratch) {
     int64_t stride;
@@ -211,7 +216,7 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
           } else if (k.kind == FloatKind::f32) {
             tk.scores(q, G, k.f32_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
           } else {
-            tk.scores_f16(q, G, k.u16_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
+            k_half_scores(q, G, k.u16_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
           }
           prefetcher.step(pieces);
         }
@@ -235,7 +240,7 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
           if (v.kind == FloatKind::f32)
             tk.accumulate(scores + off, corr, G, v.f32_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
           else
-            tk.accumulate_f16(scores + off, corr, G, v.u16_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
+            v_half_accumulate(scores + off, corr, G, v.u16_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
         }
       } else {
         tk.accumulate(scores, sc.corr.data(), G, convert(v, kvh, cur, cur_count, sc.v_tile.data()), D, n, D, acc);

@@ -3,8 +3,9 @@
 // Work items are (sequence, chunk of kv heads, split): a split is a range of
 // whole tiles (a tile = up to 32 consecutive tokens: the rows of one or more
 // blocks, or 32 rows of a contiguous cache). For each tile and each kv head
-// of its chunk, an item reads the K and V rows once (float32/float16 in
-// place, other types converted or dequantized once into a scratch tile) and
+// of its chunk, an item reads the K and V rows once (float32, and
+// float16/bfloat16 widened in registers, in place; quantized rows dequantized
+// once into a scratch tile) and
 // updates the online-softmax state (max, sum, float32 accumulator) of every
 // query head of that kv head's group, so every K/V row is read from memory
 // once per step whatever the GQA factor. Items write float32 partials; a

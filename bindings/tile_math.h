@@ -47,6 +47,10 @@ struct TileKernels {
   void (*scores_f16)(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* scores);
   void (*accumulate_f16)(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
                          float* acc);
+  // The same on bfloat16 rows (raw bits; widening is a 16-bit shift).
+  void (*scores_bf16)(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* scores);
+  void (*accumulate_bf16)(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
+                          float* acc);
   // dst[i] = float16/bfloat16 bits of src[i] (round to nearest even).
   void (*f32_to_f16)(const float* src, int n, uint16_t* dst);
 };

@@ -11,6 +11,12 @@
 namespace kvmetal {
 namespace {
 
+// bfloat16 raw bits, a distinct type so the templated kernels pick the
+// bfloat16 widening load.
+struct Bf16 {
+  uint16_t bits;
+};
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
@@ -54,6 +60,10 @@ inline __m256 hsum8(const __m256* v) {
 // 8 values of a K/V row as float32 (float16 raw bits widened in registers).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const Bf16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
 
 // NH query heads against the tile, two rows at a time (2 * NH independent
 // accumulators keep both FMA ports busy).
@@ -169,6 +179,13 @@ void accumulate_f16(const float* p, const float* corr, int G, const uint16_t* v,
                     float* acc) {
   accumulate_t(p, corr, G, v, stride, n, D, acc);
 }
+void scores_bf16(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* out) {
+  scores_t(q, G, reinterpret_cast<const Bf16*>(k), stride, n, D, out);
+}
+void accumulate_bf16(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
+                     float* acc) {
+  accumulate_t(p, corr, G, reinterpret_cast<const Bf16*>(v), stride, n, D, acc);
+}
 
 // exp(x) to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
 // polynomial for exp(r), and 2^n built in the exponent bits. Inputs below
@@ -249,7 +266,7 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
 }
 
 const TileKernels kAvx2{"avx2",      f16_rows,       bf16_rows, scores,     accumulate,     exp_inplace,
-                        softmax_update, nullptr,  scores_f16, accumulate_f16, to_f16};
+                        softmax_update, nullptr,  scores_f16, accumulate_f16, scores_bf16, accumulate_bf16, to_f16};
 
 }  // namespace
 

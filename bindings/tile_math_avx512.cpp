@@ -12,6 +12,12 @@
 namespace kvmetal {
 namespace {
 
+// bfloat16 raw bits, a distinct type so the templated kernels pick the
+// bfloat16 widening load.
+struct Bf16 {
+  uint16_t bits;
+};
+
 void f16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
   for (int r = 0; r < n; ++r) {
     const uint16_t* s = src + r * stride;
@@ -37,6 +43,10 @@ void bf16_rows(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const Bf16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
 // Horizontal sums of 16 registers at once: lane 4c + p of the result is the
@@ -160,6 +170,13 @@ void accumulate_f16(const float* p, const float* corr, int G, const uint16_t* v,
                     float* acc) {
   accumulate_t(p, corr, G, v, stride, n, D, acc);
 }
+void scores_bf16(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* out) {
+  scores_t(q, G, reinterpret_cast<const Bf16*>(k), stride, n, D, out);
+}
+void accumulate_bf16(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
+                     float* acc) {
+  accumulate_t(p, corr, G, reinterpret_cast<const Bf16*>(v), stride, n, D, acc);
+}
 
 // Same polynomial as the AVX2 exp8 (about 2 ulp; NaN stays NaN; below -87.3 -> 0).
 inline __m512 exp16(__m512 x) {
@@ -279,7 +296,7 @@ void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales
 
 const TileKernels kAvx512{"avx512",      f16_rows,       bf16_rows,      scores,       accumulate,
                           exp_inplace,   softmax_update, dequant_rows,   scores_f16,   accumulate_f16,
-                          to_f16};
+                          scores_bf16,   accumulate_bf16, to_f16};
 
 }  // namespace
 

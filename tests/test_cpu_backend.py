@@ -57,10 +57,11 @@ def test_every_simd_level_matches_oracle(level, dtype, head_dim):
         assert_close(_paged(case, **opts), _paged_ref(case, **opts), dtype)
 
 
-@pytest.mark.parametrize("dtype", (mx.float32, mx.float16), ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 1), (32, 2), (48, 3), (64, 4), (7, 1)])
 def test_gqa_factors_and_mqa(num_heads, num_kv_heads, dtype):
-    # GQA 16 and MQA also take the float16 path that widens rows in scratch once.
+    # Up to GQA 8, float16/bfloat16 rows are widened in registers; GQA 16 and
+    # MQA take the path that widens each tile into scratch once.
     case = paged_case([33, 200], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
                       block_size=8, dtype=dtype, seed=num_heads)
     assert_close(_paged(case), _paged_ref(case), dtype)
