@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <utility>
+#include <cstdint>
 #include <vector>
 
 #include "thread_pool.h"
@@ -69,34 +69,52 @@ struct Scratch {
 // the arithmetic.
 class Prefetcher {
  public:
-  // Queue the rows [row0, row0 + n) of (outer, head) of both caches.
+  // Queue the rows [row0, row0 + n) of (outer, head) of a cache (and, for a
+  // quantized one, their scales and biases). Rows that touch in memory join
+  // one range, so a block's rows cost one entry and step() is a plain walk
+  // over lines.
   void add(const KVView& view, int64_t outer, int head, int row0, int n) {
-    for (int r = 0; r < n && count_ < kMaxRows; ++r) rows_[count_++] = {view.row_address(outer, head, row0 + r), view.row_bytes()};
+    for (int r = 0; r < n; ++r) add_range(view.row_address(outer, head, row0 + r), view.row_bytes());
+    if (view.quantized) {
+      const int64_t sz = float_kind_size(view.fmt.scale_kind);
+      const int64_t bytes = sz * (view.D / view.fmt.group_size);
+      for (int r = 0; r < n; ++r) add_range(view.scales + sz * view.offset(view.scale_stride, outer, head, row0 + r), bytes);
+      for (int r = 0; r < n; ++r) add_range(view.biases + sz * view.offset(view.bias_stride, outer, head, row0 + r), bytes);
+    }
   }
   // Issue the next 1/pieces of the queued lines.
   void step(int pieces) {
-    if (!per_step_) per_step_ = (total_lines() + pieces - 1) / std::max(1, pieces);
-    for (int issued = 0; issued < per_step_ && row_ < count_; ++issued) {
-      __builtin_prefetch(rows_[row_].first + line_, 0, 2);
-      line_ += 64;
-      if (line_ >= rows_[row_].second) {
-        line_ = 0;
-        ++row_;
-      }
+    if (!per_step_) {
+      int64_t lines = 0;
+      for (int i = 0; i < count_; ++i) lines += (ranges_[i].end - line_start(ranges_[i].begin) + 63) / 64;
+      per_step_ = (lines + pieces - 1) / std::max(1, pieces);
+      if (count_) next_ = line_start(ranges_[0].begin);
+    }
+    for (int64_t issued = 0; issued < per_step_ && range_ < count_;) {
+      const char* end = ranges_[range_].end;
+      for (; issued < per_step_ && next_ < end; next_ += 64, ++issued) __builtin_prefetch(next_, 0, 2);
+      if (next_ >= end && ++range_ < count_) next_ = line_start(ranges_[range_].begin);
     }
   }
-  void reset() { count_ = row_ = per_step_ = 0; line_ = 0; }
+  void reset() { count_ = range_ = per_step_ = 0; }
 
  private:
-  int64_t total_lines() const {
-    int64_t lines = 0;
-    for (int i = 0; i < count_; ++i) lines += (rows_[i].second + 63) / 64;
-    return lines;
+  struct Range {
+    const char* begin;
+    const char* end;
+  };
+  static const char* line_start(const char* p) {
+    return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
   }
-  static constexpr int kMaxRows = 2 * kMaxTileRows;
-  std::pair<const char*, int64_t> rows_[kMaxRows];
-  int count_ = 0, row_ = 0;
-  int64_t per_step_ = 0, line_ = 0;
+  void add_range(const char* p, int64_t bytes) {
+    if (count_ && ranges_[count_ - 1].end == p) ranges_[count_ - 1].end += bytes;
+    else if (count_ < kMaxRanges) ranges_[count_++] = {p, p + bytes};
+  }
+  static constexpr int kMaxRanges = 6 * kMaxTileRows;  // K, V, and quantized scales and biases
+  Range ranges_[kMaxRanges];
+  int count_ = 0, range_ = 0;
+  int64_t per_step_ = 0;
+  const char* next_ = nullptr;
 };
 
 // One work item: kv heads [kvh0, kvh1) of sequence s over `range`. The item
