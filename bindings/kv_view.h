@@ -54,7 +54,8 @@ struct KVView {
   // `scratch` ([n, D]). *row_stride gets the distance between returned rows.
   const float* tile(int64_t outer, int head, int row0, int n, float* scratch, int64_t* row_stride,
                     const TileKernels& tk) const {
-    if (quantized && tk.dequant_rows && (fmt.bits == 2 || fmt.bits == 4 || fmt.bits == 8) && D % 16 == 0) {
+    if (quantized && tk.dequant_rows && (fmt.bits == 2 || fmt.bits == 4 || fmt.bits == 8) &&
+        (fmt.group_size == 32 || fmt.group_size == 64 || fmt.group_size == 128) && D % 16 == 0) {
       tk.dequant_rows(reinterpret_cast<const uint32_t*>(data) + offset(stride, outer, head, row0), stride[2],
                       scales + float_kind_size(fmt.scale_kind) * offset(scale_stride, outer, head, row0),
                       scale_stride[2], biases + float_kind_size(fmt.scale_kind) * offset(bias_stride, outer, head, row0),

@@ -37,7 +37,8 @@ struct TileKernels {
   //   l[g] = l[g] * corr[g] + sum_r s;  m[g] = m_new.
   void (*softmax_update)(float* scores, int G, int n, float* m, float* l, float* corr);
   // Dequantize n rows of an MLX-affine cache (bits 2, 4 or 8 only; null when
-  // the implementation has none): dst[r * D + d] = scale * q + bias.
+  // the implementation has none; group_size 32, 64 or 128):
+  // dst[r * D + d] = scale * q + bias.
   // scale_kind: 0 float32, 1 float16, 2 bfloat16 (scales and biases).
   void (*dequant_rows)(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
                        const void* biases, int64_t bias_stride, int scale_kind, int bits, int group_size, int n,

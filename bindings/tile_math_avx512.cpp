@@ -255,42 +255,61 @@ inline float scale_at(const void* base, int64_t i, int kind) {
   return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(bits) << 16)));
 }
 
-// 16 values per step: lane i of a step takes word (i * bits / 32) of the
-// step's words and shifts it right by (i * bits) % 32. Groups are >= 32
-// values, so one scale and bias cover each step.
-void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
-                  const void* biases, int64_t bias_stride, int scale_kind, int bits, int group_size, int n, int D,
-                  float* dst) {
-  const int words_per_step = bits / 2;  // 16 * bits / 32
-  const __mmask16 load_mask = static_cast<__mmask16>((1u << words_per_step) - 1);
-  __m512i vidx, vshift;
-  {
-    alignas(64) int32_t idx[16], shift[16];
-    for (int i = 0; i < 16; ++i) {
-      idx[i] = i * bits / 32;
-      shift[i] = (i * bits) % 32;
-    }
-    vidx = _mm512_load_si512(idx);
-    vshift = _mm512_load_si512(shift);
-  }
-  const __m512i vmask = _mm512_set1_epi32((1 << bits) - 1);
+// 16 values per step: lane i of a step takes word (i * BITS / 32) of the
+// step's words and shifts it right by (i * BITS) % 32. Groups are >= 32
+// values, so one scale and bias cover each step. Bit width and group size are
+// template arguments so each group's steps unroll into straight-line code.
+template <int BITS, int GS>
+void dequant_rows_t(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                    const void* biases, int64_t bias_stride, int scale_kind, int n, int D, float* dst) {
+  constexpr int kWordsPerStep = BITS / 2;  // 16 * BITS / 32
+  const __m512i bit = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(BITS));
+  const __m512i vidx = _mm512_srli_epi32(bit, 5);
+  const __m512i vshift = _mm512_and_si512(bit, _mm512_set1_epi32(31));
+  const __m512i vmask = _mm512_set1_epi32((1 << BITS) - 1);
   for (int r = 0; r < n; ++r) {
     const uint32_t* w = words + r * word_stride;
     float* o = dst + static_cast<int64_t>(r) * D;
-    for (int g = 0; g < D / group_size; ++g) {
+    for (int g = 0; g < D / GS; ++g, w += GS * BITS / 32, o += GS) {
       const __m512 sc = _mm512_set1_ps(scale_at(scales, r * scale_stride + g, scale_kind));
       const __m512 bi = _mm512_set1_ps(scale_at(biases, r * bias_stride + g, scale_kind));
-      for (int d = g * group_size; d < (g + 1) * group_size; d += 16) {
+#pragma GCC unroll 8
+      for (int step = 0; step < GS / 16; ++step) {
         __m512i v;
-        if (bits == 8) {  // one byte per value: a plain widening load
-          v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + d / 4)));
+        if constexpr (BITS == 8) {  // one byte per value: a plain widening load
+          v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + step * kWordsPerStep)));
         } else {
-          v = _mm512_maskz_loadu_epi32(load_mask, w + d * bits / 32);
-          v = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(vidx, v), vshift), vmask);
+          // Only the step's words matter: a narrow plain load, then the permute picks lanes.
+          const __m128i raw = BITS == 4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + step * kWordsPerStep))
+                                        : _mm_cvtsi32_si128(static_cast<int>(w[step * kWordsPerStep]));
+          v = _mm512_permutexvar_epi32(vidx, _mm512_castsi128_si512(raw));
+          v = _mm512_and_si512(_mm512_srlv_epi32(v, vshift), vmask);
         }
-        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
+        _mm512_storeu_ps(o + 16 * step, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
       }
     }
+  }
+}
+
+template <int BITS>
+void dequant_rows_bits(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                       const void* biases, int64_t bias_stride, int scale_kind, int group_size, int n, int D,
+                       float* dst) {
+  switch (group_size) {
+    case 32: dequant_rows_t<BITS, 32>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, n, D, dst); break;
+    case 64: dequant_rows_t<BITS, 64>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, n, D, dst); break;
+    default: dequant_rows_t<BITS, 128>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, n, D, dst); break;
+  }
+}
+
+void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                  const void* biases, int64_t bias_stride, int scale_kind, int bits, int group_size, int n, int D,
+                  float* dst) {
+  switch (bits) {
+    case 8: dequant_rows_bits<8>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, group_size, n, D, dst); break;
+    case 4: dequant_rows_bits<4>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, group_size, n, D, dst); break;
+    default: dequant_rows_bits<2>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, group_size, n, D, dst); break;
   }
 }
 

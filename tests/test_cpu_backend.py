@@ -332,6 +332,17 @@ def test_quantized_attention_scale_dtypes(dtype, level):
     assert_close(_paged(case, num_splits=2), _paged_ref(case), dtype)
 
 
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("group_size", quant.SUPPORTED_GROUP_SIZES)
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_quantized_attention_every_group_size(bits, group_size, level):
+    # The AVX-512 dequantizer is specialized per (bits, group size): each one against the oracle.
+    _ext.cap_simd_level(level)
+    case = paged_case([5, 50], num_heads=8, num_kv_heads=2, head_dim=128, dtype=mx.float16, k_bits=bits,
+                      v_bits=bits, group_size=group_size)
+    assert_close(_paged(case, num_splits=2), _paged_ref(case), mx.float16)
+
+
 def test_quantized_decode_attention():
     rng = np.random.default_rng(3)
     keys = quant.quantize(mx.array(rng.standard_normal((2, 2, 77, 64), dtype=np.float32)), bits=8, group_size=64)
