@@ -52,7 +52,7 @@ inline __m512 load16(const Bf16* p) {
 // Horizontal sums of 16 registers at once: lane 4c + p of the result is the
 // sum of v[4p + c]. A transpose-and-add tree, 45 instructions instead of 16
 // separate reductions (128).
-inline __m512 hsum16(const __m512* v) {
+__attribute__((always_inline)) inline __m512 hsum16(const __m512* v) {
   __m512 t[8], u[4], w[2];
   for (int i = 0; i < 8; ++i)
     t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
@@ -68,9 +68,18 @@ inline __m512 hsum16(const __m512* v) {
 // 4 heads x 4 rows: 16 accumulators, each K and q register used 4 times.
 template <typename T>
 void scores_4x4(const float* q, const T* k, int64_t stride, int D, float* out) {
+  // The first step multiplies (the same as an FMA onto zero): zeroing the
+  // array in a loop would let GCC turn it into a memset of a stack copy.
   __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 16) {
+  {
+    __m512 kr[4];
+    for (int r = 0; r < 4; ++r) kr[r] = load16(k + r * stride);
+    for (int h = 0; h < 4; ++h) {
+      __m512 qh = _mm512_loadu_ps(q + h * D);
+      for (int r = 0; r < 4; ++r) acc[4 * h + r] = _mm512_mul_ps(qh, kr[r]);
+    }
+  }
+  for (int d = 16; d < D; d += 16) {
     __m512 kr[4];
     for (int r = 0; r < 4; ++r) kr[r] = load16(k + r * stride + d);
     for (int h = 0; h < 4; ++h) {
