@@ -276,26 +276,32 @@ void dequant_rows_t(const uint32_t* words, int64_t word_stride, const void* scal
                                          _mm512_set1_epi32(BITS));
   const __m512i vidx = _mm512_srli_epi32(bit, 5);
   const __m512i vshift = _mm512_and_si512(bit, _mm512_set1_epi32(31));
-  const __m512i vmask = _mm512_set1_epi32((1 << BITS) - 1);
+  // 2- and 4-bit values index a 16-entry table of their dequantized values
+  // (vpermps reads only an index's low 4 bits, so no mask and no int->float
+  // conversion); for 2 bits entry i holds level i & 3.
+  const __m512i level = _mm512_and_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32((1 << BITS) - 1));
+  const __m512 levels = _mm512_cvtepi32_ps(level);
   for (int r = 0; r < n; ++r) {
     const uint32_t* w = words + r * word_stride;
     float* o = dst + static_cast<int64_t>(r) * D;
     for (int g = 0; g < D / GS; ++g, w += GS * BITS / 32, o += GS) {
       const __m512 sc = _mm512_set1_ps(scale_at(scales, r * scale_stride + g, scale_kind));
       const __m512 bi = _mm512_set1_ps(scale_at(biases, r * bias_stride + g, scale_kind));
+      const __m512 table = _mm512_fmadd_ps(sc, levels, bi);  // used by 2/4 bits only
 #pragma GCC unroll 8
       for (int step = 0; step < GS / 16; ++step) {
-        __m512i v;
         if constexpr (BITS == 8) {  // one byte per value: a plain widening load
-          v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + step * kWordsPerStep)));
+          const __m512i v =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + step * kWordsPerStep)));
+          _mm512_storeu_ps(o + 16 * step, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
         } else {
           // Only the step's words matter: a narrow plain load, then the permute picks lanes.
           const __m128i raw = BITS == 4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + step * kWordsPerStep))
                                         : _mm_cvtsi32_si128(static_cast<int>(w[step * kWordsPerStep]));
-          v = _mm512_permutexvar_epi32(vidx, _mm512_castsi128_si512(raw));
-          v = _mm512_and_si512(_mm512_srlv_epi32(v, vshift), vmask);
+          const __m512i v = _mm512_srlv_epi32(_mm512_permutexvar_epi32(vidx, _mm512_castsi128_si512(raw)), vshift);
+          _mm512_storeu_ps(o + 16 * step, _mm512_permutexvar_ps(v, table));
         }
-        _mm512_storeu_ps(o + 16 * step, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(v), bi));
       }
     }
   }
