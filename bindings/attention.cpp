@@ -74,12 +74,13 @@ class Prefetcher {
   // one range, so a block's rows cost one entry and step() is a plain walk
   // over lines.
   void add(const KVView& view, int64_t outer, int head, int row0, int n) {
-    for (int r = 0; r < n; ++r) add_range(view.row_address(outer, head, row0 + r), view.row_bytes());
+    const int64_t elem = view.quantized ? 4 : float_kind_size(view.kind);
+    add_rows(view.row_address(outer, head, row0), view.stride[2] * elem, view.row_bytes(), n);
     if (view.quantized) {
       const int64_t sz = float_kind_size(view.fmt.scale_kind);
       const int64_t bytes = sz * (view.D / view.fmt.group_size);
-      for (int r = 0; r < n; ++r) add_range(view.scales + sz * view.offset(view.scale_stride, outer, head, row0 + r), bytes);
-      for (int r = 0; r < n; ++r) add_range(view.biases + sz * view.offset(view.bias_stride, outer, head, row0 + r), bytes);
+      add_rows(view.scales + sz * view.offset(view.scale_stride, outer, head, row0), view.scale_stride[2] * sz, bytes, n);
+      add_rows(view.biases + sz * view.offset(view.bias_stride, outer, head, row0), view.bias_stride[2] * sz, bytes, n);
     }
   }
   // Issue the next 1/pieces of the queued lines.
@@ -105,6 +106,11 @@ class Prefetcher {
   };
   static const char* line_start(const char* p) {
     return reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63});
+  }
+  // n rows of `bytes` each, `step` bytes apart: one range when they touch.
+  void add_rows(const char* first, int64_t step, int64_t bytes, int n) {
+    if (step == bytes) return add_range(first, bytes * n);
+    for (int r = 0; r < n; ++r) add_range(first + r * step, bytes);
   }
   void add_range(const char* p, int64_t bytes) {
     if (count_ && ranges_[count_ - 1].end == p) ranges_[count_ - 1].end += bytes;
