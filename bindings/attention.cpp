@@ -235,11 +235,17 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
       float* scores = sc.scores.data();
       for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
         const Segment& sg = cur[i];
+        // Other rows: the whole segment converted in one call, then scored
+        // from scratch piece by piece like the rows read in place.
+        const float* k_rows = nullptr;
+        if (!k_in_place) {
+          int64_t stride;
+          k_rows = k.tile(sg.outer, kvh, sg.row0, sg.n, sc.k_tile.data(), &stride, tk);
+        }
         for (int r = 0; r < sg.n; r += kPieceRows) {
           const int pn = std::min(kPieceRows, sg.n - r);
           if (!k_in_place) {
-            int64_t stride;
-            k.tile(sg.outer, kvh, sg.row0 + r, pn, sc.k_tile.data() + static_cast<int64_t>(off + r) * D, &stride, tk);
+            tk.scores(q, G, k_rows + static_cast<int64_t>(r) * D, D, pn, D, scores + off + r);
           } else if (k.kind == FloatKind::f32) {
             tk.scores(q, G, k.f32_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
           } else {
@@ -248,7 +254,6 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
           prefetcher.step(pieces);
         }
       }
-      if (!k_in_place) tk.scores(q, G, sc.k_tile.data(), D, n, D, scores);
       if (p.has_softcap) {
         for (int g = 0; g < G; ++g)
           for (int r = 0; r < n; ++r) {
