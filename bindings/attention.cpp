@@ -238,14 +238,12 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
         // Other rows: the whole segment converted in one call, then scored
         // from scratch piece by piece like the rows read in place.
         const float* k_rows = nullptr;
-        if (!k_in_place) {
-          int64_t stride;
-          k_rows = k.tile(sg.outer, kvh, sg.row0, sg.n, sc.k_tile.data(), &stride, tk);
-        }
+        int64_t k_stride = D;
+        if (!k_in_place) k_rows = k.tile(sg.outer, kvh, sg.row0, sg.n, sc.k_tile.data(), &k_stride, tk);
         for (int r = 0; r < sg.n; r += kPieceRows) {
           const int pn = std::min(kPieceRows, sg.n - r);
           if (!k_in_place) {
-            tk.scores(q, G, k_rows + static_cast<int64_t>(r) * D, D, pn, D, scores + off + r);
+            tk.scores(q, G, k_rows + r * k_stride, k_stride, pn, D, scores + off + r);
           } else if (k.kind == FloatKind::f32) {
             tk.scores(q, G, k.f32_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
           } else {
