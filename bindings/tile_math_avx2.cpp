@@ -265,8 +265,67 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
   }
 }
 
+inline float scale_at(const void* base, int64_t i, int kind) {
+  if (kind == 0) return static_cast<const float*>(base)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(base)[i];
+  if (kind == 1) return _cvtsh_ss(bits);
+  return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(bits) << 16)));
+}
+
+// 8 values per step, one scale and bias per group (groups are >= 32 values):
+// 8-bit values widen from 8 bytes; 4- and 2-bit values are shifted out of one
+// broadcast word (of its low or high half for 2 bits) lane by lane.
+template <int BITS, int GS>
+void dequant_rows_t(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                    const void* biases, int64_t bias_stride, int scale_kind, int n, int D, float* dst) {
+  const __m256i shift = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(BITS));
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  for (int r = 0; r < n; ++r) {
+    const uint32_t* w = words + r * word_stride;
+    float* o = dst + static_cast<int64_t>(r) * D;
+    for (int g = 0; g < D / GS; ++g, w += GS * BITS / 32, o += GS) {
+      const __m256 sc = _mm256_set1_ps(scale_at(scales, r * scale_stride + g, scale_kind));
+      const __m256 bi = _mm256_set1_ps(scale_at(biases, r * bias_stride + g, scale_kind));
+#pragma GCC unroll 16
+      for (int step = 0; step < GS / 8; ++step) {
+        __m256i v;
+        if constexpr (BITS == 8) {
+          v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 2 * step)));
+        } else if constexpr (BITS == 4) {
+          v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w[step])), shift), mask);
+        } else {
+          const uint32_t half = w[step / 2] >> (16 * (step % 2));
+          v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(half)), shift), mask);
+        }
+        _mm256_storeu_ps(o + 8 * step, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v), bi));
+      }
+    }
+  }
+}
+
+template <int BITS>
+void dequant_rows_bits(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                       const void* biases, int64_t bias_stride, int scale_kind, int group_size, int n, int D,
+                       float* dst) {
+  switch (group_size) {
+    case 32: dequant_rows_t<BITS, 32>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, n, D, dst); break;
+    case 64: dequant_rows_t<BITS, 64>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, n, D, dst); break;
+    default: dequant_rows_t<BITS, 128>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, n, D, dst); break;
+  }
+}
+
+void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                  const void* biases, int64_t bias_stride, int scale_kind, int bits, int group_size, int n, int D,
+                  float* dst) {
+  switch (bits) {
+    case 8: dequant_rows_bits<8>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, group_size, n, D, dst); break;
+    case 4: dequant_rows_bits<4>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, group_size, n, D, dst); break;
+    default: dequant_rows_bits<2>(words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind, group_size, n, D, dst); break;
+  }
+}
+
 const TileKernels kAvx2{"avx2",      f16_rows,       bf16_rows, scores,     accumulate,     exp_inplace,
-                        softmax_update, nullptr,  scores_f16, accumulate_f16, scores_bf16, accumulate_bf16, to_f16};
+                        softmax_update, dequant_rows, scores_f16, accumulate_f16, scores_bf16, accumulate_bf16, to_f16};
 
 }  // namespace
 

@@ -325,7 +325,7 @@ def test_quantized_attention_and_gather(k_bits, v_bits):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_quantized_attention_scale_dtypes(dtype, level):
     # Scales/biases in each float dtype, head_dim 96 with group 32 (three groups per
-    # row); every SIMD level (AVX-512 dequantizes 2/4/8-bit rows in registers).
+    # row); every SIMD level (AVX2 and AVX-512 dequantize 2/4/8-bit rows in registers).
     _ext.cap_simd_level(level)
     case = paged_case([9, 77], num_heads=4, num_kv_heads=2, head_dim=96, dtype=dtype, k_bits=8, v_bits=2,
                       group_size=32)
@@ -336,7 +336,7 @@ def test_quantized_attention_scale_dtypes(dtype, level):
 @pytest.mark.parametrize("group_size", quant.SUPPORTED_GROUP_SIZES)
 @pytest.mark.parametrize("bits", (2, 4, 8))
 def test_quantized_attention_every_group_size(bits, group_size, level):
-    # The AVX-512 dequantizer is specialized per (bits, group size): each one against the oracle.
+    # The AVX2 and AVX-512 dequantizers are specialized per (bits, group size): each one against the oracle.
     _ext.cap_simd_level(level)
     case = paged_case([5, 50], num_heads=8, num_kv_heads=2, head_dim=128, dtype=mx.float16, k_bits=bits,
                       v_bits=bits, group_size=group_size)
