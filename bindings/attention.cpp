@@ -226,10 +226,9 @@ void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, con
       const Segment* ahead = kvh + A < kvh1 ? cur : next;
       const int ahead_count = kvh + A < kvh1 ? cur_count : next_count;
       const int ahead_head = kvh + A < kvh1 ? kvh + A : kvh0 + (kvh + A - kvh1);
-      for (int i = 0; i < ahead_count; ++i) {
-        prefetcher.add(k, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
-        prefetcher.add(v, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
-      }
+      // All of the unit's K first: it is read first.
+      for (int i = 0; i < ahead_count; ++i) prefetcher.add(k, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
+      for (int i = 0; i < ahead_count; ++i) prefetcher.add(v, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
       const int pieces = (n + kPieceRows - 1) / kPieceRows + cur_count;  // K pieces, then V segments
 
       float* scores = sc.scores.data();
