@@ -160,6 +160,7 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
 CASES = {
     "paged_decode_f32": paged_decode("f32"),
     "paged_decode_f16": paged_decode("f16"),
+    "paged_decode_bf16": paged_decode("bf16"),
     "paged_decode_k8v4": paged_decode_quantized(8, 4),
     "decode_contiguous_f16": decode_contiguous,
     "write_and_gather_f16": write_and_gather,
