@@ -14,7 +14,7 @@ import sys
 
 import mlx.core as mx
 
-from .. import backends
+from .. import backends, chips
 from .cases import CASES, run_case
 from .timing import read_bandwidth_gbps
 
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     progress("measuring this machine's read bandwidth ...")
     read_gbps = read_bandwidth_gbps()
     progress(f"  single-pass read: {read_gbps:.1f} GB/s")
+    # On the metal backend also report the fraction of the chip's published peak.
+    chip = chips.from_device_name(mx.metal.device_info().get("device_name", "")) if backend == "metal" else None
     results = []
     for i, name in enumerate(names, 1):
         progress(f"[{i}/{len(names)}] {name} on {backend} ...")
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             result["read_gbps"] = read_gbps
             if result.get("gbps") is not None:
                 result["fraction_of_read"] = result["gbps"] / read_gbps
+                if chip is not None:
+                    result["chip"] = chip.device_name
+                    result["fraction_of_peak"] = result["gbps"] / chip.bandwidth_gbs
             results.append(result)
             progress("  " + _summary(result))
     report = {
@@ -105,6 +110,8 @@ def _print_table(results: list, read_gbps: float):
         gbps = r.get("gbps")
         base = r.get("baseline")
         base_text = f"{base['name']}: {base['seconds'] * 1e3:.2f} ms; {_ratio(r)}" if base else ""
+        if "fraction_of_peak" in r:
+            base_text = f"{100 * r['fraction_of_peak']:.0f}% of {r['chip']} peak; " + base_text
         print(f"{r['name']:<34} {r['backend']:<7} {r['seconds'] * 1e3:>9.2f} "
               f"{gbps if gbps is not None else float('nan'):>7.1f} "
               f"{100 * r['fraction_of_read'] if 'fraction_of_read' in r else float('nan'):>6.0f}%  {base_text}")

@@ -1,71 +1,20 @@
-"""The Metal kernels' part of ``kvmetal bench``.
+"""The Metal kernels' part of ``kvmetal bench`` where no Apple GPU is present.
 
-On a Mac each kernel is timed (median of warm runs) and reported in GB/s of
-live KV bytes and as a fraction of the chip's peak memory bandwidth, next to
-``mx.fast.scaled_dot_product_attention`` on the same data. Elsewhere the Metal
-kernels cannot run, so the simulator's traffic figures for small cases are
-reported instead: bytes loaded from the K/V caches against the live KV bytes,
-labelled "sim traffic (no timing)".
+On a Mac, ``kvmetal bench`` runs every case on the metal backend itself (timed,
+next to ``mx.fast.scaled_dot_product_attention`` on the GPU, with the fraction of
+the chip's peak bandwidth). Elsewhere the Metal kernels cannot run, so the
+simulator's traffic figures for small cases are reported instead: bytes loaded
+from the K/V caches against the live KV bytes, labelled "sim traffic (no timing)".
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import chips, ops, quant
+from .. import ops, quant
 from ..backends import metal, use_backend
-from .cases import HEAD_DIM, NUM_KV_HEADS, paged_setup
-from .timing import median_seconds
+from .cases import paged_setup
 
 SIM_LABEL = "sim traffic (no timing)"
-
-
-def _chip_peak():
-    """(device name, peak GB/s of its full configuration or None) from kvmetal.chips."""
-    name = str(mx.metal.device_info().get("device_name", "")).strip()
-    chip = chips.from_device_name(name)
-    return name, chip.bandwidth_gbs if chip is not None else None
-
-
-def _timed(name, fn, kv_bytes, baseline_fn, peak, repeat):
-    seconds = median_seconds(fn, repeat=repeat)
-    base = median_seconds(baseline_fn, repeat=repeat) if baseline_fn else None
-    gbps = kv_bytes / seconds / 1e9
-    return {"name": name, "backend": "metal", "seconds": seconds, "kv_bytes": kv_bytes, "gbps": gbps,
-            "peak_fraction": gbps / peak if peak else None,
-            "baseline": None if base is None else {"name": "mx.fast.scaled_dot_product_attention (gpu)",
-                                                   "seconds": base, "gbps": kv_bytes / base / 1e9},
-            "speedup_vs_baseline": None if base is None else base / seconds}
-
-
-def _metal_results(progress, *, repeat=10):
-    chip, peak = _chip_peak()
-    results = []
-    for tokens in (4096, 32768):
-        for dtype, tag in ((mx.float16, "f16"), (mx.bfloat16, "bf16")):
-            progress(f"metal paged_attention {tag} T={tokens}")
-            q, kc, vc, tables, lens, keys, values = paged_setup(tokens, dtype)
-            kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * 2
-            sdpa = lambda: mx.fast.scaled_dot_product_attention(q[:, :, None], keys, values, scale=HEAD_DIM ** -0.5)
-            with use_backend("metal"):
-                results.append(_timed(f"paged_attention_{tag} T={tokens} ({chip})",
-                                      lambda: ops.paged_attention(q, kc, vc, tables, lens, validate=False),
-                                      kv_bytes, sdpa, peak, repeat))
-                results.append(_timed(f"decode_attention_{tag} T={tokens} ({chip})",
-                                      lambda: ops.decode_attention(q[:, :, None], keys, values),
-                                      kv_bytes, sdpa, peak, repeat))
-                results.append(_timed(f"gather_kv_cache_{tag} T={tokens} ({chip})",
-                                      lambda: ops.gather_kv_cache(kc, vc, tables, lens, validate=False),
-                                      2 * kv_bytes, None, peak, repeat))
-        progress(f"metal paged_attention K8/V4 T={tokens}")
-        q, kc, vc, tables, lens, keys, values = paged_setup(tokens, mx.float16)
-        kq, vq = quant.quantize(kc, bits=8, group_size=64), quant.quantize(vc, bits=4, group_size=64)
-        mx.eval(*kq.arrays(), *vq.arrays())
-        sdpa = lambda: mx.fast.scaled_dot_product_attention(q[:, :, None], keys, values, scale=HEAD_DIM ** -0.5)
-        with use_backend("metal"):
-            results.append(_timed(f"paged_attention_k8v4 T={tokens} ({chip})",
-                                  lambda: ops.paged_attention(q, kq, vq, tables, lens, validate=False),
-                                  kq.nbytes + vq.nbytes, sdpa, peak, repeat))
-    return results
 
 
 def sim_traffic(tokens: int, *, num_kv_heads: int, num_heads: int, head_dim: int = 64, dtype=mx.float16,
@@ -93,12 +42,13 @@ def sim_traffic(tokens: int, *, num_kv_heads: int, num_heads: int, head_dim: int
 def _row_bytes(cache, head_dim) -> int:
     """Bytes of one cache row (all its arrays) for one kv head."""
     if isinstance(cache, quant.QuantizedKV):
-        groups = head_dim // cache.group_size
-        return head_dim * cache.bits // 8 + 2 * groups * cache.scales.itemsize
+        return quant.row_nbytes(head_dim, bits=cache.bits, group_size=cache.group_size,
+                                scale_bytes=cache.scales.itemsize)
     return head_dim * cache.itemsize
 
 
-def _sim_results(progress):
+def run_metal_cases(progress) -> list:
+    """Simulator traffic rows for the paged decode kernel (no timing)."""
     results = []
     cases = [
         ("paged_attention f16 GQA 1", dict(num_kv_heads=2, num_heads=2)),
@@ -116,10 +66,3 @@ def _sim_results(progress):
                         "kv_bytes": figures["live_bytes"], "gbps": None, "note": note,
                         "loaded_bytes": figures["loaded"], "loaded_over_live": figures["ratio"]})
     return results
-
-
-def run_metal_cases(progress) -> list:
-    """Metal kernel benchmark rows: timings on a Mac, simulator traffic elsewhere."""
-    if mx.metal.is_available():
-        return _metal_results(progress)
-    return _sim_results(progress)
