@@ -12,16 +12,13 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .quant import QuantizedKV
+from .quant import QuantizedKV, dequantize_reference
 
 
 def to_f64(x) -> np.ndarray:
     """A float64 NumPy copy of an array, or of the float cache a QuantizedKV stands for."""
     if isinstance(x, QuantizedKV):
-        from . import quant
-
-        deq = getattr(quant, "dequantize_reference", None)
-        return deq(x) if deq is not None else to_f64(quant.dequantize(x))
+        return dequantize_reference(x)
     if isinstance(x, mx.array):
         return np.array(x.astype(mx.float32), dtype=np.float64)
     return np.asarray(x, dtype=np.float64)
