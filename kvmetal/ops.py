@@ -28,7 +28,6 @@ INDEX_DTYPES = (mx.int32, mx.int64)
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
-Cache = "mx.array | QuantizedKV"
 
 
 # ----------------------------------------------------------------------------- checks
