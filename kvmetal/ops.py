@@ -29,7 +29,6 @@ SUPPORTED_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 
 
-
 # ----------------------------------------------------------------------------- checks
 
 def _fail(op: str, message: str, error=ValueError):
