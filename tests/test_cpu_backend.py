@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvmetal import _ext, quant, reference
+from kvmetal import _ext, ops, quant, reference
 from kvmetal.backends import cpu
 from kvcases import DTYPES, assert_close, free_slots, paged_case
 
@@ -47,7 +47,7 @@ def _paged_ref(case, **opts):
 
 @pytest.mark.parametrize("level", SIMD_LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("head_dim", (64, 80, 96, 112, 128, 192, 256))
+@pytest.mark.parametrize("head_dim", ops.SUPPORTED_HEAD_DIMS)
 def test_every_simd_level_matches_oracle(level, dtype, head_dim):
     _ext.cap_simd_level(level)
     case = paged_case([1, 15, 70], num_heads=12, num_kv_heads=2, head_dim=head_dim, block_size=16,

@@ -10,10 +10,11 @@ import math
 import mlx.core as mx
 import pytest
 
+from kvmetal import ops
 from kvmetal.backends import metal
 
-HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
-BLOCK_SIZES = (8, 16, 32)
+HEAD_DIMS = ops.SUPPORTED_HEAD_DIMS  # every configuration the API offers
+BLOCK_SIZES = ops.SUPPORTED_BLOCK_SIZES
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 GQA = tuple(range(1, 17))
 BITS = (2, 3, 4, 5, 6, 8)

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import kvmetal as kv
-from kvmetal import quant, reference
+from kvmetal import ops, quant, reference
 from kvcases import DTYPES, assert_close, free_slots, paged_case
 
 BACKENDS = kv.available_backends()
-HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
-BLOCK_SIZES = (8, 16, 32)
+HEAD_DIMS = ops.SUPPORTED_HEAD_DIMS
+BLOCK_SIZES = ops.SUPPORTED_BLOCK_SIZES
 GQA = (1, 4, 6, 8)
 
 
@@ -268,7 +268,7 @@ def test_gather_and_decode_quantized(backend):
 @given(data=st.data())
 def test_paged_attention_generated(backend, data):
     dtype = data.draw(st.sampled_from(DTYPES))
-    block_size = data.draw(st.sampled_from((8, 16, 32)))
+    block_size = data.draw(st.sampled_from(BLOCK_SIZES))
     head_dim = data.draw(st.sampled_from(HEAD_DIMS))
     kv_heads = data.draw(st.integers(1, 3))
     gqa = data.draw(st.integers(1, 9))
