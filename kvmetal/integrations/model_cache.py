@@ -640,14 +640,15 @@ class PagedLayerCache:
     def _widen(self, batch: int) -> None:
         """A fresh ``make_cache()`` cache meeting a batch of B prompts serves B sequences
         (like mlx-lm's KVCache); any other mismatch says how to batch."""
-        empty = all(o == 0 for o in self._offsets) and all(self.pool.num_tokens(s) == 0 for s in self.seq_ids)
-        if self._refs is None or not empty or len(self.seq_ids) != 1 or batch < 1:
+        family = {} if self._family is None else self._family
+        joining = batch in family and self._offsets == [0]  # another layer of this pass widened already
+        empty = self._offsets == [0] and self.pool.num_tokens(self.seq_ids[0]) == 0
+        if self._refs is None or not (joining or empty):
             raise ValueError(f"[PagedLayerCache] keys hold {batch} sequences, the cache serves "
                              f"{len(self.seq_ids)}. A fresh make_cache() cache takes a batch of prompts of one "
                              f"length in its first forward pass; to batch sequences of different lengths or "
                              f"histories use kvmetal's Engine or mlx-lm's BatchGenerator (which merges one "
                              f"cache per sequence)")
-        family = {} if self._family is None else self._family
         if batch not in family:  # the first layer of the pass adds the sequences, the others join
             family[batch] = [self.model_cache._new_ref() for _ in range(batch - 1)]
         refs = family[batch]
