@@ -26,6 +26,8 @@ from ..cache import HOLE, KVCacheFull, PagedKVCache
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
 GROWTH = 0.25  # a full growable pool adds this fraction of its size: held bytes stay near the need
 MAX_PAGED_QUERY_TOKENS = ops.MAX_QUERY_TOKENS  # passes of up to this many tokens skip the gather
+TRIM_SLACK = 16  # window layers keep this many tokens beyond their window, so a rewind of that
+                 # many (speculative decoding's rejected drafts) still finds the window intact
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,7 @@ class PagedModelCache:
     def _evict_behind_window(self, g: int, seq_id) -> None:
         if self.windows[g] is not None:
             # The first new query sees the last window - 1 cached tokens and itself.
-            self.pools[g].evict(seq_id, window=self.windows[g] - 1)
+            self.pools[g].evict(seq_id, window=self.windows[g] - 1 + TRIM_SLACK)
 
     def _extend_group(self, g: int, seq_id, num_new: int) -> None:
         """mlx-lm's path: the first layer of a group to see new tokens makes room for them."""
@@ -355,9 +357,9 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write the new rows ([B, Hkv, L, D]) into the pool.
 
-        Returns the layer's keys/values [B, Hkv, T, D] gathered from the pool when L > 1
-        (lazily: the gather runs only if something reads it) and the new rows themselves
-        when L == 1. ``attention`` reads the pool directly whenever it can."""
+        Returns the new rows themselves when ``attention`` will read the pool directly
+        (L == 1, or L <= 8 on a multi-query backend), else the layer's keys/values
+        [B, Hkv, T, D] gathered from the pool (lazily: only run if something reads them)."""
         batch, num_kv_heads, num_new, head_dim = keys.shape
         if batch != len(self.seq_ids):
             self._widen(batch)
@@ -366,8 +368,8 @@ class PagedLayerCache:
         self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        if num_new == 1:
-            return keys, values
+        if num_new == 1 or (num_new <= MAX_PAGED_QUERY_TOKENS and paged_multi_query_available()):
+            return keys, values  # attention reads the pool itself
         return self._gather(plan)
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
@@ -562,22 +564,33 @@ class PagedLayerCache:
     # ------------------------------------------------------------------ the rest of mlx-lm's protocol
 
     def is_trimmable(self) -> bool:
-        # Like mlx-lm's RotatingKVCache: a window layer is trimmable until it dropped tokens.
-        return self.window is None or max(self._offsets) < self.window
+        """Always: unlike mlx-lm's RotatingKVCache, a window layer keeps whole blocks and
+        can go back as far as its window stays intact (``trim`` raises past that), which
+        covers speculative decoding's rewinds."""
+        return True
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens of every sequence (the first layer of a group
         truncates the pool; the others follow)."""
-        if not self.is_trimmable():
-            raise ValueError("[PagedLayerCache] a window layer that dropped tokens cannot be trimmed")
         n = min(min(self._offsets), int(n))
         for i, seq in enumerate(self.seq_ids):
             target = self._offsets[i] - n
             if self.pool.num_tokens(seq) > target:
+                self._check_window_intact(seq, target)
                 self.pool.truncate(seq, target)
                 self.model_cache._touch(self._group)
             self._offsets[i] = target
         return n
+
+    def _check_window_intact(self, seq, target: int) -> None:
+        """The next token after ``target`` sees the last window - 1 tokens: all still held?"""
+        if self.window is None:
+            return
+        needed = max(0, target - (self.window - 1))
+        table = self.pool.allocator.block_table(seq)
+        if any(b == HOLE for b in table[needed // self.block_size: -(-target // self.block_size)]):
+            raise ValueError(f"[PagedLayerCache.trim] cannot go back to {target} tokens: this window layer "
+                             f"already released tokens its window would need there")
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PagedLayerCache":
         """mlx-lm's ``kv_bits`` / ``quantized_kv_start``: K and V of every layer move to
