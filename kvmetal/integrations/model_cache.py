@@ -15,6 +15,7 @@ heads, L new tokens, T cached tokens, D head_dim.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -90,7 +91,7 @@ class PagedModelCache:
         self.mutations = 0  # every table change; keys the memos that layers of one call share
         self.peak_used_bytes = 0
         self._next_id = 0
-        self._memo: dict = {}  # (kind, args, mutations) -> a result every layer of one call shares
+        self._memo: dict = {}  # (kind, args, mutations) -> weak refs every layer of one call shares
         self._masks: list = []  # [(mask object, requested window)] that make_mask handed out
 
     # ------------------------------------------------------------------ sequences
@@ -204,14 +205,16 @@ class PagedModelCache:
             self.fork(parent, seq_id)
         return _SequenceRef(self, seq_id)
 
-    def _shared(self, key: tuple, make):
-        """``make()`` once per table state: the layers of one mlx-lm call (extract, merge,
-        widen...) each ask, the first one's result serves them all."""
-        hit = self._memo.get(key + (self.mutations,))
-        if hit is None:
-            hit = make()
-            self._memo = {key + (self.mutations,): hit}  # older entries are stale
-        return hit
+    def _shared(self, key: tuple, make) -> list:
+        """``make()`` (a list of :class:`_SequenceRef`) once per table state: the layers
+        of one mlx-lm call (extract, merge, to_quantized...) each ask, the first one's
+        result serves them all. Held weakly: dropped caches still free their blocks."""
+        held = self._memo.get(key + (self.mutations,))
+        refs = None if held is None else [r() for r in held]
+        if refs is None or any(r is None for r in refs):
+            refs = make()
+            self._memo = {key + (self.mutations,): [weakref.ref(r) for r in refs]}  # older entries are stale
+        return refs
 
     def _touch(self, group: int | None = None):
         """Tables changed (in ``group``, or all): cached plans are stale."""
@@ -243,7 +246,6 @@ class PagedModelCache:
 
     def _extend_group(self, g: int, seq_id, num_new: int) -> None:
         """mlx-lm's path: the first layer of a group to see new tokens makes room for them."""
-        self._memo = {}  # a new forward pass: what the layers of the last call shared is settled
         self._evict_behind_window(g, seq_id)
         self._ensure_room_for(g, seq_id, num_new, "PagedLayerCache")
         self.pools[g].append(seq_id, num_tokens=num_new)
@@ -398,7 +400,7 @@ class PagedLayerCache:
                 rows,
                 self.pool.key_caches[self._index], self.pool.value_caches[self._index],
                 plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
-                sinks=None if sinks is None else sinks.astype(mx.float32), validate=False)
+                sinks=sinks, validate=False)  # ops casts sinks to float32
             return out.reshape(batch, num_heads, 1, head_dim) if num_queries == 1 else out.transpose(0, 2, 1, 3)
         keys, values = self._gather(plan)
         starts = [o - num_queries for o in self._offsets]
@@ -431,18 +433,18 @@ class PagedLayerCache:
 
     @property
     def state(self):
-        """(keys, values, info): keys/values [B, Hkv, T, D] are the live rows, lazily
-        gathered from the first position every sequence still holds; ``info`` (int32)
-        is [first, window or 0, block_size, k_bits or 0, v_bits or 0, group_size,
+        """(keys, values, info): this layer's stored rows from the first position every
+        sequence still holds, [B, Hkv, T, D] for a float pool or (data, scales, biases)
+        [B, Hkv, T, *] for a quantized one (saved as stored: a reload is exact). ``info``
+        (int32) is [first, window or 0, block_size, k_bits or 0, v_bits or 0, group_size,
         offset of each sequence...]. What mlx-lm evaluates after a prefill chunk and
         what ``save_prompt_cache`` writes; ``from_state`` rebuilds the cache from it."""
         first = self._first_live()
-        lens = mx.array([o - first for o in self._offsets], dtype=mx.int32)
         tables, _ = self.pool.block_tables(self.seq_ids)
         tables = tables[:, first // self.block_size:]
-        keys, values = ops.gather_kv_cache(self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                                           tables, lens, max_len=max(1, max(self._offsets) - first),
-                                           validate=False)
+        count = max(1, max(self._offsets) - first)
+        keys, values = (_stored_rows(c, tables, count)
+                        for c in (self.pool.key_caches[self._index], self.pool.value_caches[self._index]))
         o = self.model_cache.options
         info = [first, self.window or 0, self.block_size, o["k_bits"] or 0, o["v_bits"] or 0, o["group_size"]]
         return keys, values, mx.array(info + self._offsets, dtype=mx.int32)
@@ -474,22 +476,23 @@ class PagedLayerCache:
         return obj
 
     def _restore(self, keys, values, offsets, meta) -> None:
-        batch, num_kv_heads, stored, head_dim = keys.shape
         first = meta["first"]
-        spec = LayerSpec(meta["window"], int(num_kv_heads), int(head_dim), keys.dtype)
+        sample = keys if isinstance(keys, mx.array) else keys[1]  # float rows, or the scales
+        head_dim = keys.shape[-1] if isinstance(keys, mx.array) else keys[1].shape[-1] * meta["group_size"]
+        dtype = sample.dtype
+        spec = LayerSpec(meta["window"], int(sample.shape[1]), int(head_dim), dtype)
         model_cache = PagedModelCache([spec], block_size=meta["block_size"], k_bits=meta["k_bits"],
                                       v_bits=meta["v_bits"], group_size=meta["group_size"])
-        refs = [model_cache._new_ref() for _ in range(batch)]
+        refs = [model_cache._new_ref() for _ in offsets]
         pool = model_cache.pools[0]
         for i, (ref, total) in enumerate(zip(refs, offsets)):
             model_cache.append(ref.seq_id, num_tokens=total)
             if first:
                 pool.evict(ref.seq_id, window=total - first)
-            n = total - first
-            if n:
-                slots = mx.array(pool.slots(ref.seq_id, first, total).astype(np.int32))
-                rows = lambda x: x[i, :, :n].transpose(1, 0, 2)
-                pool._write_trusted(0, rows(keys), rows(values), slots)
+            if total > first:
+                slots = pool.slots(ref.seq_id, first, total)
+                pool.key_caches[0] = _store_rows(pool.key_caches[0], slots, keys, i, total - first)
+                pool.value_caches[0] = _store_rows(pool.value_caches[0], slots, values, i, total - first)
         PagedLayerCache.__init__(self, model_cache, 0, [r.seq_id for r in refs], offsets, refs=refs)
 
     # ------------------------------------------------------------------ copies and batching (table operations)
@@ -608,9 +611,9 @@ class PagedLayerCache:
             model_cache.quantize(k_bits=bits, v_bits=bits, group_size=group_size)
             return self
         seqs = tuple(self.seq_ids)
-        copy = model_cache._shared(("quantize", seqs, bits, group_size),
+        refs = model_cache._shared(("quantize", seqs, bits, group_size),
                                    lambda: _quantized_copy(model_cache, list(seqs), bits, group_size))
-        return PagedLayerCache(copy[0], self.layer, [r.seq_id for r in copy[1]], self._offsets, refs=copy[1])
+        return PagedLayerCache(refs[0].model_cache, self.layer, [r.seq_id for r in refs], self._offsets, refs=refs)
 
     def size(self) -> int:
         return max(self._offsets)
@@ -671,8 +674,35 @@ class PagedLayerCache:
         self._plan = None
 
 
-def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, group_size: int) -> tuple:
-    """(a quantized PagedModelCache, refs) holding copies of ``seq_ids``' live rows."""
+def _pool_arrays(cache) -> list:
+    return list(cache.arrays()) if isinstance(cache, quant.QuantizedKV) else [cache]
+
+
+def _stored_rows(cache, tables: mx.array, count: int):
+    """The rows of the blocks in ``tables`` [B, M] as stored, [B, Hkv, count, *]: a float
+    array, or (data, scales, biases) of a quantized cache."""
+    def rows(a):
+        b, m = tables.shape
+        x = a[tables]  # [B, M, Hkv, bs, X]
+        return x.transpose(0, 2, 1, 3, 4).reshape(b, a.shape[1], m * a.shape[2], a.shape[3])[:, :, :count]
+    arrays = [rows(a) for a in _pool_arrays(cache)]
+    return arrays[0] if len(arrays) == 1 else tuple(arrays)
+
+
+def _store_rows(cache, slots: np.ndarray, saved, index: int, count: int):
+    """``cache`` with sequence ``index``'s first ``count`` saved rows written at ``slots``."""
+    def store(a, rows):
+        n, h, bs, x = a.shape
+        flat = a.transpose(0, 2, 1, 3).reshape(n * bs, h, x)
+        flat[mx.array(slots.astype(np.int32))] = rows[index, :, :count].transpose(1, 0, 2).astype(a.dtype)
+        return flat.reshape(n, bs, h, x).transpose(0, 2, 1, 3)
+    parts = [saved] if isinstance(saved, mx.array) else list(saved)
+    arrays = [store(a, rows) for a, rows in zip(_pool_arrays(cache), parts)]
+    return cache.replace(*arrays) if isinstance(cache, quant.QuantizedKV) else arrays[0]
+
+
+def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, group_size: int) -> list:
+    """Refs to copies of ``seq_ids``' live rows in a new quantized PagedModelCache."""
     options = dict(model_cache.options, k_bits=bits, v_bits=bits, group_size=group_size)
     target = PagedModelCache(model_cache.specs, **options)
     refs = [target._new_ref() for _ in seq_ids]
@@ -694,7 +724,7 @@ def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, grou
                                            tables[:, first // pool.block_size:], lens, max_len=total - first,
                                            validate=False)
                 dst_pool._write_trusted(layer, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2), slots)
-    return target, refs
+    return refs
 
 
 def paged_multi_query_available() -> bool:
