@@ -77,6 +77,12 @@ class Append:
 class BlockAllocator:
     """Block ownership for one pool (pure Python; no tensors).
 
+    Deterministic: which blocks a call hands out depends only on the calls made before
+    it (a FIFO free list, an LRU list of cached blocks, no randomness, no ordering by
+    object ids). Processes that make the same calls get the same block tables, which
+    is what lets every rank of a model sharded by kv heads over ``mx.distributed`` run
+    its own allocator without exchanging tables.
+
     Args:
         num_blocks: blocks in the pool.
         block_size: token slots per block.

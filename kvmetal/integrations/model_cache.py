@@ -188,11 +188,26 @@ class PagedModelCache:
         """Bytes of the blocks live sequences own (every group)."""
         return sum(p.used_bytes for p in self.pools)
 
-    def stats(self) -> dict:
+    def stats(self, group=None) -> dict:
+        """Block and byte counts of this process's pools, summed over layer groups.
+
+        With an ``mx.distributed`` ``group`` (a collective: every rank must call it) the
+        result also holds ``rank``, ``world_size`` and ``all_ranks``: the byte and block
+        counts summed over every rank (run after the model's own collectives have
+        finished; mlx-lm's generation stream is synchronized here). On a model sharded by kv heads each rank's pools
+        hold only its own heads: the same blocks and tables everywhere (the allocator is
+        deterministic), a 1/world_size share of the bytes."""
         per_group = [p.stats() for p in self.pools]
         total = {k: sum(s[k] for s in per_group) for k in per_group[0] if k not in ("block_size", "sequences")}
         total["sequences"] = per_group[0]["sequences"]
         total["groups"] = len(self.pools)
+        if group is not None:
+            _synchronize_model_streams()
+            keys = sorted(total)
+            summed = mx.distributed.all_sum(mx.array([float(total[k]) for k in keys], dtype=mx.float32),
+                                            group=group).tolist()
+            total.update(rank=group.rank(), world_size=group.size(),
+                         all_ranks={k: int(round(v)) for k, v in zip(keys, summed)})
         return total
 
     # ------------------------------------------------------------------ internals
@@ -286,6 +301,18 @@ class PagedModelCache:
             if m is mask:
                 return True, window
         return False, None
+
+
+def _synchronize_model_streams() -> None:
+    """Wait for the streams mlx-lm runs the model on: a sharded model's collectives
+    still in flight there (generate_step computes one token ahead) would interleave with
+    ours on the same ring connection."""
+    import sys
+
+    mx.synchronize()
+    generate = sys.modules.get("mlx_lm.generate")
+    if generate is not None and hasattr(generate, "generation_stream"):
+        mx.synchronize(generate.generation_stream)
 
 
 class _SequenceRef:
