@@ -41,16 +41,31 @@ class KVCacheFull(RuntimeError):
     """Not enough free or recyclable blocks; the cache was left unchanged."""
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_int(op: str, name: str, value, minimum: int = 0) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"[{op}] {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def _token_count(op: str, tokens, num_tokens) -> tuple:
     """(token ids as ints or None, how many): exactly one of ``tokens`` / ``num_tokens``."""
     if (tokens is None) == (num_tokens is None):
         raise TypeError(f"[{op}] pass exactly one of tokens (ids) or num_tokens")
     if tokens is not None:
-        tokens = [int(t) for t in tokens]
-        return tokens, len(tokens)
-    if not isinstance(num_tokens, (int, np.integer)) or isinstance(num_tokens, bool) or num_tokens < 0:
-        raise ValueError(f"[{op}] num_tokens must be an int >= 0, got {num_tokens!r}")
-    return None, int(num_tokens)
+        if isinstance(tokens, mx.array):
+            tokens = tokens.tolist()
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+            raise TypeError(f"[{op}] tokens must be a sequence of int token ids, got {type(tokens).__name__}")
+        tokens = list(tokens)
+        bad = next((t for t in tokens if not _is_int(t)), None)
+        if bad is not None:
+            raise TypeError(f"[{op}] tokens must be int token ids, got {bad!r}")
+        return [int(t) for t in tokens], len(tokens)
+    return None, _check_int(op, "num_tokens", num_tokens)
 
 
 def _chain_hash(previous: bytes, tokens) -> bytes:
@@ -90,8 +105,7 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"[BlockAllocator] {name} must be an int >= 1, got {value!r}")
+            _check_int("BlockAllocator", name, value, 1)
         self.block_size = int(block_size)
         self.num_blocks = 0
         self.refcount: list = []
@@ -168,7 +182,7 @@ class BlockAllocator:
     def slots(self, seq_id, start: int, stop: int) -> np.ndarray:
         """Slots of tokens ``start..stop-1`` of a sequence."""
         seq = self._seq("slots", seq_id)
-        if not 0 <= start <= stop <= seq.num_tokens:
+        if not (_is_int(start) and _is_int(stop)) or not 0 <= start <= stop <= seq.num_tokens:
             raise ValueError(f"[slots] token range [{start}, {stop}) is outside the sequence's {seq.num_tokens} tokens")
         positions = np.arange(start, stop)
         table = np.asarray(seq.blocks, dtype=np.int64)
@@ -269,9 +283,7 @@ class BlockAllocator:
         """Release blocks wholly outside the last ``window`` tokens, except those
         holding the first ``keep`` (sink) tokens. Returns how many were released."""
         seq = self._seq("evict", seq_id)
-        for name, value in (("window", window), ("keep", keep)):
-            if not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"[evict] {name} must be an int >= 0, got {value!r}")
+        window, keep = _check_int("evict", "window", window), _check_int("evict", "keep", keep)
         bs = self.block_size
         first = -(-keep // bs)
         stop = max(0, seq.num_tokens - window) // bs
@@ -286,7 +298,7 @@ class BlockAllocator:
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens of a sequence (releases the rest)."""
         seq = self._seq("truncate", seq_id)
-        if not isinstance(num_tokens, (int, np.integer)) or not 0 <= num_tokens <= seq.num_tokens:
+        if not _is_int(num_tokens) or not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"[truncate] num_tokens must be in [0, {seq.num_tokens}], got {num_tokens!r}")
         bs = self.block_size
         keep_blocks = -(-num_tokens // bs)
@@ -305,6 +317,7 @@ class BlockAllocator:
 
     def grow(self, num_new: int) -> None:
         """Add ``num_new`` free blocks (ids continue after the current ones)."""
+        num_new = _check_int("grow", "num_new", num_new, 1)
         start = self.num_blocks
         self.num_blocks += int(num_new)
         self.refcount += [0] * int(num_new)
@@ -431,8 +444,7 @@ class PagedKVCache:
                  v_bits: int | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_blocks", num_blocks)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"[PagedKVCache] {name} must be an int >= 1, got {value!r}")
+            _check_int("PagedKVCache", name, value, 1)
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"[PagedKVCache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
         if dtype not in ops.FLOAT_DTYPES:
@@ -488,8 +500,7 @@ class PagedKVCache:
     def grow(self, num_new: int) -> None:
         """Add ``num_new`` zeroed blocks to every layer's pool (the null block, zero,
         becomes an ordinary block and a new zero block past them takes its role)."""
-        if not isinstance(num_new, (int, np.integer)) or isinstance(num_new, bool) or num_new < 1:
-            raise ValueError(f"[grow] num_new must be an int >= 1, got {num_new!r}")
+        _check_int("grow", "num_new", num_new, 1)
         self.key_caches = [self._extend(c, num_new, self.k_bits) for c in self.key_caches]
         self.value_caches = [self._extend(c, num_new, self.v_bits) for c in self.value_caches]
         self.allocator.grow(num_new)
@@ -503,7 +514,7 @@ class PagedKVCache:
         row. Each slot must lie in a block exactly one sequence owns: a free or cached
         block is nobody's to write, and a shared block is read by several sequences
         (``append`` copies it first). Checked on the host before anything is written."""
-        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"[PagedKVCache.write] layer must be an int in [0, {self.num_layers}), got {layer!r}")
         host = np.asarray(slots.tolist() if isinstance(slots, mx.array) else slots)
         if host.ndim != 1 or not (host.size == 0 or np.issubdtype(host.dtype, np.integer)):

@@ -375,3 +375,24 @@ def test_random_walk_of_truncates_and_appends_over_shared_prefixes(seed):
             m.free(seq)
         m.check()
     assert m.alloc.prefix_hit_blocks > 20
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda a: a.add("x", [1, 2.5]), TypeError, r"\[add\] tokens must be int token ids, got 2.5"),
+    (lambda a: a.add("x", [True]), TypeError, r"\[add\] tokens must be int token ids, got True"),
+    (lambda a: a.add("x", "abc"), TypeError, r"\[add\] tokens must be a sequence of int token ids"),
+    (lambda a: a.add("x", num_tokens=True), ValueError, r"\[add\] num_tokens must be an int >= 0"),
+    (lambda a: a.append("a", num_tokens=-1), ValueError, r"\[append\] num_tokens must be an int >= 0"),
+    (lambda a: a.truncate("a", True), ValueError, r"\[truncate\] num_tokens"),
+    (lambda a: a.evict("a", window=2.0), ValueError, r"\[evict\] window must be an int >= 0"),
+    (lambda a: a.slots("a", 0.0, 1), ValueError, r"\[slots\] token range"),
+    (lambda a: a.grow(0), ValueError, r"\[grow\] num_new must be an int >= 1"),
+    (lambda a: BlockAllocator(4, True), ValueError, r"\[BlockAllocator\] block_size must be an int >= 1"),
+])
+def test_bad_values_are_named_and_change_nothing(call, error, match):
+    a = BlockAllocator(4, 4)
+    a.add("a", [1, 2, 3])
+    before = (list(a.refcount), a.block_table("a"), a.num_free)
+    with pytest.raises(error, match=match):
+        call(a)
+    assert (list(a.refcount), a.block_table("a"), a.num_free) == before
