@@ -78,3 +78,17 @@ def test_save_and_load_prompt_cache_continue_identically(tmp_path, family, k_bit
         assert loaded[0].model_cache.options["k_bits"] == k_bits
         got = greedy(model, [first[-1]], 20, loaded)
     assert got == expected
+
+
+def test_a_saved_cache_loads_in_a_later_patch(tmp_path):
+    model = tiny_models.build("qwen2")
+    path = str(tmp_path / "prompt.safetensors")
+    prompt = list(range(3, 30))
+    with use_paged_cache(model):
+        cache = make_prompt_cache(model)
+        first = greedy(model, prompt, 3, cache)
+        save_prompt_cache(path, cache)
+        expected = greedy(model, [first[-1]], 10, cache)
+    loaded = load_prompt_cache(path)  # no patch active: the class is still found
+    with use_paged_cache(model):
+        assert greedy(model, [first[-1]], 10, loaded) == expected

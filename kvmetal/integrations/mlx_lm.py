@@ -181,7 +181,7 @@ def _refuse_dropped_options() -> None:
     option would be silently lost, so refuse it here."""
     from mlx_lm.models import cache as mlx_cache
 
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is mlx_cache.make_prompt_cache.__code__:
             if frame.f_locals.get("max_kv_size") is not None:
@@ -219,10 +219,16 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
                                   f"supported: {', '.join(SUPPORTED_FAMILIES)}")
     if block_size not in ops.SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"[use_paged_cache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
-    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+    if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1):
         raise ValueError(f"[use_paged_cache] num_blocks must be None or an int >= 1, got {num_blocks!r}")
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         if bits is not None and bits not in quant.SUPPORTED_BITS:
             raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
     _register_for_load_prompt_cache()
     return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)
+
+
+try:  # so that load_prompt_cache finds PagedLayerCache even before (or after) a patch
+    _register_for_load_prompt_cache()
+except ImportError:  # mlx-lm not installed: nothing to register with
+    pass
