@@ -92,3 +92,28 @@ def test_a_saved_cache_loads_in_a_later_patch(tmp_path):
     loaded = load_prompt_cache(path)  # no patch active: the class is still found
     with use_paged_cache(model):
         assert greedy(model, [first[-1]], 10, loaded) == expected
+
+
+def test_batch_generator_continues_from_extracted_caches_with_history():
+    # mlx-lm's server reuses prompt caches: sequences come back with history and are merged.
+    model = tiny_models.build("llama")
+
+    def two_rounds():
+        _, caches = batch_generate(model, [6, 3, 8, 5, 2, 4])
+        gen = BatchGenerator(model, sampler=GREEDY, prefill_batch_size=3, completion_batch_size=4)
+        follow = [[7, 8, 9], [4], [11, 12], [5, 6, 7, 8, 9, 10], [1, 2], [3]]
+        uids = gen.insert(follow, max_tokens=[5] * 6, caches=caches)
+        out = {u: [] for u in uids}
+        done = 0
+        while done < len(uids):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+                done += r.finish_reason is not None
+        gen.close()
+        return [out[u] for u in uids]
+
+    expected = two_rounds()
+    with use_paged_cache(model) as handle:
+        got = two_rounds()
+        assert handle.shared_cache.pools[0].allocator.num_sequences == 0
+    assert got == expected
