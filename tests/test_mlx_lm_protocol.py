@@ -233,3 +233,29 @@ def test_a_batch_into_a_cache_with_history_says_how_to_batch():
         logits_after(model, cache, PROMPT[:4])
         with pytest.raises(ValueError, match=r"keys hold 2 sequences, the cache serves 1.*Engine.*BatchGenerator"):
             model(mx.array([[1], [2]]), cache=cache)
+
+
+def test_to_quantized_mid_generation_with_group_size_32_stays_close():
+    model = tiny_models.build("qwen2", dtype=mx.float16, seed=5)
+    steps = list(generate_step(mx.array(PROMPT), model, max_tokens=4, **GREEDY))
+    with use_paged_cache(model):
+        cache = make_prompt_cache(model)
+        first = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=2, prompt_cache=cache, **GREEDY)]
+        cache = [c.to_quantized(bits=8, group_size=32) for c in cache]
+        assert {p.group_size for p in cache[0].model_cache.pools} == {32}
+        (token, logprobs), = list(generate_step(mx.array([first[-1]]), model, max_tokens=1, prompt_cache=cache,
+                                                **GREEDY))
+    assert first == [t for t, _ in steps[:2]] and token == steps[2][0]
+    np.testing.assert_allclose(np.array(logprobs), np.array(steps[2][1]), rtol=4e-2, atol=4e-2)
+
+
+def test_trim_after_generate_regenerates_the_same_tokens():
+    model = tiny_models.build("phi3")
+    with use_paged_cache(model):
+        cache = make_prompt_cache(model)
+        last, _ = next(generate_step(mx.array(PROMPT), model, prompt_cache=cache, **GREEDY))
+        again = lambda: [t for _, (t, _) in zip(range(2), generate_step(mx.array([last]), model,  # noqa: E731
+                                                                        prompt_cache=cache, **GREEDY))]
+        first = again()
+        assert sum(c.trim(3) for c in cache[:1]) == 3 and all(c.trim(3) == 3 for c in cache[1:])
+        assert again() == first
