@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,29 @@ def launcher() -> str:
     return path
 
 
+def free_ports(count: int) -> int:
+    """A base port with ``count`` free consecutive ports (mlx.launch's default 32323 would
+    collide with any other ring job on the machine)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for p in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    pytest.skip("no free consecutive ports for the ring backend")
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_two_ring_ranks_match_one_process_with_half_the_kv_bytes(tmp_path, family):
-    cmd = [launcher(), "-n", "2", "--backend", "ring", "--python", sys.executable, str(WORKER),
+    cmd = [launcher(), "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)),
+           "--python", sys.executable, str(WORKER),
            str(tmp_path), family, str(STEPS)]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
