@@ -49,6 +49,19 @@ def multi_query_backend(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def single_query_backend(monkeypatch):
+    """The cpu backend without MULTI_QUERY, whatever the real one declares: the gather route."""
+    cpu = kvmetal.backends.get("cpu")
+    fake = types.SimpleNamespace(**{n: getattr(cpu, n) for n in ("reshape_and_cache", "gather_kv_cache",
+                                                                  "paged_attention", "decode_attention",
+                                                                  "copy_blocks")})
+    if getattr(cpu, "MULTI_QUERY", False):
+        one = cpu.paged_attention
+        fake.paged_attention = lambda q, *a, **kw: one(q[:, None], *a, **kw)[:, 0]
+    monkeypatch.setattr(kvmetal.backends, "get", lambda name=None: fake)
+
+
 def greedy(model, steps=20, **kwargs):
     return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=steps, sampler=GREEDY, **kwargs)]
 
@@ -71,8 +84,8 @@ def test_speculative_decoding_on_the_paged_cache_matches_plain_greedy(family, mu
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_speculative_decoding_without_multi_query_gathers_and_matches(family):
-    assert not paged_multi_query_available() or pytest.skip("the backend serves L > 1: covered above")
+def test_speculative_decoding_without_multi_query_gathers_and_matches(family, single_query_backend):
+    assert not paged_multi_query_available()
     model = tiny_models.build(family, seed=1)
     draft = tiny_models.build(family, seed=7)
     expected = greedy(model)
@@ -99,6 +112,15 @@ def test_short_chunks_through_the_pool_match_mlx_lm(family, multi_query_backend)
     for g, e in zip(got, expected):
         np.testing.assert_allclose(np.array(g), np.array(e), rtol=2e-4, atol=2e-4)
     assert sorted(set(multi_query_backend["rows"])) == [1, 5, 7, 8]
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_speculative_decoding_on_the_current_backend_matches_plain_greedy(family):
+    model = tiny_models.build(family, seed=1)
+    draft = tiny_models.build(family, seed=7)
+    expected = greedy(model)
+    with use_paged_cache(model), use_paged_cache(draft):
+        assert speculative(model, draft, num_draft=4) == expected
 
 
 def test_window_layers_rewind_within_the_slack_and_refuse_beyond():
