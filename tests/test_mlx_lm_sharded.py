@@ -25,6 +25,8 @@ from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.integrations.mlx_lm import use_paged_cache  # noqa: E402
 
 WORKER = Path(__file__).with_name("sharded_paged_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+from sharded_paged_worker import engine_run  # noqa: E402
 PROMPT = list(range(3, 40))
 STEPS = 16
 
@@ -87,3 +89,9 @@ def test_two_ring_ranks_match_one_process_with_half_the_kv_bytes(tmp_path, famil
         assert 2 * stats["used_bytes"] == single["used_bytes"] and 2 * stats["nbytes"] == single["nbytes"]
         assert stats["all_ranks"]["used_bytes"] == single["used_bytes"]
         assert stats["all_ranks"]["used_blocks"] == 2 * single["used_blocks"]
+
+    # The Engine over the sharded model, preempting, stays in lockstep with one process.
+    alone = engine_run(model)
+    assert alone["preemptions"] > 0
+    for r, rank in enumerate(ranks):
+        assert rank["engine"] == alone, f"rank {r}"
