@@ -77,7 +77,7 @@ def test_random_walk_keeps_every_sequences_rows(seed):
     w = Walk(num_blocks=20, seed=seed)
     rng = w.rng
     prefixes = [[int(t) for t in rng.integers(0, 3, 20)] for _ in range(2)]
-    for step in range(250):
+    for _ in range(250):
         seqs = sorted(w.tokens)
         op = rng.choice(["add", "add", "append", "append", "fork", "free", "truncate", "evict"]) if seqs else "add"
         seq = seqs[rng.integers(len(seqs))] if seqs else None

@@ -114,7 +114,7 @@ class PagedModelCache:
         if tokens is not None:
             start = min(p.allocator.cached_prefix(tokens) for p in self.pools)
         for g, pool in enumerate(self.pools):
-            self._ensure_room(g, lambda: pool.allocator.can_add(tokens, num_tokens=num_tokens, share_limit=start),
+            self._ensure_room(g, lambda pool=pool: pool.allocator.can_add(tokens, num_tokens=num_tokens, share_limit=start),
                               f"[add_sequence] sequence {seq_id!r} does not fit in the free blocks")
         for pool in self.pools:
             pool.add_sequence(seq_id, tokens, num_tokens=num_tokens, share_limit=start)
@@ -736,7 +736,7 @@ def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, grou
     for src, ref in zip(seq_ids, refs):
         total = model_cache.num_tokens(src)
         target.append(ref.seq_id, num_tokens=total)
-        for g, (pool, dst_pool) in enumerate(zip(model_cache.pools, target.pools)):
+        for pool, dst_pool in zip(model_cache.pools, target.pools):
             table = pool.allocator.block_table(src)
             first = next((i for i, b in enumerate(table) if b != HOLE), len(table)) * pool.block_size
             if first:
