@@ -114,8 +114,8 @@ class PagedModelCache:
         if tokens is not None:
             start = min(p.allocator.cached_prefix(tokens) for p in self.pools)
         for g, pool in enumerate(self.pools):
-            self._ensure_room(g, lambda pool=pool: pool.allocator.can_add(tokens, num_tokens=num_tokens, share_limit=start),
-                              f"[add_sequence] sequence {seq_id!r} does not fit in the free blocks")
+            fits = lambda a=pool.allocator: a.can_add(tokens, num_tokens=num_tokens, share_limit=start)  # noqa: E731
+            self._ensure_room(g, fits, f"[add_sequence] sequence {seq_id!r} does not fit in the free blocks")
         for pool in self.pools:
             pool.add_sequence(seq_id, tokens, num_tokens=num_tokens, share_limit=start)
         self._touch()
