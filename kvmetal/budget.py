@@ -227,6 +227,12 @@ class KVFormat:
             _fail(f"{which.upper()} format {self.label}: {str(exc).split('] ', 1)[-1]}")
 
 
+def largest_group_size(head_dim: int) -> int | None:
+    """The largest supported quantization group size dividing ``head_dim`` (96 -> 32), or None."""
+    fits = [g for g in quant.SUPPORTED_GROUP_SIZES if head_dim % g == 0]
+    return max(fits) if fits else None
+
+
 def parse_kv(spec: str, *, dtype: str | None = None) -> KVFormat:
     """``f16``/``bf16``/``f32``, ``k8v4`` (either side may be a float name: ``k8vf16``), ``q8`` (both)."""
     s = spec.strip().lower().replace("/", "")
@@ -489,8 +495,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k-bits", type=int, default=None, help="quantize K to these bits (overrides --kv)")
     p.add_argument("--v-bits", type=int, default=None, help="quantize V to these bits (overrides --kv)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size for K and V (default 64)")
-    p.add_argument("--k-group-size", type=int, default=None)
-    p.add_argument("--v-group-size", type=int, default=None)
+    p.add_argument("--k-group-size", type=int, default=None, help="group size of K (overrides --group-size)")
+    p.add_argument("--v-group-size", type=int, default=None, help="group size of V (overrides --group-size)")
     p.add_argument("--dtype", default=None, help="float dtype of the cache / of scales and biases (default f16)")
     p.add_argument("--block-size", type=int, default=16, help="paged-cache block size: contexts round up to it")
     p.add_argument("--chip", default=None, help=f"Apple chip: {', '.join(CHIPS)}")

@@ -34,8 +34,8 @@ def test_bench_rejects_unknown_case(capsys):
 
 
 def test_cli_lists_commands(capsys):
-    assert cli.main([]) == 0
-    out = capsys.readouterr().out
+    assert cli.main([]) == 2  # no command: help, and the exit status of a usage error
+    out = capsys.readouterr().err
     for command in ("bench", "budget", "demo", "generate"):
         assert command in out
     assert cli.main(["frobnicate"]) == 2

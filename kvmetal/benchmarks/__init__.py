@@ -20,7 +20,8 @@ from .timing import read_bandwidth_gbps
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvmetal bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvmetal bench",
+                                description="Kernels against MLX baselines measured in the same run.")
     p.add_argument("--backend", choices=backends.BACKENDS, default=None,
                    help="backend to time (default: metal on a Mac, else cpu)")
     p.add_argument("--cases", default=None,

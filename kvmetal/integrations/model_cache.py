@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .. import ops
+from .. import ops, quant
 from ..cache import KVCacheFull, PagedKVCache
 
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
@@ -45,6 +45,15 @@ class _Plan:
     max_len: int
 
 
+def _one_group_size(k_group_size, v_group_size) -> int:
+    """PagedKVCache quantizes K and V with one group size."""
+    sizes = {g for g in (k_group_size, v_group_size) if g is not None}
+    if len(sizes) > 1:
+        raise NotImplementedError(f"[PagedModelCache] k_group_size {k_group_size} and v_group_size "
+                                  f"{v_group_size} differ; the paged cache takes one group size for K and V")
+    return sizes.pop() if sizes else quant.DEFAULT_GROUP_SIZE
+
+
 class PagedModelCache:
     """Paged K/V for every layer of one model, shared by any number of sequences.
 
@@ -53,10 +62,13 @@ class PagedModelCache:
         block_size: tokens per block.
         num_blocks: blocks per group pool; None starts small and grows on demand.
         k_bits, v_bits: quantize K / V (None keeps them in the model's float dtype).
+        k_group_size, v_group_size: quantization group sizes (None: the default, 64).
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
-                 k_bits: int | None = None, v_bits: int | None = None):
+                 k_bits: int | None = None, v_bits: int | None = None,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
+        group_size = _one_group_size(k_group_size, v_group_size)
         self.specs = list(specs)
         self.growable = num_blocks is None
         group_keys = []
@@ -71,7 +83,8 @@ class PagedModelCache:
         self.pools = [
             PagedKVCache(num_layers=self.layer_group.count(g), num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, num_blocks=num_blocks or INITIAL_BLOCKS,
-                         block_size=block_size, dtype=spec.dtype, k_bits=k_bits, v_bits=v_bits)
+                         block_size=block_size, dtype=spec.dtype, k_bits=k_bits, v_bits=v_bits,
+                         group_size=group_size)
             for g, spec in enumerate(group_keys)
         ]
         self.block_size = block_size
