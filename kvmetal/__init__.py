@@ -11,8 +11,8 @@ from ._install_check import check_installation
 
 check_installation()  # a clear ImportError for a missing extension or an MLX ABI mismatch
 
-from .backends import available_backends  # noqa: E402, current_backend, use_backend
-from .ops import copy_blocks  # noqa: E402, decode_attention, gather_kv_cache, paged_attention, reshape_and_cache
+from .backends import available_backends, current_backend, use_backend  # noqa: E402
+from .ops import copy_blocks, decode_attention, gather_kv_cache, paged_attention, reshape_and_cache  # noqa: E402
 from .quant import QuantizedKV  # noqa: E402
 
 __version__ = "0.1.0"

@@ -68,3 +68,10 @@ def test_mismatch_message_has_the_fix_commands():
     text = _install_check.mismatch_message("0.32.4", "0.32.0")
     assert "MLX 0.32.4" in text and "MLX 0.32.0" in text
     assert 'pip install "mlx==0.32.4"' in text and "--no-build-isolation" in text
+
+
+def test_every_public_name_is_exported():
+    import kvmetal
+
+    for name in kvmetal.__all__:
+        assert getattr(kvmetal, name) is not None, name
