@@ -139,3 +139,23 @@ def test_missing_mlx_lm_names_the_extra(model_dir, capsys, monkeypatch):
 def test_metal_backend_unavailable_is_reported_before_loading(capsys):
     assert cli.main(["generate", "-m", "/nonexistent", "-p", "t1", "--backend", "metal"]) == 2
     assert "needs an Apple GPU" in capsys.readouterr().err
+
+
+def test_generate_under_mlx_launch_shards_and_prints_on_rank_0_only(model_dir, tmp_path, capsys):
+    import subprocess
+    from pathlib import Path
+
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    if not launcher.exists():
+        pytest.skip("mlx.launch is not installed next to this Python")
+    argv = ["generate", "-m", str(model_dir), "-p", "t5 t7 t9 t11", "--max-tokens", "12"]
+    assert cli.main(argv) == 0
+    single = capsys.readouterr().out
+    script = tmp_path / "gen.py"
+    script.write_text(f"import sys\nfrom kvmetal.cli import main\nsys.exit(main({argv!r}))\n")
+    run = subprocess.run([str(launcher), "-n", "2", "--backend", "ring", "--python", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("\n") == single.count("\n")  # one rank printed
+    assert run.stdout.strip() == single.strip()           # the sharded model generates the same tokens
+    assert "sharded over 2 ranks" in run.stderr and "kv cache per rank" in run.stderr
