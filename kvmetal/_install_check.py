@@ -9,19 +9,23 @@ here it is compared with the MLX this process runs.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def mismatch_message(built: str, running: str) -> str:
+def mismatch_message(built: str, running: str, *, platform: str = sys.platform) -> str:
     """The error for an extension built against MLX ``built`` running under ``running``."""
+    mlx = "mlx" if platform == "darwin" else "mlx[cpu]"  # on Linux libmlx ships in mlx-cpu
     return (
         f"kvmetal's compiled extension was built against MLX {built}, but this Python runs MLX {running}; "
         f"libmlx's C++ ABI differs between versions, so the extension cannot load. Fix it with one of:\n"
-        f"  pip install \"mlx=={built}\"        (the MLX kvmetal was built with; on Linux \"mlx[cpu]=={built}\")\n"
-        f"  pip install --force-reinstall --no-deps --no-cache-dir --no-build-isolation <kvmetal source dir>\n"
-        f"                                    (rebuild kvmetal against MLX {running})")
+        f"  pip install \"{mlx}=={built}\"\n"
+        f"      (the MLX kvmetal was built with)\n"
+        f"  pip install scikit-build-core \"nanobind>=3,<4\" && pip install --force-reinstall --no-deps "
+        f"--no-cache-dir --no-build-isolation <kvmetal source dir>\n"
+        f"      (rebuild kvmetal against MLX {running})")
 
 
 def _inside_source_checkout() -> bool:

@@ -119,3 +119,14 @@ def test_cli_lists_commands(capsys):
     for command in ("bench", "budget", "demo", "generate"):
         assert command in out
     assert cli.main(["frobnicate"]) == 2
+
+
+def test_missing_mlx_lm_baseline_is_named_not_silent(monkeypatch):
+    import sys
+
+    from kvmetal.benchmarks.cases import run_case
+
+    monkeypatch.setitem(sys.modules, "mlx_lm.models.base", None)
+    (r,) = run_case("paged_decode_k8v4", backend="cpu", tokens=64, repeat=1, baseline=True, progress=print)
+    assert not any(b["name"].startswith("mlx-lm") for b in r["baselines"])
+    assert 'pip install "kvmetal[lm]"' in r["skipped_baselines"][0]

@@ -172,6 +172,8 @@ def _print_table(results: list, read_gbps: float, prov: dict):
         for base in r.get("baselines") or []:
             runs = f", {base['repeats']} run{'s' if base['repeats'] != 1 else ''}"
             print(f"{'':<36}vs {base['name']}: {_ms(base['seconds'])}{runs}; {_ratio(r, base)}")
+        for note in r.get("skipped_baselines") or []:
+            print(f"{'':<36}({note})")
     if untimed:
         print()
         for r in untimed:

@@ -133,11 +133,13 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
         with use_backend(backend):
             stats = time_stats(lambda: ops.paged_attention(query, qk, qv, tables, lens, validate=False),
                                repeat=repeat)
-        bases = []
+        bases, skipped = [], []
         if baseline:
             # mlx-lm's own quantized path first (the fair comparison), then the gather +
             # SDPA route over the same K8/V4 cache, then kvmetal's own float16 kernel.
             bases.append(_mlx_lm_quantized_baseline(query, keys, values, repeat, bits=8))
+            if bases[-1] is None:
+                skipped.append('mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed (pip install "kvmetal[lm]")')
             bases.append(_gather_sdpa_baseline(query, qk, qv, tables, lens, backend, repeat))
             with use_backend(backend):
                 bases.append(_baseline(f"kvmetal paged_decode_f16 ({backend})",
@@ -146,6 +148,7 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
         live_fraction = tokens / (kc.shape[0] * BLOCK_SIZE)
         kv_bytes = int((qk.nbytes + qv.nbytes) * live_fraction)
         return [_result(f"paged_decode_k{k_bits}v{v_bits} T={tokens}", backend, stats, kv_bytes, bases,
+                        skipped_baselines=skipped,
                         bytes_vs_f16=kv_bytes / _live_kv_bytes(tokens, 2, 2))]
     return run
 
