@@ -46,18 +46,20 @@ def missing_extension_message() -> str:
             f"reinstall kvmetal: pip install --force-reinstall --no-deps kvmetal")
 
 
-def check_installation() -> None:
-    """Raise ImportError when the extension is absent or was built for another MLX."""
+def check_installation() -> bool:
+    """Raise ImportError when the extension was built for another MLX (it would fail to
+    load with an undefined symbol). Returns whether the extension is present: a source
+    tree without a build still serves what needs no extension (the simulator, the
+    reference, budget), and ``kvmetal._ext`` then raises ``missing_extension_message()``."""
     try:
         from . import _build_info
     except ImportError:
         _build_info = None
     if _build_info is None:
         # No record: a source tree (no build at all), or a build older than the record.
-        if importlib.util.find_spec("kvmetal._ext") is None:
-            raise ImportError(missing_extension_message())
-        return
+        return importlib.util.find_spec("kvmetal._ext") is not None
     import mlx.core as mx
 
     if _build_info.MLX_VERSION != mx.__version__:
         raise ImportError(mismatch_message(_build_info.MLX_VERSION, mx.__version__))
+    return True

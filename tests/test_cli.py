@@ -41,15 +41,20 @@ def test_no_arguments_prints_help_and_exits_2(capsys):
 
 
 def test_missing_optional_dependency_names_the_extra(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "mlx_lm", None)
+    from kvmetal.integrations import tiny_models
+
+    def no_mlx_lm(*args, **kwargs):  # what importing mlx_lm raises where it is not installed
+        raise ModuleNotFoundError("No module named 'mlx_lm'", name="mlx_lm")
+
+    monkeypatch.setattr(tiny_models, "build", no_mlx_lm)
     assert cli.main(["demo", "--requests", "1", "--quiet"]) == 2
     assert 'pip install "kvmetal[lm]"' in capsys.readouterr().err
 
 
-def test_closed_pipe_gives_no_traceback():
+def test_closed_pipe_gives_no_traceback(tmp_path):
     # The reader is gone before the first write (what `| head` does to a long report).
     proc = subprocess.Popen([sys.executable, "-m", "kvmetal", "budget", "-m", "llama-3-8b", "--compare"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
     proc.stdout.close()
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err and b"BrokenPipeError" not in err, err.decode()
