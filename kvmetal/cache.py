@@ -1,6 +1,6 @@
 """PagedKVCache: one block pool for every layer of a model, and the allocator behind it.
 
-Vocabulary (vLLM's, see DESIGN.md for the tensor layouts):
+Vocabulary (vLLM's, see docs/design.md for the tensor layouts):
 
     block        ``block_size`` consecutive token slots; block ``b`` of layer ``l`` is
                  ``key_caches[l][b]`` / ``value_caches[l][b]`` ([Hkv, bs, D] each)
@@ -424,7 +424,7 @@ class PagedKVCache:
 
     Args:
         num_layers: layers whose K/V live in the pool (each has its own arrays).
-        num_kv_heads, head_dim: per-layer K/V shape (DESIGN.md: [N, Hkv, bs, D]).
+        num_kv_heads, head_dim: per-layer K/V shape (docs/design.md: [N, Hkv, bs, D]).
         num_blocks: blocks in the pool (``grow`` adds more).
         block_size: tokens per block (8, 16 or 32).
         dtype: float dtype of the cache (also what a quantized cache dequantizes to).

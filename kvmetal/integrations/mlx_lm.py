@@ -115,9 +115,11 @@ def layer_specs(model) -> list:
 class PagedCacheHandle:
     """An active ``use_paged_cache`` patch; ``undo()`` (or leaving the ``with``) restores the model."""
 
-    def __init__(self, model, *, block_size: int, num_blocks: int | None, k_bits: int | None, v_bits: int | None):
+    def __init__(self, model, *, block_size: int, num_blocks: int | None, k_bits: int | None, v_bits: int | None,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
         self.model = model
-        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)
+        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
+                            k_group_size=k_group_size, v_group_size=v_group_size)
         self.active = False
         with _patch_lock:  # claim the model first: a second patch, from any thread, fails here
             if id(model) in _patched_models:
@@ -202,7 +204,8 @@ def _register_for_load_prompt_cache() -> None:
 
 
 def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
-                    v_bits: int | None = None) -> PagedCacheHandle:
+                    v_bits: int | None = None, k_group_size: int | None = None,
+                    v_group_size: int | None = None) -> PagedCacheHandle:
     """Make an mlx-lm ``model`` keep its KV cache in kvmetal's paged pools.
 
     Args:
@@ -210,6 +213,7 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
         block_size: tokens per block (8, 16 or 32).
         num_blocks: blocks per pool; None grows the pool on demand.
         k_bits, v_bits: quantize K / V to these bits (None keeps the model's dtype).
+        k_group_size, v_group_size: quantization group sizes along head_dim (None: 64).
     Returns:
         A handle: use it as a context manager or call ``undo()``.
     """
@@ -224,8 +228,13 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         if bits is not None and bits not in quant.SUPPORTED_BITS:
             raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
+    for name, group in (("k_group_size", k_group_size), ("v_group_size", v_group_size)):
+        if group is not None and group not in quant.SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_GROUP_SIZES}, "
+                             f"got {group!r}")
     _register_for_load_prompt_cache()
-    return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)
+    return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
+                            k_group_size=k_group_size, v_group_size=v_group_size)
 
 
 try:  # so that load_prompt_cache finds PagedLayerCache even before (or after) a patch

@@ -52,6 +52,15 @@ class _Plan:
     max_len: int
 
 
+def _one_group_size(group_size, k_group_size, v_group_size) -> int:
+    """PagedKVCache quantizes K and V with one group size."""
+    sizes = {g for g in (group_size, k_group_size, v_group_size) if g is not None}
+    if len(sizes) > 1:
+        raise NotImplementedError(f"[PagedModelCache] k_group_size {k_group_size} and v_group_size "
+                                  f"{v_group_size} differ; the paged cache takes one group size for K and V")
+    return sizes.pop() if sizes else quant.DEFAULT_GROUP_SIZE
+
+
 class PagedModelCache:
     """Paged K/V for every layer of one model, shared by any number of sequences.
 
@@ -60,11 +69,14 @@ class PagedModelCache:
         block_size: tokens per block.
         num_blocks: blocks per group pool; None starts small and grows on demand.
         k_bits, v_bits: quantize K / V (None keeps them in the model's float dtype).
-        group_size: quantization group size along head_dim.
+        group_size: quantization group size along head_dim for K and V (None: 64);
+        k_group_size, v_group_size: the same, per side (they must agree: one group size per pool).
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
-                 k_bits: int | None = None, v_bits: int | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE):
+                 k_bits: int | None = None, v_bits: int | None = None, group_size: int | None = None,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
+        group_size = _one_group_size(group_size, k_group_size, v_group_size)
         self.specs = list(specs)
         self.growable = num_blocks is None
         self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
