@@ -184,6 +184,22 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
                            _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes)
 
 
+def layout_for(query, keys, values, *, paged: bool) -> AttentionLayout:
+    """The layout the backend picks for a 4-D query ([S, L, H, D] paged, [B, H, L, D] contiguous)."""
+    def fmt(cache):
+        if isinstance(cache, QuantizedKV):
+            return cache.bits, cache.group_size, cache.scales.dtype.size
+        return 0, 32, cache.dtype.size
+
+    kbits, kgs, ksize = fmt(keys)
+    vbits, vgs, vsize = fmt(values)
+    num_heads, query_len = (query.shape[2], query.shape[1]) if paged else (query.shape[1], query.shape[2])
+    num_kv_heads = tuple(keys.shape)[1]
+    return attention_layout(head_dim=query.shape[-1], gqa=num_heads // num_kv_heads, query_len=query_len,
+                            k_bits=kbits, k_group=kgs, k_itemsize=ksize, v_bits=vbits, v_group=vgs,
+                            v_itemsize=vsize, block_size=tuple(keys.shape)[2] if paged else None)
+
+
 # ----------------------------------------------------------------------------- kernel parameters
 
 @dataclass(frozen=True)
@@ -396,6 +412,8 @@ def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array) -> mx.ar
 class KernelBackend:
     """The five contract functions over SPECS, with kernels made by ``make_kernel``."""
 
+    MULTI_QUERY = True  # serves 1 <= L <= 8 query rows per sequence (kvmetal.ops)
+
     def __init__(self, name: str, make_kernel: Callable, *, call_options: Callable | None = None):
         self.name = name
         self._make_kernel = make_kernel
@@ -576,17 +594,7 @@ class KernelBackend:
 
     @staticmethod
     def _layout(query, keys, values, gqa, block_size) -> AttentionLayout:
-        def fmt(cache):
-            if isinstance(cache, QuantizedKV):
-                return cache.bits, cache.group_size, cache.scales.dtype.size
-            return 0, 32, cache.dtype.size
-
-        kbits, kgs, ksize = fmt(keys)
-        vbits, vgs, vsize = fmt(values)
-        query_len = query.shape[1] if query.ndim == 4 and block_size is not None else query.shape[2]
-        return attention_layout(head_dim=query.shape[-1], gqa=gqa, query_len=query_len, k_bits=kbits, k_group=kgs,
-                                k_itemsize=ksize, v_bits=vbits, v_group=vgs, v_itemsize=vsize,
-                                block_size=block_size)
+        return layout_for(query, keys, values, paged=block_size is not None)
 
     @staticmethod
     def _template(kdt, vdt, head_dim, gqa, query_len, layout, kbits, kgs, vbits, vgs) -> dict:
