@@ -166,8 +166,8 @@ kv_fetch(PD data, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, 
       const int g = kl + LPK * j;
       mine[j] = float2(0.0f);
       if (ok && g < NG) {
-        mine[j] = float2(static_cast<float>(scales[at.scale + size_t(g) * step.scale]),
-                         static_cast<float>(biases[at.bias + size_t(g) * step.bias]));
+        mine[j] = kv_float2(static_cast<float>(scales[at.scale + size_t(g) * step.scale]),
+                            static_cast<float>(biases[at.bias + size_t(g) * step.bias]));
       }
     }
     for (int c = 0; c < NA; c++) {
@@ -608,7 +608,7 @@ struct KvDataType<0, T> {
 //          seq_lens int32 [S]; params int32 KvAttnParams
 // Outputs: part_max, part_sum float32 [S * L * H, splits]; part_acc float32 [S * L * H, splits, D]
 // Grid:    threadgroups (splits, Hkv, S), NSG * 32 threads each.
-const KvAttnParams p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
 const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
@@ -653,7 +653,7 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TV
 //          cache); value_* likewise; params int32 KvAttnParams
 // Outputs: part_max, part_sum float32 [B * H * L, splits]; part_acc float32 [B * H * L, splits, D]
 // Grid:    threadgroups (splits, Hkv, B), NSG * 32 threads each.
-const KvAttnParams p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
 const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
@@ -712,7 +712,7 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TV
 //          params int32 KvAttnParams
 // Outputs: out [R, D] TQ (the caller reshapes it); a row that saw no token is 0.
 // Grid:    one threadgroup of 32 threads per row r; its head is (r / head_div) % H.
-const KvAttnParams p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
 const int row = int(threadgroup_position_in_grid.x);
 const int lane = int(thread_index_in_threadgroup);
 const int num_splits = p.num_splits;

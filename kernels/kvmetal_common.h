@@ -32,6 +32,12 @@ inline float4 kv_float4(float a, float b, float c, float d) {
   v.w = d;
   return v;
 }
+inline float2 kv_float2(float a, float b) {
+  float2 v;
+  v.x = a;
+  v.y = b;
+  return v;
+}
 inline float4 kv_widen(half4 h) { return kv_float4(float(h.x), float(h.y), float(h.z), float(h.w)); }
 
 // One vectorized load of four elements, widened to float.
