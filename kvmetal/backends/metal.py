@@ -395,15 +395,20 @@ def _logical_shape(cache) -> tuple:
     return tuple(cache.shape)
 
 
-def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array) -> mx.array:
+def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, keep=None) -> mx.array:
     """``array`` viewed as [rows, width] with ``rows`` written at ``row_index``.
 
     An MLX scatter: it runs in place (buffer donation) when ``array`` has no other
     reference by the time it is evaluated, i.e. when the caller rebinds the result.
+    ``keep``: a boolean scalar; where it is False the rows written are the current
+    ones (the guards' no-op write).
     """
     width = array.shape[-1]
     flat = array.reshape(-1, width)
-    flat[row_index] = rows.reshape(-1, width)
+    new = rows.reshape(-1, width)
+    if keep is not None:
+        new = mx.where(keep, new, flat[row_index])
+    flat[row_index] = new
     return flat.reshape(array.shape)
 
 
@@ -460,23 +465,25 @@ class KernelBackend:
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         num_tokens = key.shape[0]
-        # Padding tokens repeat the first real token's row and slot, so the scatter
-        # needs no mask. ops.reshape_and_cache returns early when no slot is real (or,
-        # with validate=False, its caller promises one is): no host sync here.
         if num_tokens == 0:
             return key_cache, value_cache
-        valid = slot_mapping >= 0
+        num_blocks, num_kv_heads, block_size, _ = _logical_shape(key_cache)
+        # Index guard (validate=False misuse): a slot outside [0, N * BS) is padding,
+        # like a negative one. Padding tokens repeat the first real token's row and
+        # slot, so the scatter needs no mask and no host sync; with no real token at
+        # all, every write goes to row 0 with row 0's own contents (a no-op).
+        valid = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
+        any_valid = valid.any()
         first = mx.argmax(valid.astype(mx.int32))
         src_token = mx.where(valid, mx.arange(num_tokens, dtype=mx.int32), first.astype(mx.int32))
-        slots = mx.where(valid, slot_mapping, slot_mapping[first])
-        _, num_kv_heads, block_size, _ = _logical_shape(key_cache)
+        slots = mx.where(valid, slot_mapping, mx.where(any_valid, slot_mapping[first], 0))
         block, offset = slots // block_size, slots % block_size
         heads = mx.arange(num_kv_heads, dtype=mx.int32)
         row_index = ((block[:, None] * num_kv_heads + heads[None, :]) * block_size + offset[:, None]).reshape(-1)
-        return (self._write_rows(key, key_cache, src_token, row_index),
-                self._write_rows(value, value_cache, src_token, row_index))
+        return (self._write_rows(key, key_cache, src_token, row_index, any_valid),
+                self._write_rows(value, value_cache, src_token, row_index, any_valid))
 
-    def _write_rows(self, rows, cache, src_token, row_index):
+    def _write_rows(self, rows, cache, src_token, row_index, keep=None):
         num_tokens, num_kv_heads, head_dim = rows.shape
         if not isinstance(cache, QuantizedKV):
             template = dict(TC=cache.dtype, D=head_dim)
@@ -484,7 +491,7 @@ class KernelBackend:
                                                             head_dim=head_dim)
             (converted,) = self.launch("cache_rows_convert", template, geometry, [rows.shape], [cache.dtype],
                                        new_rows=rows, src_token=src_token)
-            return _scatter_rows(cache, row_index, converted)
+            return _scatter_rows(cache, row_index, converted, keep)
         groups = head_dim // cache.group_size
         template = dict(TC=cache.dtype, D=head_dim, BITS=cache.bits, GS=cache.group_size)
         geometry = SPECS["cache_rows_quantize"].geometry(tokens=num_tokens, num_kv_heads=num_kv_heads,
@@ -494,9 +501,9 @@ class KernelBackend:
             [(num_tokens, num_kv_heads, head_dim * cache.bits // 32), (num_tokens, num_kv_heads, groups),
              (num_tokens, num_kv_heads, groups)],
             [mx.uint32, cache.dtype, cache.dtype], new_rows=rows, src_token=src_token)
-        return cache.replace(_scatter_rows(cache.data, row_index, words),
-                             _scatter_rows(cache.scales, row_index, scales),
-                             _scatter_rows(cache.biases, row_index, biases))
+        return cache.replace(_scatter_rows(cache.data, row_index, words, keep),
+                             _scatter_rows(cache.scales, row_index, scales, keep),
+                             _scatter_rows(cache.biases, row_index, biases, keep))
 
     def copy_blocks(self, key_cache, value_cache, src, dst):
         return self._copy(key_cache, src, dst), self._copy(value_cache, src, dst)
@@ -506,6 +513,14 @@ class KernelBackend:
             return cache.replace(*(self._copy(part, src, dst) for part in cache.arrays()))
         if src.shape[0] == 0:
             return cache
+        # Index guard (validate=False misuse): a pair with src or dst outside [0, N)
+        # repeats the first valid pair; with none valid, block 0 is copied onto itself.
+        num_blocks = cache.shape[0]
+        valid = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+        any_valid = valid.any()
+        first = mx.argmax(valid.astype(mx.int32))
+        src = mx.where(valid, src, mx.where(any_valid, src[first], 0)).astype(mx.int32)
+        dst = mx.where(valid, dst, mx.where(any_valid, dst[first], 0)).astype(mx.int32)
         blocks = cache.reshape(cache.shape[0], -1)
         width = blocks.shape[1]
         geometry = SPECS["copy_blocks_gather"].geometry(width=width, count=src.shape[0])
@@ -530,7 +545,7 @@ class KernelBackend:
         (rows,) = self.launch("gather_kv_rows", template, geometry, [(num_seqs, num_kv_heads, max_len, head_dim)],
                               [dtype], cache_data=data, cache_scales=scales, cache_biases=biases,
                               block_tables=block_tables, seq_lens=seq_lens,
-                              dims=_int_params(num_kv_heads, max_blocks, max_len))
+                              dims=_int_params(num_kv_heads, max_blocks, max_len, cache.shape[0]))
         return rows
 
     # -- attention
