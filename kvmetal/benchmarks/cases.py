@@ -154,8 +154,9 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
     if mx.metal.is_available():
         return []
     from .metal_cases import run_metal_cases  # the simulator is loaded only here
+    from .sim_costs import cost_rows
 
-    return run_metal_cases(progress)
+    return run_metal_cases(progress) + cost_rows(progress)
 
 
 CASES = {

@@ -150,3 +150,15 @@ def print_cost_table(print_fn=print, tokens: int = 8192) -> list:
     print_fn(f"decode kernel costs on the simulator (D 128, {tokens} tokens, one kv head):")
     print_fn(format_table(rows))
     return rows
+
+
+def cost_rows(progress, tokens: int = 8192) -> list:
+    """``kvmetal bench`` result rows (untimed, labelled) with each decode kernel's cost figures."""
+    rows = []
+    for name, fn, kwargs in BENCH_CASES:
+        progress(f"sim costs {name}")
+        fig = fn(tokens, **kwargs)
+        note = "sim costs (no timing): " + ", ".join(f"{label} {fmt.format(fig[key])}" for label, key, fmt in COLUMNS)
+        rows.append({"name": f"{name} T={tokens} D=128", "backend": "sim", "seconds": None,
+                     "kv_bytes": fig["live_bytes"], "gbps": None, "note": note, "costs": fig})
+    return rows
