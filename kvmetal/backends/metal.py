@@ -256,6 +256,7 @@ class KernelSpec:
     template: tuple             # template parameter names, in order
     geometry: Callable          # (**shape) -> Geometry
     row_contiguous: bool = True  # False: the body reads <input>_strides
+    math_mode: str = "safe"      # mx.fast.metal_kernel compile_options["math_mode"]
 
     def variant(self, template_values: dict) -> str:
         """The kernel name spelled with its specialisation (shown by verbose=True and GPU captures)."""
@@ -278,19 +279,28 @@ _ATTENTION_TEMPLATE = ("TK", "TV", "D", "G", "QL", "NSG", "RPS", "LPK", "TT", "K
                        "VAW")
 _KV_INPUTS = ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
 _PARTIALS = ("part_max", "part_sum", "part_acc")
+# Attention math mode: "relaxed" lets Metal use its fast exp2/tanh and contract
+# multiply-adds, while keeping IEEE infinities and NaN. The kernels need no
+# infinity (KV_NEG_BIG is finite; masked probabilities are selected to 0), but
+# NaN must survive: a NaN-poisoned slot that a kernel wrongly reads then shows
+# in the output (the tests' check), where "fast" may assume NaN away. The cache
+# write kernels stay "safe" so their rounding matches mx.quantize bit for bit.
+ATTENTION_MATH_MODE = "relaxed"
 
 SPECS = {
     spec.name: spec
     for spec in (
         KernelSpec("paged_attention_partials", "attention",
                    ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
-                   _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry),
+                   _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
+                   math_mode=ATTENTION_MATH_MODE),
         KernelSpec("decode_attention_partials", "attention",
                    ("query",) + _KV_INPUTS + ("params",), _PARTIALS,
-                   _ATTENTION_TEMPLATE, _attention_geometry, row_contiguous=False),
+                   _ATTENTION_TEMPLATE, _attention_geometry, row_contiguous=False, math_mode=ATTENTION_MATH_MODE),
         KernelSpec("attention_reduce", "attention",
                    _PARTIALS + ("sinks", "params"), ("out",), ("TQ", "D", "HAS_SINKS"),
-                   lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1))),
+                   lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
+                   math_mode=ATTENTION_MATH_MODE),
         KernelSpec("cache_rows_convert", "cache_write", ("new_rows", "src_token"), ("rows_out",),
                    ("TC", "D"),
                    lambda *, tokens, num_kv_heads, head_dim: Geometry(
@@ -395,21 +405,32 @@ def _logical_shape(cache) -> tuple:
     return tuple(cache.shape)
 
 
-def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, keep=None) -> mx.array:
+_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
+
+
+def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, write=None) -> mx.array:
     """``array`` viewed as [rows, width] with ``rows`` written at ``row_index``.
 
-    An MLX scatter: it runs in place (buffer donation) when ``array`` has no other
-    reference by the time it is evaluated, i.e. when the caller rebinds the result.
-    ``keep``: a boolean scalar; where it is False the rows written are the current
-    ones (the guards' no-op write).
+    MLX scatters: they run in place (buffer donation) when ``array`` has no other
+    reference by the time they are evaluated, i.e. when the caller rebinds the result.
+    ``write`` (bool per row of ``rows``) masks the writes: two integer scatters on
+    the bits, ``old * 0 + new`` where set and ``old * 1 + 0`` where not, exact for
+    any value incl. NaN. (Reading the old rows instead would hold a second
+    reference to the cache and cost the donation.) Rows written more than once
+    must all be masked off but one; ops rejects duplicate slots with validate=True.
     """
     width = array.shape[-1]
     flat = array.reshape(-1, width)
     new = rows.reshape(-1, width)
-    if keep is not None:
-        new = mx.where(keep, new, flat[row_index])
-    flat[row_index] = new
-    return flat.reshape(array.shape)
+    if write is None:
+        flat[row_index] = new
+        return flat.reshape(array.shape)
+    bits = _BITS[array.dtype.size]
+    keep = mx.where(write, 0, 1).astype(bits)[:, None]
+    words = flat.view(bits)
+    words = words.at[row_index].multiply(mx.broadcast_to(keep, new.shape))
+    words = words.at[row_index].add(new.view(bits) * (1 - keep))
+    return words.view(array.dtype).reshape(array.shape)
 
 
 # ----------------------------------------------------------------------------- backend
@@ -436,7 +457,8 @@ class KernelBackend:
                 header, body = kernel_text(spec.name)
                 self._kernels[variant] = self._make_kernel(
                     name=variant, input_names=list(spec.inputs), output_names=list(spec.outputs),
-                    source=body, header=header, ensure_row_contiguous=spec.row_contiguous)
+                    source=body, header=header, ensure_row_contiguous=spec.row_contiguous,
+                    compile_options={"math_mode": spec.math_mode})
             return self._kernels[variant]
 
     def launch(self, name: str, template_values: dict, geometry: Geometry, output_shapes: list,
@@ -468,20 +490,18 @@ class KernelBackend:
         if num_tokens == 0:
             return key_cache, value_cache
         num_blocks, num_kv_heads, block_size, _ = _logical_shape(key_cache)
-        # Index guard (validate=False misuse): a slot outside [0, N * BS) is padding,
-        # like a negative one. Padding tokens repeat the first real token's row and
-        # slot, so the scatter needs no mask and no host sync; with no real token at
-        # all, every write goes to row 0 with row 0's own contents (a no-op).
+        # Index guard: a slot outside [0, N * BS) (negative = padding, or validate=False
+        # misuse) writes nothing. Such tokens aim at row 0 with a no-op write, so the
+        # scatter needs no host sync and no mask (see _scatter_rows).
         valid = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
-        any_valid = valid.any()
-        first = mx.argmax(valid.astype(mx.int32))
-        src_token = mx.where(valid, mx.arange(num_tokens, dtype=mx.int32), first.astype(mx.int32))
-        slots = mx.where(valid, slot_mapping, mx.where(any_valid, slot_mapping[first], 0))
+        slots = mx.where(valid, slot_mapping, 0)
         block, offset = slots // block_size, slots % block_size
         heads = mx.arange(num_kv_heads, dtype=mx.int32)
         row_index = ((block[:, None] * num_kv_heads + heads[None, :]) * block_size + offset[:, None]).reshape(-1)
-        return (self._write_rows(key, key_cache, src_token, row_index, any_valid),
-                self._write_rows(value, value_cache, src_token, row_index, any_valid))
+        write = mx.broadcast_to(valid[:, None], (num_tokens, num_kv_heads)).reshape(-1)
+        src_token = mx.arange(num_tokens, dtype=mx.int32)
+        return (self._write_rows(key, key_cache, src_token, row_index, write),
+                self._write_rows(value, value_cache, src_token, row_index, write))
 
     def _write_rows(self, rows, cache, src_token, row_index, keep=None):
         num_tokens, num_kv_heads, head_dim = rows.shape
@@ -513,20 +533,18 @@ class KernelBackend:
             return cache.replace(*(self._copy(part, src, dst) for part in cache.arrays()))
         if src.shape[0] == 0:
             return cache
-        # Index guard (validate=False misuse): a pair with src or dst outside [0, N)
-        # repeats the first valid pair; with none valid, block 0 is copied onto itself.
+        # Index guard: a pair with src or dst outside [0, N) (validate=False misuse)
+        # copies nothing: it reads block 0 and writes it nowhere (a masked write).
         num_blocks = cache.shape[0]
         valid = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
-        any_valid = valid.any()
-        first = mx.argmax(valid.astype(mx.int32))
-        src = mx.where(valid, src, mx.where(any_valid, src[first], 0)).astype(mx.int32)
-        dst = mx.where(valid, dst, mx.where(any_valid, dst[first], 0)).astype(mx.int32)
+        src = mx.where(valid, src, 0).astype(mx.int32)
+        dst = mx.where(valid, dst, 0).astype(mx.int32)
         blocks = cache.reshape(cache.shape[0], -1)
         width = blocks.shape[1]
         geometry = SPECS["copy_blocks_gather"].geometry(width=width, count=src.shape[0])
         (copied,) = self.launch("copy_blocks_gather", dict(T=cache.dtype), geometry, [(src.shape[0], width)],
                                 [cache.dtype], blocks=blocks, src=src)
-        return _scatter_rows(blocks, dst, copied).reshape(cache.shape)
+        return _scatter_rows(blocks, dst, copied, valid).reshape(cache.shape)
 
     # -- reads
 
