@@ -434,14 +434,26 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
     const int per = ((n + NSG - 1) / NSG + KPP - 1) / KPP * KPP;
     const int s_lo = range.lo + sg * per;
     const int s_hi = min(range.hi, s_lo + per);
+    // Software pipeline: the next pass's K/V loads are issued before this
+    // pass is scored, so memory latency overlaps the math.
+    KvAt ka;
+    KvAt va;
+    int t = s_lo + kg;
+    bool ok = t < s_hi && src.locate(t, ka, va);
+    KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
+    KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
     for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
-      const int t = t0 + kg;
-      KvAt ka;
-      KvAt va;
-      const bool ok = t < s_hi && src.locate(t, ka, va);
-      const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
-      const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
+      const int t_next = t0 + KPP + kg;
+      const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
+      const KvAtoms<KNA, KAE4> k_next =
+          kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+      const KvAtoms<VNA, VAE4> v_next =
+          kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
       kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+      k = k_next;
+      v = v_next;
+      t = t_next;
+      ok = ok_next;
     }
     kv_reduce_key_groups<RPS, LPK>(st);
   } else {

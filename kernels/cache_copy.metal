@@ -6,7 +6,7 @@
 // Inputs:  cache_data [N, Hkv, BS, W] (TE, or uint32 packed); cache_scales,
 //          cache_biases [N, Hkv, BS, D/GS] TE (8-element placeholders for a float
 //          cache); block_tables int32 [S, M]; seq_lens int32 [S];
-//          dims int32 [Hkv, M, max_len, N, ...]
+//          params int32 KvGatherParams
 // Outputs: rows_out [S, Hkv, max_len, D] TE; rows past seq_len are zero.
 // Index guards (validate=False misuse): a length beyond the block table is cut
 // to it, and a row of a block id outside [0, N) is zero, never read.
@@ -15,10 +15,11 @@
 const int task = int(thread_position_in_grid.x);
 const int tok = int(thread_position_in_grid.y);
 const int seq_head = int(thread_position_in_grid.z);
-const int num_kv_heads = dims[0];
-const int max_blocks = dims[1];
-const int max_len = dims[2];
-const int num_blocks = dims[3];
+const device KvGatherParams& p = *reinterpret_cast<const device KvGatherParams*>(params);
+const int num_kv_heads = p.num_kv_heads;
+const int max_blocks = p.max_blocks;
+const int max_len = p.max_len;
+const int num_blocks = p.num_blocks;
 const int seq = seq_head / num_kv_heads;
 const int kvh = seq_head % num_kv_heads;
 

@@ -204,6 +204,14 @@ struct KvAttnParams {
   int pad;
 };
 
+// gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).
+struct KvGatherParams {
+  int num_kv_heads;
+  int max_blocks;
+  int max_len;
+  int num_blocks;  // N, the guard for block ids
+};
+
 // ---------------------------------------------------------- softmax states
 
 // log2(e): scores are kept in log2 units (q pre-scaled by scale * log2(e)) so

@@ -226,6 +226,8 @@ ATTENTION_PARAMS = ParamStruct("KvAttnParams", (
     ("num_kv_heads", "i"), ("num_heads", "i"), ("query_len", "i"), ("num_splits", "i"), ("max_blocks", "i"),
     ("num_blocks", "i"), ("window", "i"), ("num_tokens", "i"), ("scale", "f"), ("softcap", "f"),
     ("head_div", "i"), ("pad", "i")))
+GATHER_PARAMS = ParamStruct("KvGatherParams", (
+    ("num_kv_heads", "i"), ("max_blocks", "i"), ("max_len", "i"), ("num_blocks", "i")))
 
 
 # ----------------------------------------------------------------------------- descriptions
@@ -310,7 +312,7 @@ SPECS = {
                    lambda *, tokens, num_kv_heads, groups: Geometry(
                        grid=(groups, num_kv_heads, tokens), threadgroup=(groups, 1, 1))),
         KernelSpec("gather_kv_rows", "cache_copy",
-                   ("cache_data", "cache_scales", "cache_biases", "block_tables", "seq_lens", "dims"),
+                   ("cache_data", "cache_scales", "cache_biases", "block_tables", "seq_lens", "params"),
                    ("rows_out",), ("TE", "D", "BS", "BITS", "GS"),
                    lambda *, tasks, max_len, num_rows: Geometry(
                        grid=(tasks, max_len, num_rows), threadgroup=(tasks, 1, 1))),
@@ -394,11 +396,6 @@ def _placeholder_cached(dtype_tag: str):
 
 def _placeholder(dtype):
     return _placeholder_cached(DTYPE_TAGS[dtype])
-
-
-def _int_params(*values) -> mx.array:
-    """An int32 parameter vector padded to 8 entries (a `device` buffer, as above)."""
-    return mx.array(list(values) + [0] * (8 - len(values)), dtype=mx.int32)
 
 
 def _logical_shape(cache) -> tuple:
@@ -563,7 +560,8 @@ class KernelBackend:
         (rows,) = self.launch("gather_kv_rows", template, geometry, [(num_seqs, num_kv_heads, max_len, head_dim)],
                               [dtype], cache_data=data, cache_scales=scales, cache_biases=biases,
                               block_tables=block_tables, seq_lens=seq_lens,
-                              dims=_int_params(num_kv_heads, max_blocks, max_len, cache.shape[0]))
+                              params=GATHER_PARAMS.pack(num_kv_heads=num_kv_heads, max_blocks=max_blocks,
+                                                        max_len=max_len, num_blocks=cache.shape[0]))
         return rows
 
     # -- attention
