@@ -100,11 +100,17 @@ def test_decode_attention_query_tokens(case, backend):
     sinks = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if use_sinks else None
     expected = ref.decode_attention(query, keys, values, softcap=softcap, sinks=sinks)
     for seed in SEEDS if backend == "sim" else SEEDS[:1]:
-        with run_on(backend, seed=seed):
+        with run_on(backend, seed=seed) as trace:
             out = kv.decode_attention(query, keys, values, softcap=softcap, sinks=sinks, num_splits=splits)
             mx.eval(out)
         assert out.shape == query.shape
         assert rel_err(out, expected) <= TOLERANCE[dtype]
+        if trace is not None and kq is None:
+            # Alignment guard: vector loads only where the view keeps them aligned
+            # (the simulator would raise MisalignedAccessError otherwise).
+            call = next(c for c in trace.calls if "decode_attention_partials" in c.name)
+            per_load = call.bytes_per_load("key_data")
+            assert per_load == (dtype.size if view == "odd_row_stride" else 4 * dtype.size)
 
 
 @pytest.mark.parametrize("L", [3, 8])
