@@ -17,6 +17,8 @@ The kernels are called through the sim backend directly with a 4-D query
 """
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 
@@ -114,6 +116,69 @@ def decode_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads
                      live_bytes=live)
 
 
+# ----------------------------------------------------------------------------- MLX's sdpa_vector
+
+_SDPA_BODY = """
+const int n = params[0];
+const int gqa = params[1];
+const size_t k_head_stride = size_t(params[2]);
+const size_t k_seq_stride = size_t(params[3]);
+const float scale = as_type<float>(params[4]);
+const int unused = 0;
+sdpa_vector<T, D, D>(queries, keys, values, out, gqa, n, k_head_stride, k_seq_stride, k_head_stride,
+                     k_seq_stride, scale, reinterpret_cast<const device bool*>(params), keys, unused, unused,
+                     unused, keys, unused, threadgroup_position_in_grid, threadgroups_per_grid,
+                     simdgroup_index_in_threadgroup, thread_index_in_simdgroup);
+"""
+
+
+def _mlx_sdpa_path():
+    import pathlib
+
+    return pathlib.Path(mx.__file__).parent / "include/mlx/backend/metal/kernels/sdpa_vector.h"
+
+
+def mlx_sdpa_header() -> str:
+    """MLX's own sdpa_vector.h from the installed package, read at run time (never
+    copied into the project), with its function constants fixed to the plain
+    decode configuration (no mask, not transposed, not causal, no sinks)."""
+    import re
+
+    text = _mlx_sdpa_path().read_text()
+    return re.sub(r"constant (bool|int) (\w+) \[\[function_constant\(\d+\)\]\];",
+                  lambda m: f"constant constexpr {m.group(1)} {m.group(2)} = {'false' if m.group(1) == 'bool' else 0};",
+                  text)
+
+
+def mlx_sdpa_vector_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads: int = 1,
+                          seed: int = 0, return_output: bool = False) -> dict:
+    """Cost figures of MLX's one-pass ``sdpa_vector`` kernel on the simulator, launched as
+    MLX launches it (one threadgroup of 32 simdgroups per query head), same figures as
+    paged_costs. Its loads are per element in the source (the simulator counts them so)."""
+    from .. import sim
+
+    rng = np.random.default_rng(seed)
+    num_heads = num_kv_heads * gqa
+    q = mx.array(rng.standard_normal((num_heads, head_dim)).astype(np.float32)).astype(mx.float16)
+    k = mx.array(rng.standard_normal((num_kv_heads, tokens, head_dim)).astype(np.float32)).astype(mx.float16)
+    v = mx.array(rng.standard_normal((num_kv_heads, tokens, head_dim)).astype(np.float32)).astype(mx.float16)
+    params = np.array([tokens, gqa, tokens * head_dim, head_dim, 0, 0, 0, 0], np.int32)
+    params[4] = np.array(head_dim ** -0.5, np.float32).view(np.int32)
+    kernel = sim.metal_kernel("mlx_sdpa_vector", ["queries", "keys", "values", "params"], ["out"], _SDPA_BODY,
+                              header=mlx_sdpa_header())
+    with sim.trace() as t:
+        (out,) = kernel(inputs=[q, k, v, mx.array(params)], template=[("T", mx.float16), ("D", head_dim)],
+               grid=(num_heads * 1024, 1, 1), threadgroup=(1024, 1, 1), output_shapes=[(num_heads, head_dim)],
+               output_dtypes=[mx.float16])
+    call = t.calls[0]
+    if return_output:
+        return t.calls[0], (q, k, v, out)
+    call = dataclasses.replace(call, buffers={("key_data" if n == "keys" else "value_data" if n == "values" else n): b
+                                              for n, b in call.buffers.items()})
+    live = tokens * num_kv_heads * 2 * head_dim * 2
+    return summarize(call, kv_rows=tokens * num_kv_heads, query_rows=num_heads, tokens=tokens, live_bytes=live)
+
+
 # The cases `kvmetal bench` prints on Linux: D 128, 8K tokens, f16 and K8/V4, L = 1 and 8.
 BENCH_CASES = [
     ("paged f16 G4 L1", paged_costs, dict(gqa=4)),
@@ -121,6 +186,7 @@ BENCH_CASES = [
     ("paged K8/V4 G4 L1", paged_costs, dict(gqa=4, k_bits=8, v_bits=4)),
     ("decode f16 G4 L1", decode_costs, dict(gqa=4)),
     ("decode K8/V4 G8 L1", decode_costs, dict(gqa=8, k_bits=8, v_bits=4)),
+    ("MLX sdpa_vector f16 G4 L1", mlx_sdpa_vector_costs, dict(gqa=4)),
 ]
 
 COLUMNS = (("loaded/live", "loaded_over_live", "{:.3f}"), ("tg mem B", "threadgroup_memory", "{:d}"),
@@ -145,7 +211,7 @@ def format_table(rows: list) -> str:
 
 
 def print_cost_table(print_fn=print, tokens: int = 8192) -> list:
-    """What `kvmetal bench` prints on Linux for the decode kernels."""
+    """The cost table of the bench cases (and MLX's sdpa_vector), as text."""
     rows = cost_table(tokens)
     print_fn(f"decode kernel costs on the simulator (D 128, {tokens} tokens, one kv head):")
     print_fn(format_table(rows))
@@ -156,6 +222,8 @@ def cost_rows(progress, tokens: int = 8192) -> list:
     """``kvmetal bench`` result rows (untimed, labelled) with each decode kernel's cost figures."""
     rows = []
     for name, fn, kwargs in BENCH_CASES:
+        if fn is mlx_sdpa_vector_costs and not _mlx_sdpa_path().exists():
+            continue  # this MLX wheel ships no Metal headers
         progress(f"sim costs {name}")
         fig = fn(tokens, **kwargs)
         note = "sim costs (no timing): " + ", ".join(f"{label} {fmt.format(fig[key])}" for label, key, fmt in COLUMNS)
