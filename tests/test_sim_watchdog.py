@@ -4,6 +4,7 @@ killing or wedging the process; Ctrl-C cancels a running launch."""
 from __future__ import annotations
 
 import _thread
+import platform
 import threading
 import time
 
@@ -69,3 +70,11 @@ def test_ctrl_c_cancels_a_running_launch():
     finally:
         timer.cancel()
     assert time.perf_counter() - t0 < 20
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="only x86 traps on INT_MIN / -1")
+def test_int_min_divided_by_minus_one_is_a_sim_error_on_x86():
+    src = "int i = int(thread_position_in_grid.x); out[i] = float(int(inp[i]) / int(inp[1]));"
+    with pytest.raises(sim.IntegerDivisionError, match=r"\[int_min\].*SIGFPE"):
+        run1(src, [mx.array(np.array([-(2**31), -1], np.int32))], (2,), grid=(2, 1, 1), threadgroup=(2, 1, 1),
+             names=["inp"], name="int_min")

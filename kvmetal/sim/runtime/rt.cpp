@@ -490,44 +490,50 @@ struct Worker {
   }
 };
 
-// SIGFPE (integer division or modulo by zero, INT_MIN / -1) inside a kernel
-// fiber fails the launch with a SimError instead of killing the process. The
-// handler never returns into the fiber: it switches to the scheduler (SA_NODEFER
-// keeps SIGFPE unblocked afterwards). Outside a fiber the previous action runs.
-struct sigaction previous_fpe;
-std::once_flag fpe_once;
+// Arithmetic traps inside a kernel fiber fail the launch with a SimError
+// instead of killing the process: SIGFPE (x86 integer division or modulo by
+// zero, INT_MIN / -1) and the SIGILL / SIGTRAP of the division-by-zero checks
+// the kernels are compiled with (build.py). The handler never returns into the
+// fiber: it switches to the scheduler (SA_NODEFER keeps the signal unblocked
+// afterwards). Outside a kernel fiber the previous action runs.
+const int kTrapSignals[] = {SIGFPE, SIGILL, SIGTRAP};
+struct sigaction previous_action[3];
+std::once_flag trap_once;
 
-void on_sigfpe(int sig, siginfo_t* info, void* uctx) {
+void on_trap(int sig, siginfo_t* info, void* uctx) {
   Worker* w = tls_worker;
   if (w && w->current) {
     char msg[512];
     const KmslAttrs& a = w->attrs[w->current->index];
     snprintf(msg, sizeof(msg),
-             "[%s] integer division or modulo by zero (SIGFPE) in thread %u of threadgroup (%u,%u,%u)",
-             w->shared->launch->kernel_name, a.thread_index_in_threadgroup, a.threadgroup_position_in_grid[0],
-             a.threadgroup_position_in_grid[1], a.threadgroup_position_in_grid[2]);
+             "[%s] integer division or modulo by zero (%s) in thread %u of threadgroup (%u,%u,%u)",
+             w->shared->launch->kernel_name, sig == SIGFPE ? "SIGFPE" : sig == SIGILL ? "SIGILL trap" : "SIGTRAP",
+             a.thread_index_in_threadgroup, a.threadgroup_position_in_grid[0], a.threadgroup_position_in_grid[1],
+             a.threadgroup_position_in_grid[2]);
     kmsl_rt_fail(KMSL_ARITHMETIC, msg);
   }
-  if (previous_fpe.sa_flags & SA_SIGINFO) {
-    if (previous_fpe.sa_sigaction) previous_fpe.sa_sigaction(sig, info, uctx);
+  int k = sig == SIGFPE ? 0 : sig == SIGILL ? 1 : 2;
+  struct sigaction& prev = previous_action[k];
+  if (prev.sa_flags & SA_SIGINFO) {
+    if (prev.sa_sigaction) prev.sa_sigaction(sig, info, uctx);
     return;
   }
-  if (previous_fpe.sa_handler == SIG_IGN) return;
-  if (previous_fpe.sa_handler != SIG_DFL && previous_fpe.sa_handler) {
-    previous_fpe.sa_handler(sig);
+  if (prev.sa_handler == SIG_IGN) return;
+  if (prev.sa_handler != SIG_DFL && prev.sa_handler) {
+    prev.sa_handler(sig);
     return;
   }
-  sigaction(SIGFPE, &previous_fpe, nullptr);  // default: returning re-executes the fault and dies
+  sigaction(sig, &prev, nullptr);  // default: returning re-executes the fault and dies
 }
 
-void install_fpe_handler() {
-  std::call_once(fpe_once, [] {
+void install_trap_handlers() {
+  std::call_once(trap_once, [] {
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
-    sa.sa_sigaction = on_sigfpe;
+    sa.sa_sigaction = on_trap;
     sa.sa_flags = SA_SIGINFO | SA_NODEFER;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGFPE, &sa, &previous_fpe);
+    for (int k = 0; k < 3; k++) sigaction(kTrapSignals[k], &sa, &previous_action[k]);
   });
 }
 
@@ -623,7 +629,7 @@ int kmsl_rt_launch(KmslLaunch* L, KmslEntry entry) {
   L->err_msg[0] = 0;
   memset(&L->stats, 0, sizeof(L->stats));
   for (int b = 0; b < L->nbufs; b++) L->loads[b] = L->stores[b] = L->load_ops[b] = L->store_ops[b] = 0;
-  install_fpe_handler();
+  install_trap_handlers();
   for (int d = 0; d < 3; d++)
     if (L->grid[d] == 0 || L->threadgroup[d] == 0) return KMSL_OK;
   Shared shared;
