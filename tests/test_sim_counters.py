@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 import kvmetal.sim as sim
 from test_sim_helpers import run1

@@ -225,7 +225,7 @@ def translate(msl: str) -> str:
     left = _TG_LEFTOVER.search(s)
     if left:
         line = s.count("\n", 0, left.start()) + 1
-        raise UnsupportedMSL(f"unsupported threadgroup declaration (use `threadgroup T name[N];`)", line)
+        raise UnsupportedMSL("unsupported threadgroup declaration (use `threadgroup T name[N];`)", line)
     s = _check_tg_indices(s, {name: dims for name, dims in arrays.items() if dims})
     s = _ADDR_PTR.sub(_address_space, s)
     s = _ADDR_WORD.sub("", s)
