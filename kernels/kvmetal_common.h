@@ -5,11 +5,11 @@
 // #include of our own files, no `#pragma once` (MLX pastes it into one
 // translation unit per kernel).
 //
-// Row sources. Every kernel that reads the KV cache does it through a "rows"
-// object: row t of the current (sequence, kv head) is read in TASKS pieces of
-// TASK_ELEMS elements each. A float cache reads a vec4 per task; a quantized
-// cache dequantizes one whole group per task, so every packed word, scale and
-// bias is loaded exactly once.
+// Row sources of gather_kv_rows: row t of the current (sequence, kv head) is
+// read through a "rows" object in TASKS pieces of TASK_ELEMS elements each. A
+// float cache reads a vec4 per task; a quantized cache dequantizes one whole
+// group per task, so every packed word, scale and bias is loaded exactly once.
+// The attention kernels read rows their own way (attention.metal).
 #ifndef KVMETAL_COMMON_H
 #define KVMETAL_COMMON_H
 
@@ -104,28 +104,7 @@ struct PagedRowIndex {
     size_t row = (size_t(table[t / BS]) * num_kv_heads + kvh) * BS + (t % BS);
     return KvRowAt{row * W, row * NG, row * NG, 1, 1, 1};
   }
-  // From one row to the next inside a block (tiles never straddle blocks).
-  KvRowAt row_step() const { return KvRowAt{W, NG, NG, 0, 0, 0}; }
 };
-
-// Contiguous cache [B, Hkv, T, W] read in place through its element strides
-// (a sliced view is never copied); a unit last stride takes the vector path.
-struct StridedRowIndex {
-  KvRowAt first;  // offsets of (b, kvh, t = 0) and the strides along the row
-  KvRowAt step;   // strides along t (its *_step fields are unused)
-  KvRowAt operator()(int t) const {
-    return KvRowAt{first.data + size_t(t) * step.data, first.scale + size_t(t) * step.scale,
-                   first.bias + size_t(t) * step.bias, first.data_step, first.scale_step,
-                   first.bias_step};
-  }
-  KvRowAt row_step() const { return KvRowAt{step.data, step.scale, step.bias, 0, 0, 0}; }
-};
-
-// Row `base` advanced by r rows of `step` (the *_step fields of base are kept).
-inline KvRowAt kv_advance(KvRowAt base, KvRowAt step, int r) {
-  return KvRowAt{base.data + size_t(r) * step.data, base.scale + size_t(r) * step.scale,
-                 base.bias + size_t(r) * step.bias, base.data_step, base.scale_step, base.bias_step};
-}
 
 // Float rows: data TE [..., D]; scales/biases are unused placeholders.
 template <int BITS, int GS, int D, typename TE, typename PD, typename PS>
