@@ -171,7 +171,8 @@ kv_fetch(PD data, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, 
       }
     }
     for (int c = 0; c < NA; c++) {
-      // The lanes of one key group read groups of one slot (see docs/kernels.md).
+      // AE, GS and LPK are powers of two, so the groups of atom c of all lanes
+      // of a key group lie in one aligned run of LPK groups: one slot for all.
       const int slot = (c * LPK * AE / GS) / LPK;
       const int g = min((kl + LPK * c) * AE / GS, NG - 1);
       r.sb[c] = simd_shuffle(mine[slot], ushort(kg * LPK + g % LPK));
