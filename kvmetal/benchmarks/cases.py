@@ -231,8 +231,9 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
         return [{"name": "metal kernels (simulator traffic)", "backend": "sim", "seconds": None,
                  "kv_bytes": None, "gbps": None, "note": missing, "skipped": True}]
     from .metal_cases import run_metal_cases  # the simulator is loaded only here
+    from .sim_costs import cost_rows
 
-    return run_metal_cases(progress)
+    return run_metal_cases(progress) + cost_rows(progress)
 
 
 CASES = {
