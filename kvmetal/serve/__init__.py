@@ -1,0 +1,12 @@
+"""``kvmetal serve``: an OpenAI-compatible HTTP server over the continuous-batching Engine.
+
+Needs the ``serve`` extra (FastAPI + uvicorn). Modules, one job each:
+
+    memory        ``--kv-memory`` parsing and the pool size that stays under it
+    worker        the engine thread: the only thread that runs the model
+    prefix_store  ``--prompt-cache-dir``: published prefix blocks on disk
+    metrics       counters and the ``/metrics`` text
+    protocol      OpenAI request fields -> validated generation parameters
+    app           the FastAPI routes
+    cli           the ``kvmetal serve`` command line
+"""
