@@ -102,7 +102,7 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.worker.failed:
+        if state.worker.failed or state.worker.stopping:
             return JSONResponse({"status": "error", "detail": state.worker.failed}, status_code=503)
         return {"status": "ok"}
 
@@ -230,7 +230,8 @@ class _Run:
     def _consume(self, delivery) -> str:
         """Apply one delivery; returns the text it makes safe to send."""
         event = delivery.event
-        self.cached_tokens = delivery.cached_prompt_tokens
+        if self.completion_tokens == 0:  # as admitted first (a finished request is no longer looked up)
+            self.cached_tokens = delivery.cached_prompt_tokens
         if event.token is not None:
             self.completion_tokens += 1
             if not (event.finish_reason == "stop" and event.token in self.eos):

@@ -20,6 +20,7 @@ METRICS = {
     "kv_peak_pool_bytes": ("gauge", "Peak bytes of the KV pools."),
     "prompt_cache_loaded_blocks": ("gauge", "Prefix blocks loaded from --prompt-cache-dir at start."),
     "prompt_cache_saved_blocks": ("counter", "Prefix blocks written to --prompt-cache-dir."),
+    "prompt_cache_warnings": ("counter", "Prompt-cache files skipped (corrupt, mismatched) or not written."),
 }
 
 

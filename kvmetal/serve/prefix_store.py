@@ -15,8 +15,9 @@ unreadable segment, a token chain that does not match its key, or arrays of the 
 shape or dtype are skipped with a warning, never loaded.
 
 Writing: when a request finishes, the engine thread slices its full, un-evicted
-blocks that are not on disk yet (one small gather per layer) and hands them to a
-writer thread, which saves the segment and rewrites the index atomically.
+blocks that are not on disk yet (one small gather per layer), saves them as one
+segment and rewrites the index atomically. (On the engine thread, not a writer
+thread: MLX must stay on one thread, see ``worker``.)
 Loading (at start, on the engine thread): each segment is added as a sequence whose
 full blocks the pool then publishes, its rows are written, and the sequence is freed,
 so the blocks sit in the pool's prefix cache exactly like those of a finished request.
@@ -27,8 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import queue
-import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -107,9 +106,6 @@ class PrefixStore:
         self.loaded_blocks = 0
         self.saved_blocks = 0
         self.warnings = 0
-        self._queue: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="kvmetal-prefix-writer", daemon=True)
-        self._writer.start()
 
     # ------------------------------------------------------------------ loading
 
@@ -241,27 +237,17 @@ class PrefixStore:
                 for kind, caches in (("k", pool.key_caches), ("v", pool.value_caches)):
                     for j, source in enumerate(_layer_arrays(caches[layer])):
                         arrays[f"g{g}.l{layer}.{kind}.{j}"] = source[ids]
-        mx.eval(list(arrays.values()))  # on the engine thread: the writer only does I/O
-        self.known.update(hashes[start:end])
         entry = {"tokens": [int(t) for t in tokens[: end * bs]], "start": start, "end": end}
-        self._queue.put((hashes[end - 1], entry, arrays))
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                key, entry, arrays = item
-                try:
-                    mx.save_safetensors(str(self.root / f"seg-{key}.safetensors"), arrays)
-                    self.entries[key] = entry
-                    self.saved_blocks += entry["end"] - entry["start"]
-                    self._write_index()
-                except OSError as e:
-                    self._warn(f"could not write a segment ({e})")
-            finally:
-                self._queue.task_done()
+        key = hashes[end - 1]
+        try:
+            mx.save_safetensors(str(self.root / f"seg-{key}.safetensors"), arrays)
+            self.entries[key] = entry
+            self._write_index()
+        except OSError as e:
+            self._warn(f"could not write a segment ({e})")
+            return
+        self.known.update(hashes[start:end])
+        self.saved_blocks += end - start
 
     def _write_index(self) -> None:
         path = self.root / "index.json"
@@ -269,14 +255,8 @@ class PrefixStore:
         tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "entries": self.entries}))
         os.replace(tmp, path)
 
-    def flush(self) -> None:
-        """Wait until every queued segment is on disk."""
-        self._queue.join()
-
     def close(self) -> None:
-        self.flush()
-        self._queue.put(None)
-        self._writer.join(timeout=10)
+        """Nothing is buffered (segments are written as requests finish); kept for symmetry."""
 
 
 class _Skip(Exception):

@@ -1,14 +1,19 @@
 """Build the engine worker and the app from ``kvmetal serve`` options, and run them.
 
-``build_server(args)`` returns (worker, app) with the engine started; ``run`` serves
-until SIGINT/SIGTERM and then stops the engine (which flushes the prefix store).
-``BackgroundServer`` runs the same thing on a thread, for tests and the load script.
+The engine loop runs on the main thread and uvicorn on a second thread (MLX must stay
+on one thread; see ``worker``). SIGINT/SIGTERM stop both: HTTP first, then the engine,
+which fails what is still live with "shutting down" and closes the prefix store.
+``ServerProcess`` starts ``kvmetal serve`` as a subprocess (tests, the load script).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +32,7 @@ def _cache_bits(args) -> tuple:
 
 
 def build_server(args):
-    """Load the model on the engine thread, size the pool, start the worker; returns (worker, app)."""
+    """Load the model, size the pool, load the prefix store; returns (worker, app), ready to run."""
     from ..integrations.engine import Engine
     from ..integrations.mlx_lm import layer_specs
     from .app import ServeState, create_app
@@ -47,29 +52,25 @@ def build_server(args):
         loaded["tokenizer"] = tokenizer
         num_blocks = None
         if cap is not None:
-            specs = layer_specs(model)
-            num_blocks = blocks_under_cap(specs, cap, block_size=args.block_size, k_bits=k_bits, v_bits=v_bits)
-        engine = Engine(model, block_size=args.block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                        prefix_sharing=not args.no_prefix_sharing, keep_finished=False)
+            num_blocks = blocks_under_cap(layer_specs(model), cap, block_size=args.block_size, k_bits=k_bits,
+                                          v_bits=v_bits)
         loaded["num_blocks"] = num_blocks
-        return engine
+        return Engine(model, block_size=args.block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
+                      prefix_sharing=not args.no_prefix_sharing, keep_finished=False)
 
     store_factory = None
     if args.prompt_cache_dir:
         def store_factory(engine):
             return PrefixStore(args.prompt_cache_dir, model_identity(model_dir), engine.cache)
 
-    context = None
-    if args.backend:
-        from ..backends import use_backend
-
-        context = lambda: use_backend(args.backend)  # noqa: E731
-    worker = EngineWorker(build, prefix_store_factory=store_factory, kv_cap_bytes=cap, context=context)
-    worker.start()
+    worker = EngineWorker(build, prefix_store_factory=store_factory, kv_cap_bytes=cap)
+    worker.setup()
     engine = worker.engine
     if cap is not None:
-        log.info("KV cap %s: %d blocks of %d tokens per group pool (%s held)", format_bytes(cap),
+        log.info("KV cap %s: %d blocks of %d tokens per layer-group pool, %s allocated", format_bytes(cap),
                  loaded["num_blocks"], args.block_size, format_bytes(engine.cache.nbytes))
+    else:
+        log.info("no --kv-memory cap: the KV pool grows on demand")
     if worker.store is not None:
         log.info("prompt cache %s: %d blocks loaded", worker.store.root, worker.store.loaded_blocks)
     context_limit = None
@@ -83,57 +84,81 @@ def build_server(args):
 
 
 def run(args) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit status."""
     import uvicorn
 
-    worker, app = build_server(args)
-    try:
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                      timeout_graceful_shutdown=5)).run()
-    finally:
-        worker.stop()
-    return 0
+    backend = contextlib.nullcontext()
+    if args.backend:
+        from ..backends import use_backend
+
+        backend = use_backend(args.backend)
+    with backend:
+        worker, app = build_server(args)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.log_level.lower(), timeout_graceful_shutdown=5))
+        http = threading.Thread(target=server.run, name="kvmetal-http", daemon=True)
+
+        def shutdown(signum, _frame):
+            log.info("signal %d: shutting down", signum)
+            server.should_exit = True
+            worker.stop()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, shutdown)
+        http.start()
+        try:
+            worker.serve_forever()  # returns after stop(), or if the engine loop died
+        finally:
+            server.should_exit = True
+            http.join(timeout=10)
+    return 1 if worker.failed else 0
 
 
-class BackgroundServer:
-    """``kvmetal serve`` on a thread of this process (tests, the load script).
+class ServerProcess:
+    """``kvmetal serve`` in a subprocess on ``port``; ``start()`` waits for ``/health``."""
 
-    ``start()`` returns once the port accepts requests; ``stop()`` shuts HTTP down,
-    then the engine (flushing ``--prompt-cache-dir``)."""
+    def __init__(self, model_dir, port: int, *options, host: str = "127.0.0.1", log_path=None):
+        self.url = f"http://{host}:{port}"
+        self.command = [sys.executable, "-m", "kvmetal", "serve", "--model", str(model_dir), "--host", host,
+                        "--port", str(port), *map(str, options)]
+        self.log_path = log_path
+        self.proc = None
+        self.output = ""
 
-    def __init__(self, args):
-        self.args = args
-        self.worker = None
-        self._server = None
-        self._thread = None
+    def start(self, timeout: float = 120) -> "ServerProcess":
+        import httpx
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.args.host}:{self.args.port}"
+        import tempfile
 
-    def start(self, timeout: float = 60) -> "BackgroundServer":
-        import uvicorn
-
-        self.worker, app = build_server(self.args)
-        config = uvicorn.Config(app, host=self.args.host, port=self.args.port, log_level="warning",
-                                timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # not the main thread
-        self._thread = threading.Thread(target=self._server.run, name="kvmetal-http", daemon=True)
-        self._thread.start()
+        # A file, not a pipe: nobody reads a pipe while the server runs, and a full pipe blocks it.
+        self._log = open(self.log_path, "w+") if self.log_path else tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.worker.stop()
-                raise RuntimeError(f"kvmetal serve did not start on {self.url}")
-            time.sleep(0.02)
-        return self
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvmetal serve did not start ({' '.join(self.command)}):\n{self.output[-3000:]}")
+            time.sleep(0.05)
 
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=30)
-        if self.worker is not None:
-            self.worker.stop()
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, wait; returns the exit status (the output is in ``self.output``)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.seek(0)
+        self.output = self._log.read()
+        self._log.close()
+        return self.proc.returncode
 
     def __enter__(self):
         return self.start()
