@@ -247,3 +247,28 @@ def test_bad_requests_raise():
         with pytest.raises(ValueError, match=r"already in use"):
             engine.add_request([1], max_tokens=1, request_id="a")
     assert "make_cache" not in vars(model)  # closing the engine restored the model
+
+
+def test_quantized_sliding_window_layers_release_blocks_in_a_fixed_pool():
+    # gemma3_text: window layers (24 tokens) and full layers, both K8/V4, in a fixed pool.
+    from kvmetal.quant import QuantizedKV
+
+    model = tiny_models.build("gemma3_text")
+    prompt, max_tokens = list(range(1, 30)), 40
+    with Engine(model, block_size=8, k_bits=8, v_bits=4) as roomy:
+        expected = roomy.run([prompt], max_tokens)[0]
+    with Engine(model, block_size=8, num_blocks=12, k_bits=8, v_bits=4) as engine:
+        [window_pool] = [p for p, w in zip(engine.cache.pools, engine.cache.windows) if w is not None]
+        [full_pool] = [p for p, w in zip(engine.cache.pools, engine.cache.windows) if w is None]
+        assert isinstance(window_pool.key_caches[0], QuantizedKV) and isinstance(full_pool.value_caches[0], QuantizedKV)
+        rid = engine.add_request(prompt, max_tokens=max_tokens)
+        held = []
+        while engine.has_work():
+            engine.step()
+            if rid in window_pool:
+                held.append((len([b for b in window_pool.allocator.block_table(rid) if b >= 0]),
+                             len(full_pool.allocator.block_table(rid))))
+        assert engine.requests[rid].output == expected
+    # The full layers keep every block (69 tokens: 9); the window layers keep about window / block_size.
+    assert max(f for _, f in held) == 9
+    assert max(w for w, _ in held[3:]) <= 5 and held[-1][0] < held[-1][1]

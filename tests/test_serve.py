@@ -316,6 +316,21 @@ def test_corrupt_or_mismatched_prompt_cache_files_are_ignored(model_dir, tmp_pat
     assert "another model or cache format" in third.output
 
 
+def test_kv_bits_flags_quantize_the_pool_under_the_same_cap(model_dir):
+    # mlx-lm's --kv-bits sets both; kvmetal's --v-bits overrides V: K8/V4 blocks fit ~4x more tokens.
+    cap = CAP_BLOCKS * BLOCK_BYTES
+    server = serve(model_dir, "--kv-bits", "8", "--v-bits", "4", "--kv-memory", f"{cap}B")
+    try:
+        long_prompt = "The paged cache keeps keys and values in fixed blocks. " * 20
+        r = client(server).completions.create(model=server.model, prompt=long_prompt, max_tokens=8)
+        m = read_metrics(server)
+    finally:
+        stop(server)
+    assert r.usage.prompt_tokens > CAP_BLOCKS * 16  # more than a float32 pool under this cap holds
+    assert r.usage.completion_tokens > 0
+    assert m["kvmetal_kv_pool_bytes"] <= cap and m["kvmetal_kv_peak_used_bytes"] <= cap
+
+
 def test_cli_rejects_bad_options(model_dir, tmp_path, capsys):
     from kvmetal.serve.cli import main
 

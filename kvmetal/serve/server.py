@@ -132,8 +132,11 @@ class ServerProcess:
 
         # A file, not a pipe: nobody reads a pipe while the server runs, and a full pipe blocks it.
         self._log = open(self.log_path, "w+") if self.log_path else tempfile.TemporaryFile("w+")
+        # Run from where this process found kvmetal: ``-m`` puts the working directory first on
+        # sys.path, and a source tree without its built extension there would shadow the install.
+        here = Path(__file__).resolve().parents[2]
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     cwd=here, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + timeout
         while True:
             with contextlib.suppress(httpx.TransportError):
