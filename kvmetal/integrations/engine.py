@@ -148,6 +148,9 @@ class Engine:
         self.sampler = sampler
         self.keep_finished = keep_finished
         self.on_finish = on_finish
+        # Across ranks (``kvmetal serve`` under mlx.launch): maps this rank's sampled tokens to
+        # rank 0's, so that every rank appends the same tokens and stays in lockstep.
+        self.token_sync = None
         self.waiting: deque = deque()
         self.running: list = []  # in admission order
         self.requests: dict = {}
@@ -331,6 +334,10 @@ class Engine:
 
     def _sample(self, requests: list, logits: mx.array) -> list:
         """One token per row of ``logits`` [S, V], each by its request's sampling."""
+        tokens = self._pick(requests, logits)
+        return tokens if self.token_sync is None else self.token_sync(tokens)
+
+    def _pick(self, requests: list, logits: mx.array) -> list:
         if all(r.sampling is None for r in requests):
             return [int(t) for t in self.sampler(logits).tolist()]
         picks = []

@@ -57,6 +57,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--chat-template", help="a Jinja chat template that replaces the tokenizer's")
     add("--chat-template-args", help="JSON object of extra arguments for the chat template, "
                                      "e.g. '{\"enable_thinking\": false}'")
+    add("--rank-timeout", type=float, default=60.0,
+        help="under mlx.launch: seconds a step may wait for the other ranks before the server exits "
+             "(a rank died); default 60")
     add("--backend", choices=("metal", "cpu", "sim"), help="kvmetal backend (default: best available)")
     add("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
         help="logging level (default INFO)")

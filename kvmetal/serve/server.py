@@ -31,8 +31,11 @@ def _cache_bits(args) -> tuple:
     return k_bits, v_bits
 
 
-def build_server(args):
-    """Load the model, size the pool, load the prefix store; returns (worker, app), ready to run."""
+def build_server(args, sync=None):
+    """Load the model, size the pool, load the prefix store; returns (worker, app), ready to run.
+
+    With ``sync`` (serving across ranks) the model is loaded sharded over its group and
+    the pool takes rank 0's size; every rank calls this, in the same order."""
     from ..integrations.engine import Engine
     from ..integrations.mlx_lm import layer_specs
     from .app import ServeState, create_app
@@ -48,22 +51,32 @@ def build_server(args):
         from mlx_lm import load
 
         config = {"chat_template": args.chat_template} if args.chat_template else {}
-        model, tokenizer = load(str(model_dir), tokenizer_config=config)
+        if sync is None:
+            model, tokenizer = load(str(model_dir), tokenizer_config=config)
+        else:
+            from mlx_lm.utils import sharded_load
+
+            model, tokenizer = sharded_load(str(model_dir), tensor_group=sync.group, tokenizer_config=config or None)
         loaded["tokenizer"] = tokenizer
         num_blocks = None
-        if cap is not None:
+        if cap is not None:  # a cap per rank: each rank's pools hold its own kv heads
             num_blocks = blocks_under_cap(layer_specs(model), cap, block_size=args.block_size, k_bits=k_bits,
                                           v_bits=v_bits)
+        if sync is not None:
+            num_blocks = sync.share_int(num_blocks)  # identical pools, identical block tables
         loaded["num_blocks"] = num_blocks
-        return Engine(model, block_size=args.block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                      prefix_sharing=not args.no_prefix_sharing, keep_finished=False)
+        engine = Engine(model, block_size=args.block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
+                        prefix_sharing=not args.no_prefix_sharing, keep_finished=False)
+        if sync is not None:
+            engine.token_sync = sync.share_tokens
+        return engine
 
     store_factory = None
     if args.prompt_cache_dir:
         def store_factory(engine):
             return PrefixStore(args.prompt_cache_dir, model_identity(model_dir), engine.cache)
 
-    worker = EngineWorker(build, prefix_store_factory=store_factory, kv_cap_bytes=cap)
+    worker = EngineWorker(build, prefix_store_factory=store_factory, kv_cap_bytes=cap, sync=sync)
     worker.setup()
     engine = worker.engine
     if cap is not None:
@@ -93,7 +106,18 @@ def run(args) -> int:
 
         backend = use_backend(args.backend)
     with backend:
-        worker, app = build_server(args)
+        from .distributed import RankSync, init_group
+
+        group = init_group()
+        sync = None
+        if group is not None:
+            if args.prompt_cache_dir:
+                raise ValueError("--prompt-cache-dir is not supported across ranks yet")
+            sync = RankSync(group, timeout_s=args.rank_timeout)
+            log.info("rank %d of %d (pid %d)", sync.rank, sync.size, os.getpid())
+        worker, app = build_server(args, sync)
+        if sync is not None and not sync.leader:
+            return _follow(worker)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level=args.log_level.lower(), timeout_graceful_shutdown=5))
         http = threading.Thread(target=server.run, name="kvmetal-http", daemon=True)
@@ -111,6 +135,13 @@ def run(args) -> int:
         finally:
             server.should_exit = True
             http.join(timeout=10)
+    return 1 if worker.failed else 0
+
+
+def _follow(worker) -> int:
+    """Ranks other than 0: run rank 0's commands until it says stop (or a rank dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
+    worker.serve_forever()
     return 1 if worker.failed else 0
 
 

@@ -41,10 +41,14 @@ class EngineWorker:
         prefix_store_factory: optional, called with the engine; returns a ``PrefixStore``
             whose segments are loaded before serving starts.
         kv_cap_bytes: the ``--kv-memory`` cap (None: the pool grows), for metrics.
+        sync: a ``distributed.RankSync`` when serving across ranks: rank 0's commands
+            and sampled tokens are shared with every rank each iteration.
     """
 
-    def __init__(self, build, *, prefix_store_factory=None, kv_cap_bytes: int | None = None):
+    def __init__(self, build, *, prefix_store_factory=None, kv_cap_bytes: int | None = None, sync=None):
         self._build = build
+        self.sync = sync
+        self._pending_sinks: dict = {}  # sinks of "add" commands taken off the queue, not yet applied
         self._store_factory = prefix_store_factory
         self.kv_cap_bytes = kv_cap_bytes
         self.engine: Engine | None = None
@@ -102,6 +106,8 @@ class EngineWorker:
             self._loop()
         except BaseException as e:
             self.failed = f"the engine loop died: {type(e).__name__}: {e}"
+            if self.sync is not None:
+                self.failed += f" (rank {self.sync.rank} of {self.sync.size}: another rank has probably died)"
             log.error("%s\n%s", self.failed, traceback.format_exc())
             self._fail_all(RuntimeError(self.failed))
             if not isinstance(e, Exception):
@@ -115,35 +121,63 @@ class EngineWorker:
             self._publish()
 
     def _loop(self) -> None:
-        engine = self.engine
+        engine, sync = self.engine, self.sync
         while True:
-            try:  # idle: wake up now and then so that signal handlers run promptly
-                command = self._commands.get(timeout=0.5) if not engine.has_work() else self._commands.get_nowait()
-            except queue.Empty:
-                command = None
-            while command is not None:
+            commands = []
+            if sync is None or sync.leader:
+                commands = self._collect(wait=not engine.has_work())
+            if sync is not None:
+                commands = sync.share_commands(commands)  # rank 0's list, on every rank
+            for command in commands:
                 if command[0] == "stop":
                     self._fail_all(RuntimeError("the server is shutting down"))
                     return
                 self._apply(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
             if engine.has_work():
                 self._step()
             self._publish()
 
+    def _collect(self, wait: bool) -> list:
+        """Drain the queue into JSON-able commands (sinks stay here, by request id).
+
+        Idle, wait up to 0.5 s for the first one, so that signal handlers run promptly
+        (and, across ranks, rank 0 sends a heartbeat that often)."""
+        from .distributed import encode_add
+
+        commands = []
+        try:
+            item = self._commands.get(timeout=0.5) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return commands
+        while True:
+            kind, request_id, kwargs, sink = item
+            if kind == "add":
+                self._pending_sinks[request_id] = sink
+                commands.append(encode_add(request_id, kwargs))
+            else:
+                commands.append([kind, request_id])
+            if kind == "stop":
+                return commands
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return commands
+
     def _apply(self, command) -> None:
-        kind, request_id, kwargs, sink = command
+        from .distributed import decode_add
+
+        kind, request_id = command[0], command[1]
         engine = self.engine
         if kind == "add":
+            sink = self._pending_sinks.pop(request_id, None)  # None on ranks other than 0
             try:
-                engine.add_request(request_id=request_id, **kwargs)
+                engine.add_request(request_id=request_id, **decode_add(command[2]))
             except (ValueError, TypeError) as e:
-                sink(Delivery(None, error=e))
+                if sink is not None:
+                    sink(Delivery(None, error=e))
                 return
-            self._sinks[request_id] = sink
+            if sink is not None:
+                self._sinks[request_id] = sink
         elif kind == "abort":
             if engine.abort(request_id):
                 self.finished["abort"] += 1
@@ -186,13 +220,17 @@ class EngineWorker:
 
     def _fail_pending_commands(self) -> None:
         """Requests submitted while the loop was ending get an error instead of silence."""
+        error = RuntimeError(self.failed or "the server is shutting down")
+        for sink in self._pending_sinks.values():
+            sink(Delivery(None, error=error))
+        self._pending_sinks.clear()
         while True:
             try:
                 kind, _, _, sink = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "add":
-                sink(Delivery(None, error=RuntimeError(self.failed or "the server is shutting down")))
+                sink(Delivery(None, error=error))
 
     def _record_prefix(self, request) -> None:
         seq = request.request_id
