@@ -55,13 +55,15 @@ def workload(n: int, seed: int, max_tokens: int) -> list:
         out = rng.randint(max_tokens // 4, max_tokens)
         kind = i % 4
         if kind in (0, 1):
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": sentence(rng, rng.randint(5, 30))}]
+            question = sentence(rng, rng.randint(5, 30))
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         elif kind == 2:
             turn = rng.choice(first_turns)
             messages = [{"role": "user", "content": turn}, {"role": "assistant", "content": sentence(rng, 30)},
                         {"role": "user", "content": sentence(rng, rng.randint(5, 20))}]
         else:
-            bodies.append({"path": "/completions", "prompt": sentence(rng, rng.randint(20, 200)), "max_tokens": out})
+            prompt = sentence(rng, rng.randint(20, 200))
+            bodies.append({"path": "/completions", "prompt": prompt, "max_tokens": out})
             continue
         bodies.append({"path": "/chat/completions", "messages": messages, "max_tokens": out})
     rng.shuffle(bodies)

@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from kvmetal import KVCacheFull  # noqa: E402
 from kvmetal.integrations import model_cache, tiny_models  # noqa: E402
 from kvmetal.integrations.engine import Engine, RequestTooLarge, SamplingParams  # noqa: E402
 

@@ -167,9 +167,8 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     prompt = _tokenize(state, req)
     if not prompt:
         raise APIError("the prompt encodes to no tokens", param="messages" if chat else "prompt")
-    vocab = getattr(state.tokenizer, "vocab_size", None)
-    if not chat and isinstance(req.prompt, list) and vocab and max(prompt) >= len(state.tokenizer):
-        raise APIError(f"token ids must be < {len(state.tokenizer)}", param="prompt")
+    if not chat and isinstance(req.prompt, list) and max(prompt) >= len(state.tokenizer):
+        raise APIError(f"token ids must be < {len(state.tokenizer)}, the tokenizer's size", param="prompt")
     max_tokens = protocol.check_fits(len(prompt), req, max_prompt=worker.max_prompt_tokens,
                                      max_total=worker.max_sequence_tokens, context_limit=state.context_limit)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
