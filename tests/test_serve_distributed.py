@@ -32,10 +32,26 @@ LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.l
 KVMETAL = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A port p with p .. p + count - 1 free (the ring backend listens on one port per rank)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for q in range(port + 1, port + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def launch(script, *args) -> list:
+    """mlx.launch on 2 ring ranks over loopback, on ports of its own (other launches may be running)."""
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2)), "--python",
+            sys.executable, str(script), *map(str, args)]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +63,7 @@ def launch_ok():
         script.write_text("import mlx.core as mx\ng = mx.distributed.init()\n"
                           "print('sum', mx.distributed.all_sum(mx.array([1.0])).item())\n")
         try:
-            out = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, str(script)],
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run(launch(script), capture_output=True, text=True, timeout=60)
         except subprocess.TimeoutExpired:
             pytest.skip("mlx.launch -n 2 --backend ring did not finish in 60 s here")
     if out.returncode != 0 or out.stdout.count("sum 2.0") != 2:
@@ -71,8 +86,7 @@ class TwoRanks:
         entry = Path(tempfile.mkdtemp()) / "kvmetal_entry.py"
         entry.write_text("import sys\nfrom kvmetal.cli import main\nsys.exit(main())\n")
         self.proc = subprocess.Popen(
-            [LAUNCH, "-n", "2", "--backend", "ring", "--python", sys.executable, str(entry), "serve",
-             "--model", self.model, "--port", str(self.port), "--log-level", "INFO", *options],
+            launch(entry, "serve", "--model", self.model, "--port", self.port, "--log-level", "INFO", *options),
             stdout=self.log, stderr=subprocess.STDOUT, text=True, cwd=KVMETAL,
             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         deadline = time.monotonic() + 120
@@ -82,8 +96,15 @@ class TwoRanks:
                     break
             except httpx.TransportError:
                 pass
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.output()
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"2 ranks did not start:\n{self.output()[-3000:]}")
             time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the launcher and its ranks
+        self.proc.wait()
 
     def output(self) -> str:
         self.log.seek(0)
@@ -99,8 +120,8 @@ class TwoRanks:
         try:
             return self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
+            self.kill()
+            return self.proc.returncode
 
 
 def running(pid: int) -> bool:
@@ -120,23 +141,27 @@ def greedy_alone(model_dir, prompt, max_tokens):
 
 def test_two_ranks_answer_like_one_process_with_half_the_kv_per_rank(launch_ok, model_dir):
     prompts = ["The paged cache keeps keys and values in fixed blocks", "Write a short poem about the sea",
-               "Servers batch many requests in one forward pass", "What is the capital of France?"]
-    expected = [greedy_alone(model_dir, p, 20) for p in prompts]
-    # A per-rank cap of 6 blocks: four requests at once must wait and preempt, in lockstep.
-    ranks = TwoRanks(model_dir, "--kv-memory", f"{6 * HALF_BLOCK_BYTES}B")
+               "Servers batch many requests in one forward pass", "What is the capital of France?",
+               "Quantized keys keep eight bits"]
+    expected = greedy_alone(model_dir, prompts[0], 12)
+    # A per-rank cap of 4 blocks: five requests at once must wait and preempt, in lockstep.
+    ranks = TwoRanks(model_dir, "--kv-memory", f"{4 * HALF_BLOCK_BYTES}B")
     try:
         client = openai.OpenAI(base_url=ranks.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        run = lambda p: client.completions.create(model=ranks.model, prompt=p, max_tokens=20).choices[0].text  # noqa
-        assert run(prompts[0]) == expected[0]
-        with ThreadPoolExecutor(4) as pool:
-            assert list(pool.map(run, prompts)) == expected
+        run = lambda p, n=20: client.completions.create(model=ranks.model, prompt=p, max_tokens=n)  # noqa: E731
+        first = run(prompts[0], 12).choices[0].text
+        alone = [run(p).choices[0].text for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = [r.choices[0].text for r in pool.map(run, prompts)]
         m = metrics.parse(httpx.get(ranks.url + "/metrics").text)
     finally:
         status = ranks.stop()
     assert status == 0, ranks.output()
     assert set(ranks.pids()) == {0, 1}
-    assert m["kvmetal_kv_pool_bytes"] == 6 * HALF_BLOCK_BYTES  # rank 0 holds its one kv head of two
-    assert m["kvmetal_preemptions"] > 0 and m["kvmetal_kv_peak_used_bytes"] <= 6 * HALF_BLOCK_BYTES
+    assert first == expected  # tensor parallel over 2 ranks = mlx-lm in one process, greedy
+    assert together == alone
+    assert m["kvmetal_kv_pool_bytes"] == 4 * HALF_BLOCK_BYTES  # rank 0 holds its one kv head of two
+    assert m["kvmetal_preemptions"] > 0 and m["kvmetal_kv_peak_used_bytes"] <= 4 * HALF_BLOCK_BYTES
 
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
@@ -154,9 +179,7 @@ def test_a_dead_rank_stops_the_server_instead_of_hanging(launch_ok, model_dir, h
             assert time.monotonic() - started < 30, "rank 0 kept running after rank 1 died"
             time.sleep(0.1)
     finally:
-        if ranks.proc.poll() is None:
-            os.killpg(ranks.proc.pid, signal.SIGKILL)
-        ranks.proc.wait()
+        ranks.kill()
     out = ranks.output()
     expected = "the engine loop died" if how == "killed" else "another rank has probably died"
     assert expected in out, out[-2000:]
