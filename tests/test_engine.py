@@ -242,6 +242,10 @@ def test_bad_requests_raise():
             engine.add_request([], max_tokens=1)
         with pytest.raises(ValueError, match=r"\[Engine.add_request\] max_tokens"):
             engine.add_request([1], max_tokens=0)
+        for bad in ([1, -2], [1.5], [True], ["3"], [512]):  # the tiny model's vocabulary is 512
+            with pytest.raises(ValueError, match=r"prompt token ids must be ints >= 0 and < 512"):
+                engine.add_request(bad, max_tokens=1)
+        assert engine.add_request(np.array([1, 511]), max_tokens=1) is not None
         engine.add_request([1], max_tokens=1, request_id="a")
         with pytest.raises(ValueError, match=r"already in use"):
             engine.add_request([1], max_tokens=1, request_id="a")

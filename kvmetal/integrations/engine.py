@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import KVCacheFull
 from .mlx_lm import use_paged_cache
@@ -194,9 +195,16 @@ class Engine:
         Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
         empty pool; a request that outgrows the pool later finishes with "length"."""
         self._check_open("add_request")
-        prompt = [int(t) for t in prompt]
+        prompt = list(prompt)
         if not prompt:
             raise ValueError("[Engine.add_request] prompt must hold at least one token")
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        for t in prompt:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0 or (
+                    vocab is not None and t >= vocab):
+                bound = f" and < {vocab} (the vocabulary)" if vocab is not None else ""
+                raise ValueError(f"[Engine.add_request] prompt token ids must be ints >= 0{bound}, got {t!r}")
+        prompt = [int(t) for t in prompt]
         _check_count("max_tokens", max_tokens)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"[Engine.add_request] sampling must be a SamplingParams or None, got {sampling!r}")

@@ -8,5 +8,9 @@ Needs the ``serve`` extra (FastAPI + uvicorn). Modules, one job each:
     metrics       counters and the ``/metrics`` text
     protocol      OpenAI request fields -> validated generation parameters
     app           the FastAPI routes
+    server        build and run them (engine on the main thread, HTTP on another);
+                  ``ServerProcess`` for tests and the load script
+    distributed   serving across ranks under mlx.launch
+    tiny          a tiny model directory with a real tokenizer (tests, load script)
     cli           the ``kvmetal serve`` command line
 """

@@ -72,13 +72,15 @@ def model_identity(model_dir) -> dict:
 
 def cache_format(model_cache) -> dict:
     """The layout a block must have to be loaded into ``model_cache``."""
-    pools = model_cache.pools
-    return {
-        "block_size": model_cache.block_size,
-        "groups": [{"window": w, "layers": p.num_layers, "kv_heads": p.num_kv_heads, "head_dim": p.head_dim,
-                    "dtype": str(p.dtype), "k_bits": p.k_bits, "v_bits": p.v_bits, "group_size": p.group_size}
-                   for p, w in zip(pools, model_cache.windows)],
-    }
+    groups = []
+    for pool, window in zip(model_cache.pools, model_cache.windows):
+        group = {"window": window, "layers": pool.num_layers, "kv_heads": pool.num_kv_heads,
+                 "head_dim": pool.head_dim, "dtype": str(pool.dtype), "k_bits": pool.k_bits, "v_bits": pool.v_bits}
+        for name in ("group_size", "k_group_size", "v_group_size"):  # whichever the pool has
+            if hasattr(pool, name):
+                group[name] = getattr(pool, name)
+        groups.append(group)
+    return {"block_size": model_cache.block_size, "groups": groups}
 
 
 def _layer_arrays(cache) -> list:
