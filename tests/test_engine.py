@@ -274,4 +274,4 @@ def test_quantized_sliding_window_layers_release_blocks_in_a_fixed_pool():
         assert engine.requests[rid].output == expected
     # The full layers keep every block (69 tokens: 9); the window layers keep about window / block_size.
     assert max(f for _, f in held) == 9
-    assert max(w for w, _ in held[3:]) <= 5 and held[-1][0] < held[-1][1]
+    assert max(w for w, _ in held[3:]) <= 24 // 8 + 3 and held[-1][0] < held[-1][1]

@@ -23,12 +23,14 @@ httpx = pytest.importorskip("httpx")
 import mlx.core as mx  # noqa: E402
 
 from kvmetal.serve import metrics  # noqa: E402
-from kvmetal.serve.memory import blocks_under_cap, bytes_per_block, parse_memory  # noqa: E402
+from kvmetal.integrations.model_cache import LayerSpec  # noqa: E402
+from kvmetal.serve.memory import blocks_under_cap, bytes_per_block, parse_memory, pool_bytes  # noqa: E402
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 64 * 4  # layers * (K, V) * kv heads * block tokens * head_dim * float32
 CAP_BLOCKS = 12
+SPECS = [LayerSpec(None, 2, 64, mx.float32)] * 2  # the tiny llama's two layers
 SYSTEM = ("You are a helpful assistant. Answer the question briefly and say when you do not know. "
           "The paged cache keeps keys and values in fixed blocks.")
 QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.",
@@ -103,14 +105,14 @@ def test_kv_memory_parsing_and_pool_size():
     for bad in ("", "8 parsecs", "-1GB", "0", "GB"):
         with pytest.raises(ValueError, match=r"kv-memory"):
             parse_memory(bad)
-    from kvmetal.integrations.model_cache import LayerSpec
-
-    specs = [LayerSpec(None, 2, 64, mx.float32)] * 2
-    assert bytes_per_block(specs, block_size=16, k_bits=None, v_bits=None) == BLOCK_BYTES
-    assert blocks_under_cap(specs, 10 * BLOCK_BYTES + 5, block_size=16, k_bits=None, v_bits=None) == 10
-    assert blocks_under_cap(specs, 10 * BLOCK_BYTES, block_size=16, k_bits=8, v_bits=4) > 30  # K8/V4 is smaller
+    assert bytes_per_block(SPECS, block_size=16, k_bits=None, v_bits=None) == BLOCK_BYTES
+    for cap, bits in ((10 * BLOCK_BYTES + 5, None), (10 * BLOCK_BYTES, 8), (3 * BLOCK_BYTES, 4)):
+        n = blocks_under_cap(SPECS, cap, block_size=16, k_bits=bits, v_bits=bits)
+        assert pool_bytes(SPECS, n, block_size=16, k_bits=bits, v_bits=bits) <= cap  # the whole pool, under the cap
+        assert pool_bytes(SPECS, n + 1, block_size=16, k_bits=bits, v_bits=bits) > cap  # and no block left out
+    assert blocks_under_cap(SPECS, 10 * BLOCK_BYTES, block_size=16, k_bits=8, v_bits=4) > 30  # K8/V4 is smaller
     with pytest.raises(ValueError, match=r"hold no block"):
-        blocks_under_cap(specs, BLOCK_BYTES - 1, block_size=16, k_bits=None, v_bits=None)
+        blocks_under_cap(SPECS, BLOCK_BYTES - 1, block_size=16, k_bits=None, v_bits=None)
 
 
 # ---------------------------------------------------------------------------- the server
@@ -214,8 +216,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         assert error["message"] and error["type"] and error["param"] == param, (body, error)
     # A prompt that can never fit under the cap: 400 with the numbers.
     too_long = "The paged cache keeps keys and values in fixed blocks. " * 40
+    usable = blocks_under_cap(SPECS, CAP_BLOCKS * BLOCK_BYTES, block_size=16, k_bits=None, v_bits=None)
     with pytest.raises(openai.BadRequestError, match=r"the prompt has \d+ tokens; the KV cache cap holds at most "
-                                                     rf"{CAP_BLOCKS * 16} tokens"):
+                                                     rf"{usable * 16} tokens"):
         client(capped).completions.create(model=str(model_dir), prompt=too_long, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match=r"this request needs \d+ tokens \(\d+ in the prompt, 500 to "
                                                      r"generate\)"):
