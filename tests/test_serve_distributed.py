@@ -181,5 +181,7 @@ def test_a_dead_rank_stops_the_server_instead_of_hanging(launch_ok, model_dir, h
     finally:
         ranks.kill()
     out = ranks.output()
-    expected = "the engine loop died" if how == "killed" else "another rank has probably died"
-    assert expected in out, out[-2000:]
+    if how == "killed":  # rank 0 reports the lost peer, unless mlx.launch stopped it first
+        assert "the engine loop died" in out or "rank 1 exited" in out, out[-2000:]
+    else:
+        assert "another rank has probably died" in out, out[-2000:]
