@@ -8,9 +8,9 @@ import sys
 COMMANDS = {
     "bench": ("kvmetal.benchmarks", "microbenchmarks of the kernels against MLX baselines"),
     "budget": ("kvmetal.budget", "KV-cache memory and decode-bandwidth arithmetic"),
+    "serve": ("kvmetal.serve.cli", "an OpenAI-compatible HTTP server over the paged cache"),
     "demo": ("kvmetal.integrations.demo", "continuous batching over a paged cache on a small random model"),
     "generate": ("kvmetal.integrations.generate", "generate with a local mlx-lm model using the paged cache"),
-    "serve": ("kvmetal.serve.cli", "an OpenAI-compatible HTTP server over the paged cache"),
 }
 
 
