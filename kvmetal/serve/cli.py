@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 DESCRIPTION = "an OpenAI-compatible HTTP server over the paged KV cache (continuous batching)"
+FULL_DESCRIPTION = ("kvmetal serve --model DIR: " + DESCRIPTION + ". Flag names follow mlx_lm.server "
+                           "where they overlap; needs the serve extra: pip install \"kvmetal[serve]\".")
 
 
 def _positive_int(text: str) -> int:
@@ -67,7 +69,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` on an argparse subparsers object; its handler is ``run_serve``."""
-    parser = subparsers.add_parser("serve", help=DESCRIPTION, description=__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser("serve", help=DESCRIPTION, description=FULL_DESCRIPTION)
     _configure(parser)
     parser.set_defaults(func=run_serve)
     return parser
@@ -116,10 +118,14 @@ def run_serve(args) -> int:
         return 2
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvmetal serve", description=__doc__.split("\n\n")[0])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmetal serve", description=FULL_DESCRIPTION)
     _configure(parser)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
 
 
 def main(argv=None) -> int:
