@@ -347,3 +347,10 @@ def test_cli_rejects_bad_options(model_dir, tmp_path, capsys):
     with pytest.raises(RuntimeError, match=r"did not start"):
         server.start()
     assert "hold no block" in server.output and server.proc.returncode == 2
+    with socket.socket() as taken:  # a port in use: exit with an error, not an engine serving nobody
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = ServerProcess(model_dir, taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match=r"did not start"):
+            server.start(timeout=60)
+    assert server.proc.returncode == 1 and "could not serve HTTP" in server.output

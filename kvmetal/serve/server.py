@@ -120,7 +120,19 @@ def run(args) -> int:
             return _follow(worker)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level=args.log_level.lower(), timeout_graceful_shutdown=5))
-        http = threading.Thread(target=server.run, name="kvmetal-http", daemon=True)
+        http_failed = []
+
+        def serve_http():
+            try:
+                server.run()
+            except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
+                http_failed.append(e)
+            finally:
+                if not server.should_exit:  # HTTP ended on its own: nothing can reach the engine
+                    http_failed.append(RuntimeError("the HTTP server stopped"))
+                    worker.stop()
+
+        http = threading.Thread(target=serve_http, name="kvmetal-http", daemon=True)
 
         def shutdown(signum, _frame):
             log.info("signal %d: shutting down", signum)
@@ -135,6 +147,9 @@ def run(args) -> int:
         finally:
             server.should_exit = True
             http.join(timeout=10)
+    if http_failed:
+        log.error("kvmetal serve: could not serve HTTP on %s:%d", args.host, args.port)
+        return 1
     return 1 if worker.failed else 0
 
 
