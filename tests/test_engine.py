@@ -275,3 +275,19 @@ def test_quantized_sliding_window_layers_release_blocks_in_a_fixed_pool():
     # The full layers keep every block (69 tokens: 9); the window layers keep about window / block_size.
     assert max(f for _, f in held) == 9
     assert max(w for w, _ in held[3:]) <= 24 // 8 + 3 and held[-1][0] < held[-1][1]
+
+
+def test_prefill_budget_spreads_admissions_over_steps_without_changing_tokens():
+    model = tiny_models.build("llama")
+    prompts = [list(range(i * 50, i * 50 + 40)) for i in range(4)]
+    expected = [one_at_a_time(model, p, 6) for p in prompts]
+    with Engine(model, max_prefill_tokens=50) as engine:
+        ids = [engine.add_request(p, max_tokens=6) for p in prompts]
+        running = []
+        while engine.has_work():
+            engine.step()
+            running.append(len(engine.running))
+        assert running[:4] == [1, 2, 3, 4]  # one 40-token prompt per step, decode in between
+        assert [engine.requests[i].output for i in ids] == expected
+    with pytest.raises(ValueError, match=r"max_prefill_tokens"):
+        Engine(model, max_prefill_tokens=0)

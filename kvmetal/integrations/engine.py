@@ -133,13 +133,16 @@ class Engine:
         keep_finished: keep finished requests in ``requests`` (a server turns this off).
         on_finish: called with a request that finished normally, before its blocks are
             freed (a prefix store reads them there).
+        max_prefill_tokens: prompt tokens one step may compute before it decodes (at least
+            one prompt is always admitted); bounds the pause running requests see when
+            many prompts arrive at once. None: admit everything that fits.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
                  v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy,
-                 keep_finished: bool = True, on_finish=None):
+                 keep_finished: bool = True, on_finish=None, max_prefill_tokens: int | None = None):
         self.model = model
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
                                       v_bits=v_bits)
@@ -149,6 +152,9 @@ class Engine:
         self.sampler = sampler
         self.keep_finished = keep_finished
         self.on_finish = on_finish
+        if max_prefill_tokens is not None:
+            _check_count("max_prefill_tokens", max_prefill_tokens)
+        self.max_prefill_tokens = max_prefill_tokens
         # Across ranks (``kvmetal serve`` under mlx.launch): maps this rank's sampled tokens to
         # rank 0's, so that every rank appends the same tokens and stays in lockstep.
         self.token_sync = None
@@ -275,9 +281,13 @@ class Engine:
 
     def _admit(self) -> list:
         events = []
+        budget = self.max_prefill_tokens
+        computed = 0
         while self.waiting:
             request = self.waiting[0]
             tokens = request.tokens  # a preempted request resumes from here
+            if budget is not None and computed and computed + len(tokens) > budget:
+                break  # decode first; the rest joins at the next steps
             try:
                 if self.prefix_sharing:
                     start = self.cache.add_sequence(request.request_id, tokens)
@@ -294,6 +304,7 @@ class Engine:
             request.cached_prompt_tokens = start
             self.prompt_tokens_cached += start
             self.prompt_tokens_computed += len(tokens) - start
+            computed += len(tokens) - start
             caches = self.cache.layer_caches([request.request_id], [start])
             logits = self.model(mx.array(tokens[start:])[None], cache=caches)
             token = self._sample([request], logits[:, -1, :])[0]

@@ -66,7 +66,8 @@ def build_server(args, sync=None):
             num_blocks = sync.share_int(num_blocks)  # identical pools, identical block tables
         loaded["num_blocks"] = num_blocks
         engine = Engine(model, block_size=args.block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                        prefix_sharing=not args.no_prefix_sharing, keep_finished=False)
+                        prefix_sharing=not args.no_prefix_sharing, keep_finished=False,
+                        max_prefill_tokens=args.max_prefill_tokens)
         if sync is not None:
             engine.token_sync = sync.share_tokens
         return engine
