@@ -164,7 +164,7 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     worker = state.worker
     if worker.failed:
         raise APIError(worker.failed, status=503, type_="server_error")
-    prompt = _tokenize(state, req)
+    prompt = await asyncio.to_thread(_tokenize, state, req)  # a long prompt must not stall other streams
     if not prompt:
         raise APIError("the prompt encodes to no tokens", param="messages" if chat else "prompt")
     if not chat and isinstance(req.prompt, list) and max(prompt) >= len(state.tokenizer):
