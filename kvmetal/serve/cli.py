@@ -56,7 +56,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
                             "recommended working set (default: no cap, the pool grows on demand)")
     add("--prompt-cache-dir", help="keep published prefix blocks in this directory across restarts")
     add("--max-prefill-tokens", type=_positive_int, default=512,
-        help="prompt tokens one engine step may compute before decoding the running requests (default 512; one prompt always fits)")
+        help="prompt tokens one engine step may compute before decoding the running requests "
+             "(default 512; one prompt is always admitted)")
     add("--no-prefix-sharing", action="store_true", help="do not share prompt blocks between requests")
     add("--chat-template", help="a Jinja chat template that replaces the tokenizer's")
     add("--chat-template-args", help="JSON object of extra arguments for the chat template, "
