@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import metrics, protocol
 from .protocol import APIError
+from .worker import LoopSink
 
 log = logging.getLogger("kvmetal.serve")
 
@@ -174,7 +175,7 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
     deliveries: asyncio.Queue = asyncio.Queue()
-    sink = lambda d: loop.call_soon_threadsafe(deliveries.put_nowait, d)  # noqa: E731 (engine thread)
+    sink = LoopSink(loop, deliveries)  # called on the engine thread
     eos = frozenset(int(t) for t in getattr(state.tokenizer, "eos_token_ids", ()) or ())
     try:
         worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=req.sampling, stop_token_ids=eos,

@@ -19,6 +19,35 @@ from ..integrations.engine import Engine, Event
 log = logging.getLogger("kvmetal.serve")
 
 
+class LoopSink:
+    """A sink that puts deliveries on an asyncio queue of ``loop``; the worker hands all of
+    one step's deliveries for a loop over in one thread-safe call (one wake-up per step,
+    not one per token)."""
+
+    def __init__(self, loop, queue_):
+        self.loop, self.queue = loop, queue_
+
+    def __call__(self, delivery) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, delivery)
+
+
+def _put_all(items) -> None:
+    for q, delivery in items:
+        q.put_nowait(delivery)
+
+
+def deliver(pairs) -> None:
+    """Hand (sink, delivery) pairs over, batching those of LoopSinks per event loop."""
+    by_loop: dict = {}
+    for sink, delivery in pairs:
+        if isinstance(sink, LoopSink):
+            by_loop.setdefault(sink.loop, []).append((sink.queue, delivery))
+        else:
+            sink(delivery)
+    for loop, items in by_loop.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
 @dataclass(frozen=True)
 class Delivery:
     """What a request's sink receives: an engine event, or an error (then nothing follows)."""
@@ -193,6 +222,7 @@ class EngineWorker:
             return
         now = time.monotonic()
         generated = 0
+        out = []
         for event in events:
             request = engine.requests.get(event.request_id)
             sink = self._sinks.get(event.request_id)
@@ -203,7 +233,8 @@ class EngineWorker:
                 self.finished[event.finish_reason] = self.finished.get(event.finish_reason, 0) + 1
             if sink is not None:
                 cached = request.cached_prompt_tokens if request is not None else 0
-                sink(Delivery(event, cached))
+                out.append((sink, Delivery(event, cached)))
+        deliver(out)
         self._recent.append((now, generated))
         while self._recent and now - self._recent[0][0] > 10:
             self._recent.popleft()
