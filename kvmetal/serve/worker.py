@@ -28,7 +28,14 @@ class LoopSink:
         self.loop, self.queue = loop, queue_
 
     def __call__(self, delivery) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, delivery)
+        _call_soon(self.loop, self.queue.put_nowait, delivery)
+
+
+def _call_soon(loop, fn, arg) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:  # the loop is closed (HTTP shut down first): nobody is waiting
+        pass
 
 
 def _put_all(items) -> None:
@@ -45,7 +52,7 @@ def deliver(pairs) -> None:
         else:
             sink(delivery)
     for loop, items in by_loop.items():
-        loop.call_soon_threadsafe(_put_all, items)
+        _call_soon(loop, _put_all, items)
 
 
 @dataclass(frozen=True)
