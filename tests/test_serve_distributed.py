@@ -29,7 +29,9 @@ from kvmetal.serve.tiny import build_model_dir  # noqa: E402
 
 HALF_BLOCK_BYTES = 2 * 2 * 1 * 16 * 64 * 4  # per rank: layers * (K, V) * 1 kv head * 16 tokens * 64 * float32
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-KVMETAL = Path(__file__).resolve().parents[1]
+import kvmetal  # noqa: E402
+
+KVMETAL = Path(kvmetal.__file__).resolve().parents[1]  # run where this process found kvmetal
 
 
 def free_port(count: int = 1) -> int:
