@@ -197,8 +197,21 @@ def test_concurrent_clients_match_alone_and_kv_stays_under_the_cap(capped):
     assert max(s["kvmetal_kv_used_bytes"] for s in samples) > 0
     assert all(s["kvmetal_kv_used_bytes"] <= cap and s["kvmetal_kv_pool_bytes"] <= cap for s in samples)
     assert after["kvmetal_kv_peak_used_bytes"] <= cap and after["kvmetal_kv_cap_bytes"] == cap
+    assert after["kvmetal_ranks"] == 1
     # the shared system prompt was found in the prefix cache
     assert after["kvmetal_prompt_tokens_cached"] > before["kvmetal_prompt_tokens_cached"]
+
+
+def test_the_next_turn_of_a_chat_reuses_the_blocks_of_the_last(capped):
+    c = client(capped)
+    turn = [{"role": "user", "content": "Tell me about the paged cache and how blocks are shared between requests."}]
+    first = c.chat.completions.create(model=capped.model, messages=turn, max_tokens=40)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And quantized keys?"}]
+    second = c.chat.completions.create(model=capped.model, messages=turn, max_tokens=8)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # at least the first turn's full prompt blocks come from the cache, not the model
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16) > 0
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, model_dir):

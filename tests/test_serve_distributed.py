@@ -162,6 +162,7 @@ def test_two_ranks_answer_like_one_process_with_half_the_kv_per_rank(launch_ok, 
     assert set(ranks.pids()) == {0, 1}
     assert first == expected  # tensor parallel over 2 ranks = mlx-lm in one process, greedy
     assert together == alone
+    assert m["kvmetal_ranks"] == 2
     assert m["kvmetal_kv_pool_bytes"] == 4 * HALF_BLOCK_BYTES  # rank 0 holds its one kv head of two
     assert m["kvmetal_preemptions"] > 0 and m["kvmetal_kv_peak_used_bytes"] <= 4 * HALF_BLOCK_BYTES
 

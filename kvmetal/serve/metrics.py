@@ -3,6 +3,7 @@ from __future__ import annotations
 
 # name in the snapshot -> (metric type, help)
 METRICS = {
+    "ranks": ("gauge", "Ranks serving together under mlx.launch (KV byte figures are rank 0's)."),
     "requests_running": ("gauge", "Requests decoding now."),
     "requests_waiting": ("gauge", "Requests waiting for KV blocks (new or preempted)."),
     "generated_tokens": ("counter", "Output tokens generated."),

@@ -289,6 +289,7 @@ class EngineWorker:
         previous = self._published
         store = self.store
         self._published = {
+            "ranks": self.sync.size if self.sync is not None else 1,
             "requests_running": len(engine.running),
             "requests_waiting": len(engine.waiting),
             "requests_finished": dict(self.finished),
