@@ -181,10 +181,12 @@ def test_a_dead_rank_stops_the_server_instead_of_hanging(launch_ok, model_dir, h
         while running(pids[0]):
             assert time.monotonic() - started < 30, "rank 0 kept running after rank 1 died"
             time.sleep(0.1)
+        # rank 0 said why (unless mlx.launch stopped it first when rank 1 was killed);
+        # give the launcher a moment to forward its last lines
+        said = ("the engine loop died", "rank 1 exited") if how == "killed" else ("another rank has probably died",)
+        while not any(s in ranks.output() for s in said) and time.monotonic() - started < 40:
+            time.sleep(0.1)
     finally:
         ranks.kill()
     out = ranks.output()
-    if how == "killed":  # rank 0 reports the lost peer, unless mlx.launch stopped it first
-        assert "the engine loop died" in out or "rank 1 exited" in out, out[-2000:]
-    else:
-        assert "another rank has probably died" in out, out[-2000:]
+    assert any(s in out for s in said), out[-2000:]
