@@ -20,17 +20,15 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import mlx.core as mx  # noqa: E402
 
 from kvmetal.serve import metrics  # noqa: E402
-from kvmetal.integrations.model_cache import LayerSpec  # noqa: E402
-from kvmetal.serve.memory import blocks_under_cap, bytes_per_block, parse_memory, pool_bytes  # noqa: E402
+from kvmetal.integrations import tiny_models  # noqa: E402
+from kvmetal.serve.memory import blocks_under_cap, model_pool_bytes, parse_memory  # noqa: E402
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 64 * 4  # layers * (K, V) * kv heads * block tokens * head_dim * float32
 CAP_BLOCKS = 12
-SPECS = [LayerSpec(None, 2, 64, mx.float32)] * 2  # the tiny llama's two layers
 SYSTEM = ("You are a helpful assistant. Answer the question briefly and say when you do not know. "
           "The paged cache keeps keys and values in fixed blocks.")
 QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.",
@@ -38,6 +36,16 @@ QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea
              "What happens when the pool runs out?", "How many bits do values keep?",
              "Servers batch many requests.", "Say something about Lyon.", "Quantized keys keep eight bits.",
              "A block table maps every sequence."]
+
+
+_LAYOUT_MODEL = []
+
+
+def kv_layout_model():
+    """A model with the served model's KV layout (2 layers, 2 kv heads, head_dim 64, float32)."""
+    if not _LAYOUT_MODEL:
+        _LAYOUT_MODEL.append(tiny_models.build("llama"))
+    return _LAYOUT_MODEL[0]
 
 
 def free_port() -> int:
@@ -116,14 +124,15 @@ def test_kv_memory_parsing_and_pool_size():
     for bad in ("", "8 parsecs", "-1GB", "0", "GB"):
         with pytest.raises(ValueError, match=r"kv-memory"):
             parse_memory(bad)
-    assert bytes_per_block(SPECS, block_size=16, k_bits=None, v_bits=None) == BLOCK_BYTES
+    measure = {bits: (lambda n, b=bits: model_pool_bytes(kv_layout_model(), n, block_size=16, k_bits=b, v_bits=b))
+               for bits in (None, 8, 4)}
+    assert measure[None](2) - measure[None](1) == BLOCK_BYTES
     for cap, bits in ((10 * BLOCK_BYTES + 5, None), (10 * BLOCK_BYTES, 8), (3 * BLOCK_BYTES, 4)):
-        n = blocks_under_cap(SPECS, cap, block_size=16, k_bits=bits, v_bits=bits)
-        assert pool_bytes(SPECS, n, block_size=16, k_bits=bits, v_bits=bits) <= cap  # the whole pool, under the cap
-        assert pool_bytes(SPECS, n + 1, block_size=16, k_bits=bits, v_bits=bits) > cap  # and no block left out
-    assert blocks_under_cap(SPECS, 10 * BLOCK_BYTES, block_size=16, k_bits=8, v_bits=4) > 30  # K8/V4 is smaller
+        n = blocks_under_cap(measure[bits], cap, block_size=16)
+        assert measure[bits](n) <= cap < measure[bits](n + 1)  # the whole pool under the cap, no block left out
+    assert blocks_under_cap(measure[8], 10 * BLOCK_BYTES, block_size=16) > 30  # K8 is smaller than float32
     with pytest.raises(ValueError, match=r"hold no block"):
-        blocks_under_cap(SPECS, BLOCK_BYTES - 1, block_size=16, k_bits=None, v_bits=None)
+        blocks_under_cap(measure[None], BLOCK_BYTES - 1, block_size=16)
 
 
 # ---------------------------------------------------------------------------- the server
@@ -239,7 +248,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         assert error["message"] and error["type"] and error["param"] == param, (body, error)
     # A prompt that can never fit under the cap: 400 with the numbers.
     too_long = "The paged cache keeps keys and values in fixed blocks. " * 40
-    usable = blocks_under_cap(SPECS, CAP_BLOCKS * BLOCK_BYTES, block_size=16, k_bits=None, v_bits=None)
+    usable = blocks_under_cap(lambda n: model_pool_bytes(kv_layout_model(), n, block_size=16),
+                              CAP_BLOCKS * BLOCK_BYTES, block_size=16)
     with pytest.raises(openai.BadRequestError, match=r"the prompt has \d+ tokens; the KV cache cap holds at most "
                                                      rf"{usable * 16} tokens"):
         client(capped).completions.create(model=str(model_dir), prompt=too_long, max_tokens=4)
@@ -367,8 +377,11 @@ def test_cli_rejects_bad_options(model_dir, tmp_path, capsys):
     assert "not a model directory" in capsys.readouterr().err
     assert main(["--model", str(model_dir), "--kv-memory", "lots"]) == 2
     assert "kv-memory" in capsys.readouterr().err
-    assert main(["--model", str(model_dir), "--kv-group-size", "32"]) == 2
-    assert "kv-group-size" in capsys.readouterr().err
+    from kvmetal.serve.cli import group_sizes_supported
+
+    if not group_sizes_supported():  # then only the default group size can be served
+        assert main(["--model", str(model_dir), "--kv-group-size", "32"]) == 2
+        assert "kv-group-size" in capsys.readouterr().err
     server = ServerProcess(model_dir, free_port(), "--kv-memory", "100B")
     with pytest.raises(RuntimeError, match=r"did not start"):
         server.start()

@@ -128,6 +128,8 @@ class Engine:
     Args:
         model: an mlx-lm model of a family ``use_paged_cache`` supports.
         block_size, num_blocks, k_bits, v_bits: the paged cache (``num_blocks=None`` grows).
+        k_group_size, v_group_size: quantization group sizes, passed to ``use_paged_cache``
+            when given (None: its default).
         prefix_sharing: share full prompt blocks between requests with equal prefixes.
         sampler: logits [S, V] -> token ids [S] for requests without ``sampling``; greedy by default.
         keep_finished: keep finished requests in ``requests`` (a server turns this off).
@@ -142,10 +144,12 @@ class Engine:
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
                  v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy,
-                 keep_finished: bool = True, on_finish=None, max_prefill_tokens: int | None = None):
+                 keep_finished: bool = True, on_finish=None, max_prefill_tokens: int | None = None,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
         self.model = model
+        groups = {k: v for k, v in (("k_group_size", k_group_size), ("v_group_size", v_group_size)) if v is not None}
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
-                                      v_bits=v_bits)
+                                      v_bits=v_bits, **groups)
         self.cache = self.handle.new_model_cache()
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing

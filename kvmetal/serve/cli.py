@@ -48,7 +48,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--top-k", type=int, default=0, help="default top-k sampling (default 0: off)")
     add("--min-p", type=_fraction, default=0.0, help="default min-p sampling (default 0: off)")
     add("--kv-bits", type=int, choices=bits, help="quantize K and V to these bits (mlx-lm's flag)")
-    add("--kv-group-size", type=int, default=64, help="quantization group size (kvmetal's pool uses 64)")
+    add("--kv-group-size", type=_positive_int, default=64, help="quantization group size of K and V (default 64)")
     add("--k-bits", type=int, choices=bits, help="quantize K to these bits (overrides --kv-bits for K)")
     add("--v-bits", type=int, choices=bits, help="quantize V to these bits (overrides --kv-bits for V)")
     add("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per KV block (default 16)")
@@ -78,12 +78,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def group_sizes_supported() -> bool:
+    """Whether ``use_paged_cache`` takes quantization group sizes."""
+    import inspect
+
+    from ..integrations.mlx_lm import use_paged_cache
+
+    return "k_group_size" in inspect.signature(use_paged_cache).parameters
+
+
 def check_args(args) -> str | None:
     """A one-line problem with the options, or None."""
     if not (Path(args.model) / "config.json").is_file():
         return f"--model {args.model!r} is not a model directory (no config.json)"
-    if args.kv_group_size != 64:
-        return "--kv-group-size: kvmetal's paged pool quantizes in groups of 64"
+    if args.kv_group_size != 64 and not group_sizes_supported():
+        return "--kv-group-size: this kvmetal's paged pool quantizes in groups of 64"
     if args.chat_template_args:
         try:
             if not isinstance(json.loads(args.chat_template_args), dict):

@@ -42,29 +42,26 @@ def parse_memory(text: str) -> int:
     return value
 
 
-def pool_bytes(specs, num_blocks: int, *, block_size: int, k_bits, v_bits) -> int:
-    """Bytes a cache of ``num_blocks`` blocks per group pool allocates, measured on one."""
-    from ..integrations.model_cache import PagedModelCache
+def blocks_under_cap(pool_bytes_of, cap_bytes: int, *, block_size: int) -> int:
+    """Blocks per group pool so that the whole cache, fixed overhead included, stays <= ``cap_bytes``.
 
-    return PagedModelCache(specs, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits).nbytes
-
-
-def bytes_per_block(specs, *, block_size: int, k_bits, v_bits) -> int:
-    """Bytes one more block costs across every layer group."""
-    kw = dict(block_size=block_size, k_bits=k_bits, v_bits=v_bits)
-    return pool_bytes(specs, 2, **kw) - pool_bytes(specs, 1, **kw)
-
-
-def blocks_under_cap(specs, cap_bytes: int, *, block_size: int, k_bits, v_bits) -> int:
-    """Blocks per group pool so that the whole cache, fixed overhead included, stays <= ``cap_bytes``."""
-    kw = dict(block_size=block_size, k_bits=k_bits, v_bits=v_bits)
-    per_block = bytes_per_block(specs, **kw)
-    fixed = pool_bytes(specs, 1, **kw) - per_block  # e.g. a reserved padding block per pool
+    ``pool_bytes_of(n)``: the bytes a cache with ``n`` blocks per group pool allocates
+    (measured on real caches, so every layout detail is counted)."""
+    one, two = pool_bytes_of(1), pool_bytes_of(2)
+    per_block, fixed = two - one, 2 * one - two  # fixed: e.g. a reserved padding block per pool
     blocks = (cap_bytes - fixed) // per_block
     if blocks < 1:
         raise ValueError(f"[kv-memory] {cap_bytes} bytes hold no block: one block of {block_size} tokens "
                          f"takes {per_block} bytes across the model's layers (plus {fixed} bytes per cache)")
     return int(blocks)
+
+
+def model_pool_bytes(model, num_blocks: int, **cache_options) -> int:
+    """Bytes of the paged cache ``use_paged_cache(model, num_blocks=..., **cache_options)`` builds."""
+    from ..integrations.mlx_lm import use_paged_cache
+
+    with use_paged_cache(model, num_blocks=num_blocks, **cache_options) as handle:
+        return handle.new_model_cache().nbytes
 
 
 def format_bytes(n: int) -> str:

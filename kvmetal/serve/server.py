@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from .memory import blocks_under_cap, format_bytes, parse_memory
+from .memory import blocks_under_cap, format_bytes, model_pool_bytes, parse_memory
 from .protocol import Defaults
 
 log = logging.getLogger("kvmetal.serve")
@@ -37,7 +37,6 @@ def build_server(args, sync=None):
     With ``sync`` (serving across ranks) the model is loaded sharded over its group and
     the pool takes rank 0's size; every rank calls this, in the same order."""
     from ..integrations.engine import Engine
-    from ..integrations.mlx_lm import layer_specs
     from .app import ServeState, create_app
     from .prefix_store import PrefixStore, model_identity
     from .worker import EngineWorker
@@ -45,6 +44,8 @@ def build_server(args, sync=None):
     model_dir = Path(args.model)
     cap = parse_memory(args.kv_memory) if args.kv_memory else None
     k_bits, v_bits = _cache_bits(args)
+    groups = {} if args.kv_group_size == 64 else {"k_group_size": args.kv_group_size,
+                                                   "v_group_size": args.kv_group_size}
     loaded = {}
 
     def build():
@@ -59,15 +60,15 @@ def build_server(args, sync=None):
             model, tokenizer = sharded_load(str(model_dir), tensor_group=sync.group, tokenizer_config=config or None)
         loaded["tokenizer"] = tokenizer
         num_blocks = None
+        options = dict(block_size=args.block_size, k_bits=k_bits, v_bits=v_bits, **groups)
         if cap is not None:  # a cap per rank: each rank's pools hold its own kv heads
-            num_blocks = blocks_under_cap(layer_specs(model), cap, block_size=args.block_size, k_bits=k_bits,
-                                          v_bits=v_bits)
+            num_blocks = blocks_under_cap(lambda n: model_pool_bytes(model, n, **options), cap,
+                                          block_size=args.block_size)
         if sync is not None:
             num_blocks = sync.share_int(num_blocks)  # identical pools, identical block tables
         loaded["num_blocks"] = num_blocks
-        engine = Engine(model, block_size=args.block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                        prefix_sharing=not args.no_prefix_sharing, keep_finished=False,
-                        max_prefill_tokens=args.max_prefill_tokens)
+        engine = Engine(model, num_blocks=num_blocks, prefix_sharing=not args.no_prefix_sharing,
+                        keep_finished=False, max_prefill_tokens=args.max_prefill_tokens, **options)
         if sync is not None:
             engine.token_sync = sync.share_tokens
         return engine
