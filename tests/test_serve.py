@@ -20,7 +20,6 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-
 from kvmetal.serve import metrics  # noqa: E402
 from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.serve.memory import blocks_under_cap, model_pool_bytes, parse_memory  # noqa: E402
