@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "bench": ("kvmetal.benchmarks", "microbenchmarks of the kernels against MLX baselines"),
     "budget": ("kvmetal.budget", "KV-cache memory and decode-bandwidth arithmetic"),
+    "serve": ("kvmetal.serve.cli", "an OpenAI-compatible HTTP server over the paged cache"),
     "demo": ("kvmetal.integrations.demo", "continuous batching over a paged cache on a small random model"),
     "generate": ("kvmetal.integrations.generate", "mlx-lm generate with the paged cache (model directory or Hugging Face repo id)"),
 }
