@@ -1,12 +1,16 @@
-"""Builders for hostile paged-attention test cases, shared by the test modules.
+"""Shared test helpers: the tolerance table, the relative-error check, the hostile
+paged-cache builder, the backends the kernel tests run on, and a one-kernel runner
+for the simulator tests.
 
-Every builder poisons what no sequence owns with NaN (unused blocks, the tail of a
+The builder poisons what no sequence owns with NaN (unused blocks, the tail of a
 sequence's last block, quantized scales included) and fills block-table entries past a
-sequence's last used block with an out-of-range id, so a kernel that reads anything it
-should not fails loudly.
+sequence's last used block with an out-of-range id (or, for kernels that must not be
+handed ids outside the cache, a spare block that is all NaN), so a kernel that reads
+anything it should not fails loudly.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -18,13 +22,15 @@ from kvmetal import quant
 # max |out - oracle| / max |oracle|, per docs/design.md
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+SEEDS = (0, 1)  # simulator schedule seeds (and data seeds) of the kernel tests
 
 
 def rel_error(out, ref) -> float:
+    """max |out - ref| / max |ref|; fails on NaN/inf in ``out`` (a read of a poisoned slot)."""
     out = np.array(out.astype(mx.float32), dtype=np.float64) if isinstance(out, mx.array) else out
     ref = np.asarray(ref, dtype=np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.isfinite(out).all(), "output has NaN/inf"
+    assert np.isfinite(out).all(), "output has NaN/inf (a kernel read a poisoned slot?)"
     return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
@@ -50,14 +56,24 @@ def _poison(cache: np.ndarray, owned: np.ndarray) -> np.ndarray:
 
 
 def paged_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=mx.float16,
-               seed=0, spare_blocks=3, k_bits=None, v_bits=None, group_size=64) -> PagedCase:
-    """Random paged cache with shuffled block ids for the given sequence lengths."""
+               seed=0, spare_blocks=3, k_bits=None, v_bits=None, group_size=64,
+               pad_with_spare_block=False) -> PagedCase:
+    """Random paged cache with shuffled block ids for the given sequence lengths.
+
+    ``seed`` is an int or a ``np.random.Generator`` (drawn from in place). Table
+    entries past each sequence's blocks hold an id outside the cache, or with
+    ``pad_with_spare_block`` a real block no sequence owns (all NaN)."""
     rng = np.random.default_rng(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     max_blocks = max(blocks_per_seq) + 1  # one spare column: never read
     ids = rng.permutation(num_blocks)
-    tables = np.full((len(seq_lens), max_blocks), num_blocks + 1000, dtype=np.int32)
+    if pad_with_spare_block:
+        assert spare_blocks >= 1, "padding with a spare block needs spare_blocks >= 1"
+        pad = ids[-1]  # the permutation's tail is never handed to a sequence
+    else:
+        pad = num_blocks + 1000
+    tables = np.full((len(seq_lens), max_blocks), pad, dtype=np.int32)
     owned = np.zeros((num_blocks, block_size), dtype=bool)
     cursor = 0
     for s, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
@@ -82,8 +98,60 @@ def paged_case(seq_lens, *, num_heads=8, num_kv_heads=2, head_dim=64, block_size
 
 def free_slots(case: PagedCase, count: int, seed: int = 0) -> np.ndarray:
     """``count`` distinct slots no sequence owns (for writes that must not clobber live rows)."""
-    block_size = case.owned.shape[1]
     free = np.flatnonzero(~case.owned.reshape(-1))
     rng = np.random.default_rng(seed)
     assert free.size >= count
     return rng.choice(free, size=count, replace=False).astype(np.int32)
+
+
+def paged_cache(rng, *, lens, num_kv_heads, head_dim, block_size, dtype, spare_blocks=3):
+    """Float K/V caches for the kernel tests (``paged_case`` with tables padded by a
+    spare all-NaN block). Returns (key_cache, value_cache, block_tables, seq_lens)."""
+    case = paged_case(lens, num_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, seed=rng, spare_blocks=spare_blocks,
+                      pad_with_spare_block=True)
+    return case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+
+
+def maybe_quantize(cache, spec):
+    """``spec`` None keeps the float cache; (bits, group_size) quantizes it (NaN stays NaN)."""
+    if spec is None:
+        return cache
+    bits, group_size = spec
+    return quant.quantize(cache, bits=bits, group_size=group_size)
+
+
+def random(rng, shape, dtype):
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def kernel_backends() -> list:
+    """The simulator everywhere; the real Metal backend too on a Mac."""
+    return ["sim"] + (["metal"] if mx.metal.is_available() else [])
+
+
+@contextlib.contextmanager
+def run_on(backend: str, *, seed: int = 0):
+    """``use_backend(backend)``; for the simulator also strict checks and a schedule seed."""
+    with kv.use_backend(backend):
+        if backend == "sim":
+            from kvmetal import sim
+
+            with sim.trace(strict=True, seed=seed) as t:
+                yield t
+        else:
+            yield None
+
+
+def run1(source, inputs, out_shape, out_dtype=mx.float32, *, grid, threadgroup, names=None, header="",
+         template=None, init_value=None, **kw):
+    """Build a one-output simulator kernel from ``source`` and run it; returns the output as NumPy."""
+    from kvmetal import sim
+
+    names = names or [f"in{i}" for i in range(len(inputs))]
+    k = sim.metal_kernel(name=kw.pop("name", "t"), input_names=names, output_names=["out"], source=source,
+                         header=header, ensure_row_contiguous=kw.pop("ensure_row_contiguous", True),
+                         atomic_outputs=kw.pop("atomic_outputs", False))
+    (out,) = k(inputs=inputs, output_shapes=[out_shape], output_dtypes=[out_dtype], grid=grid,
+               threadgroup=threadgroup, template=template, init_value=init_value, **kw)
+    return np.array(out.astype(mx.float32) if out.dtype == mx.bfloat16 else out)

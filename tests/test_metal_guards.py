@@ -14,7 +14,7 @@ import kvmetal as kv
 from kvmetal import quant
 from kvmetal import reference as ref
 
-from test_metal_common import paged_cache, random, run_on
+from kvcases import paged_cache, random, run_on
 
 BLOCK, HEADS, D = 8, 2, 64
 BAD_IDS = (-1, 7, 2**31 - 1, -(2**31))  # 7 == N: one past the end

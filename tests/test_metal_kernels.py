@@ -16,8 +16,8 @@ from kvmetal import quant
 from kvmetal.backends import metal
 from kvmetal import reference as ref
 
-from test_metal_common import (SEEDS, TOLERANCE, kernel_backends, maybe_quantize, paged_cache, random,
-                               rel_err, run_on)
+from kvcases import (SEEDS, TOLERANCE, assert_close, kernel_backends, maybe_quantize, paged_cache, random,
+                     run_on)
 
 f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
 
@@ -66,7 +66,7 @@ def test_paged_attention(case, backend):
             out = kv.paged_attention(query, kc, vc, tables, seq_lens, num_splits=splits, **options)
             mx.eval(out)
         assert out.dtype == dtype and out.shape == query.shape
-        assert rel_err(out, expected) <= TOLERANCE[dtype]
+        assert_close(out, expected, dtype)
         if trace is not None:
             # The description's threadgroup memory is what the MSL declares.
             call = next(c for c in trace.calls if "paged_attention_partials" in c.name)
@@ -126,7 +126,7 @@ def test_decode_attention_reads_views_in_place(case, backend):
         with run_on(backend, seed=seed) as trace:
             out = kv.decode_attention(query, keys, values, softcap=softcap, sinks=sinks, num_splits=splits)
             mx.eval(out)
-        assert rel_err(out, expected) <= TOLERANCE[dtype]
+        assert_close(out, expected, dtype)
         if trace is not None and kq is None and view.startswith("slice"):
             # Read in place: the kernel's buffer spans the strided view, which a
             # compact copy (exactly keys.nbytes) would not.
@@ -159,7 +159,7 @@ def test_gather_kv_cache(case, backend):
     assert keys.dtype == dtype and values.dtype == dtype
     for out, exp in zip((keys, values), expected):
         assert out.shape == exp.shape
-        assert rel_err(out, exp) <= TOLERANCE[dtype]
+        assert_close(out, exp, dtype)
     # Rows past each sequence's length are exactly zero.
     k = np.array(keys.astype(mx.float32))
     for s, n in enumerate(lens):
@@ -197,7 +197,7 @@ def test_reshape_and_cache(case, backend):
         for out, exp in zip((kc, vc), expected):
             assert out.dtype == cache_dtype
             # Conversion only: exact up to the cache dtype's rounding of the new rows.
-            assert rel_err(out, exp) <= TOLERANCE[cache_dtype] / 10
+            assert_close(out, exp, cache_dtype, factor=0.1)
         return
     bits, group_size = qspec
     kq0, vq0 = quant.quantize(kc0, bits=bits, group_size=group_size), quant.quantize(vc0, bits=8, group_size=group_size)
@@ -295,7 +295,7 @@ def test_decode_attention_reads_quantized_views_in_place(backend):
     with run_on(backend, seed=1) as trace:
         out = kv.decode_attention(query, keys, values, num_splits=3)
         mx.eval(out)
-    assert rel_err(out, expected) <= TOLERANCE[f16]
+    assert_close(out, expected, f16)
     if trace is not None:
         call = next(c for c in trace.calls if "decode_attention_partials" in c.name)
         assert call.buffers["key_data"].size > keys.data.nbytes

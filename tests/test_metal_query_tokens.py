@@ -4,7 +4,7 @@ run by the simulator (strict checks, two schedule seeds) and, on a Mac, by Metal
 Covering matrix, not a product: every L in 1..8 appears; both kernel modes
 (register mode, G x L <= 8 rows; shared-tile mode, more rows); every cache
 dtype, float and quantized caches (incl. 3/5/6 bits), softcap, sinks, sliding
-windows and split counts. Unused cache slots are NaN (test_metal_common).
+windows and split counts. Unused cache slots are NaN (kvcases.paged_case).
 """
 import mlx.core as mx
 import numpy as np
@@ -14,8 +14,7 @@ import kvmetal as kv
 from kvmetal import reference as ref
 from kvmetal.backends import metal
 
-from test_metal_common import (SEEDS, TOLERANCE, kernel_backends, maybe_quantize, paged_cache, random, rel_err,
-                               run_on)
+from kvcases import SEEDS, assert_close, kernel_backends, maybe_quantize, paged_cache, random, run_on
 
 f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
 
@@ -57,7 +56,7 @@ def test_paged_attention_query_tokens(case, backend):
             out = kv.paged_attention(query, kc, vc, tables, seq_lens, num_splits=splits, **options)
             mx.eval(out)
         assert out.dtype == dtype and out.shape == query.shape
-        assert rel_err(out, expected) <= TOLERANCE[dtype]
+        assert_close(out, expected, dtype)
         if trace is not None:
             call = next(c for c in trace.calls if "paged_attention_partials" in c.name)
             assert call.threadgroup_memory == layout.threadgroup_bytes
@@ -104,7 +103,7 @@ def test_decode_attention_query_tokens(case, backend):
             out = kv.decode_attention(query, keys, values, softcap=softcap, sinks=sinks, num_splits=splits)
             mx.eval(out)
         assert out.shape == query.shape
-        assert rel_err(out, expected) <= TOLERANCE[dtype]
+        assert_close(out, expected, dtype)
         if trace is not None and kq is None:
             # Alignment guard: vector loads only where the view keeps them aligned
             # (the simulator would raise MisalignedAccessError otherwise).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import kvmetal.sim as sim
-from test_sim_helpers import run1
+from kvcases import run1
 
 RNG = np.random.default_rng(0)
 

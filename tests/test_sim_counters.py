@@ -4,7 +4,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 import kvmetal.sim as sim
-from test_sim_helpers import run1
+from kvcases import run1
 
 
 def _traced(src, inputs, out_shape, **kw):

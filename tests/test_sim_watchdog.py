@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvmetal.sim as sim
-from test_sim_helpers import run1
+from kvcases import run1
 
 
 @pytest.mark.parametrize("op", ["/", "%"])
