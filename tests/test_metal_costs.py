@@ -1,5 +1,5 @@
 """Issue 9's "must show" cost limits of the decode kernels, measured by the
-simulator's counters (kvmetal.benchmarks.sim_costs) at 4K tokens (docs/kernels.md: 8K).
+simulator's counters (kvmetal.sim.traffic) at 4K tokens (docs/kernels.md: 8K).
 
 Loads: every live K/V row once (<= 1.02x), K8/V4 <= 0.42x float16, every packed
 word once. Threadgroup memory: <= 2 KiB for one-token GQA <= 8 at D <= 128,
@@ -10,7 +10,7 @@ barrier in the token loop: its barrier count per call does not grow with tokens.
 """
 import pytest
 
-from kvmetal.benchmarks import sim_costs
+from kvmetal.sim import traffic
 
 TOKENS = 4096
 K8V4 = dict(k_bits=8, v_bits=4)
@@ -24,7 +24,7 @@ CASES = [  # kernel, head_dim, GQA, L, quantized
 
 
 def _costs(kernel, head_dim, gqa, query_len, quantized, tokens=TOKENS, **kw):
-    fn = sim_costs.paged_costs if kernel == "paged" else sim_costs.decode_costs
+    fn = traffic.paged_costs if kernel == "paged" else traffic.decode_costs
     return fn(tokens, head_dim=head_dim, gqa=gqa, query_len=query_len, **(K8V4 if quantized else {}), **kw)
 
 

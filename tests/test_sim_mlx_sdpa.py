@@ -7,14 +7,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvmetal.benchmarks import sim_costs
+from kvmetal.sim import traffic
 
 HEADER = pathlib.Path(mx.__file__).parent / "include/mlx/backend/metal/kernels/sdpa_vector.h"
 pytestmark = pytest.mark.skipif(not HEADER.exists(), reason="this MLX wheel ships no Metal headers")
 
 
 def test_mlx_sdpa_vector_runs_on_the_simulator_and_matches_attention():
-    call, (q, k, v, out) = sim_costs.mlx_sdpa_vector_costs(300, head_dim=64, gqa=2, num_kv_heads=2,
+    call, (q, k, v, out) = traffic.mlx_sdpa_vector_costs(300, head_dim=64, gqa=2, num_kv_heads=2,
                                                            return_output=True)
     qf, kf, vf = (np.array(a.astype(mx.float32), np.float64) for a in (q, k, v))
     expected = []
@@ -27,6 +27,6 @@ def test_mlx_sdpa_vector_runs_on_the_simulator_and_matches_attention():
 
 
 def test_mlx_sdpa_vector_reads_kv_once_per_query_head():
-    fig = sim_costs.mlx_sdpa_vector_costs(512, head_dim=128, gqa=4)
+    fig = traffic.mlx_sdpa_vector_costs(512, head_dim=128, gqa=4)
     assert fig["loaded_over_live"] == pytest.approx(4.0)  # one threadgroup per query head
     assert fig["reductions_per_token_row"] >= 1.0 and fig["transcendentals_per_token_row"] >= 2.0

@@ -8,38 +8,11 @@ import numpy as np
 from .. import ops, quant
 from ..backends import use_backend
 from .timing import time_stats
+from .workloads import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, paged_setup
 
 # A baseline slower than this per call (mlx-lm's quantized SDPA on a CPU takes seconds at
 # 32K) is timed fewer times, so that the default `kvmetal bench` stays near a minute.
 BASELINE_BUDGET_S = 2.0
-
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-
-
-def paged_setup(tokens: int, dtype, *, num_kv_heads: int = NUM_KV_HEADS, num_heads: int = NUM_HEADS,
-                head_dim: int = HEAD_DIM, seed: int = 0):
-    """One sequence of ``tokens`` in a paged cache with shuffled block ids, and the same
-    keys/values in contiguous SDPA layout for the baselines.
-
-    Returns (query [1, H, D], key_cache, value_cache, block_tables, seq_lens, keys, values)."""
-    rng = np.random.default_rng(seed)
-    num_blocks = -(-tokens // BLOCK_SIZE)
-    shape = (num_blocks, num_kv_heads, BLOCK_SIZE, head_dim)
-    key_cache = mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
-    value_cache = mx.random.normal(shape, key=mx.random.key(seed + 1)).astype(dtype)
-    table = rng.permutation(num_blocks).astype(np.int32)
-    block_tables = mx.array(table[None])
-    seq_lens = mx.array([tokens], dtype=mx.int32)
-    query = mx.random.normal((1, num_heads, head_dim), key=mx.random.key(seed + 2)).astype(dtype)
-
-    def contiguous(cache):  # [N, Hkv, bs, D] in table order -> [1, Hkv, T, D]
-        rows = cache[mx.array(table)].transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-        return rows[None, :, :tokens]
-
-    keys, values = contiguous(key_cache), contiguous(value_cache)
-    mx.eval(key_cache, value_cache, keys, values, query)
-    return query, key_cache, value_cache, block_tables, seq_lens, keys, values
-
 
 def _live_kv_bytes(tokens: int, itemsize_k: float, itemsize_v: float) -> int:
     return int(tokens * NUM_KV_HEADS * HEAD_DIM * (itemsize_k + itemsize_v))
@@ -230,10 +203,9 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
     if missing:
         return [{"name": "metal kernels (simulator traffic)", "backend": "sim", "seconds": None,
                  "kv_bytes": None, "gbps": None, "note": missing, "skipped": True}]
-    from .metal_cases import run_metal_cases  # the simulator is loaded only here
-    from .sim_costs import cost_rows
+    from .sim_cases import cost_rows, traffic_rows  # the simulator is loaded only here
 
-    return run_metal_cases(progress) + cost_rows(progress)
+    return traffic_rows(progress) + cost_rows(progress)
 
 
 CASES = {

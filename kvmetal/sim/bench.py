@@ -1,37 +1,32 @@
 """Simulator speed: `python -m kvmetal.sim.bench`.
 
-Reports simulated Metal threads per second on a split-KV decode attention
-kernel (kvmetal.sim.examples) and the cost of one collective (a fiber
-switch into the scheduler and back, per lane).
+Reports simulated Metal threads per second on the metal backend's own paged
+decode kernel (``paged_attention_partials``, through ``kvmetal.sim.traffic``)
+and the cost of one collective (a fiber switch into the scheduler and back,
+per lane).
 """
 from __future__ import annotations
 
 import argparse
 
 import mlx.core as mx
-import numpy as np
 
-from . import trace
-from .examples import split_kv_attention
 from .kernel import metal_kernel
 from .launch import default_workers
+from .trace import trace
+from .traffic import paged_call
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SPLITS = 32, 8, 128, 8
 
 
-def decode_attention(hq=32, hkv=8, t=2048, d=128, splits=8, repeats=3):
-    rng = np.random.default_rng(0)
-    q = mx.array(rng.standard_normal((hq, d)).astype(np.float32)).astype(mx.float16)
-    k = mx.array(rng.standard_normal((hkv, t, d)).astype(np.float32)).astype(mx.float16)
-    v = mx.array(rng.standard_normal((hkv, t, d)).astype(np.float32)).astype(mx.float16)
-    split_kv_attention(q, k, v, num_splits=splits)  # compile outside the timing
-    best = None
-    for _ in range(repeats):
-        with trace() as tr:
-            split_kv_attention(q, k, v, num_splits=splits)
-        part = tr.calls[0]
-        if best is None or part.seconds < best.seconds:
-            best = part
-    collectives = best.threads * (t // splits)  # one simd_sum per token per lane
-    return best, collectives
+def paged_partials(tokens: int = 2048, repeats: int = 3):
+    """The fastest of ``repeats`` simulated paged_attention_partials calls (the first,
+    which compiles the kernel, is not timed) and its lane-collectives."""
+    shape = dict(head_dim=HEAD_DIM, gqa=NUM_HEADS // NUM_KV_HEADS, num_kv_heads=NUM_KV_HEADS,
+                 num_splits=SPLITS)
+    paged_call(tokens, **shape)  # compile outside the timing
+    best = min((paged_call(tokens, **shape)[0] for _ in range(repeats)), key=lambda call: call.seconds)
+    return best, 32 * sum(best.collectives.values())  # collectives count once per simdgroup: x32 lanes
 
 
 def collective_cost(n_iter=2000, threads=1024):
@@ -53,11 +48,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, default=2048)
     args = p.parse_args(argv)
-    call, coll = decode_attention(t=args.tokens)
+    call, lane_collectives = paged_partials(args.tokens)
     print(f"workers (OS threads): {default_workers()}")
-    print(f"decode attention partials, 32 q heads / 8 kv heads, T={args.tokens}, D=128, 8 splits, float16:")
+    print(f"paged_attention_partials, {NUM_HEADS} q heads / {NUM_KV_HEADS} kv heads, T={args.tokens}, "
+          f"D={HEAD_DIM}, block size 16, {SPLITS} splits, float16:")
     print(f"  {call.threads} Metal threads in {call.seconds * 1e3:.1f} ms -> "
-          f"{call.threads / call.seconds:,.0f} threads/s, {coll / call.seconds / 1e6:.1f} M lane-collectives/s")
+          f"{call.threads / call.seconds:,.0f} threads/s, {lane_collectives / call.seconds / 1e6:.1f} M "
+          f"lane-collectives/s")
     per = collective_cost()
     print(f"simd_sum round trip per lane (switch out, resolve, switch in): {per * 1e9:.0f} ns")
 

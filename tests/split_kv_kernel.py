@@ -1,4 +1,4 @@
-"""Reference kernels written for the simulator's own tests and benchmark.
+"""A small kernel written for the simulator's own tests (tests/test_sim_attention.py).
 
 A split-KV ("flash decoding") attention pair: a partials kernel where one
 threadgroup owns (kv head, split), stages K/V tiles in threadgroup memory so
@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .kernel import metal_kernel
+from kvmetal.sim import metal_kernel
 
 PARTIALS_SOURCE = """
     // q [Hq, D]; k, v [Hkv, T, D]; pmax, psum [Hq, NS]; pacc [Hq, NS, D]
@@ -89,19 +89,14 @@ _partials = None
 _reduce = None
 
 
-def split_kv_attention(q, k, v, *, num_splits: int, tile: int = 16, make_kernel=metal_kernel):
+def split_kv_attention(q, k, v, *, num_splits: int, tile: int = 16):
     """Decode attention for one sequence: q [Hq, D], k/v [Hkv, T, D] -> out [Hq, D] in q's dtype."""
     global _partials, _reduce
-    if make_kernel is metal_kernel:
-        if _partials is None:
-            _partials = make_kernel("sim_example_attn_partials", ["q", "k", "v", "seq_len", "scale"],
-                                    ["pmax", "psum", "pacc"], PARTIALS_SOURCE)
-            _reduce = make_kernel("sim_example_attn_reduce", ["pmax", "psum", "pacc"], ["out"], REDUCE_SOURCE)
-        partials, reduce = _partials, _reduce
-    else:
-        partials = make_kernel("sim_example_attn_partials", ["q", "k", "v", "seq_len", "scale"],
-                               ["pmax", "psum", "pacc"], PARTIALS_SOURCE)
-        reduce = make_kernel("sim_example_attn_reduce", ["pmax", "psum", "pacc"], ["out"], REDUCE_SOURCE)
+    if _partials is None:
+        _partials = metal_kernel("sim_example_attn_partials", ["q", "k", "v", "seq_len", "scale"],
+                                 ["pmax", "psum", "pacc"], PARTIALS_SOURCE)
+        _reduce = metal_kernel("sim_example_attn_reduce", ["pmax", "psum", "pacc"], ["out"], REDUCE_SOURCE)
+    partials, reduce = _partials, _reduce
     hq, d = q.shape
     hkv, t, _ = k.shape
     g = hq // hkv

@@ -1,4 +1,6 @@
-"""Cost counters of the decode kernels on the simulator (``kvmetal bench`` on Linux).
+"""Simulator traffic and cost counters of the decode kernels: the one home for what
+the simulator measures of them (``kvmetal bench`` on Linux, the traffic tests,
+``python -m kvmetal.sim.bench``).
 
 For each decode kernel (``paged_attention_partials``, ``decode_attention_partials``)
 one simulated call is measured with ``kvmetal.sim.trace()`` and turned into the
@@ -23,11 +25,14 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quant
+from .trace import trace
+from .kernel import metal_kernel
 
 KV_BUFFERS = ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
 
 
-def _row_bytes(cache, head_dim) -> int:
+def row_bytes(cache, head_dim: int) -> int:
+    """Bytes of one cache row (all its arrays) for one kv head."""
     if isinstance(cache, quant.QuantizedKV):
         return quant.row_nbytes(head_dim, bits=cache.bits, group_size=cache.group_size,
                                 scale_bytes=cache.scales.itemsize)
@@ -70,12 +75,12 @@ def _caches(rng, shape, dtype, k_bits, v_bits, group_size):
     return k, v
 
 
-def paged_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads: int = 1, query_len: int = 1,
-                dtype=mx.float16, k_bits: int | None = None, v_bits: int | None = None, group_size: int = 64,
-                block_size: int = 16, sliding_window: int | None = None, num_splits: int | None = None,
-                seed: int = 0) -> dict:
-    """Cost figures of one simulated ``paged_attention_partials`` call (one sequence)."""
-    from .. import sim
+def paged_call(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads: int = 1, query_len: int = 1,
+               dtype=mx.float16, k_bits: int | None = None, v_bits: int | None = None, group_size: int = 64,
+               block_size: int = 16, sliding_window: int | None = None, num_splits: int | None = None,
+               seed: int = 0):
+    """One simulated ``paged_attention_partials`` call (one sequence, shuffled block ids):
+    (the traced KernelCall, its cost figures as in :func:`summarize`)."""
     from ..backends import metal
 
     rng = np.random.default_rng(seed)
@@ -85,33 +90,37 @@ def paged_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads:
     lens = mx.array([tokens], dtype=mx.int32)
     num_heads = num_kv_heads * gqa
     q = mx.array(rng.standard_normal((1, query_len, num_heads, head_dim)).astype(np.float32)).astype(dtype)
-    with sim.trace() as t:
+    with trace() as t:
         mx.eval(metal.sim_backend().paged_attention(
             q, k, v, tables, lens, scale=head_dim ** -0.5, softcap=None, sliding_window=sliding_window,
             sinks=None, num_splits=num_splits))
     call = next(c for c in t.calls if "paged_attention_partials" in c.name)
     live_tokens = tokens if sliding_window is None else min(tokens, sliding_window + query_len - 1)
-    live = live_tokens * num_kv_heads * (_row_bytes(k, head_dim) + _row_bytes(v, head_dim))
-    return summarize(call, kv_rows=live_tokens * num_kv_heads, query_rows=num_heads * query_len,
-                     tokens=live_tokens, live_bytes=live)
+    live = live_tokens * num_kv_heads * (row_bytes(k, head_dim) + row_bytes(v, head_dim))
+    return call, summarize(call, kv_rows=live_tokens * num_kv_heads, query_rows=num_heads * query_len,
+                           tokens=live_tokens, live_bytes=live)
+
+
+def paged_costs(tokens: int, **kwargs) -> dict:
+    """Cost figures of one simulated ``paged_attention_partials`` call (see :func:`paged_call`)."""
+    return paged_call(tokens, **kwargs)[1]
 
 
 def decode_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads: int = 1, query_len: int = 1,
                  dtype=mx.float16, k_bits: int | None = None, v_bits: int | None = None, group_size: int = 64,
                  num_splits: int | None = None, seed: int = 0) -> dict:
     """Cost figures of one simulated ``decode_attention_partials`` call (batch 1)."""
-    from .. import sim
     from ..backends import metal
 
     rng = np.random.default_rng(seed)
     k, v = _caches(rng, (1, num_kv_heads, tokens, head_dim), dtype, k_bits, v_bits, group_size)
     num_heads = num_kv_heads * gqa
     q = mx.array(rng.standard_normal((1, num_heads, query_len, head_dim)).astype(np.float32)).astype(dtype)
-    with sim.trace() as t:
+    with trace() as t:
         mx.eval(metal.sim_backend().decode_attention(q, k, v, scale=head_dim ** -0.5, softcap=None, sinks=None,
                                                      num_splits=num_splits))
     call = next(c for c in t.calls if "decode_attention_partials" in c.name)
-    live = tokens * num_kv_heads * (_row_bytes(k, head_dim) + _row_bytes(v, head_dim))
+    live = tokens * num_kv_heads * (row_bytes(k, head_dim) + row_bytes(v, head_dim))
     return summarize(call, kv_rows=tokens * num_kv_heads, query_rows=num_heads * query_len, tokens=tokens,
                      live_bytes=live)
 
@@ -132,7 +141,7 @@ sdpa_vector<T, D, D>(queries, keys, values, out, gqa, n, k_head_stride, k_seq_st
 """
 
 
-def _mlx_sdpa_path():
+def mlx_sdpa_path():
     import pathlib
 
     return pathlib.Path(mx.__file__).parent / "include/mlx/backend/metal/kernels/sdpa_vector.h"
@@ -144,7 +153,7 @@ def mlx_sdpa_header() -> str:
     decode configuration (no mask, not transposed, not causal, no sinks)."""
     import re
 
-    text = _mlx_sdpa_path().read_text()
+    text = mlx_sdpa_path().read_text()
     return re.sub(r"constant (bool|int) (\w+) \[\[function_constant\(\d+\)\]\];",
                   lambda m: f"constant constexpr {m.group(1)} {m.group(2)} = {'false' if m.group(1) == 'bool' else 0};",
                   text)
@@ -155,8 +164,6 @@ def mlx_sdpa_vector_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num
     """Cost figures of MLX's one-pass ``sdpa_vector`` kernel on the simulator, launched as
     MLX launches it (one threadgroup of 32 simdgroups per query head), same figures as
     paged_costs. Its loads are per element in the source (the simulator counts them so)."""
-    from .. import sim
-
     rng = np.random.default_rng(seed)
     num_heads = num_kv_heads * gqa
     q = mx.array(rng.standard_normal((num_heads, head_dim)).astype(np.float32)).astype(mx.float16)
@@ -164,9 +171,9 @@ def mlx_sdpa_vector_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num
     v = mx.array(rng.standard_normal((num_kv_heads, tokens, head_dim)).astype(np.float32)).astype(mx.float16)
     params = np.array([tokens, gqa, tokens * head_dim, head_dim, 0, 0, 0, 0], np.int32)
     params[4] = np.array(head_dim ** -0.5, np.float32).view(np.int32)
-    kernel = sim.metal_kernel("mlx_sdpa_vector", ["queries", "keys", "values", "params"], ["out"], _SDPA_BODY,
+    kernel = metal_kernel("mlx_sdpa_vector", ["queries", "keys", "values", "params"], ["out"], _SDPA_BODY,
                               header=mlx_sdpa_header())
-    with sim.trace() as t:
+    with trace() as t:
         (out,) = kernel(inputs=[q, k, v, mx.array(params)], template=[("T", mx.float16), ("D", head_dim)],
                grid=(num_heads * 1024, 1, 1), threadgroup=(1024, 1, 1), output_shapes=[(num_heads, head_dim)],
                output_dtypes=[mx.float16])
@@ -177,56 +184,3 @@ def mlx_sdpa_vector_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num
                                               for n, b in call.buffers.items()})
     live = tokens * num_kv_heads * 2 * head_dim * 2
     return summarize(call, kv_rows=tokens * num_kv_heads, query_rows=num_heads, tokens=tokens, live_bytes=live)
-
-
-# The cases `kvmetal bench` prints on Linux: D 128, 8K tokens, f16 and K8/V4, L = 1 and 8.
-BENCH_CASES = [
-    ("paged f16 G4 L1", paged_costs, dict(gqa=4)),
-    ("paged f16 G4 L8", paged_costs, dict(gqa=4, query_len=8)),
-    ("paged K8/V4 G4 L1", paged_costs, dict(gqa=4, k_bits=8, v_bits=4)),
-    ("decode f16 G4 L1", decode_costs, dict(gqa=4)),
-    ("decode K8/V4 G8 L1", decode_costs, dict(gqa=8, k_bits=8, v_bits=4)),
-    ("MLX sdpa_vector f16 G4 L1", mlx_sdpa_vector_costs, dict(gqa=4)),
-]
-
-COLUMNS = (("loaded/live", "loaded_over_live", "{:.3f}"), ("tg mem B", "threadgroup_memory", "{:d}"),
-           ("barriers/1K rows", "barriers_per_1k_rows", "{:.2f}"),
-           ("reductions/(tok x row)", "reductions_per_token_row", "{:.3f}"),
-           ("shuffles/(tok x row)", "shuffles_per_token_row", "{:.3f}"),
-           ("transc./(tok x row)", "transcendentals_per_token_row", "{:.3f}"),
-           ("B/load", "bytes_per_load", "{:.1f}"))
-
-
-def cost_table(tokens: int = 8192, *, head_dim: int = 128, cases=None) -> list:
-    """[(case name, figures)] for the bench cases."""
-    return [(name, fn(tokens, head_dim=head_dim, **kwargs)) for name, fn, kwargs in (cases or BENCH_CASES)]
-
-
-def format_table(rows: list) -> str:
-    header = ["case"] + [c[0] for c in COLUMNS]
-    lines = [" | ".join(header)]
-    for name, fig in rows:
-        lines.append(" | ".join([name] + [fmt.format(fig[key]) for _, key, fmt in COLUMNS]))
-    return "\n".join(lines)
-
-
-def print_cost_table(print_fn=print, tokens: int = 8192) -> list:
-    """The cost table of the bench cases (and MLX's sdpa_vector), as text."""
-    rows = cost_table(tokens)
-    print_fn(f"decode kernel costs on the simulator (D 128, {tokens} tokens, one kv head):")
-    print_fn(format_table(rows))
-    return rows
-
-
-def cost_rows(progress, tokens: int = 8192) -> list:
-    """``kvmetal bench`` result rows (untimed, labelled) with each decode kernel's cost figures."""
-    rows = []
-    for name, fn, kwargs in BENCH_CASES:
-        if fn is mlx_sdpa_vector_costs and not _mlx_sdpa_path().exists():
-            continue  # this MLX wheel ships no Metal headers
-        progress(f"sim costs {name}")
-        fig = fn(tokens, **kwargs)
-        note = "sim costs (no timing): " + ", ".join(f"{label} {fmt.format(fig[key])}" for label, key, fmt in COLUMNS)
-        rows.append({"name": f"{name} T={tokens} D=128", "backend": "sim", "seconds": None,
-                     "kv_bytes": fig["live_bytes"], "gbps": None, "note": note, "costs": fig})
-    return rows
