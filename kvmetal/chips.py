@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Metal's per-threadgroup limits, the same on every M-series GPU. Defined here
+# once: the metal backend's launch plans stay within them (tests/test_metal_limits.py)
+# and the simulator enforces them (kvmetal/sim/kernel.py; kvmetal/sim/build.py
+# passes the memory limit to its runtime, rt.cpp, as a compile-time define).
+THREADGROUP_MEMORY_LIMIT = 32 * 1024
+THREADS_PER_THREADGROUP_LIMIT = 1024
+
 
 def _is_core_count(tag: str) -> bool:  # "30c": a binned variant's GPU core count
     return tag.endswith("c") and tag[:-1].isdigit()

@@ -1,15 +1,17 @@
 """Per-configuration launch limits of the metal kernels, from their descriptions.
 
-Apple GPUs cap threadgroup memory at 32 KiB and threads per threadgroup at 1024;
-the simulator would run past either, so every offered configuration is checked
-here against the one description both backends launch from.
+Apple GPUs cap threadgroup memory at 32 KiB and threads per threadgroup at 1024
+(kvmetal.chips). The simulator enforces both, but only on the launches a test
+makes; here every offered configuration (dtype, head_dim, block size, GQA, query
+tokens, K/V format) is checked, without launching, against the one description
+both backends launch from.
 """
 import itertools
 
 import mlx.core as mx
 import pytest
 
-from kvmetal import ops
+from kvmetal import chips, ops
 from kvmetal.backends import metal
 
 HEAD_DIMS = ops.SUPPORTED_HEAD_DIMS  # every configuration the API offers
@@ -21,8 +23,8 @@ GROUP_SIZES = (32, 64, 128)
 
 
 def _within_limits(geometry: metal.Geometry):
-    assert geometry.threadgroup_bytes <= metal.THREADGROUP_MEMORY_LIMIT, geometry
-    assert geometry.threads_per_threadgroup <= metal.THREADS_PER_THREADGROUP_LIMIT, geometry
+    assert geometry.threadgroup_bytes <= chips.THREADGROUP_MEMORY_LIMIT, geometry
+    assert geometry.threads_per_threadgroup <= chips.THREADS_PER_THREADGROUP_LIMIT, geometry
     assert all(g >= 1 for g in geometry.grid) and all(t >= 1 for t in geometry.threadgroup), geometry
 
 

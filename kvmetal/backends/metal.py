@@ -37,8 +37,6 @@ LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest firs
 TILE_MEMORY_BUDGET = {128: 8 * 1024 - 512, 256: 16 * 1024 - 512}  # shared-mode K/V tiles, by max head_dim
 MAX_TILE_TOKENS = 16
 SPLIT_UNIT = 32                     # splits cut the tokens in whole units of this many (kernels: kv_split_range)
-THREADGROUP_MEMORY_LIMIT = 32 * 1024
-THREADS_PER_THREADGROUP_LIMIT = 1024
 # Occupancy model of one Apple GPU core (assumed; Apple documents neither): the
 # threadgroup memory and threads resident at once, and a cap on threadgroups.
 CORE_THREADGROUP_MEMORY = 64 * 1024

@@ -21,6 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ..chips import THREADGROUP_MEMORY_LIMIT
 from .errors import CompileError, SimError
 
 RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
@@ -35,7 +36,9 @@ CLANG_SITE_FLAGS = ("-mllvm", "-enable-tail-merge=false")
 # IntegerDivisionError. No sanitizer runtime is linked.
 GCC_DIV_FLAGS = ("-fsanitize=integer-divide-by-zero", "-fsanitize-undefined-trap-on-error")
 CLANG_DIV_FLAGS = ("-fsanitize=integer-divide-by-zero", "-fsanitize-trap=integer-divide-by-zero")
-RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread")
+# Metal's threadgroup memory limit comes from kvmetal/chips.py, its one definition.
+RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread",
+                 f"-DKMSL_MAX_THREADGROUP_MEMORY={THREADGROUP_MEMORY_LIMIT}")
 
 _lock = threading.Lock()
 _loaded: dict = {}          # kernel cache key -> loaded kernel library

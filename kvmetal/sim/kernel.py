@@ -6,10 +6,10 @@ import ctypes
 import mlx.core as mx
 import numpy as np
 
+from ..chips import THREADS_PER_THREADGROUP_LIMIT
 from . import build, launch, signature, trace as trace_mod, translate
 from .errors import CompileError, ThreadgroupSizeError
 
-MAX_THREADS_PER_THREADGROUP = 1024
 _MATH_MODES = ("safe", "relaxed", "fast")
 
 
@@ -132,10 +132,10 @@ class SimKernel:
             print(f"Generated source code for `{self.name}`:\n```\n{msl}\n```", flush=True)
 
         tg_threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
-        if tg_threads > MAX_THREADS_PER_THREADGROUP:
+        if tg_threads > THREADS_PER_THREADGROUP_LIMIT:
             raise ThreadgroupSizeError(
                 f"[metal_kernel] Thread group size ({tg_threads}) is greater than the maximum allowed threads per "
-                f"threadgroup ({MAX_THREADS_PER_THREADGROUP}) in kernel {self.name}.")
+                f"threadgroup ({THREADS_PER_THREADGROUP_LIMIT}) in kernel {self.name}.")
         group = tuple(min(t, g) if g > 0 else t for t, g in zip(threadgroup, grid))
 
         # Bind buffers in MLX's order: each input, then its shape/strides/ndim, then outputs.

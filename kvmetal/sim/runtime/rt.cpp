@@ -89,7 +89,10 @@ asm(KMSL_ASM_HEAD
 namespace {
 
 constexpr size_t kStackBytes = 64 * 1024;
-constexpr uint32_t kMaxThreadgroupMemory = 32 * 1024;
+#ifndef KMSL_MAX_THREADGROUP_MEMORY
+#error "build with -DKMSL_MAX_THREADGROUP_MEMORY=<bytes>: kvmetal/sim/build.py passes Metal's limit (kvmetal/chips.py)"
+#endif
+constexpr uint32_t kMaxThreadgroupMemory = KMSL_MAX_THREADGROUP_MEMORY;
 constexpr int kMaxSlots = 128;
 // Poisoned guard bytes around every threadgroup array: a write past either end
 // is reported at the next barrier or when the threadgroup finishes.
@@ -598,8 +601,8 @@ void* kmsl_rt_tg_alloc(int slot, uint64_t bytes, uint64_t align, const char* nam
     if (counted > kMaxThreadgroupMemory) {
       char msg[256];
       snprintf(msg, sizeof(msg),
-               "[%s] threadgroup memory exceeds Metal's 32 KiB limit: %llu bytes with '%s'",
-               w->shared->launch->kernel_name, (unsigned long long)counted, name);
+               "[%s] threadgroup memory exceeds Metal's %u KiB limit: %llu bytes with '%s'",
+               w->shared->launch->kernel_name, kMaxThreadgroupMemory / 1024, (unsigned long long)counted, name);
       kmsl_rt_fail(KMSL_THREADGROUP_MEMORY, msg);
     }
     uint64_t off = (w->arena_used + kGuard + align - 1) & ~(align - 1);
