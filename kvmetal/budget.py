@@ -537,7 +537,7 @@ def format_report(r: dict) -> str:
                      f"= {human_bytes(mem['usable_bytes'])}")
         lines.append(f"fits        NO: the weights alone ({human_bytes(r['weights_bytes'])}"
                      + (" + overhead" if mem["overhead_bytes"] else "") + ") exceed usable memory; this "
-                     f"configuration cannot run here (no decode floor). Try a smaller or more quantized model"
+                     "configuration cannot run here (no decode floor). Try a smaller or more quantized model"
                      + (", or --tp to split it over devices" if not r.get("tp") or r["tp"]["devices"] == 1 else ""))
     elif mem:
         chip = f"{r['chip']}, " if r["chip"] else ""

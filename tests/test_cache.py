@@ -96,6 +96,8 @@ def test_fork_copy_on_write_keeps_the_parent_intact():
     chk, chv = gathered(cache, 1, "child")
     np.testing.assert_array_equal(chk[:20], np.array(k) * 2)  # the copied block kept the old rows
     np.testing.assert_array_equal(chk[20:], np.array(ck))
+    np.testing.assert_array_equal(chv[:20], np.array(v) * 2)
+    np.testing.assert_array_equal(chv[20:], np.array(cv))
     tp, tc = cache.allocator.block_table("parent"), cache.allocator.block_table("child")
     assert tp[0] == tc[0] and tp[1] != tc[1]  # full block shared, partial one copied
     assert cache.stats()["shared_blocks"] == 1

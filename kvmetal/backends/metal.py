@@ -396,10 +396,6 @@ def _placeholder(dtype):
     return _placeholder_cached(DTYPE_TAGS[dtype])
 
 
-def _logical_shape(cache) -> tuple:
-    return tuple(cache.shape)
-
-
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 
 
@@ -484,7 +480,7 @@ class KernelBackend:
         num_tokens = key.shape[0]
         if num_tokens == 0:
             return key_cache, value_cache
-        num_blocks, num_kv_heads, block_size, _ = _logical_shape(key_cache)
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         # Index guard: a slot outside [0, N * BS) (negative = padding, or validate=False
         # misuse) writes nothing. Such tokens aim at row 0 with a no-op write, so the
         # scatter needs no host sync and no mask (see _scatter_rows).
@@ -548,7 +544,7 @@ class KernelBackend:
                 self._gather(value_cache, block_tables, seq_lens, max_len))
 
     def _gather(self, cache, block_tables, seq_lens, max_len):
-        _, num_kv_heads, block_size, head_dim = _logical_shape(cache)
+        _, num_kv_heads, block_size, head_dim = cache.shape
         data, scales, biases, dtype, bits, group_size = _cache_parts(cache)
         num_seqs, max_blocks = block_tables.shape
         tasks = head_dim // group_size if bits else head_dim // 4
@@ -571,7 +567,7 @@ class KernelBackend:
         if squeeze:
             query = query[:, None]
         num_seqs, query_len, num_heads, head_dim = query.shape
-        num_blocks, num_kv_heads, block_size, _ = _logical_shape(key_cache)
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         max_blocks = block_tables.shape[1]
         work = max_blocks * block_size
         if sliding_window is not None:
@@ -600,7 +596,7 @@ class KernelBackend:
     def decode_attention(self, query, keys, values, *, scale, softcap, sinks, num_splits):
         """query [B, H, L, D] -> [B, H, L, D]; keys/values [B, Hkv, T, D] read in place (any view)."""
         batch, num_heads, query_len, head_dim = query.shape
-        _, num_kv_heads, num_tokens, _ = _logical_shape(keys)
+        _, num_kv_heads, num_tokens, _ = keys.shape
         layout = self._layout(query, keys, values, num_heads // num_kv_heads, None)
         splits = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout)
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(keys)

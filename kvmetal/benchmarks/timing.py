@@ -34,11 +34,6 @@ def time_stats(fn, *, repeat: int = 5, warmup: int = 1, budget_s: float | None =
     return {"seconds": statistics.median(times), "min": min(times), "max": max(times), "repeats": len(times)}
 
 
-def median_seconds(fn, *, repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` (its result is evaluated with ``mx.eval``)."""
-    return time_stats(fn, repeat=repeat, warmup=warmup)["seconds"]
-
-
 def read_bandwidth_gbps(nbytes: int = 512 << 20, repeat: int = 5) -> float:
     """This machine's read bandwidth: one pass over a buffer far larger than the caller's
     data, split across every core (NumPy reductions release the GIL), best of ``repeat``.

@@ -248,8 +248,8 @@ def _print_divergences(found: list, *, quantized: bool, dtype: str) -> None:
               f"t{d['mlx_lm_token']}; margin {d['top2_margin']:.4g} = {size}")
     widest = max(d["margin_in_rounding_steps"] for d in found)
     if quantized:
-        print(f"  K8/V4 perturbs attention by its quantization error, so near ties flip; after one different token "
-              f"the rest of the output follows another path")
+        print("  K8/V4 perturbs attention by its quantization error, so near ties flip; after one different token "
+              "the rest of the output follows another path")
     elif widest <= NEAR_TIE_STEPS:
         print(f"  every margin is within {NEAR_TIE_STEPS} {dtype} rounding steps: near ties that the paged and "
               f"contiguous summation orders round differently, not wrong attention")
