@@ -41,7 +41,8 @@ if (tok < len && uint(block_tables[seq * max_blocks + tok / BS]) < uint(num_bloc
 //@kernel copy_blocks_gather
 // Inputs:  blocks [N, E] (one cache array, any dtype, a block per row); src int32 [n]
 // Outputs: blocks_out [n, E] T: blocks_out[i] = blocks[src[i]]
-// Grid:    threads (E, n); threadgroup (min(E, 256), 1, 1).
+// Grid:    threads (E, n); threadgroup (the largest power of two <= 256 dividing E, 1, 1)
+//          (threadgroups never straddle a block row).
 const size_t elem = thread_position_in_grid.x;
 const size_t i = thread_position_in_grid.y;
 const size_t width = threads_per_grid.x;
