@@ -113,6 +113,39 @@ def paged_cache(rng, *, lens, num_kv_heads, head_dim, block_size, dtype, spare_b
     return case.key_cache, case.value_cache, case.block_tables, case.seq_lens
 
 
+def paged_attention_inputs(rng, *, lens, num_kv_heads, gqa, head_dim, block_size, dtype, k_quant=None,
+                           v_quant=None, use_sinks=False, query_len=None):
+    """One kernel-test row: (query, key_cache, value_cache, block_tables, seq_lens, sinks).
+
+    Caches from :func:`paged_cache`, quantized per ``k_quant``/``v_quant`` ((bits,
+    group_size) or None); query [S, H, D], or [S, L, H, D] with ``query_len``; float32
+    sinks, one per query head, or None."""
+    kc, vc, tables, seq_lens = paged_cache(rng, lens=lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                           block_size=block_size, dtype=dtype)
+    kc, vc = maybe_quantize(kc, k_quant), maybe_quantize(vc, v_quant)
+    num_heads = num_kv_heads * gqa
+    rows = (len(lens),) if query_len is None else (len(lens), query_len)
+    query = random(rng, (*rows, num_heads, head_dim), dtype)
+    sinks = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if use_sinks else None
+    return query, kc, vc, tables, seq_lens, sinks
+
+
+def run_checked(backend, op, expected, query, *args, kernel: str, **kwargs) -> list:
+    """``op(query, *args, **kwargs)`` on ``backend`` (every schedule seed on the simulator,
+    one run elsewhere), checked for query's dtype and shape and against ``expected``
+    within query's dtype tolerance. Returns the simulator's ``kernel`` call of each run."""
+    calls = []
+    for seed in SEEDS if backend == "sim" else SEEDS[:1]:
+        with run_on(backend, seed=seed) as trace:
+            out = op(query, *args, **kwargs)
+            mx.eval(out)
+        assert out.dtype == query.dtype and out.shape == query.shape, (out.dtype, out.shape)
+        assert_close(out, expected, query.dtype)
+        if trace is not None:
+            calls.append(next(c for c in trace.calls if kernel in c.name))
+    return calls
+
+
 def maybe_quantize(cache, spec):
     """``spec`` None keeps the float cache; (bits, group_size) quantizes it (NaN stays NaN)."""
     if spec is None:

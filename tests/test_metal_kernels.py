@@ -16,8 +16,8 @@ from kvmetal import quant
 from kvmetal.backends import metal
 from kvmetal import reference as ref
 
-from kvcases import (SEEDS, TOLERANCE, assert_close, kernel_backends, maybe_quantize, paged_cache, random,
-                     run_on)
+from kvcases import (TOLERANCE, assert_close, kernel_backends, maybe_quantize, paged_attention_inputs,
+                     paged_cache, random, run_checked, run_on)
 
 f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
 
@@ -53,29 +53,20 @@ def _ids(cases):
 def test_paged_attention(case, backend):
     dtype, head_dim, block_size, num_kv_heads, gqa, lens, splits, softcap, use_sinks, window, kq, vq = case
     rng = np.random.default_rng(head_dim + gqa)
-    kc, vc, tables, seq_lens = paged_cache(rng, lens=lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                           block_size=block_size, dtype=dtype)
-    kc, vc = maybe_quantize(kc, kq), maybe_quantize(vc, vq)
-    num_heads = num_kv_heads * gqa
-    query = random(rng, (len(lens), num_heads, head_dim), dtype)
-    sinks = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if use_sinks else None
+    query, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=lens, num_kv_heads=num_kv_heads, gqa=gqa, head_dim=head_dim, block_size=block_size, dtype=dtype,
+        k_quant=kq, v_quant=vq, use_sinks=use_sinks)
     options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
     expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
-    for seed in SEEDS if backend == "sim" else SEEDS[:1]:
-        with run_on(backend, seed=seed) as trace:
-            out = kv.paged_attention(query, kc, vc, tables, seq_lens, num_splits=splits, **options)
-            mx.eval(out)
-        assert out.dtype == dtype and out.shape == query.shape
-        assert_close(out, expected, dtype)
-        if trace is not None:
-            # The description's threadgroup memory is what the MSL declares.
-            call = next(c for c in trace.calls if "paged_attention_partials" in c.name)
-            layout = metal.layout_for(query[:, None], kc, vc, paged=True)
-            assert call.threadgroup_memory == layout.threadgroup_bytes
-            if splits is not None and window is None:
-                # Requested splits, cut to the whole SPLIT_UNIT-token runs the table holds.
-                units = -(-tables.shape[1] * block_size // metal.SPLIT_UNIT)
-                assert call.grid[0] == min(splits, units) * layout.threads
+    layout = metal.layout_for(query[:, None], kc, vc, paged=True)
+    for call in run_checked(backend, kv.paged_attention, expected, query, kc, vc, tables, seq_lens,
+                            num_splits=splits, kernel="paged_attention_partials", **options):
+        # The description's threadgroup memory is what the MSL declares.
+        assert call.threadgroup_memory == layout.threadgroup_bytes
+        if splits is not None and window is None:
+            # Requested splits, cut to the whole SPLIT_UNIT-token runs the table holds.
+            units = -(-tables.shape[1] * block_size // metal.SPLIT_UNIT)
+            assert call.grid[0] == min(splits, units) * layout.threads
 
 
 # dtype, head_dim, kv heads, GQA, tokens, splits, softcap, sinks, view, K quant, V quant
@@ -122,16 +113,12 @@ def test_decode_attention_reads_views_in_place(case, backend):
     query = random(rng, (batch, num_heads, 1, head_dim), dtype)
     sinks = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if use_sinks else None
     expected = ref.decode_attention(query, keys, values, softcap=softcap, sinks=sinks)
-    for seed in SEEDS if backend == "sim" else SEEDS[:1]:
-        with run_on(backend, seed=seed) as trace:
-            out = kv.decode_attention(query, keys, values, softcap=softcap, sinks=sinks, num_splits=splits)
-            mx.eval(out)
-        assert_close(out, expected, dtype)
-        if trace is not None and kq is None and view.startswith("slice"):
-            # Read in place: the kernel's buffer spans the strided view, which a
-            # compact copy (exactly keys.nbytes) would not.
-            call = next(c for c in trace.calls if "decode_attention_partials" in c.name)
-            assert call.buffers["key_data"].size > keys.nbytes
+    calls = run_checked(backend, kv.decode_attention, expected, query, keys, values, softcap=softcap, sinks=sinks,
+                        num_splits=splits, kernel="decode_attention_partials")
+    for call in calls if kq is None and view.startswith("slice") else ():
+        # Read in place: the kernel's buffer spans the strided view, which a
+        # compact copy (exactly keys.nbytes) would not.
+        assert call.buffers["key_data"].size > keys.nbytes
 
 
 GATHER = [

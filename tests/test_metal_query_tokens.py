@@ -14,7 +14,7 @@ import kvmetal as kv
 from kvmetal import reference as ref
 from kvmetal.backends import metal
 
-from kvcases import SEEDS, assert_close, kernel_backends, maybe_quantize, paged_cache, random, run_on
+from kvcases import kernel_backends, maybe_quantize, paged_attention_inputs, paged_cache, random, run_checked, run_on
 
 f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
 
@@ -41,26 +41,17 @@ def _ids(cases, view=False):
 def test_paged_attention_query_tokens(case, backend):
     dtype, head_dim, block_size, num_kv_heads, gqa, L, lens, splits, softcap, use_sinks, window, kq, vq = case
     rng = np.random.default_rng(head_dim * L + gqa)
-    kc, vc, tables, seq_lens = paged_cache(rng, lens=lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                           block_size=block_size, dtype=dtype)
-    kc, vc = maybe_quantize(kc, kq), maybe_quantize(vc, vq)
-    num_heads = num_kv_heads * gqa
-    query = random(rng, (len(lens), L, num_heads, head_dim), dtype)
-    sinks = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if use_sinks else None
+    query, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=lens, num_kv_heads=num_kv_heads, gqa=gqa, head_dim=head_dim, block_size=block_size, dtype=dtype,
+        k_quant=kq, v_quant=vq, use_sinks=use_sinks, query_len=L)
     options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
     expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
     layout = metal.layout_for(query, kc, vc, paged=True)
     assert (layout.rows_per_simdgroup < gqa * L) == (gqa * L > metal.ROW_REGISTER_LIMIT)
-    for seed in SEEDS if backend == "sim" else SEEDS[:1]:
-        with run_on(backend, seed=seed) as trace:
-            out = kv.paged_attention(query, kc, vc, tables, seq_lens, num_splits=splits, **options)
-            mx.eval(out)
-        assert out.dtype == dtype and out.shape == query.shape
-        assert_close(out, expected, dtype)
-        if trace is not None:
-            call = next(c for c in trace.calls if "paged_attention_partials" in c.name)
-            assert call.threadgroup_memory == layout.threadgroup_bytes
-            assert call.reductions == 0  # partial dots meet through shuffles, not simd_sum
+    for call in run_checked(backend, kv.paged_attention, expected, query, kc, vc, tables, seq_lens,
+                            num_splits=splits, kernel="paged_attention_partials", **options):
+        assert call.threadgroup_memory == layout.threadgroup_bytes
+        assert call.reductions == 0  # partial dots meet through shuffles, not simd_sum
 
 
 # dtype, head_dim, kv heads, GQA, L, tokens, splits, softcap, sinks, view, K quant, V quant
@@ -98,18 +89,13 @@ def test_decode_attention_query_tokens(case, backend):
     query = random(rng, (batch, num_heads, L, head_dim), dtype)
     sinks = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if use_sinks else None
     expected = ref.decode_attention(query, keys, values, softcap=softcap, sinks=sinks)
-    for seed in SEEDS if backend == "sim" else SEEDS[:1]:
-        with run_on(backend, seed=seed) as trace:
-            out = kv.decode_attention(query, keys, values, softcap=softcap, sinks=sinks, num_splits=splits)
-            mx.eval(out)
-        assert out.shape == query.shape
-        assert_close(out, expected, dtype)
-        if trace is not None and kq is None:
-            # Alignment guard: vector loads only where the view keeps them aligned
-            # (the simulator would raise MisalignedAccessError otherwise).
-            call = next(c for c in trace.calls if "decode_attention_partials" in c.name)
-            per_load = call.bytes_per_load("key_data")
-            assert per_load == (dtype.size if view == "odd_row_stride" else 4 * dtype.size)
+    calls = run_checked(backend, kv.decode_attention, expected, query, keys, values, softcap=softcap, sinks=sinks,
+                        num_splits=splits, kernel="decode_attention_partials")
+    for call in calls if kq is None else ():
+        # Alignment guard: vector loads only where the view keeps them aligned
+        # (the simulator would raise MisalignedAccessError otherwise).
+        per_load = call.bytes_per_load("key_data")
+        assert per_load == (dtype.size if view == "odd_row_stride" else 4 * dtype.size)
 
 
 @pytest.mark.parametrize("L", [3, 8])
