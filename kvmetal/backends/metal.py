@@ -572,12 +572,10 @@ class KernelBackend:
         work = max_blocks * block_size
         if sliding_window is not None:
             work = min(work, sliding_window + query_len - 1 + SPLIT_UNIT)
-        layout = self._layout(query, key_cache, value_cache, num_heads // num_kv_heads, block_size)
+        layout = layout_for(query, key_cache, value_cache, paged=True)
         splits = self._splits(num_splits, work, num_seqs * num_kv_heads, layout)
-        kd, ks, kb, kdt, kbits, kgs = _cache_parts(key_cache)
-        vd, vs, vb, vdt, vbits, vgs = _cache_parts(value_cache)
-        template = self._template(kdt, vdt, head_dim, num_heads // num_kv_heads, query_len, layout, kbits, kgs,
-                                  vbits, vgs)
+        gqa = num_heads // num_kv_heads
+        template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, gqa, query_len, layout)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
@@ -587,9 +585,8 @@ class KernelBackend:
         rows = num_seqs * query_len * num_heads
         partials = self.launch("paged_attention_partials", template, geometry,
                                *self._partial_outputs(rows, splits, head_dim),
-                               query=mx.contiguous(query), key_data=kd, key_scales=ks, key_biases=kb, value_data=vd,
-                               value_scales=vs, value_biases=vb, block_tables=block_tables, seq_lens=seq_lens,
-                               params=params)
+                               query=mx.contiguous(query), **kv_buffers, block_tables=block_tables,
+                               seq_lens=seq_lens, params=params)
         out = self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
         return out[:, 0] if squeeze else out
 
@@ -597,12 +594,9 @@ class KernelBackend:
         """query [B, H, L, D] -> [B, H, L, D]; keys/values [B, Hkv, T, D] read in place (any view)."""
         batch, num_heads, query_len, head_dim = query.shape
         _, num_kv_heads, num_tokens, _ = keys.shape
-        layout = self._layout(query, keys, values, num_heads // num_kv_heads, None)
+        layout = layout_for(query, keys, values, paged=False)
         splits = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout)
-        kd, ks, kb, kdt, kbits, kgs = _cache_parts(keys)
-        vd, vs, vb, vdt, vbits, vgs = _cache_parts(values)
-        template = self._template(kdt, vdt, head_dim, num_heads // num_kv_heads, query_len, layout, kbits, kgs,
-                                  vbits, vgs)
+        template, kv_buffers = self._kv_inputs(keys, values, head_dim, num_heads // num_kv_heads, query_len, layout)
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, num_tokens=num_tokens, scale=scale,
                                        softcap=softcap or 0.0, head_div=query_len)
@@ -613,19 +607,19 @@ class KernelBackend:
         # query is made row-contiguous here instead.
         partials = self.launch("decode_attention_partials", template, geometry,
                                *self._partial_outputs(rows, splits, head_dim),
-                               query=mx.contiguous(query), key_data=kd, key_scales=ks, key_biases=kb, value_data=vd,
-                               value_scales=vs, value_biases=vb, params=params)
+                               query=mx.contiguous(query), **kv_buffers, params=params)
         return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
 
     @staticmethod
-    def _layout(query, keys, values, gqa, block_size) -> AttentionLayout:
-        return layout_for(query, keys, values, paged=block_size is not None)
-
-    @staticmethod
-    def _template(kdt, vdt, head_dim, gqa, query_len, layout, kbits, kgs, vbits, vgs) -> dict:
-        return dict(TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
-                    RPS=layout.rows_per_simdgroup, LPK=layout.lanes_per_key, TT=layout.tile, KBITS=kbits, KGS=kgs,
-                    KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words)
+    def _kv_inputs(keys, values, head_dim, gqa, query_len, layout) -> tuple:
+        """The template parameters and the K/V buffers both partials kernels take."""
+        kd, ks, kb, kdt, kbits, kgs = _cache_parts(keys)
+        vd, vs, vb, vdt, vbits, vgs = _cache_parts(values)
+        template = dict(TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
+                        RPS=layout.rows_per_simdgroup, LPK=layout.lanes_per_key, TT=layout.tile, KBITS=kbits,
+                        KGS=kgs, KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words)
+        buffers = dict(key_data=kd, key_scales=ks, key_biases=kb, value_data=vd, value_scales=vs, value_biases=vb)
+        return template, buffers
 
     @staticmethod
     def _splits(requested, work_tokens, parallel_groups, layout):
