@@ -30,6 +30,16 @@ def rows(rng, n):
     return mx.array(rng.standard_normal((n, H_KV, D)).astype(np.float32))
 
 
+def one_filled_sequence(rng, tokens, cache=None, **kwargs):
+    """``cache`` (default ``make_cache(**kwargs)``) holding sequence 0 with ``tokens``
+    random rows written to every layer: (cache, keys, values)."""
+    cache = make_cache(**kwargs) if cache is None else cache
+    k, v = rows(rng, tokens), rows(rng, tokens)
+    cache.add_sequence(0, num_tokens=tokens)
+    fill(cache, 0, k, v)
+    return cache, k, v
+
+
 def gathered(cache, layer, seq):
     tables, lens = cache.block_tables([seq])
     k, v = kv.gather_kv_cache(cache.key_caches[layer], cache.value_caches[layer], tables, lens,
@@ -61,10 +71,7 @@ def test_writes_and_gathers_round_trip_per_layer():
 
 def test_decode_attention_over_the_cache_matches_float64():
     rng = np.random.default_rng(1)
-    cache = make_cache()
-    k, v = rows(rng, 37), rows(rng, 37)
-    cache.add_sequence(0, num_tokens=37)
-    fill(cache, 0, k, v)
+    cache, k, v = one_filled_sequence(rng, 37)
     query = mx.array(rng.standard_normal((1, 8, D)).astype(np.float32))
     tables, lens = cache.block_tables([0])
     out = kv.paged_attention(query, cache.key_caches[0], cache.value_caches[0], tables, lens)
@@ -138,10 +145,7 @@ def test_kv_cache_full_leaves_tensors_and_tables_unchanged():
 
 def test_grow_keeps_content_and_adds_free_blocks():
     rng = np.random.default_rng(5)
-    cache = make_cache(num_blocks=2)
-    k, v = rows(rng, 30), rows(rng, 30)
-    cache.add_sequence(0, num_tokens=30)
-    fill(cache, 0, k, v)
+    cache, k, v = one_filled_sequence(rng, 30, num_blocks=2)
     cache.grow(3)
     assert cache.stats()["num_blocks"] == 5 and cache.allocator.num_free == 3
     assert cache.key_caches[0].shape == (6, H_KV, BS, D)  # 5 blocks and the null block
@@ -151,10 +155,7 @@ def test_grow_keeps_content_and_adds_free_blocks():
 
 def test_evicted_blocks_are_reusable_and_windowed_attention_ignores_them():
     rng = np.random.default_rng(6)
-    cache = make_cache(num_blocks=4)
-    k, v = rows(rng, 50), rows(rng, 50)
-    cache.add_sequence(0, num_tokens=50)
-    fill(cache, 0, k, v)
+    cache, k, v = one_filled_sequence(rng, 50, num_blocks=4)
     assert cache.evict(0, window=20) == 1  # tokens 0..15 are wholly outside the last 20
     evicted = [b for b in range(4) if cache.allocator.refcount[b] == 0]
     # Someone else takes the evicted block and writes garbage there.
@@ -269,9 +270,7 @@ def test_block_tables_of_no_sequences_and_evicted_entries_read_as_zeros():
 def test_quantize_converts_the_pool_in_place_like_mx_quantize():
     rng = np.random.default_rng(9)
     cache = PagedKVCache(num_layers=2, num_kv_heads=H_KV, head_dim=D, num_blocks=4, block_size=BS, dtype=mx.float32)
-    k, v = rows(rng, 20), rows(rng, 20)
-    cache.add_sequence(0, num_tokens=20)
-    fill(cache, 0, k, v)
+    cache, k, v = one_filled_sequence(rng, 20, cache)
     cache.quantize(k_bits=8, v_bits=4)
     assert cache.key_caches[1].bits == 8 and cache.value_caches[1].bits == 4
     gk, gv = gathered(cache, 1, 0)
