@@ -16,7 +16,7 @@ from kvmetal.backends import metal
 
 HEAD_DIMS = ops.SUPPORTED_HEAD_DIMS  # every configuration the API offers
 BLOCK_SIZES = ops.SUPPORTED_BLOCK_SIZES
-DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+ITEMSIZES = (2, 4)  # float16 and bfloat16, float32: all a dtype changes in a layout
 GQA = tuple(range(1, 17))
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -34,21 +34,21 @@ KV_FORMATS = ((0, 32), (8, 64), (4, 64), (2, 32), (3, 32), (5, 32), (6, 64), (4,
 
 def _layouts(head_dim, block_size):
     """Every layout the backend can pick at this head_dim and block size."""
-    for dtype, gqa, query_len, (kbits, kgs), (vbits, vgs) in itertools.product(
-            DTYPES, GQA, QUERY_TOKENS, KV_FORMATS, KV_FORMATS[:3]):
+    for itemsize, gqa, query_len, (kbits, kgs), (vbits, vgs) in itertools.product(
+            ITEMSIZES, GQA, QUERY_TOKENS, KV_FORMATS, KV_FORMATS[:3]):
         if head_dim % kgs or head_dim % vgs:
             continue
-        size = dtype.size if not kbits else 2
+        # A float cache's rows, or a quantized cache's scales and biases, have the cache dtype.
         layout = metal.attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=kbits,
-                                        k_group=kgs, k_itemsize=size, v_bits=vbits, v_group=vgs,
-                                        v_itemsize=dtype.size if not vbits else 2, block_size=block_size)
-        yield dtype, gqa, query_len, kbits, kgs, vbits, vgs, layout
+                                        k_group=kgs, k_itemsize=itemsize, v_bits=vbits, v_group=vgs,
+                                        v_itemsize=itemsize, block_size=block_size)
+        yield gqa, query_len, kbits, kgs, vbits, vgs, layout
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_attention_limits_every_configuration(head_dim):
     for block_size in BLOCK_SIZES:
-        for dtype, gqa, query_len, kbits, kgs, vbits, vgs, layout in _layouts(head_dim, block_size):
+        for gqa, query_len, kbits, kgs, vbits, vgs, layout in _layouts(head_dim, block_size):
             rows = gqa * query_len
             for name in ("paged_attention_partials", "decode_attention_partials"):
                 _within_limits(metal.SPECS[name].geometry(splits=3, num_kv_heads=8, num_seqs=2, layout=layout))
