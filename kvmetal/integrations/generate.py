@@ -125,8 +125,9 @@ def resolve_model(spec: str) -> Path:
     return path
 
 
-def _distributed_group():
-    """The mlx.launch group, or None in a plain process."""
+def distributed_group():
+    """The mlx.launch group when launched on several ranks, else None (a plain process).
+    ``kvmetal generate`` and ``kvmetal serve`` both start from it."""
     import mlx.core as mx
 
     if not mx.distributed.is_available():
@@ -169,7 +170,7 @@ def _run(args) -> int:
     from ..backends import use_backend
     from .mlx_lm import use_paged_cache
 
-    group = _distributed_group()
+    group = distributed_group()
     rank0 = group is None or group.rank() == 0
     say = (lambda *a, **k: print(*a, **k)) if rank0 else (lambda *a, **k: None)
 

@@ -114,11 +114,3 @@ def encode_add(request_id, kwargs: dict) -> list:
 def decode_add(kwargs: dict) -> dict:
     sampling = kwargs["sampling"]
     return dict(kwargs, sampling=None if sampling is None else SamplingParams(**sampling))
-
-
-def init_group():
-    """The mx.distributed group when launched on several ranks, else None."""
-    if not mx.distributed.is_available():
-        return None
-    group = mx.distributed.init()
-    return group if group.size() > 1 else None

@@ -108,9 +108,10 @@ def run(args) -> int:
 
         backend = use_backend(args.backend)
     with backend:
-        from .distributed import RankSync, init_group
+        from ..integrations.generate import distributed_group
+        from .distributed import RankSync
 
-        group = init_group()
+        group = distributed_group()
         sync = None
         if group is not None:
             if args.prompt_cache_dir:
