@@ -179,7 +179,7 @@ def mlx_sdpa_vector_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num
                output_dtypes=[mx.float16])
     call = t.calls[0]
     if return_output:
-        return t.calls[0], (q, k, v, out)
+        return call, (q, k, v, out)
     call = dataclasses.replace(call, buffers={("key_data" if n == "keys" else "value_data" if n == "values" else n): b
                                               for n, b in call.buffers.items()})
     live = tokens * num_kv_heads * 2 * head_dim * 2
