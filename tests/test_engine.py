@@ -291,3 +291,13 @@ def test_prefill_budget_spreads_admissions_over_steps_without_changing_tokens():
         assert [engine.requests[i].output for i in ids] == expected
     with pytest.raises(ValueError, match=r"max_prefill_tokens"):
         Engine(model, max_prefill_tokens=0)
+
+
+def test_a_rejected_engine_leaves_the_model_unpatched():
+    model = tiny_models.build("llama")
+    with pytest.raises(ValueError, match=r"max_prefill_tokens"):
+        Engine(model, max_prefill_tokens=0)
+    assert "make_cache" not in vars(model)  # no instance patch left behind
+    with Engine(model) as engine:  # a later patch of the same model works
+        engine.close()  # closing twice (here and on exit) undoes once
+    assert "make_cache" not in vars(model)

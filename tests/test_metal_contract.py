@@ -17,7 +17,7 @@ def _struct_fields(text: str, name: str) -> list:
 
 
 def test_param_struct_matches_the_msl_struct_field_for_field():
-    header = (metal.kernel_dirs()[1] / "kvmetal_common.h").read_text()
+    header = metal._find("kvmetal_common.h").read_text()
     assert _struct_fields(header, "KvAttnParams") == list(metal.ATTENTION_PARAMS.fields)
     assert _struct_fields(header, "KvGatherParams") == list(metal.GATHER_PARAMS.fields)
     for name, spec in metal.SPECS.items():  # no positional parameter vectors left

@@ -147,17 +147,21 @@ class Engine:
                  keep_finished: bool = True, on_finish=None, max_prefill_tokens: int | None = None,
                  k_group_size: int | None = None, v_group_size: int | None = None):
         self.model = model
+        if max_prefill_tokens is not None:  # checked before the model is patched: a bad value leaks nothing
+            _check_count("max_prefill_tokens", max_prefill_tokens)
         groups = {k: v for k, v in (("k_group_size", k_group_size), ("v_group_size", v_group_size)) if v is not None}
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
                                       v_bits=v_bits, **groups)
-        self.cache = self.handle.new_model_cache()
+        try:
+            self.cache = self.handle.new_model_cache()
+        except BaseException:
+            self.handle.undo()
+            raise
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing
         self.sampler = sampler
         self.keep_finished = keep_finished
         self.on_finish = on_finish
-        if max_prefill_tokens is not None:
-            _check_count("max_prefill_tokens", max_prefill_tokens)
         self.max_prefill_tokens = max_prefill_tokens
         # Across ranks (``kvmetal serve`` under mlx.launch): maps this rank's sampled tokens to
         # rank 0's, so that every rank appends the same tokens and stays in lockstep.
@@ -420,8 +424,9 @@ class Engine:
         return self.cache.peak_used_bytes
 
     def close(self) -> None:
-        self.closed = True
-        self.handle.undo()
+        if not self.closed:
+            self.closed = True
+            self.handle.undo()
 
     def __enter__(self):
         return self
