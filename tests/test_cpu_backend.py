@@ -373,8 +373,8 @@ def test_extension_rejects_bad_shapes():
     kc = mx.zeros((4, 2, 16, 64))
     tables = mx.zeros((1, 2), dtype=mx.int32)
     lens = mx.array([3], dtype=mx.int32)
-    with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3"):
-        _ext.paged_attention(q[None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3 or 4"):
+        _ext.paged_attention(q[None, None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
     with pytest.raises(ValueError, match=r"\[paged_attention\] num_heads must be a multiple"):
         _ext.paged_attention(mx.zeros((1, 3, 64)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
     with pytest.raises(ValueError, match=r"\[paged_attention\] key/value head_dim"):
