@@ -93,8 +93,10 @@ def _float32_positive(op: str, name: str, value, *, optional: bool) -> float:
     if not math.isfinite(value) or value <= 0:
         _fail(op, f"{what}, got {value!r}")
     if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        with np.errstate(over="ignore"):
+            reached = float(np.float32(value))
         _fail(op, f"{what} representable in float32 (between {FLOAT32_TINY:.3g} and {FLOAT32_MAX:.3g}): "
-                  f"{value!r} would reach the kernels as {float(np.float32(value))!r}")
+                  f"{value!r} would reach the kernels as {reached!r}")
     return float(value)
 
 
