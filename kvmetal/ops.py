@@ -159,6 +159,32 @@ def _check_query_heads(op: str, num_heads: int, num_kv_heads: int):
         _fail(op, f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
 
 
+MAX_QUERY_TOKENS = 8
+
+
+def _check_query_rows(op: str, num_rows: int):
+    if not 1 <= num_rows <= MAX_QUERY_TOKENS:
+        _fail(op, f"query must hold 1 to {MAX_QUERY_TOKENS} tokens per sequence, got {num_rows}")
+
+
+def _multi_query(op: str, name: str, query, *, axis: int):
+    """The backend's op for a query with L rows on ``axis``.
+
+    Backends that declare ``MULTI_QUERY`` take the L axis as is; the others only serve
+    L = 1 in the one-token layout (query squeezed on the way in, output expanded back).
+    """
+    backend = backends.get()
+    fn = getattr(backend, name)
+    if getattr(backend, "MULTI_QUERY", False):
+        return fn
+    if query.shape[axis] != 1:
+        raise NotImplementedError(f"[{op}] the {backends.current_backend()} backend serves one query "
+                                  f"token per sequence; got {query.shape[axis]}")
+    if axis == 2:  # decode_attention's one-token layout is [B, H, 1, D] already
+        return fn
+    return lambda q, *args, **kw: fn(q[:, 0], *args, **kw)[:, None]
+
+
 def _int_option(op: str, name: str, value, *, minimum: int) -> int | None:
     if value is None:
         return None
@@ -199,17 +225,21 @@ def _host(x: mx.array) -> np.ndarray:
     return np.array(x, copy=False) if x.dtype != mx.bfloat16 else np.array(x.astype(mx.float32))
 
 
-def _check_tables(op: str, block_tables, seq_lens, *, num_blocks: int, block_size: int, validate: bool):
-    """Block ids of every used block in range, 1 <= seq_len <= table capacity (on the
+def _check_tables(op: str, block_tables, seq_lens, *, num_blocks: int, block_size: int, validate: bool,
+                  min_len: int = 1):
+    """Block ids of every used block in range, min_len <= seq_len <= table capacity (on the
     caller's values, int64 included, before any cast)."""
     if not validate:
         return
     tables, lens = _host(block_tables), _host(seq_lens).astype(np.int64)
     capacity = tables.shape[1] * block_size
-    for s in np.flatnonzero((lens < 1) | (lens > capacity))[:1]:
+    for s in np.flatnonzero((lens < max(1, min_len)) | (lens > capacity))[:1]:
         n = lens[s]
         if n < 1:
             _fail(op, f"seq_lens[{s}] = {n}: every sequence needs at least one cached token")
+        if n < min_len:
+            _fail(op, f"query holds {min_len} tokens per sequence but seq_lens[{s}] = {n}: the query "
+                      f"tokens are the last {min_len} cached positions, so each sequence needs that many")
         _fail(op, f"seq_lens[{s}] = {n} exceeds its block table capacity "
                   f"({tables.shape[1]} blocks x {block_size} = {capacity})")
     used = np.arange(tables.shape[1])[None, :] < (-(-lens // block_size))[:, None]
@@ -272,10 +302,12 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
                     *, scale: float | None = None, softcap: float | None = None,
                     sliding_window: int | None = None, sinks: mx.array | None = None,
                     num_splits: int | None = None, validate: bool = True) -> mx.array:
-    """Decode attention of one query token per sequence over a paged KV cache.
+    """Decode attention of the last 1-8 tokens of each sequence over a paged KV cache.
 
     Args:
-        query: [S, H, D] float.
+        query: [S, H, D] float (one token per sequence) or [S, L, H, D] with 1 <= L <= 8:
+            the last L cached positions of each sequence (already written), each attending
+            causally: row ``l`` sits at position ``seq_len - L + l``.
         key_cache, value_cache: [N, Hkv, bs, D] float caches or QuantizedKV.
         block_tables: int32/int64 [S, M]; entries past a sequence's last used block are never read.
         seq_lens: int32/int64 [S]; cached tokens per sequence, the current token included.
@@ -289,14 +321,19 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
             ``validate=False`` the kernels treat a block id outside [0, N) as padding (its
             tokens are not attended) and clamp a length to [0, M * bs].
     Returns:
-        [S, H, D] in the query's dtype.
+        The query's shape ([S, H, D] or [S, L, H, D]) in the query's dtype.
     """
     op = "paged_attention"
     _check_validate(op, validate)
     num_blocks, num_kv_heads, block_size, head_dim = _check_kv_pair(op, key_cache, value_cache,
                                                                     what="[N, Hkv, bs, D]", paged=True)
-    _check_array(op, "query", query, ndim=3, dtypes=FLOAT_DTYPES, what="[S, H, D]")
-    num_seqs, num_heads, q_dim = query.shape
+    if isinstance(query, mx.array) and query.ndim not in (3, 4):
+        _fail(op, f"query must have rank 3 [S, H, D] or rank 4 [S, L, H, D], got shape {tuple(query.shape)}")
+    four_d = isinstance(query, mx.array) and query.ndim == 4
+    _check_array(op, "query", query, ndim=4 if four_d else 3, dtypes=FLOAT_DTYPES,
+                 what="[S, L, H, D]" if four_d else "[S, H, D]")
+    num_seqs, num_rows, num_heads, q_dim = query.shape if four_d else (query.shape[0], 1, *query.shape[1:])
+    _check_query_rows(op, num_rows)
     if q_dim != head_dim:
         _fail(op, f"query head_dim {q_dim} does not match the cache head_dim {head_dim}")
     _check_query_heads(op, num_heads, num_kv_heads)
@@ -309,11 +346,14 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
                                  sinks=sinks, num_splits=num_splits, max_splits=max_blocks,
                                  sliding_window=sliding_window, max_tokens=max_blocks * block_size)
-    _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=validate)
+    _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=validate,
+                  min_len=num_rows)
     if num_seqs == 0:
         return mx.zeros(query.shape, query.dtype)
-    return backends.get().paged_attention(query, key_cache, value_cache, _as_int32(block_tables),
-                                          _as_int32(seq_lens), **options)
+    rows = query if query.ndim == 4 else query[:, None]
+    out = _multi_query(op, "paged_attention", rows, axis=1)(rows, key_cache, value_cache, _as_int32(block_tables),
+                                                              _as_int32(seq_lens), **options)
+    return out if query.ndim == 4 else out[:, 0]
 
 
 def gather_kv_cache(key_cache, value_cache, block_tables: mx.array, seq_lens: mx.array, *,
@@ -349,29 +389,34 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
     """Split-KV decode over a contiguous cache, in ``mx.fast.scaled_dot_product_attention`` layout.
 
     Args:
-        query: [B, H, 1, D] float.
+        query: [B, H, L, D] float, 1 <= L <= 8; row ``l`` sees keys ``t <= T - L + l`` (the
+            bottom-right-aligned causal mask of ``mask="causal"``).
         keys, values: [B, Hkv, T, D] float (strided views are read in place) or QuantizedKV.
         scale, softcap, sinks: as in :func:`paged_attention`.
         num_splits: KV splits per (batch entry, kv head); None lets the backend choose. A
             count above one split per CONTIGUOUS_SPLIT_TOKENS tokens is clamped to that.
     Returns:
-        [B, H, 1, D] in the query's dtype.
+        [B, H, L, D] in the query's dtype.
     """
     op = "decode_attention"
     batch, num_kv_heads, num_tokens, head_dim = _check_kv_pair(op, keys, values, what="[B, Hkv, T, D]",
                                                                paged=False)
-    _check_array(op, "query", query, ndim=4, dtypes=FLOAT_DTYPES, what="[B, H, 1, D]")
-    if query.shape[0] != batch or query.shape[2] != 1 or query.shape[3] != head_dim:
-        _fail(op, f"query must have shape [{batch}, H, 1, {head_dim}] to match keys, got {tuple(query.shape)}")
+    _check_array(op, "query", query, ndim=4, dtypes=FLOAT_DTYPES, what="[B, H, L, D]")
+    if query.shape[0] != batch or query.shape[3] != head_dim:
+        _fail(op, f"query must have shape [{batch}, H, L, {head_dim}] to match keys, got {tuple(query.shape)}")
+    _check_query_rows(op, query.shape[2])
     if num_tokens < 1:
         _fail(op, "keys must hold at least one token (T >= 1)")
+    if query.shape[2] > num_tokens:
+        _fail(op, f"query holds {query.shape[2]} tokens but keys only {num_tokens}: the query tokens are "
+                  f"the last L positions of keys, so L <= T")
     _check_query_heads(op, query.shape[1], num_kv_heads)
     options = _attention_options(op, head_dim=head_dim, num_heads=query.shape[1], scale=scale,
                                  softcap=softcap, sinks=sinks, num_splits=num_splits,
                                  max_splits=-(-num_tokens // CONTIGUOUS_SPLIT_TOKENS))
     if batch == 0:
         return mx.zeros(query.shape, query.dtype)
-    return backends.get().decode_attention(query, keys, values, **options)
+    return _multi_query(op, "decode_attention", query, axis=2)(query, keys, values, **options)
 
 
 def copy_blocks(key_cache, value_cache, src: mx.array, dst: mx.array, *, validate: bool = True):

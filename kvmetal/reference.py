@@ -50,38 +50,60 @@ def sequence_rows(cache: np.ndarray, block_table, seq_len: int) -> np.ndarray:
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
                     scale=None, softcap=None, sliding_window=None, sinks=None) -> np.ndarray:
+    """query [S, H, D] or [S, L, H, D] -> the same shape.
+
+    The L query rows of a sequence are its last L cached positions: row ``l`` sits at
+    ``p = seq_len - L + l`` and sees positions ``t <= p`` (and ``t > p - sliding_window``).
+    A row that sees no token (L > seq_len) outputs zeros.
+    """
     q = to_f64(query)
+    single = q.ndim == 3
+    if single:
+        q = q[:, None]
     kc, vc = to_f64(key_cache), to_f64(value_cache)
     tables, lens = to_int(block_tables), to_int(seq_lens)
     sink_logits = None if sinks is None else to_f64(sinks)
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs, num_rows, num_heads, head_dim = q.shape
     group = num_heads // kc.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
     out = np.zeros_like(q)
     for s in range(num_seqs):
         keys = sequence_rows(kc, tables[s], lens[s])
         values = sequence_rows(vc, tables[s], lens[s])
-        first = 0 if sliding_window is None else max(0, lens[s] - sliding_window)
-        for h in range(num_heads):
-            out[s, h] = attend(q[s, h], keys[h // group, first:], values[h // group, first:],
-                               scale=scale, softcap=softcap,
-                               sink=None if sink_logits is None else sink_logits[h])
-    return out
+        for l in range(num_rows):
+            last = int(lens[s]) - num_rows + l          # this row's own position
+            if last < 0:
+                continue
+            first = 0 if sliding_window is None else max(0, last + 1 - sliding_window)
+            for h in range(num_heads):
+                out[s, l, h] = attend(q[s, l, h], keys[h // group, first:last + 1],
+                                      values[h // group, first:last + 1], scale=scale, softcap=softcap,
+                                      sink=None if sink_logits is None else sink_logits[h])
+    return out[:, 0] if single else out
 
 
 def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None) -> np.ndarray:
-    """query [B, H, 1, D], keys/values [B, Hkv, T, D] -> [B, H, 1, D]."""
+    """query [B, H, L, D], keys/values [B, Hkv, T, D] -> [B, H, L, D].
+
+    Bottom-right-aligned causal mask (``mx.fast.scaled_dot_product_attention(mask="causal")``):
+    query row ``l`` sees keys ``t <= T - L + l``.
+    """
     q, k, v = to_f64(query), to_f64(keys), to_f64(values)
-    batch, num_heads, _, head_dim = q.shape
+    batch, num_heads, num_rows, head_dim = q.shape
+    num_tokens = k.shape[2]
     group = num_heads // k.shape[1]
     scale = head_dim ** -0.5 if scale is None else scale
     sink_logits = None if sinks is None else to_f64(sinks)
     out = np.zeros_like(q)
     for b in range(batch):
         for h in range(num_heads):
-            out[b, h, 0] = attend(q[b, h, 0], k[b, h // group], v[b, h // group], scale=scale,
-                                  softcap=softcap,
-                                  sink=None if sink_logits is None else sink_logits[h])
+            for l in range(num_rows):
+                visible = num_tokens - num_rows + l + 1
+                if visible < 1:
+                    continue
+                out[b, h, l] = attend(q[b, h, l], k[b, h // group, :visible], v[b, h // group, :visible],
+                                      scale=scale, softcap=softcap,
+                                      sink=None if sink_logits is None else sink_logits[h])
     return out
 
 

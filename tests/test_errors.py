@@ -33,8 +33,8 @@ def attention(case, **overrides):
 
 
 def test_wrong_rank(case):
-    with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3"):
-        attention(case, query=case.query[None])
+    with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3 .* or rank 4"):
+        attention(case, query=case.query[None, None])
     with pytest.raises(ValueError, match=r"key_cache must have rank 4"):
         attention(case, key_cache=case.key_cache[0])
     with pytest.raises(ValueError, match=r"block_tables must have rank 2"):

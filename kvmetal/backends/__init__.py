@@ -16,16 +16,23 @@ Contract (shapes per DESIGN.md; ``KV`` is a float ``mx.array`` or a
     paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
                     scale: float, softcap: float | None, sliding_window: int | None,
                     sinks: mx.array | None, num_splits: int | None)
-        query [S, H, D]; block_tables int32 [S, max_blocks]; seq_lens int32 [S] (>= 1)
-        sinks float32 [H] or None -> out [S, H, D] in query dtype
+        query [S, L, H, D] (MULTI_QUERY backends; else [S, H, D], L = 1);
+        block_tables int32 [S, max_blocks]; seq_lens int32 [S] (>= 1)
+        sinks float32 [H] or None -> out in the query's shape and dtype
+        query row l sits at position seq_len - L + l and sees t <= that position
+        (and t > position - sliding_window)
 
     gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len: int)
         -> (keys, values) [S, Hkv, max_len, D] in the cache's float dtype
            (QuantizedKV.dtype for a quantized cache); rows past seq_len are zero
 
     decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits)
-        query [B, H, 1, D]; keys, values [B, Hkv, T, D] (may be strided views)
-        -> out [B, H, 1, D] in query dtype
+        query [B, H, L, D] (L = 1 unless MULTI_QUERY); keys, values [B, Hkv, T, D]
+        (may be strided views); row l sees keys t <= T - L + l
+        -> out [B, H, L, D] in query dtype
+
+    A backend that sets ``MULTI_QUERY = True`` serves 1 <= L <= 8 query rows per
+    sequence; ops hands the others L = 1 only.
 
     copy_blocks(key_cache, value_cache, src, dst)
         src, dst int32 [n]: block src[i] is copied to block dst[i] (all heads)

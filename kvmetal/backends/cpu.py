@@ -25,6 +25,9 @@ from kvmetal.quant import SUPPORTED_BITS, QuantizedKV
 
 __all__ = ["reshape_and_cache", "paged_attention", "gather_kv_cache", "decode_attention", "copy_blocks"]
 
+# Paged queries [S, L, H, D] and decode queries [B, H, L, D], 1 <= L <= 8 (see ops).
+MULTI_QUERY = True
+
 
 def _unpack(cache, op: str):
     """(arrays, bits, group_size) of a float or quantized cache."""
@@ -67,7 +70,7 @@ def _write(rows, cache, slot_mapping):
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, softcap=None,
                     sliding_window=None, sinks=None, num_splits=None):
-    """Decode attention over a paged cache: query ``[S, H, D]`` -> ``[S, H, D]``."""
+    """Attention of the last L tokens per sequence over a paged cache: query ``[S, L, H, D]`` -> ``[S, L, H, D]``."""
     k, k_bits, k_group = _unpack(key_cache, "paged_attention")
     v, v_bits, v_group = _unpack(value_cache, "paged_attention")
     return _ext.paged_attention(
@@ -92,7 +95,8 @@ def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len=N
 
 
 def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None, num_splits=None):
-    """Decode attention over contiguous ``[B, Hkv, T, D]`` keys/values (read in place, strides honoured)."""
+    """Query ``[B, H, L, D]`` over contiguous ``[B, Hkv, T, D]`` keys/values (read in place, strides
+    honoured), bottom-right causal: row l sees keys t <= T - L + l."""
     k, k_bits, k_group = _unpack(keys, "decode_attention")
     v, v_bits, v_group = _unpack(values, "decode_attention")
     return _ext.decode_attention(
