@@ -123,8 +123,10 @@ void check_float(const mx::array& a, const char* op, const char* name) {
     fail(op, std::string(name) + " must be float16, bfloat16 or float32");
 }
 
-// Checks that keep the kernels in bounds when called directly from C++/Python
-// (kvmetal.ops has already checked everything user-facing).
+// Memory-safety guards only: the shapes and dtypes the kernels index by, for
+// callers that reach kvmetal._ext directly. kvmetal.ops is the one validation
+// layer for users (errors naming the argument); index values are guarded in
+// the kernels themselves.
 int check_cache(const std::vector<mx::array>& c, QuantSpec q, const char* op, const char* name) {
   if (static_cast<int>(c.size()) != q.num_arrays())
     fail(op, std::string(name) + ": expected " + std::to_string(q.num_arrays()) + " array(s)");

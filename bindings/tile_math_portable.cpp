@@ -110,8 +110,6 @@ std::atomic<int> g_level_cap{static_cast<int>(Level::avx512)};
 
 }  // namespace
 
-const TileKernels& portable_tile_kernels() { return kPortable; }
-
 bool cap_tile_level(const std::string& name) {
   Level cap;
   if (name == "portable") cap = Level::portable;

@@ -193,20 +193,23 @@ def _int_option(op: str, name: str, value, *, minimum: int) -> int | None:
     return int(value)
 
 
+def _sliding_window(op: str, sliding_window, *, max_tokens: int) -> int | None:
+    """A checked window; one of at least ``max_tokens`` (the table's capacity) hides nothing
+    and is passed on as None."""
+    sliding_window = _int_option(op, "sliding_window", sliding_window, minimum=1)
+    return None if sliding_window is None or sliding_window >= max_tokens else sliding_window
+
+
 def _attention_options(op: str, *, head_dim: int, num_heads: int, scale, softcap, sinks,
-                       num_splits, max_splits: int, sliding_window=None, max_tokens: int = 0) -> dict:
+                       num_splits, max_splits: int) -> dict:
     """Checked options for the backends.
 
     ``num_splits`` above ``max_splits`` (one split per block of the table, or per
     CONTIGUOUS_SPLIT_TOKENS tokens of a contiguous cache: more splits would be empty) is
-    clamped to it. A ``sliding_window`` of at least ``max_tokens`` (the table's capacity)
-    hides nothing and is passed on as None."""
+    clamped to it."""
     scale = head_dim ** -0.5 if scale is None else _float32_positive(op, "scale", scale, optional=True)
     if softcap is not None:
         softcap = _float32_positive(op, "softcap", softcap, optional=True)
-    sliding_window = _int_option(op, "sliding_window", sliding_window, minimum=1)
-    if sliding_window is not None and sliding_window >= max_tokens:
-        sliding_window = None
     num_splits = _int_option(op, "num_splits", num_splits, minimum=1)
     if num_splits is not None:
         num_splits = min(num_splits, max(1, max_splits))
@@ -215,10 +218,7 @@ def _attention_options(op: str, *, head_dim: int, num_heads: int, scale, softcap
         if sinks.shape[0] != num_heads:
             _fail(op, f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
         sinks = sinks.astype(mx.float32)
-    options = dict(scale=float(scale), softcap=softcap, sinks=sinks, num_splits=num_splits)
-    if op == "paged_attention":
-        options["sliding_window"] = sliding_window
-    return options
+    return dict(scale=float(scale), softcap=softcap, sinks=sinks, num_splits=num_splits)
 
 
 def _host(x: mx.array) -> np.ndarray:
@@ -344,8 +344,8 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
                   f"must have one row per query sequence ({num_seqs})")
     max_blocks = block_tables.shape[1]
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
-                                 sinks=sinks, num_splits=num_splits, max_splits=max_blocks,
-                                 sliding_window=sliding_window, max_tokens=max_blocks * block_size)
+                                 sinks=sinks, num_splits=num_splits, max_splits=max_blocks)
+    options["sliding_window"] = _sliding_window(op, sliding_window, max_tokens=max_blocks * block_size)
     _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=validate,
                   min_len=num_rows)
     if num_seqs == 0:
