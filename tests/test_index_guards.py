@@ -33,14 +33,22 @@ I64_WRAPS_TO_5 = 2**32 + 5  # an int32 cast would turn it into 5
 
 
 
-def _case():
-    return paged_case([5, 30, 17], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                      dtype=mx.float32, seed=3)
+# Every way the kernels read a cache: float32 and float16 in place, bfloat16 with more
+# query rows than the in-place path takes (converted), and quantized K8/V4.
+KINDS = {"f32": dict(dtype=mx.float32), "f16": dict(dtype=mx.float16),
+         "bf16_gqa12": dict(dtype=mx.bfloat16, num_heads=24), "k8v4": dict(dtype=mx.float16, k_bits=8, v_bits=4)}
 
 
-def _masked_oracle(case, tables, lens, **opts):
-    """paged_attention over the tokens whose block id is in range, lengths clamped to the table."""
-    q = reference.to_f64(case.query)
+def _case(kind="f32"):
+    opts = dict(num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, seed=3)
+    opts.update(KINDS[kind])
+    return paged_case([5, 30, 17], **opts)
+
+
+def _masked_oracle(case, tables, lens, query=None, **opts):
+    """paged_attention over the tokens whose block id is in range, lengths clamped to the table
+    (one query token per sequence)."""
+    q = reference.to_f64(case.query if query is None else query)
     kc, vc = reference.to_f64(case.key_cache), reference.to_f64(case.value_cache)
     tables, lens = np.asarray(tables, np.int64), np.asarray(lens, np.int64)
     num_blocks, block_size = kc.shape[0], kc.shape[2]
@@ -67,34 +75,67 @@ def _attend(case, tables, lens, dtype=mx.int32, **opts):
 
 # ---------------------------------------------------------------- cases (run in a subprocess)
 
+def _host_arrays(cache):
+    parts = cache.arrays() if hasattr(cache, "arrays") else (cache,)
+    return [np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a) for a in parts]
+
+
+def _assert_same_cache(a, b):
+    for x, y in zip(_host_arrays(a), _host_arrays(b)):
+        np.testing.assert_array_equal(x, y)  # NaN-poisoned slots compare equal too
+
+
 def case_slot_past_the_end():
-    case = _case()
-    before_k, before_v = np.array(case.key_cache), np.array(case.value_cache)
-    rows = mx.ones((3, 2, 64))
-    num_slots = case.key_cache.shape[0] * 16
-    for slots, dtype in (([num_slots + FAR, num_slots, 2**31 - 1], mx.int32),
-                         ([I64_WRAPS_TO_5, 2**32 + 15, 2**40], mx.int64)):
-        kc, vc = kv.reshape_and_cache(rows, rows, case.key_cache, case.value_cache,
-                                      mx.array(slots, dtype=dtype), validate=False)
-        mx.eval(kc, vc)
-        np.testing.assert_array_equal(np.array(kc), before_k)  # NaN-poisoned slots compare equal too
-        np.testing.assert_array_equal(np.array(vc), before_v)
+    for kind in KINDS:
+        case = _case(kind)
+        rows = mx.ones((3, 2, 64))
+        num_slots = case.key_cache.shape[0] * 16
+        for slots, dtype in (([num_slots + FAR, num_slots, 2**31 - 1], mx.int32),
+                             ([I64_WRAPS_TO_5, 2**32 + 15, 2**40], mx.int64)):
+            kc, vc = kv.reshape_and_cache(rows, rows, case.key_cache, case.value_cache,
+                                          mx.array(slots, dtype=dtype), validate=False)
+            _assert_same_cache(kc, case.key_cache)
+            _assert_same_cache(vc, case.value_cache)
 
 
 def case_far_block_ids_are_padding():
-    case = _case()
-    tables = np.array(case.block_tables)
-    lens = np.array(case.seq_lens)
-    for bad in (FAR, -5, case.key_cache.shape[0]):
+    for kind in KINDS:
+        case = _case(kind)
+        dtype = case.query.dtype
+        tables = np.array(case.block_tables)
+        lens = np.array(case.seq_lens)
+        for bad in (FAR, -5, case.key_cache.shape[0]):
+            t = tables.copy()
+            t[1, 0] = bad  # seq 1 (30 tokens): its first block becomes padding
+            assert_close(_attend(case, t, lens), _masked_oracle(case, t, lens), dtype)
+        # Every block of a sequence padding: that row is zeros.
         t = tables.copy()
-        t[1, 0] = bad  # seq 1 (30 tokens): its first block becomes padding
-        assert_close(_attend(case, t, lens), _masked_oracle(case, t, lens), mx.float32)
-    # Every block of a sequence padding: that row is zeros.
-    t = tables.copy()
-    t[0, 0] = -1
-    out = np.array(_attend(case, t, lens))
-    assert (out[0] == 0).all()
-    assert_close(out, _masked_oracle(case, t, lens), mx.float32)
+        t[0, 0] = -1
+        out = _attend(case, t, lens)
+        assert (np.array(out.astype(mx.float32))[0] == 0).all()
+        assert_close(out, _masked_oracle(case, t, lens), dtype)
+        keys, values = kv.gather_kv_cache(case.key_cache, case.value_cache, mx.array(t), mx.array(lens),
+                                          validate=False)
+        assert (np.array(keys.astype(mx.float32))[0] == 0).all() and (np.array(values.astype(mx.float32))[0] == 0).all()
+
+
+def case_more_query_tokens_than_cached_tokens():
+    # L = 8 tokens, sequences of 5, 30 and 17: the first 3 rows of sequence 0 see nothing
+    # (zeros, sinks or not); the others see t <= seq_len - L + l.
+    case = _case()
+    rows = 8
+    query = mx.random.normal((3, rows, 8, 64), key=mx.random.key(0))
+    sinks = mx.zeros((8,))
+    for opts in ({}, {"sinks": sinks}):
+        out = np.array(kv.paged_attention(query, case.key_cache, case.value_cache, case.block_tables,
+                                          case.seq_lens, validate=False, **opts))
+        assert (out[0, :3] == 0).all()
+        lens = np.array(case.seq_lens)
+        for l in range(3, rows):
+            cut = lens - rows + l + 1
+            ref = _masked_oracle(case, np.array(case.block_tables), cut, query=query[:, l],
+                                 **({"sink": 0.0} if opts else {}))
+            assert_close(out[:, l], ref, mx.float32)
 
 
 def case_int64_block_id_does_not_wrap():
@@ -148,6 +189,12 @@ def case_gather_guards():
 
 
 def case_copy_blocks_far_ids_are_skipped():
+    for kind in ("k8v4", "bf16_gqa12"):
+        case = _case(kind)
+        kc, vc = kv.copy_blocks(case.key_cache, case.value_cache, mx.array([0, FAR]), mx.array([-1, 1]),
+                                validate=False)
+        _assert_same_cache(kc, case.key_cache)
+        _assert_same_cache(vc, case.value_cache)
     case = _case()
     before = np.array(case.key_cache)
     n = case.key_cache.shape[0]
