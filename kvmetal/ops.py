@@ -85,9 +85,9 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def _float32_positive(op: str, name: str, value, *, optional: bool) -> float:
-    """A positive finite float that float32 holds as a normal number (else ValueError naming it)."""
-    what = f"{name} must be {'None or ' if optional else ''}a positive finite float"
+def _float32_positive(op: str, name: str, value) -> float:
+    """A positive finite float that float32 holds as a normal number (else an error naming it)."""
+    what = f"{name} must be None or a positive finite float"
     if not _is_real(value):
         _fail(op, f"{what}, got {value!r}", TypeError)
     if not math.isfinite(value) or value <= 0:
@@ -207,9 +207,9 @@ def _attention_options(op: str, *, head_dim: int, num_heads: int, scale, softcap
     ``num_splits`` above ``max_splits`` (one split per block of the table, or per
     CONTIGUOUS_SPLIT_TOKENS tokens of a contiguous cache: more splits would be empty) is
     clamped to it."""
-    scale = head_dim ** -0.5 if scale is None else _float32_positive(op, "scale", scale, optional=True)
+    scale = head_dim ** -0.5 if scale is None else _float32_positive(op, "scale", scale)
     if softcap is not None:
-        softcap = _float32_positive(op, "softcap", softcap, optional=True)
+        softcap = _float32_positive(op, "softcap", softcap)
     num_splits = _int_option(op, "num_splits", num_splits, minimum=1)
     if num_splits is not None:
         num_splits = min(num_splits, max(1, max_splits))
