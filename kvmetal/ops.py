@@ -262,7 +262,8 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache, value_cache, sl
             a negative slot skips the row (padding). ``validate=True`` checks every slot
             (int64 ones before the cast) and rejects a slot written twice. With
             ``validate=False`` the caller vouches for the slots; a slot out of range is
-            then skipped by the kernel, never written (duplicates leave either row).
+            then skipped by the kernel, never written; a slot given twice gets unspecified
+            contents (one of the rows, or a mix of them).
     Returns:
         (key_cache, value_cache): the updated caches. The write is in place when the
         caller holds no other reference to the cache arrays (MLX buffer donation), so
