@@ -35,7 +35,6 @@ INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 # The float32 range a scale or softcap must fall in: a value outside it would reach the
 # kernels as 0 (softcap 0 means "off"), a denormal (flushed to 0 on GPUs) or inf.
 FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
-CONTIGUOUS_SPLIT_TOKENS = 32  # decode_attention: num_splits is capped at one split per this many tokens
 
 
 # ----------------------------------------------------------------------------- checks
@@ -204,9 +203,9 @@ def _attention_options(op: str, *, head_dim: int, num_heads: int, scale, softcap
                        num_splits, max_splits: int) -> dict:
     """Checked options for the backends.
 
-    ``num_splits`` above ``max_splits`` (one split per block of the table, or per
-    CONTIGUOUS_SPLIT_TOKENS tokens of a contiguous cache: more splits would be empty) is
-    clamped to it."""
+    ``num_splits`` above ``max_splits`` (one split per token the cache can hold: more
+    splits would be empty on any backend) is clamped to it, so an absurd count cannot
+    size the partials beyond a small multiple of the cache. Backends may use fewer."""
     scale = head_dim ** -0.5 if scale is None else _float32_positive(op, "scale", scale)
     if softcap is not None:
         softcap = _float32_positive(op, "softcap", softcap)
@@ -317,7 +316,8 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
         sliding_window: a query sees only the last ``sliding_window`` tokens.
         sinks: float [H], one logit per query head joining the softmax denominator.
         num_splits: KV splits per (sequence, kv head); None lets the backend choose. A count
-            above one split per block-table column is clamped to that (more would be empty).
+            above one split per token of the table (M * bs) is clamped to that (more would be
+            empty); a backend may use fewer (the cpu one, one per tile of up to 32 tokens).
         validate: check block ids and lengths on the host (before any cast). With
             ``validate=False`` the kernels treat a block id outside [0, N) as padding (its
             tokens are not attended) and clamp a length to [0, M * bs].
@@ -345,7 +345,7 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
                   f"must have one row per query sequence ({num_seqs})")
     max_blocks = block_tables.shape[1]
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
-                                 sinks=sinks, num_splits=num_splits, max_splits=max_blocks)
+                                 sinks=sinks, num_splits=num_splits, max_splits=max_blocks * block_size)
     options["sliding_window"] = _sliding_window(op, sliding_window, max_tokens=max_blocks * block_size)
     _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=validate,
                   min_len=num_rows)
@@ -395,7 +395,7 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
         keys, values: [B, Hkv, T, D] float (strided views are read in place) or QuantizedKV.
         scale, softcap, sinks: as in :func:`paged_attention`.
         num_splits: KV splits per (batch entry, kv head); None lets the backend choose. A
-            count above one split per CONTIGUOUS_SPLIT_TOKENS tokens is clamped to that.
+            count above T is clamped to T (more splits would be empty).
     Returns:
         [B, H, L, D] in the query's dtype.
     """
@@ -414,7 +414,7 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
     _check_query_heads(op, query.shape[1], num_kv_heads)
     options = _attention_options(op, head_dim=head_dim, num_heads=query.shape[1], scale=scale,
                                  softcap=softcap, sinks=sinks, num_splits=num_splits,
-                                 max_splits=-(-num_tokens // CONTIGUOUS_SPLIT_TOKENS))
+                                 max_splits=num_tokens)
     if batch == 0:
         return mx.zeros(query.shape, query.dtype)
     return _multi_query(op, "decode_attention", query, axis=2)(query, keys, values, **options)
