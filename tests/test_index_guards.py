@@ -237,9 +237,9 @@ def _run_in_subprocess(backend: str, name: str):
             f"    t.CASES[{name!r}]()\n"
             "print('ok')\n")
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
-    # Run outside the repo root so `import kvmetal` finds the installed package with _ext.
+    # From tests/, not the repo root: `import kvmetal` finds the installed package (with _ext).
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=HERE.parent.parent, env=env)
+                          cwd=HERE, env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"{name} on {backend}: exit code {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
