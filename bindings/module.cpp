@@ -35,6 +35,9 @@ kvmetal::AttentionOptions options(float scale, std::optional<float> softcap, int
 NB_MODULE(_ext, m) {
   m.doc() = "kvmetal native CPU backend";
   m.def("abi_check", []() { return 1; });
+  // The MLX version this extension was compiled against (kvmetal/_build_info.py holds the
+  // same string, readable before this module loads).
+  m.attr("mlx_version") = KVMETAL_MLX_VERSION;
 
   m.def(
       "paged_attention",

@@ -6,308 +6,759 @@
 // kvmetal_common.h and passed as `header=`; each `//@kernel NAME` line starts
 // the body of one mx.fast.metal_kernel (MLX writes the signature).
 //
-// Threadgroup organisation of the partial kernels: one threadgroup per
-// (split, kv head, sequence) with NSG simdgroups. Per tile of TT tokens all
-// NSG * 32 threads load the K and V rows once (vectorized, dequantized in
-// registers for a quantized cache) into float threadgroup tiles; then
-// simdgroup s serves query heads s, s + NSG, ... of the kv head's G heads,
-// lanes splitting head_dim in float4 chunks. So each K/V row leaves device
-// memory once whatever the GQA factor.
+// Design (docs/kernels.md has the why and the measured costs):
+// - One threadgroup per (split, kv head, sequence) serves the R = G * L query
+//   rows of its kv head, so every K/V row leaves device memory once.
+// - Lanes are cut into key groups of LPK lanes; a pass scores KPP = 32 / LPK
+//   keys at once. A lane holds "atoms" of a row (4 elements of a float cache,
+//   or KAW/VAW whole packed words) in registers, in their storage type; the
+//   partial dot products meet through simd_shuffle_xor inside the key group.
+// - Scores are in log2 units (q pre-scaled by scale * log2 e): one exp2 per
+//   (pass, row) for the probabilities, and the running state is rescaled once
+//   per pass, only when the pass raises the running max.
+// - Quantized K is scored from the packed words: q.(s*w + b) = s*(q.w) + b*sum(q)
+//   per group; V accumulates p*s*w per element plus p*b per atom. Each scale
+//   and bias is loaded by one lane of the key group and shuffled to the others.
+// - Register mode (RPS == R): each simdgroup owns a contiguous token range of
+//   the split and every row; the simdgroups merge their states at the end
+//   through a small threadgroup buffer (kv_softmax_merge). No barrier in the
+//   token loop.
+// - Shared mode (RPS < R: more rows than registers hold): simdgroups split the
+//   rows and share each tile of TT tokens through a double-buffered threadgroup
+//   tile in the cache's storage type (one barrier per tile).
 
-// Online-softmax attention of this kv head's G query heads over tokens
-// [lo, hi), tiles starting at tile0 (a multiple of TT); writes one split's
-// float32 partials (running max, sum of exp, unnormalised accumulator).
-template <int D, int G, int TT, int NSG, typename KR, typename VR, typename KI, typename VI,
-          typename PQ>
-inline void kv_attend_split(
-    KR krows, VR vrows, KI kindex, VI vindex,
-    PQ q,  // [G, D] query rows of this kv head, query dtype
-    int lo, int hi, int tile0, float scale, float softcap,
-    threadgroup float4* ktile4,  // [TT, D / 4]
-    threadgroup float4* vtile4,  // [TT, D / 4]
-    threadgroup float4* merge,   // [NSG, D / 4] accumulators, then [NSG] (max, sum, -, -)
-    uint tid, uint sg, uint lane,
-    device float* part_max,  // [.., splits]  row part_row0 + g * head_stride
-    device float* part_sum,
-    device float* part_acc,  // [.., splits, D]
-    int part_row0, int head_stride) {
-  constexpr int C4 = D / 4;                  // float4 chunks per row
-  constexpr int CPL = (C4 + 31) / 32;        // chunks per lane
-  // With fewer heads than simdgroups (G = 1, 2) the simdgroups also split each
-  // tile's tokens into P phases, and merge their states at the end.
-  constexpr int P = G < NSG ? NSG / G : 1;   // token phases
-  constexpr int SPP = NSG / P;               // simdgroups per phase
-  constexpr int HPS = (G + SPP - 1) / SPP;   // heads per simdgroup
-  constexpr int NT = NSG * 32;
-  const int phase = int(sg) / SPP;
-  const int slot = int(sg) % SPP;
-  const KvRowAt kstep = kindex.row_step();
-  const KvRowAt vstep = vindex.row_step();
-  threadgroup float* ktile = reinterpret_cast<threadgroup float*>(ktile4);
-  threadgroup float* vtile = reinterpret_cast<threadgroup float*>(vtile4);
+// Where one cache row starts: element offsets into its data, scales and biases,
+// and the element step along the row (1 unless a strided view says otherwise).
+struct KvAt {
+  size_t data;
+  size_t scale;
+  size_t bias;
+};
 
-  // Read the query (pre-scaled) and reset the running state.
-  float4 qr[HPS][CPL];
-  float4 acc[HPS][CPL];
-  float mrun[HPS];
-  float lrun[HPS];
-  for (int j = 0; j < HPS; j++) {
-    const int g = slot + j * SPP;
-    for (int c = 0; c < CPL; c++) {
-      const int idx = int(lane) + 32 * c;
-      qr[j][c] = (g < G && idx < C4) ? kv_load4(q + g * D + idx * 4) * scale : float4(0.0f);
-      acc[j][c] = float4(0.0f);
+// Paged cache [N, Hkv, BS, W]: token t is row (block_tables[t / BS] * Hkv + kvh)
+// * BS + t % BS. A block id outside [0, N) is padding: the row is never read.
+// The 64-bit block base is computed once per block; offsets inside a block are 32-bit.
+template <int BS, int KW, int KNG, int VW, int VNG, typename PT>
+struct KvPagedRows {
+  PT table;
+  int num_blocks;
+  int kv_rows;  // Hkv * BS: rows per block
+  int kvh;
+  int cached_index;  // t / BS of the last lookup
+  bool cached_ok;
+  size_t block_row;  // first row of the cached block
+  bool locate(int t, thread KvAt& k, thread KvAt& v) {
+    const int index = t / BS;
+    if (index != cached_index) {
+      const int block = table[index];
+      cached_index = index;
+      cached_ok = uint(block) < uint(num_blocks);
+      block_row = size_t(cached_ok ? block : 0) * uint(kv_rows);
     }
-    mrun[j] = KV_NEG_BIG;
-    lrun[j] = 0.0f;
+    const uint row = uint(kvh * BS + t % BS);
+    k.data = block_row * KW + row * KW;
+    k.scale = block_row * KNG + row * KNG;
+    k.bias = k.scale;
+    v.data = block_row * VW + row * VW;
+    v.scale = block_row * VNG + row * VNG;
+    v.bias = v.scale;
+    return cached_ok;
   }
+  // From one row to the next inside a block (tiles never straddle blocks).
+  KvAt step_k() const {
+    KvAt s;
+    s.data = KW;
+    s.scale = KNG;
+    s.bias = KNG;
+    return s;
+  }
+  KvAt step_v() const {
+    KvAt s;
+    s.data = VW;
+    s.scale = VNG;
+    s.bias = VNG;
+    return s;
+  }
+};
 
-  for (int t0 = tile0; t0 < hi; t0 += TT) {
-    // Load the tile's live rows (tokens outside [lo, hi) are never read).
-    // A tile lies inside one block: locate its first row once (one block-table
-    // read per tile), then step row by row.
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const KvRowAt kfirst = kindex(t0);
-    const KvRowAt vfirst = vindex(t0);
-    for (int i = int(tid); i < TT * KR::TASKS; i += NT) {
-      const int r = i / KR::TASKS;
-      if (t0 + r >= lo && t0 + r < hi) {
-        krows.template read<float>(kv_advance(kfirst, kstep, r), i % KR::TASKS, ktile + r * D);
+// Contiguous cache [B, Hkv, T, W] read in place through its element strides.
+struct KvStridedRows {
+  KvAt k0;  // (b, kvh, t = 0)
+  KvAt kt;  // stride along t
+  KvAt v0;
+  KvAt vt;
+  bool locate(int t, thread KvAt& k, thread KvAt& v) {
+    k.data = k0.data + size_t(t) * kt.data;
+    k.scale = k0.scale + size_t(t) * kt.scale;
+    k.bias = k0.bias + size_t(t) * kt.bias;
+    v.data = v0.data + size_t(t) * vt.data;
+    v.scale = v0.scale + size_t(t) * vt.scale;
+    v.bias = v0.bias + size_t(t) * vt.bias;
+    return true;
+  }
+  KvAt step_k() const { return kt; }
+  KvAt step_v() const { return vt; }
+};
+
+// One tile of the shared mode: rows [t0, t0 + TT) in threadgroup memory.
+template <int KW, int KNG, int VW, int VNG>
+struct KvTileRows {
+  int t0;
+  int buffer;  // 0 or 1
+  const threadgroup int* ok;  // [2 * TT]
+  int tt;
+  bool locate(int t, thread KvAt& k, thread KvAt& v) {
+    const int r = buffer * tt + (t - t0);
+    k.data = uint(r * KW);
+    k.scale = uint(r * KNG);
+    k.bias = k.scale;
+    v.data = uint(r * VW);
+    v.scale = uint(r * VNG);
+    v.bias = v.scale;
+    return ok[r] != 0;
+  }
+};
+
+// The element steps of one cache array family (data, scales, biases): all 1
+// with `vec` set, except for strided views.
+struct KvSteps {
+  size_t data;
+  size_t scale;
+  size_t bias;
+  bool vec;  // vector loads allowed (unit data step, aligned strides)
+};
+
+// The registers of one key (or value) row a lane holds: NA atoms of AE elements
+// widened to float, and each atom's (scale, bias) for a quantized cache.
+template <int NA, int AE4>
+struct KvAtoms {
+  float4 x[NA][AE4];
+  float2 sb[NA];
+};
+
+// Read this lane's atoms of one row. BITS == 0: a float cache (atoms of 4
+// elements). Else AW packed words per atom; each group's (scale, bias) is loaded
+// once per key group, by lane g % LPK, and shuffled to the lanes that need it.
+template <int D, int LPK, int BITS, int GS, int AW, typename PD, typename PS>
+inline KvAtoms<(((BITS ? D / (AW * 32 / BITS) : D / 4) + LPK - 1) / LPK), (BITS ? AW * 8 / BITS : 1)>
+kv_fetch(PD data, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, int kg) {
+  constexpr int AE = BITS ? AW * 32 / BITS : 4;
+  constexpr int AE4 = AE / 4;
+  constexpr int NAR = D / AE;                 // atoms per row
+  constexpr int NA = (NAR + LPK - 1) / LPK;  // atoms per lane
+  KvAtoms<NA, AE4> r;
+  for (int c = 0; c < NA; c++) {
+    const int a = kl + LPK * c;
+    for (int j = 0; j < AE4; j++) {
+      r.x[c][j] = float4(0.0f);
+    }
+    r.sb[c] = float2(0.0f);
+    if (!ok || a >= NAR) {
+      continue;
+    }
+    KvAtomRead<BITS, AW>::read(data, at.data, step.data, step.vec, a, r.x[c]);
+  }
+  if (BITS != 0) {
+    constexpr int NG = D / GS;
+    constexpr int NSL = (NG + LPK - 1) / LPK;  // groups this lane loads
+    float2 mine[NSL];
+    for (int j = 0; j < NSL; j++) {
+      const int g = kl + LPK * j;
+      mine[j] = float2(0.0f);
+      if (ok && g < NG) {
+        mine[j] = kv_float2(static_cast<float>(scales[at.scale + size_t(g) * step.scale]),
+                            static_cast<float>(biases[at.bias + size_t(g) * step.bias]));
       }
     }
-    for (int i = int(tid); i < TT * VR::TASKS; i += NT) {
-      const int r = i / VR::TASKS;
-      if (t0 + r >= lo && t0 + r < hi) {
-        vrows.template read<float>(kv_advance(vfirst, vstep, r), i % VR::TASKS, vtile + r * D);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    // Score, online softmax and accumulate, one token at a time.
-    const int r_end = min(hi, t0 + TT) - t0;
-    for (int r = max(lo, t0) - t0 + phase; r < r_end; r += P) {
-      const threadgroup float4* krow = ktile4 + r * C4;
-      const threadgroup float4* vrow = vtile4 + r * C4;
-      for (int j = 0; j < HPS; j++) {
-        if (slot + j * SPP >= G) {
-          break;  // uniform across the simdgroup
-        }
-        float s = 0.0f;
-        for (int c = 0; c < CPL; c++) {
-          const int idx = int(lane) + 32 * c;
-          if (idx < C4) {
-            s += dot(qr[j][c], krow[idx]);
-          }
-        }
-        s = simd_sum(s);
-        if (softcap > 0.0f) {
-          s = softcap * tanh(s / softcap);
-        }
-        const float m_new = max(mrun[j], s);
-        const float correction = exp(mrun[j] - m_new);
-        const float p = exp(s - m_new);
-        lrun[j] = lrun[j] * correction + p;
-        for (int c = 0; c < CPL; c++) {
-          const int idx = int(lane) + 32 * c;
-          if (idx < C4) {
-            acc[j][c] = acc[j][c] * correction + p * vrow[idx];
-          }
-        }
-        mrun[j] = m_new;
-      }
+    for (int c = 0; c < NA; c++) {
+      // AE, GS and LPK are powers of two, so the groups of atom c of all lanes
+      // of a key group lie in one aligned run of LPK groups: one slot for all.
+      const int slot = (c * LPK * AE / GS) / LPK;
+      const int g = min((kl + LPK * c) * AE / GS, NG - 1);
+      r.sb[c] = simd_shuffle(mine[slot], ushort(kg * LPK + g % LPK));
     }
   }
+  return r;
+}
 
-  // Merge the token phases (one head per simdgroup when P > 1): every phase
-  // publishes (max, sum, accumulator), phase 0 combines them.
-  if (P > 1) {
-    threadgroup float4* stats = merge + NSG * C4;
-    if (lane == 0) {
-      stats[sg] = kv_float4(mrun[0], lrun[0], 0.0f, 0.0f);
-    }
-    for (int c = 0; c < CPL; c++) {
-      const int idx = int(lane) + 32 * c;
-      if (idx < C4) {
-        merge[int(sg) * C4 + idx] = acc[0][c];
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (phase == 0) {
-      float m_all = KV_NEG_BIG;
-      for (int p = 0; p < P; p++) {
-        m_all = max(m_all, stats[p * SPP + slot].x);
-      }
-      float l_all = 0.0f;
-      for (int c = 0; c < CPL; c++) {
-        acc[0][c] = float4(0.0f);
-      }
-      for (int p = 0; p < P; p++) {
-        const int from = p * SPP + slot;
-        const float w = exp(stats[from].x - m_all);
-        l_all += w * stats[from].y;
-        for (int c = 0; c < CPL; c++) {
-          const int idx = int(lane) + 32 * c;
-          if (idx < C4) {
-            acc[0][c] += w * merge[from * C4 + idx];
-          }
+// The running state of RPS query rows in one lane.
+template <int RPS, int KNA, int KAE4, int VNA, int VAE4>
+struct KvRowState {
+  float4 q[RPS][KNA][KAE4];  // pre-scaled query, this lane's K atoms
+  float qsum[RPS][KNA];      // sum of each q atom (quantized K)
+  float4 o[RPS][VNA][VAE4];  // sum of p * s * w (or p * v), this lane's V atoms
+  float ob[RPS][VNA];        // sum of p * b (quantized V)
+  float m[RPS];              // running max, log2 units, uniform in the simdgroup
+  float l[RPS];              // this key group's sum of p
+  int pos[RPS];              // the row's position; -1 for padding rows
+};
+
+// Score one pass of keys (this lane's key group holds key t) and fold it into
+// the running state of every row.
+template <int D, int RPS, int LPK, int KBITS, int VBITS, int KNA, int KAE4, int VNA, int VAE4>
+inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
+                    thread const KvAtoms<VNA, VAE4>& v, int t, bool ok, int window, float softcap, int kl) {
+  constexpr int KAE = KAE4 * 4;
+  constexpr int VAE = VAE4 * 4;
+  constexpr int KNAR = D / KAE;
+  constexpr int VNAR = D / VAE;
+  for (int r = 0; r < RPS; r++) {
+    float s = 0.0f;
+    for (int c = 0; c < KNA; c++) {
+      if (kl + LPK * c < KNAR) {
+        float d = 0.0f;
+        for (int j = 0; j < KAE4; j++) {
+          d += dot(st.q[r][c][j], k.x[c][j]);
         }
+        s += KBITS ? k.sb[c].x * d + k.sb[c].y * st.qsum[r][c] : d;
       }
-      mrun[0] = m_all;
-      lrun[0] = l_all;
     }
-  }
-
-  // Write this split's partials.
-  for (int j = 0; j < HPS; j++) {
-    const int g = slot + j * SPP;
-    if (g >= G || phase != 0) {
-      break;
+    for (int off = 1; off < LPK; off <<= 1) {
+      s += simd_shuffle_xor(s, ushort(off));
     }
-    const int prow = part_row0 + g * head_stride;
-    if (lane == 0) {
-      part_max[prow] = mrun[j];
-      part_sum[prow] = lrun[j];
+    if (softcap > 0.0f) {
+      s = softcap * KV_LOG2E * tanh(s / softcap);
     }
-    for (int c = 0; c < CPL; c++) {
-      const int idx = int(lane) + 32 * c;
-      if (idx < C4) {
-        *reinterpret_cast<device float4*>(part_acc + size_t(prow) * D + idx * 4) = acc[j][c];
+    const bool visible = ok && t <= st.pos[r] && (window <= 0 || t > st.pos[r] - window);
+    s = visible ? s : KV_NEG_BIG;
+    float m_pass = s;
+    for (int off = LPK; off < 32; off <<= 1) {
+      m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
+    }
+    if (m_pass > st.m[r]) {  // uniform: rescale only when the pass raises the max
+      const float correction = exp2(st.m[r] - m_pass);
+      st.l[r] *= correction;
+      for (int c = 0; c < VNA; c++) {
+        for (int j = 0; j < VAE4; j++) {
+          st.o[r][c][j] *= correction;
+        }
+        st.ob[r][c] *= correction;
+      }
+      st.m[r] = m_pass;
+    }
+    const float p = visible ? exp2(s - st.m[r]) : 0.0f;
+    st.l[r] += p;
+    for (int c = 0; c < VNA; c++) {
+      if (kl + LPK * c < VNAR) {
+        const float ps = VBITS ? p * v.sb[c].x : p;
+        for (int j = 0; j < VAE4; j++) {
+          st.o[r][c][j] += ps * v.x[c][j];
+        }
+        if (VBITS) {
+          st.ob[r][c] += p * v.sb[c].y;
+        }
       }
     }
   }
 }
 
-// The token range [lo, hi) and first tile of one split. Splits cut the live
-// range [window start, len) into equal runs of whole tiles, so a sliding
-// window never assigns out-of-window blocks to anyone.
+// Sum the key groups' sums (l, o, ob) so every lane holds the simdgroup's totals.
+template <int RPS, int LPK, int KNA, int KAE4, int VNA, int VAE4>
+inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st) {
+  for (int off = LPK; off < 32; off <<= 1) {
+    for (int r = 0; r < RPS; r++) {
+      st.l[r] += simd_shuffle_xor(st.l[r], ushort(off));
+      for (int c = 0; c < VNA; c++) {
+        for (int j = 0; j < VAE4; j++) {
+          st.o[r][c][j] += simd_shuffle_xor(st.o[r][c][j], ushort(off));
+        }
+        st.ob[r][c] += simd_shuffle_xor(st.ob[r][c], ushort(off));
+      }
+    }
+  }
+}
+
+// Load the query rows [row0, row0 + RPS) of this kv head (row = g * L + l,
+// query row index q_index(g, l)) pre-scaled, and reset the state.
+template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4, typename PQ>
+inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, PQ q, int row0, int rows, int L,
+                         int len, int head0, int head_stride, int token_stride, float qscale, int kl) {
+  constexpr int KAE = KAE4 * 4;
+  constexpr int KNAR = D / KAE;
+  for (int r = 0; r < RPS; r++) {
+    const int row = row0 + r;
+    const int g = row / L;
+    const int l = row % L;
+    const bool live = row < rows;
+    st.pos[r] = live ? len - L + l : -1;
+    const size_t base = size_t(head0 + g) * head_stride + size_t(l) * token_stride;
+    for (int c = 0; c < KNA; c++) {
+      const int a = kl + LPK * c;
+      float sum = 0.0f;
+      for (int j = 0; j < KAE4; j++) {
+        float4 x = float4(0.0f);
+        if (live && a < KNAR) {
+          x = kv_float4(static_cast<float>(q[base + a * KAE + 4 * j]), static_cast<float>(q[base + a * KAE + 4 * j + 1]),
+                        static_cast<float>(q[base + a * KAE + 4 * j + 2]),
+                        static_cast<float>(q[base + a * KAE + 4 * j + 3])) * qscale;
+        }
+        st.q[r][c][j] = x;
+        sum += x.x + x.y + x.z + x.w;
+      }
+      st.qsum[r][c] = sum;
+    }
+    for (int c = 0; c < VNA; c++) {
+      for (int j = 0; j < VAE4; j++) {
+        st.o[r][c][j] = float4(0.0f);
+      }
+      st.ob[r][c] = 0.0f;
+    }
+    st.m[r] = KV_NEG_BIG;
+    st.l[r] = 0.0f;
+  }
+}
+
+// The token range [lo, hi) of one split. Splits cut the live range [first, len)
+// into equal runs of whole 32-token units (so tiles of TT | 32 tokens never
+// straddle a split), and a sliding window never assigns out-of-window blocks.
 struct KvSplitRange {
   int lo;
   int hi;
-  int tile0;
+  int begin;  // unit-aligned start (<= lo)
 };
 
-template <int TT>
-inline KvSplitRange kv_split_range(int len, int window, int split, int num_splits) {
-  const int first = window > 0 ? max(0, len - window) : 0;
-  const int start = (first / TT) * TT;
-  const int tiles = (len - start + TT - 1) / TT;
-  const int per = (tiles + num_splits - 1) / num_splits * TT;
+inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits) {
+  const int first = window > 0 ? max(0, len - L + 1 - window) : 0;
+  const int start = (first / 32) * 32;
+  const int units = (len - start + 31) / 32;
+  const int per = (units + num_splits - 1) / num_splits * 32;
   const int begin = start + split * per;
-  return KvSplitRange{max(first, begin), min(len, begin + per), begin};
+  KvSplitRange r;
+  r.lo = max(first, begin);
+  r.hi = min(len, begin + per);
+  r.begin = begin;
+  return r;
 }
 
+// Copy rows [r_lo, r_hi) of one tile (token t0 + r, starting at element
+// offset row0 + r * row_step, elements `estep` apart) of one array into
+// threadgroup rows buffer_row0 + r, in their storage type: 16-byte units where
+// rows allow it, else element by element.
+template <int W, typename TD, typename PD, typename PT>
+inline void kv_tile_copy(PD src, PT dst, size_t row0, size_t row_step, size_t estep, bool vec, int buffer_row0,
+                         int r_lo, int r_hi, int tid, int nthreads) {
+  constexpr int RB = W * int(sizeof(TD));  // bytes per row
+  const int n = max(0, r_hi - r_lo);
+  if (vec && RB % 16 == 0) {
+    constexpr int U = RB / 16;
+    for (int i = tid; i < n * U; i += nthreads) {
+      const int r = r_lo + i / U;
+      const int u = i % U;
+      const device uint4* s = reinterpret_cast<const device uint4*>(src + row0 + size_t(r) * row_step) + u;
+      threadgroup uint4* d = reinterpret_cast<threadgroup uint4*>(dst + (buffer_row0 + r) * W) + u;
+      *d = *s;
+    }
+  } else {
+    for (int i = tid; i < n * W; i += nthreads) {
+      const int r = r_lo + i / W;
+      const int e = i % W;
+      dst[(buffer_row0 + r) * W + e] = src[row0 + size_t(r) * row_step + size_t(e) * estep];
+    }
+  }
+}
+
+// Load the tile of tokens [t0, t0 + TT) into threadgroup buffer `buffer`: only
+// rows inside [lo, hi) of a valid block; tile_ok marks them.
+template <int TT, int KBITS, int VBITS, int KW, int KNG, int VW, int VNG, typename TKD, typename TKS,
+          typename TVD, typename TVS, typename SRC, typename PKD, typename PKS, typename PVD, typename PVS>
+inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PKD kdata, PKS kscales,
+                         PKS kbiases, PVD vdata, PVS vscales, PVS vbiases, KvSteps ks, KvSteps vs,
+                         threadgroup uint4* tile_k, threadgroup uint4* tile_ks, threadgroup uint4* tile_kb,
+                         threadgroup uint4* tile_v, threadgroup uint4* tile_vs, threadgroup uint4* tile_vb,
+                         threadgroup int* tile_ok, int tid, int nthreads) {
+  KvAt ka;
+  KvAt va;
+  const bool ok = src.locate(t0, ka, va);  // the tile lies in one block
+  const KvAt sk = src.step_k();
+  const KvAt sv = src.step_v();
+  const int r_lo = ok ? max(0, lo - t0) : 0;
+  const int r_hi = ok ? min(TT, hi - t0) : 0;
+  for (int r = tid; r < TT; r += nthreads) {
+    tile_ok[buffer * TT + r] = (r >= r_lo && r < r_hi) ? 1 : 0;
+  }
+  const int b0 = buffer * TT;
+  kv_tile_copy<KW, TKD>(kdata, reinterpret_cast<threadgroup TKD*>(tile_k), ka.data, sk.data, ks.data, ks.vec, b0,
+                        r_lo, r_hi, tid, nthreads);
+  kv_tile_copy<VW, TVD>(vdata, reinterpret_cast<threadgroup TVD*>(tile_v), va.data, sv.data, vs.data, vs.vec, b0,
+                        r_lo, r_hi, tid, nthreads);
+  if (KBITS) {
+    kv_tile_copy<KNG, TKS>(kscales, reinterpret_cast<threadgroup TKS*>(tile_ks), ka.scale, sk.scale, ks.scale,
+                           false, b0, r_lo, r_hi, tid, nthreads);
+    kv_tile_copy<KNG, TKS>(kbiases, reinterpret_cast<threadgroup TKS*>(tile_kb), ka.bias, sk.bias, ks.bias, false,
+                           b0, r_lo, r_hi, tid, nthreads);
+  }
+  if (VBITS) {
+    kv_tile_copy<VNG, TVS>(vscales, reinterpret_cast<threadgroup TVS*>(tile_vs), va.scale, sv.scale, vs.scale,
+                           false, b0, r_lo, r_hi, tid, nthreads);
+    kv_tile_copy<VNG, TVS>(vbiases, reinterpret_cast<threadgroup TVS*>(tile_vb), va.bias, sv.bias, vs.bias, false,
+                           b0, r_lo, r_hi, tid, nthreads);
+  }
+}
+
+// The whole partial kernel for one (split, kv head, sequence), any row source.
+// Register mode when RPS >= R, else shared mode with tiles of TT tokens.
+template <int D, int G, int QL, int NSG, int RPS, int LPK, int TT, int KBITS, int KGS, int KAW, int VBITS,
+          int VGS, int VAW, typename TKD, typename TVD, typename TKS, typename TVS, typename SRC, typename PQ,
+          typename PKD, typename PKS, typename PVD, typename PVS>
+inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int token_stride, PKD kdata, PKS kscales,
+                      PKS kbiases, PVD vdata, PVS vscales, PVS vbiases, KvSteps ksteps, KvSteps vsteps, int len,
+                      KvSplitRange range, int window, float scale, float softcap, int sg, int lane, int tid,
+                      threadgroup float* merge_stats, threadgroup float* merge_acc, threadgroup uint4* tile_k,
+                      threadgroup uint4* tile_ks, threadgroup uint4* tile_kb, threadgroup uint4* tile_v,
+                      threadgroup uint4* tile_vs, threadgroup uint4* tile_vb, threadgroup int* tile_ok,
+                      device float* part_max, device float* part_sum, device float* part_acc, size_t part_row0,
+                      int row_stride_g, int row_stride_l, int num_splits, int split) {
+  constexpr int R = G * QL;
+  constexpr bool SHARED = RPS < R;
+  constexpr int KPP = 32 / LPK;
+  constexpr int KAE = KBITS ? KAW * 32 / KBITS : 4;
+  constexpr int VAE = VBITS ? VAW * 32 / VBITS : 4;
+  constexpr int KNA = (D / KAE + LPK - 1) / LPK;
+  constexpr int VNA = (D / VAE + LPK - 1) / LPK;
+  constexpr int KAE4 = KAE / 4;
+  constexpr int VAE4 = VAE / 4;
+  constexpr int KW = KBITS ? D * KBITS / 32 : D;
+  constexpr int VW = VBITS ? D * VBITS / 32 : D;
+  constexpr int KNG = KBITS ? D / KGS : 1;
+  constexpr int VNG = VBITS ? D / VGS : 1;
+  const int kl = lane % LPK;
+  const int kg = lane / LPK;
+  const float qscale = softcap > 0.0f ? scale : scale * KV_LOG2E;
+
+  KvRowState<RPS, KNA, KAE4, VNA, VAE4> st;
+  kv_init_rows<D, RPS, LPK, KBITS>(st, q, SHARED ? sg * RPS : 0, R, QL, len, head0, head_stride, token_stride,
+                                   qscale, kl);
+
+  if (!SHARED) {
+    // Register mode: this simdgroup's contiguous run of the split, KPP keys per pass.
+    const int n = max(0, range.hi - range.lo);
+    const int per = ((n + NSG - 1) / NSG + KPP - 1) / KPP * KPP;
+    const int s_lo = range.lo + sg * per;
+    const int s_hi = min(range.hi, s_lo + per);
+    // Software pipeline: the next pass's K/V loads are issued before this
+    // pass is scored, so memory latency overlaps the math.
+    KvAt ka;
+    KvAt va;
+    int t = s_lo + kg;
+    bool ok = t < s_hi && src.locate(t, ka, va);
+    KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
+    KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
+    for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
+      const int t_next = t0 + KPP + kg;
+      const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
+      const KvAtoms<KNA, KAE4> k_next =
+          kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+      const KvAtoms<VNA, VAE4> v_next =
+          kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
+      kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+      k = k_next;
+      v = v_next;
+      t = t_next;
+      ok = ok_next;
+    }
+    kv_reduce_key_groups<RPS, LPK>(st);
+  } else {
+    // Shared mode: all threads copy each tile once (double-buffered, one
+    // barrier per tile); simdgroup sg scores its own rows from the tile.
+    constexpr int NT = NSG * 32;
+    KvTileRows<KW, KNG, VW, VNG> tile;
+    tile.ok = tile_ok;
+    tile.tt = TT;
+    const threadgroup TKD* tkd = reinterpret_cast<const threadgroup TKD*>(tile_k);
+    const threadgroup TKS* tks = reinterpret_cast<const threadgroup TKS*>(tile_ks);
+    const threadgroup TKS* tkb = reinterpret_cast<const threadgroup TKS*>(tile_kb);
+    const threadgroup TVD* tvd = reinterpret_cast<const threadgroup TVD*>(tile_v);
+    const threadgroup TVS* tvs = reinterpret_cast<const threadgroup TVS*>(tile_vs);
+    const threadgroup TVS* tvb = reinterpret_cast<const threadgroup TVS*>(tile_vb);
+    KvSteps unit;
+    unit.data = 1;
+    unit.scale = 1;
+    unit.bias = 1;
+    unit.vec = true;
+    kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
+        src, range.begin, 0, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps, vsteps,
+        tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    int buffer = 0;
+    for (int t0 = range.begin; t0 < range.hi; t0 += TT) {
+      if (t0 + TT < range.hi) {
+        kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
+            src, t0 + TT, buffer ^ 1, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps,
+            vsteps, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
+      }
+      tile.t0 = t0;
+      tile.buffer = buffer;
+      for (int p0 = t0; p0 < t0 + TT; p0 += KPP) {
+        const int t = p0 + kg;
+        KvAt ka;
+        KvAt va;
+        const bool ok = t < t0 + TT && tile.locate(t, ka, va);
+        const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(tkd, tks, tkb, ka, unit, ok, kl, kg);
+        const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(tvd, tvs, tvb, va, unit, ok, kl, kg);
+        kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      buffer ^= 1;
+    }
+    kv_reduce_key_groups<RPS, LPK>(st);
+  }
+
+  // Merge the simdgroups' states (register mode), then write the partials.
+  if (!SHARED && NSG > 1) {
+    for (int r = 0; r < RPS; r++) {
+      if (lane == 0) {
+        merge_stats[(sg * RPS + r) * 2] = st.m[r];
+        merge_stats[(sg * RPS + r) * 2 + 1] = st.l[r];
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int r = 0; r < RPS; r++) {
+      // Every simdgroup folds the states in the same order: the same totals.
+      float m = merge_stats[r * 2];
+      float l = merge_stats[r * 2 + 1];
+      for (int s = 1; s < NSG; s++) {
+        const KvSoftmaxMerge mg = kv_softmax_merge(m, merge_stats[(s * RPS + r) * 2]);
+        l = l * mg.scale_a + merge_stats[(s * RPS + r) * 2 + 1] * mg.scale_b;
+        m = mg.m;
+      }
+      const float mine = exp2(st.m[r] - m);
+      // Simdgroups 1.. publish their scaled accumulators; simdgroup 0 adds them.
+      if (sg > 0 && kg == 0) {
+        for (int c = 0; c < VNA; c++) {
+          const int a = kl + LPK * c;
+          if (a < D / VAE) {
+            for (int j = 0; j < VAE4; j++) {
+              const float4 x = (st.o[r][c][j] + st.ob[r][c]) * mine;
+              for (int e = 0; e < 4; e++) {
+                merge_acc[(sg - 1) * D + a * VAE + 4 * j + e] = x[e];
+              }
+            }
+          }
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (sg == 0) {
+        for (int c = 0; c < VNA; c++) {
+          for (int j = 0; j < VAE4; j++) {
+            float4 x = (st.o[r][c][j] + st.ob[r][c]) * mine;
+            const int a = kl + LPK * c;
+            if (a < D / VAE) {
+              for (int s = 1; s < NSG; s++) {
+                for (int e = 0; e < 4; e++) {
+                  x[e] += merge_acc[(s - 1) * D + a * VAE + 4 * j + e];
+                }
+              }
+            }
+            st.o[r][c][j] = x;
+          }
+          st.ob[r][c] = 0.0f;
+        }
+        st.m[r] = m;
+        st.l[r] = l;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+  }
+  if (SHARED || sg == 0) {
+    for (int r = 0; r < RPS; r++) {
+      const int row = (SHARED ? sg * RPS : 0) + r;
+      if (row >= R) {
+        continue;  // padding row of the shared mode (uniform in the simdgroup)
+      }
+      const size_t at = (part_row0 + size_t(row / QL) * row_stride_g + size_t(row % QL) * row_stride_l) * num_splits +
+                        split;
+      if (lane == 0) {
+        part_max[at] = st.m[r];
+        part_sum[at] = st.l[r];
+      }
+      if (kg == 0) {
+        for (int c = 0; c < VNA; c++) {
+          const int a = kl + LPK * c;
+          if (a < D / VAE) {
+            for (int j = 0; j < VAE4; j++) {
+              *reinterpret_cast<device float4*>(part_acc + at * D + a * VAE + 4 * j) = st.o[r][c][j] + st.ob[r][c];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The data element type of a cache array: the float type, or uint32 words.
+template <int BITS, typename T>
+struct KvDataType {
+  typedef uint32_t type;
+};
+template <typename T>
+struct KvDataType<0, T> {
+  typedef T type;
+};
+
+// Threadgroup memory of the partial kernels, in uint4 / float / int units
+// (kvmetal/backends/metal.py mirrors these sizes in attention_threadgroup_bytes).
+#define KV_ATTN_SHARED (RPS < G * QL)
+#define KV_TILE16(W, T) (KV_ATTN_SHARED ? (2 * TT * (W) * int(sizeof(T)) + 15) / 16 : 1)
+#define KV_ATTN_THREADGROUP_ARRAYS                                                                              \
+  typedef typename KvDataType<KBITS, TK>::type TKD;                                                           \
+  typedef typename KvDataType<VBITS, TV>::type TVD;                                                           \
+  constexpr int KW_ = KBITS ? D * KBITS / 32 : D;                                                             \
+  constexpr int VW_ = VBITS ? D * VBITS / 32 : D;                                                             \
+  constexpr int KNG_ = KBITS ? D / KGS : 1;                                                                   \
+  constexpr int VNG_ = VBITS ? D / VGS : 1;                                                                   \
+  constexpr int MERGE_STATS = KV_ATTN_SHARED || NSG == 1 ? 1 : NSG * RPS * 2;                                 \
+  constexpr int MERGE_ACC = KV_ATTN_SHARED || NSG == 1 ? 1 : (NSG - 1) * D;                                   \
+  constexpr int TILE_K = KV_TILE16(KW_, TKD);                                                                 \
+  constexpr int TILE_V = KV_TILE16(VW_, TVD);                                                                 \
+  constexpr int TILE_KS = KBITS ? KV_TILE16(KNG_, TK) : 1;                                                    \
+  constexpr int TILE_VS = VBITS ? KV_TILE16(VNG_, TV) : 1;                                                    \
+  constexpr int TILE_OK = KV_ATTN_SHARED ? 2 * TT : 1;
+
 //@kernel paged_attention_partials
-// Inputs:  query [S, H, D] TQ; key_data [N, Hkv, BS, WK] (TK, or uint32 packed)
+// Inputs:  query [S, L, H, D]; key_data [N, Hkv, BS, WK] (TK, or uint32 packed);
 //          key_scales/key_biases [N, Hkv, BS, D/KGS] TK (8-element placeholders
 //          for a float cache); value_* likewise; block_tables int32 [S, M];
-//          seq_lens int32 [S]; scalars float32 [scale, softcap (0 = off), ...];
-//          dims int32 [Hkv, M, window (0 = off), num_splits, H, ...]
-// Outputs: part_max, part_sum float32 [S, H, splits]; part_acc float32 [S, H, splits, D]
+//          seq_lens int32 [S]; params int32 KvAttnParams
+// Outputs: part_max, part_sum float32 [S * L * H, splits]; part_acc float32 [S * L * H, splits, D]
 // Grid:    threadgroups (splits, Hkv, S), NSG * 32 threads each.
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
 const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
-const int num_kv_heads = dims[0];
-const int max_blocks = dims[1];
-const int num_splits = dims[3];
-const int num_heads = num_kv_heads * G;
-const KvSplitRange range = kv_split_range<TT>(seq_lens[seq], dims[2], split, num_splits);
+// Index guards: a length beyond the block table is cut to it; a negative one is 0.
+const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
+const KvSplitRange range = kv_split_range(len, QL, p.window, split, p.num_splits);
+KV_ATTN_THREADGROUP_ARRAYS
+threadgroup float merge_stats[MERGE_STATS];
+threadgroup float merge_acc[MERGE_ACC];
+threadgroup uint4 tile_k[TILE_K];
+threadgroup uint4 tile_ks[TILE_KS];
+threadgroup uint4 tile_kb[TILE_KS];
+threadgroup uint4 tile_v[TILE_V];
+threadgroup uint4 tile_vs[TILE_VS];
+threadgroup uint4 tile_vb[TILE_VS];
+threadgroup int tile_ok[TILE_OK];
 
-typedef typename RowsSelect<KBITS, KGS, D, TK, decltype(key_data), decltype(key_scales)>::type KRowsT;
-typedef typename RowsSelect<VBITS, VGS, D, TV, decltype(value_data), decltype(value_scales)>::type VRowsT;
-typedef PagedRowIndex<BS, RowShape<KBITS, KGS, D>::WIDTH, RowShape<KBITS, KGS, D>::GROUPS,
-                      decltype(block_tables)> KIndexT;
-typedef PagedRowIndex<BS, RowShape<VBITS, VGS, D>::WIDTH, RowShape<VBITS, VGS, D>::GROUPS,
-                      decltype(block_tables)> VIndexT;
-const KRowsT krows = {key_data, key_scales, key_biases};
-const VRowsT vrows = {value_data, value_scales, value_biases};
-const KIndexT kindex = {block_tables + seq * max_blocks, num_kv_heads, kvh};
-const VIndexT vindex = {block_tables + seq * max_blocks, num_kv_heads, kvh};
-
-threadgroup float4 ktile[TT * D / 4];
-threadgroup float4 vtile[TT * D / 4];
-threadgroup float4 merge[NSG * (D / 4 + 1)];
-kv_attend_split<D, G, TT, NSG>(
-    krows, vrows, kindex, vindex, query + size_t(seq * num_heads + kvh * G) * D,
-    range.lo, range.hi, range.tile0, scalars[0], scalars[1], ktile, vtile, merge,
-    thread_index_in_threadgroup, simdgroup_index_in_threadgroup, thread_index_in_simdgroup,
-    part_max, part_sum, part_acc, (seq * num_heads + kvh * G) * num_splits + split, num_splits);
+KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
+src.table = block_tables + size_t(seq) * p.max_blocks;
+src.num_blocks = p.num_blocks;
+src.kv_rows = p.num_kv_heads * BS;
+src.kvh = kvh;
+src.cached_index = -1;
+src.cached_ok = false;
+src.block_row = 0;
+KvSteps unit;
+unit.data = 1;
+unit.scale = 1;
+unit.bias = 1;
+unit.vec = true;
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
+    src, query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D, key_data, key_scales, key_biases,
+    value_data, value_scales, value_biases, unit, unit, len, range, p.window, p.scale, p.softcap,
+    int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
+    merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
+    part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads, p.num_splits, split);
 
 //@kernel decode_attention_partials
-// Inputs:  query [B, H, 1, D] TQ (row-contiguous); key_data [B, Hkv, T, WK] (TK, or
-//          uint32 packed) read in place through key_data_strides (any view); key_scales/key_biases [B, Hkv, T, D/KGS] (4-D placeholders for a
-//          float cache); value_* likewise; scalars float32 [scale, softcap, ...];
-//          dims int32 [Hkv, T, 0, num_splits, H, ...]
-// Outputs: part_max, part_sum float32 [B, H, splits]; part_acc float32 [B, H, splits, D]
+// Inputs:  query [B, H, L, D] (row-contiguous); key_data [B, Hkv, T, WK] (TK, or
+//          uint32 packed) read in place through key_data_strides (any view);
+//          key_scales/key_biases [B, Hkv, T, D/KGS] (4-D placeholders for a float
+//          cache); value_* likewise; params int32 KvAttnParams
+// Outputs: part_max, part_sum float32 [B * H * L, splits]; part_acc float32 [B * H * L, splits, D]
 // Grid:    threadgroups (splits, Hkv, B), NSG * 32 threads each.
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
 const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
-const int num_kv_heads = dims[0];
-const int num_splits = dims[3];
-const int num_heads = num_kv_heads * G;
-const KvSplitRange range = kv_split_range<TT>(dims[1], 0, split, num_splits);
+const int len = p.num_tokens;
+const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits);
+KV_ATTN_THREADGROUP_ARRAYS
+threadgroup float merge_stats[MERGE_STATS];
+threadgroup float merge_acc[MERGE_ACC];
+threadgroup uint4 tile_k[TILE_K];
+threadgroup uint4 tile_ks[TILE_KS];
+threadgroup uint4 tile_kb[TILE_KS];
+threadgroup uint4 tile_v[TILE_V];
+threadgroup uint4 tile_vs[TILE_VS];
+threadgroup uint4 tile_vb[TILE_VS];
+threadgroup int tile_ok[TILE_OK];
 
-typedef typename RowsSelect<KBITS, KGS, D, TK, decltype(key_data), decltype(key_scales)>::type KRowsT;
-typedef typename RowsSelect<VBITS, VGS, D, TV, decltype(value_data), decltype(value_scales)>::type VRowsT;
-const KRowsT krows = {key_data, key_scales, key_biases};
-const VRowsT vrows = {value_data, value_scales, value_biases};
-const StridedRowIndex kindex = {
-    KvRowAt{size_t(batch * key_data_strides[0] + kvh * key_data_strides[1]),
-            size_t(batch * key_scales_strides[0] + kvh * key_scales_strides[1]),
-            size_t(batch * key_biases_strides[0] + kvh * key_biases_strides[1]),
-            size_t(key_data_strides[3]), size_t(key_scales_strides[3]), size_t(key_biases_strides[3])},
-    KvRowAt{size_t(key_data_strides[2]), size_t(key_scales_strides[2]), size_t(key_biases_strides[2]),
-            0, 0, 0}};
-const StridedRowIndex vindex = {
-    KvRowAt{size_t(batch * value_data_strides[0] + kvh * value_data_strides[1]),
-            size_t(batch * value_scales_strides[0] + kvh * value_scales_strides[1]),
-            size_t(batch * value_biases_strides[0] + kvh * value_biases_strides[1]),
-            size_t(value_data_strides[3]), size_t(value_scales_strides[3]),
-            size_t(value_biases_strides[3])},
-    KvRowAt{size_t(value_data_strides[2]), size_t(value_scales_strides[2]),
-            size_t(value_biases_strides[2]), 0, 0, 0}};
-
-threadgroup float4 ktile[TT * D / 4];
-threadgroup float4 vtile[TT * D / 4];
-threadgroup float4 merge[NSG * (D / 4 + 1)];
-kv_attend_split<D, G, TT, NSG>(
-    krows, vrows, kindex, vindex, query + size_t(batch * num_heads + kvh * G) * D,
-    range.lo, range.hi, range.tile0, scalars[0], scalars[1], ktile, vtile, merge,
-    thread_index_in_threadgroup, simdgroup_index_in_threadgroup, thread_index_in_simdgroup,
-    part_max, part_sum, part_acc, (batch * num_heads + kvh * G) * num_splits + split, num_splits);
+KvStridedRows src;
+src.k0.data = size_t(batch) * key_data_strides[0] + size_t(kvh) * key_data_strides[1];
+src.k0.scale = size_t(batch) * key_scales_strides[0] + size_t(kvh) * key_scales_strides[1];
+src.k0.bias = size_t(batch) * key_biases_strides[0] + size_t(kvh) * key_biases_strides[1];
+src.kt.data = key_data_strides[2];
+src.kt.scale = key_scales_strides[2];
+src.kt.bias = key_biases_strides[2];
+src.v0.data = size_t(batch) * value_data_strides[0] + size_t(kvh) * value_data_strides[1];
+src.v0.scale = size_t(batch) * value_scales_strides[0] + size_t(kvh) * value_scales_strides[1];
+src.v0.bias = size_t(batch) * value_biases_strides[0] + size_t(kvh) * value_biases_strides[1];
+src.vt.data = value_data_strides[2];
+src.vt.scale = value_scales_strides[2];
+src.vt.bias = value_biases_strides[2];
+// Alignment guard: vector loads only with a unit element step and strides that
+// keep every row start on a vector boundary (else the scalar path).
+constexpr int KVEC = KBITS ? KAW : 4;
+constexpr int VVEC = VBITS ? VAW : 4;
+KvSteps ksteps;
+ksteps.data = key_data_strides[3];
+ksteps.scale = key_scales_strides[3];
+ksteps.bias = key_biases_strides[3];
+ksteps.vec = key_data_strides[3] == 1 && key_data_strides[0] % KVEC == 0 && key_data_strides[1] % KVEC == 0 &&
+             key_data_strides[2] % KVEC == 0;
+KvSteps vsteps;
+vsteps.data = value_data_strides[3];
+vsteps.scale = value_scales_strides[3];
+vsteps.bias = value_biases_strides[3];
+vsteps.vec = value_data_strides[3] == 1 && value_data_strides[0] % VVEC == 0 &&
+             value_data_strides[1] % VVEC == 0 && value_data_strides[2] % VVEC == 0;
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
+    src, query + size_t(batch) * p.num_heads * QL * D, kvh * G, QL * D, D, key_data, key_scales, key_biases,
+    value_data, value_scales, value_biases, ksteps, vsteps, len, range, 0, p.scale, p.softcap,
+    int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
+    merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
+    part_acc, size_t(batch) * p.num_heads * QL + kvh * G * QL, QL, 1, p.num_splits, split);
 
 //@kernel attention_reduce
-// Inputs:  part_max, part_sum float32 [R, splits]; part_acc float32 [R, splits, D]
-//          (R = sequences * H); sinks float32 [H] (ignored unless HAS_SINKS);
-//          dims int32 [Hkv, -, -, num_splits, H, ...]
-// Outputs: out [R, D] TQ (the caller reshapes it)
-// Grid:    one threadgroup of 32 threads per row r = seq * H + h.
+// Inputs:  part_max, part_sum float32 [R, splits] (max in log2 units); part_acc
+//          float32 [R, splits, D]; sinks float32 [H] (ignored unless HAS_SINKS);
+//          params int32 KvAttnParams
+// Outputs: out [R, D] TQ (the caller reshapes it); a row that saw no token is 0.
+// Grid:    one threadgroup of 32 threads per row r; its head is (r / head_div) % H.
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
 const int row = int(threadgroup_position_in_grid.x);
 const int lane = int(thread_index_in_threadgroup);
-const int num_splits = dims[3];
-const int head = row % dims[4];
-
-// The merged max (the sink logit joins it) and softmax denominator.
+const int num_splits = p.num_splits;
+const int head = (row / p.head_div) % p.num_heads;
+// Fold the splits (and the sink, a logit with no value) with the merge helper;
+// each lane carries its float4 chunks of the accumulator through the fold.
+constexpr int CPL = (D / 4 + 31) / 32;
 float m = KV_NEG_BIG;
-for (int s = 0; s < num_splits; s++) {
-  m = max(m, part_max[row * num_splits + s]);
-}
 float denom = 0.0f;
 if (HAS_SINKS) {
-  m = max(m, sinks[head]);
-  denom = exp(sinks[head] - m);
+  m = sinks[head] * KV_LOG2E;
+  denom = 1.0f;
+}
+float4 o[CPL];
+for (int c = 0; c < CPL; c++) {
+  o[c] = float4(0.0f);
 }
 for (int s = 0; s < num_splits; s++) {
-  denom += part_sum[row * num_splits + s] * exp(part_max[row * num_splits + s] - m);
-}
-const float inv_denom = 1.0f / denom;
-
-for (int c = lane; c < D / 4; c += 32) {
-  float4 o = float4(0.0f);
-  for (int s = 0; s < num_splits; s++) {
-    const float w = exp(part_max[row * num_splits + s] - m);
-    o += w * kv_load4(part_acc + (size_t(row) * num_splits + s) * D + c * 4);
+  const size_t at = size_t(row) * num_splits + s;
+  const KvSoftmaxMerge mg = kv_softmax_merge(m, part_max[at]);
+  denom = denom * mg.scale_a + part_sum[at] * mg.scale_b;
+  m = mg.m;
+  for (int c = 0; c < CPL; c++) {
+    const int chunk = lane + 32 * c;
+    if (chunk < D / 4) {
+      o[c] = o[c] * mg.scale_a + kv_load4(part_acc + at * D + chunk * 4) * mg.scale_b;
+    }
   }
-  kv_store4<TQ>(out + size_t(row) * D + c * 4, o * inv_denom);
+}
+const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
+for (int c = 0; c < CPL; c++) {
+  const int chunk = lane + 32 * c;
+  if (chunk < D / 4) {
+    kv_store4<TQ>(out + size_t(row) * D + chunk * 4, o[c] * inv_denom);
+  }
 }

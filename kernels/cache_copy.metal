@@ -6,16 +6,20 @@
 // Inputs:  cache_data [N, Hkv, BS, W] (TE, or uint32 packed); cache_scales,
 //          cache_biases [N, Hkv, BS, D/GS] TE (8-element placeholders for a float
 //          cache); block_tables int32 [S, M]; seq_lens int32 [S];
-//          dims int32 [Hkv, M, max_len, ...]
+//          params int32 KvGatherParams
 // Outputs: rows_out [S, Hkv, max_len, D] TE; rows past seq_len are zero.
+// Index guards (validate=False misuse): a length beyond the block table is cut
+// to it, and a row of a block id outside [0, N) is zero, never read.
 // Grid:    threads (TASKS, max_len, S * Hkv): one vec4 (float) or one group
 //          (quantized) per thread; threadgroup (TASKS, 1, 1).
 const int task = int(thread_position_in_grid.x);
 const int tok = int(thread_position_in_grid.y);
 const int seq_head = int(thread_position_in_grid.z);
-const int num_kv_heads = dims[0];
-const int max_blocks = dims[1];
-const int max_len = dims[2];
+const device KvGatherParams& p = *reinterpret_cast<const device KvGatherParams*>(params);
+const int num_kv_heads = p.num_kv_heads;
+const int max_blocks = p.max_blocks;
+const int max_len = p.max_len;
+const int num_blocks = p.num_blocks;
 const int seq = seq_head / num_kv_heads;
 const int kvh = seq_head % num_kv_heads;
 
@@ -25,7 +29,8 @@ typedef PagedRowIndex<BS, RowShape<BITS, GS, D>::WIDTH, RowShape<BITS, GS, D>::G
 const RowsT rows = {cache_data, cache_scales, cache_biases};
 const IndexT index = {block_tables + seq * max_blocks, num_kv_heads, kvh};
 device TE* dst = rows_out + (size_t(seq_head) * max_len + tok) * D;
-if (tok < seq_lens[seq]) {
+const int len = min(seq_lens[seq], max_blocks * BS);
+if (tok < len && uint(block_tables[seq * max_blocks + tok / BS]) < uint(num_blocks)) {
   rows.template read<TE>(index(tok), task, dst);
 } else {
   for (int i = 0; i < RowsT::TASK_ELEMS; i++) {

@@ -5,11 +5,11 @@
 // #include of our own files, no `#pragma once` (MLX pastes it into one
 // translation unit per kernel).
 //
-// Row sources. Every kernel that reads the KV cache does it through a "rows"
-// object: row t of the current (sequence, kv head) is read in TASKS pieces of
-// TASK_ELEMS elements each. A float cache reads a vec4 per task; a quantized
-// cache dequantizes one whole group per task, so every packed word, scale and
-// bias is loaded exactly once.
+// Row sources of gather_kv_rows: row t of the current (sequence, kv head) is
+// read through a "rows" object in TASKS pieces of TASK_ELEMS elements each. A
+// float cache reads a vec4 per task; a quantized cache dequantizes one whole
+// group per task, so every packed word, scale and bias is loaded exactly once.
+// The attention kernels read rows their own way (attention.metal).
 #ifndef KVMETAL_COMMON_H
 #define KVMETAL_COMMON_H
 
@@ -30,6 +30,12 @@ inline float4 kv_float4(float a, float b, float c, float d) {
   v.y = b;
   v.z = c;
   v.w = d;
+  return v;
+}
+inline float2 kv_float2(float a, float b) {
+  float2 v;
+  v.x = a;
+  v.y = b;
   return v;
 }
 inline float4 kv_widen(half4 h) { return kv_float4(float(h.x), float(h.y), float(h.z), float(h.w)); }
@@ -98,28 +104,7 @@ struct PagedRowIndex {
     size_t row = (size_t(table[t / BS]) * num_kv_heads + kvh) * BS + (t % BS);
     return KvRowAt{row * W, row * NG, row * NG, 1, 1, 1};
   }
-  // From one row to the next inside a block (tiles never straddle blocks).
-  KvRowAt row_step() const { return KvRowAt{W, NG, NG, 0, 0, 0}; }
 };
-
-// Contiguous cache [B, Hkv, T, W] read in place through its element strides
-// (a sliced view is never copied); a unit last stride takes the vector path.
-struct StridedRowIndex {
-  KvRowAt first;  // offsets of (b, kvh, t = 0) and the strides along the row
-  KvRowAt step;   // strides along t (its *_step fields are unused)
-  KvRowAt operator()(int t) const {
-    return KvRowAt{first.data + size_t(t) * step.data, first.scale + size_t(t) * step.scale,
-                   first.bias + size_t(t) * step.bias, first.data_step, first.scale_step,
-                   first.bias_step};
-  }
-  KvRowAt row_step() const { return KvRowAt{step.data, step.scale, step.bias, 0, 0, 0}; }
-};
-
-// Row `base` advanced by r rows of `step` (the *_step fields of base are kept).
-inline KvRowAt kv_advance(KvRowAt base, KvRowAt step, int r) {
-  return KvRowAt{base.data + size_t(r) * step.data, base.scale + size_t(r) * step.scale,
-                 base.bias + size_t(r) * step.bias, base.data_step, base.scale_step, base.bias_step};
-}
 
 // Float rows: data TE [..., D]; scales/biases are unused placeholders.
 template <int BITS, int GS, int D, typename TE, typename PD, typename PS>
@@ -176,6 +161,188 @@ template <int BITS, int GS, int D>
 struct RowShape {
   static constant constexpr const int WIDTH = BITS ? D * BITS / 32 : D;
   static constant constexpr const int GROUPS = BITS ? D / GS : 1;
+};
+
+// ------------------------------------------------------------ kernel params
+
+// The attention kernels' scalar parameters: one struct read from an int32
+// buffer (floats stored bit-for-bit). kvmetal/backends/metal.py packs it from
+// ATTENTION_PARAMS, whose field list must match this struct, in this order.
+struct KvAttnParams {
+  int num_kv_heads;
+  int num_heads;
+  int query_len;    // L: query rows per sequence and head (1..8)
+  int num_splits;
+  int max_blocks;   // paged: block-table width M; contiguous: unused
+  int num_blocks;   // paged: N, the guard for block ids; contiguous: unused
+  int window;       // sliding window (0 = off)
+  int num_tokens;   // contiguous: T; paged: unused
+  float scale;
+  float softcap;    // 0 = off
+  int head_div;     // reduce: head of row r is (r / head_div) % num_heads
+  int pad;
+};
+
+// gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).
+struct KvGatherParams {
+  int num_kv_heads;
+  int max_blocks;
+  int max_len;
+  int num_blocks;  // N, the guard for block ids
+};
+
+// ---------------------------------------------------------- softmax states
+
+// log2(e): scores are kept in log2 units (q pre-scaled by scale * log2(e)) so
+// every exponential is one exp2.
+static constant constexpr const float KV_LOG2E = 1.44269504088896341f;
+
+// The one softmax-state merge: states (m_a, l_a, o_a) and (m_b, l_b, o_b), with
+// maxima in log2 units, combine as m = max(m_a, m_b), l = l_a * scale_a +
+// l_b * scale_b, o = o_a * scale_a + o_b * scale_b. Used by the simdgroup merge
+// inside the partial kernels and by attention_reduce across splits.
+struct KvSoftmaxMerge {
+  float m;
+  float scale_a;
+  float scale_b;
+};
+inline KvSoftmaxMerge kv_softmax_merge(float m_a, float m_b) {
+  KvSoftmaxMerge r;
+  r.m = max(m_a, m_b);
+  r.scale_a = exp2(m_a - r.m);
+  r.scale_b = exp2(m_b - r.m);
+  return r;
+}
+
+// ------------------------------------------------- storage-type vector loads
+
+// Four elements of a float cache in one load of their storage type: half4
+// (8 bytes), float4 (16 bytes), or bfloat as ushort4 (8 bytes; a bfloat is the
+// top half of a float, so widening is a shift and works on every Metal version).
+template <typename T>
+struct KvVec4 {
+  typedef float4 type;
+  static float4 widen(float4 v) { return v; }
+};
+template <>
+struct KvVec4<half> {
+  typedef half4 type;
+  static float4 widen(half4 v) { return kv_widen(v); }
+};
+template <>
+struct KvVec4<bfloat16_t> {
+  typedef ushort4 type;
+  static float4 widen(ushort4 v) {
+    return kv_float4(as_type<float>(uint(v.x) << 16), as_type<float>(uint(v.y) << 16),
+                     as_type<float>(uint(v.z) << 16), as_type<float>(uint(v.w) << 16));
+  }
+};
+
+template <typename T>
+inline float4 kv_vec4(const device T* p) {
+  typedef typename KvVec4<T>::type V4;
+  return KvVec4<T>::widen(*reinterpret_cast<const device V4*>(p));
+}
+template <typename T>
+inline float4 kv_vec4(const threadgroup T* p) {
+  typedef typename KvVec4<T>::type V4;
+  return KvVec4<T>::widen(*reinterpret_cast<const threadgroup V4*>(p));
+}
+// Strided fallback: four scalar loads `step` elements apart.
+template <typename T>
+inline float4 kv_vec4_strided(const device T* p, size_t step) {
+  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[step]), static_cast<float>(p[2 * step]),
+                   static_cast<float>(p[3 * step]));
+}
+
+template <typename T>
+inline float4 kv_vec4_strided(const threadgroup T* p, size_t step) {
+  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[step]), static_cast<float>(p[2 * step]),
+                   static_cast<float>(p[3 * step]));
+}
+
+// AW packed words in as few loads as their alignment allows (uint4, uint2, words).
+template <int AW>
+inline void kv_words(const device uint32_t* p, thread uint* w) {
+  if (AW % 4 == 0) {
+    for (int i = 0; i < AW; i += 4) {
+      const uint4 v = *reinterpret_cast<const device uint4*>(p + i);
+      w[i] = v.x;
+      w[i + 1] = v.y;
+      w[i + 2] = v.z;
+      w[i + 3] = v.w;
+    }
+  } else if (AW % 2 == 0) {
+    for (int i = 0; i < AW; i += 2) {
+      const uint2 v = *reinterpret_cast<const device uint2*>(p + i);
+      w[i] = v.x;
+      w[i + 1] = v.y;
+    }
+  } else {
+    for (int i = 0; i < AW; i++) {
+      w[i] = p[i];
+    }
+  }
+}
+template <int AW>
+inline void kv_words(const threadgroup uint32_t* p, thread uint* w) {
+  for (int i = 0; i < AW; i++) {
+    w[i] = p[i];
+  }
+}
+template <int AW>
+inline void kv_words_strided(const device uint32_t* p, size_t step, thread uint* w) {
+  for (int i = 0; i < AW; i++) {
+    w[i] = p[i * step];
+  }
+}
+
+template <int AW>
+inline void kv_words_strided(const threadgroup uint32_t* p, size_t step, thread uint* w) {
+  for (int i = 0; i < AW; i++) {
+    w[i] = p[i * step];
+  }
+}
+
+// Value e of a run of BITS-bit values packed little-endian in 32-bit words
+// (MLX's layout). With e a compile-time constant after unrolling, 2/4/8 bits
+// are one shift and mask; 3/5/6 bits may join two words.
+template <int BITS>
+inline float kv_unpack(thread const uint* w, int e) {
+  const int bit = e * BITS;
+  const int wi = bit / 32;
+  const int sh = bit % 32;
+  uint v = w[wi] >> sh;
+  if (sh + BITS > 32) {
+    v |= w[wi + 1] << (32 - sh);
+  }
+  return float(v & ((1u << BITS) - 1u));
+}
+
+// One atom of a row into floats: 4 elements of a float cache (BITS == 0, one
+// vector load where `vec`), or AW packed words unpacked (AW * 32 / BITS values).
+template <int BITS, int AW>
+struct KvAtomRead {
+  template <typename PD>
+  static void read(PD data, size_t row, size_t step, bool vec, int a, thread float4* x) {
+    uint w[AW];
+    if (vec) {
+      kv_words<AW>(data + row + a * AW, w);
+    } else {
+      kv_words_strided<AW>(data + row + size_t(a * AW) * step, step, w);
+    }
+    for (int j = 0; j < AW * 8 / BITS; j++) {
+      x[j] = kv_float4(kv_unpack<BITS>(w, 4 * j), kv_unpack<BITS>(w, 4 * j + 1), kv_unpack<BITS>(w, 4 * j + 2),
+                       kv_unpack<BITS>(w, 4 * j + 3));
+    }
+  }
+};
+template <int AW>
+struct KvAtomRead<0, AW> {
+  template <typename PD>
+  static void read(PD data, size_t row, size_t step, bool vec, int a, thread float4* x) {
+    x[0] = vec ? kv_vec4(data + row + a * 4) : kv_vec4_strided(data + row + size_t(a * 4) * step, step);
+  }
 };
 
 #endif  // KVMETAL_COMMON_H

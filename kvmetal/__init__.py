@@ -7,9 +7,15 @@
 Backends: "metal" (Apple GPU, hand-written kernels), "cpu" (native C++), "sim"
 (the metal backend's kernels run by a CPU simulator). See ``kv.use_backend``.
 """
-from .backends import available_backends, current_backend, use_backend
-from .ops import copy_blocks, decode_attention, gather_kv_cache, paged_attention, reshape_and_cache
-from .quant import QuantizedKV
+from ._install_check import check_installation
+
+# A clear ImportError for an MLX ABI mismatch now, and for a missing extension (a source
+# tree shadowing the installed package) when something asks for kvmetal._ext.
+_HAVE_EXTENSION = check_installation()
+
+from .backends import available_backends, current_backend, use_backend  # noqa: E402
+from .ops import copy_blocks, decode_attention, gather_kv_cache, paged_attention, reshape_and_cache  # noqa: E402
+from .quant import QuantizedKV  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -29,6 +35,11 @@ __all__ = [
 
 
 def __getattr__(name):
+    if name == "_ext" and not _HAVE_EXTENSION:
+        # `from kvmetal import _ext` lands here when the compiled module is absent.
+        from ._install_check import missing_extension_message
+
+        raise ImportError(missing_extension_message())
     # The cache pulls in more machinery; load it on first use.
     if name in ("PagedKVCache", "KVCacheFull"):
         from . import cache

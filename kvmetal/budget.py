@@ -11,6 +11,10 @@ bandwidth (the floor on time per token). Per token and layer the cache holds::
 
 (scales and biases have the cache's float dtype; see ``kvmetal.quant``).
 
+Sliding-window layers (Gemma 2/3, gpt-oss, Mistral v0.1) hold at most their window,
+so at long contexts only the full-attention layers grow. ``--tp N`` reports one device of
+N tensor-parallel ranks (mlx-lm's ``model.shard``): its kv heads and its share of weights.
+
 Units: bytes are printed in decimal GB and binary GiB; ``--memory`` is the
 unified memory as sold (a "64GB" Mac has 64 GiB); bandwidth is decimal GB/s as
 Apple publishes it. Context lengths accept K/M suffixes (32K = 32768 tokens).
@@ -18,6 +22,7 @@ Apple publishes it. Context lengths accept K/M suffixes (32K = 32768 tokens).
     kvmetal budget --model llama-3-8b --context 32K --kv f16
     kvmetal budget --model path/to/config.json --context 128K --kv k8v4 --chip m4-max
     kvmetal budget --model qwen2.5-7b --context 64K --batch 4 --memory 64 --bandwidth 400 --json
+    kvmetal budget --model gemma-3-12b --context 128K --kv k8v4 --chip m3-ultra --tp 2
 """
 from __future__ import annotations
 
@@ -61,6 +66,13 @@ class ModelShape:
     weight_bits: float = 16.0          # bits per weight incl. quantization scales
     weights_bytes: int | None = None   # exact, when read from safetensors files
     source: str = "preset"
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to
+    num_sliding_layers: int = 0        # layers that attend only to the last sliding_window tokens
+    max_position_embeddings: int | None = None  # the context the model was trained for
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
 
     def param_count(self) -> int:
         """Parameters from the shape: embeddings, attention projections, gated MLP (x experts)."""
@@ -80,8 +92,12 @@ class ModelShape:
         return int(self.param_count() * self.weight_bits / 8)
 
 
-def _preset(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts=1):
-    return ModelShape(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts)
+def _preset(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts=1, window=None,
+            pattern=None):
+    """``window``/``pattern``: every ``pattern``-th layer is global, the others see ``window`` tokens."""
+    sliding = layers - layers // pattern if window else 0
+    return ModelShape(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts,
+                      sliding_window=window, num_sliding_layers=sliding)
 
 
 # Shapes from the models' published config.json files (weights in 16-bit).
@@ -98,9 +114,13 @@ PRESETS = {p.name: p for p in (
     _preset("qwen2.5-32b", 64, 8, 128, 40, 5120, 27648, 152064, False),
     _preset("qwen2.5-72b", 80, 8, 128, 64, 8192, 29568, 152064, False),
     _preset("qwen3-8b", 36, 8, 128, 32, 4096, 12288, 151936, False),
-    _preset("gemma-2-2b", 26, 4, 256, 8, 2304, 9216, 256000, True),
-    _preset("gemma-2-9b", 42, 8, 256, 16, 3584, 14336, 256000, True),
-    _preset("gemma-2-27b", 46, 16, 128, 32, 4608, 36864, 256000, True),
+    _preset("gemma-2-2b", 26, 4, 256, 8, 2304, 9216, 256000, True, window=4096, pattern=2),
+    _preset("gemma-2-9b", 42, 8, 256, 16, 3584, 14336, 256000, True, window=4096, pattern=2),
+    _preset("gemma-2-27b", 46, 16, 128, 32, 4608, 36864, 256000, True, window=4096, pattern=2),
+    _preset("gemma-3-1b", 26, 1, 256, 4, 1152, 6912, 262144, True, window=512, pattern=6),
+    _preset("gemma-3-4b", 34, 4, 256, 8, 2560, 10240, 262208, True, window=1024, pattern=6),
+    _preset("gemma-3-12b", 48, 8, 256, 16, 3840, 15360, 262208, True, window=1024, pattern=6),
+    _preset("gemma-3-27b", 62, 16, 128, 32, 5376, 21504, 262208, True, window=1024, pattern=6),
     _preset("phi-3-mini", 32, 32, 96, 32, 3072, 8192, 32064, False),
 )}
 ALIASES = {"llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b"}
@@ -134,6 +154,7 @@ def shape_from_config(cfg: dict, *, name: str = "config", weights_bytes: int | N
         if not hidden:
             _fail(f"{name}: config needs head_dim or hidden_size")
         head_dim = hidden // heads
+    window, sliding = _sliding_layers(cfg, int(layers))
     q = cfg.get("quantization") or cfg.get("quantization_config") or {}
     weight_bits = 16.0
     if isinstance(q, dict) and q.get("bits"):
@@ -156,7 +177,30 @@ def shape_from_config(cfg: dict, *, name: str = "config", weights_bytes: int | N
         weight_bits=float(weight_bits),
         weights_bytes=weights_bytes,
         source="config",
+        sliding_window=window,
+        num_sliding_layers=sliding,
+        max_position_embeddings=_first(cfg, "max_position_embeddings", "n_positions", "max_seq_len"),
     )
+
+
+def _sliding_layers(cfg: dict, layers: int) -> tuple:
+    """(window, number of sliding-window layers) from a config, as the model families define them."""
+    window = cfg.get("sliding_window")
+    model_type = str(cfg.get("model_type", ""))
+    if not window:
+        return None, 0
+    if isinstance(cfg.get("layer_types"), list):          # gpt-oss, newer Gemma/Qwen configs
+        return int(window), sum(t == "sliding_attention" for t in cfg["layer_types"])
+    if model_type.startswith("gemma3"):                   # every sliding_window_pattern-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        return int(window), layers - layers // pattern
+    if model_type.startswith("gemma2"):                   # local and global layers alternate
+        return int(window), layers - layers // 2
+    if model_type == "mistral" or cfg.get("use_sliding_window"):
+        # Mistral v0.1 windows every layer; Qwen2 only with use_sliding_window, from max_window_layers on
+        first = int(cfg.get("max_window_layers") or 0) if cfg.get("use_sliding_window") else 0
+        return int(window), max(layers - first, 0)
+    return None, 0
 
 
 def load_model(spec: str) -> ModelShape:
@@ -175,6 +219,8 @@ def load_model(spec: str) -> ModelShape:
         weights = sum(p.stat().st_size for p in tensors) if tensors else None
     else:
         config_path, weights = path, None
+    if not config_path.is_file() and (spec.endswith(".json") or "/" in spec or "\\" in spec):
+        _fail(f"{spec}: file not found" if not path.is_dir() else f"{spec}: no config.json in this directory")
     if not config_path.is_file():
         known = ", ".join(sorted(PRESETS))
         _fail(f"model {spec!r} is neither a preset ({known}) nor a config.json path / model directory")
@@ -224,7 +270,17 @@ class KVFormat:
         try:
             return quant.row_nbytes(head_dim, bits=bits, group_size=group, scale_bytes=scale_bytes)
         except ValueError as exc:
-            _fail(f"{which.upper()} format {self.label}: {str(exc).split('] ', 1)[-1]}")
+            hint = ""
+            fit = largest_group_size(head_dim)
+            if head_dim % group and fit:
+                hint = f"; try --group-size {fit}"
+            _fail(f"{which.upper()} format {self.label}: {str(exc).split('] ', 1)[-1]}{hint}")
+
+
+def largest_group_size(head_dim: int) -> int | None:
+    """The largest supported quantization group size dividing ``head_dim`` (96 -> 32), or None."""
+    fits = [g for g in quant.SUPPORTED_GROUP_SIZES if head_dim % g == 0]
+    return max(fits) if fits else None
 
 
 def parse_kv(spec: str, *, dtype: str | None = None) -> KVFormat:
@@ -296,12 +352,60 @@ def bytes_per_token(model: ModelShape, fmt: KVFormat) -> int:
     return model.num_layers * bytes_per_token_per_layer(model, fmt)["total"]
 
 
-def cache_bytes(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, block_size: int = 1) -> int:
-    """Bytes of the cache holding ``context`` tokens for each of ``batch`` sequences.
+def tokens_held(model: ModelShape, *, context: int, block_size: int = 1) -> tuple:
+    """Tokens one sequence keeps per (full-attention layer, sliding-window layer).
 
-    A paged cache allocates whole blocks, so each sequence's tokens round up to ``block_size``.
-    """
-    return bytes_per_token(model, fmt) * _round_up(context, block_size) * batch
+    A paged cache allocates whole blocks, so tokens round up to ``block_size``; a window
+    layer keeps its window plus the partly used block at the window's start."""
+    full = _round_up(context, block_size)
+    if not model.num_sliding_layers:
+        return full, 0
+    return full, min(full, _round_up(model.sliding_window + block_size - 1, block_size))
+
+
+def cache_bytes(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, block_size: int = 1) -> int:
+    """Bytes of the cache holding ``context`` tokens for each of ``batch`` sequences
+    (sliding-window layers at their window)."""
+    layer = bytes_per_token_per_layer(model, fmt)["total"]
+    full, windowed = tokens_held(model, context=context, block_size=block_size)
+    return layer * (model.num_full_layers * full + model.num_sliding_layers * windowed) * batch
+
+
+def max_context(model: ModelShape, fmt: KVFormat, *, free_bytes: int, batch: int, block_size: int,
+                limit: int = 1 << 30) -> int:
+    """The largest context (whole blocks) whose cache for ``batch`` sequences fits ``free_bytes``;
+    ``limit`` when the cache stops growing (every layer windowed)."""
+    fits = lambda blocks: cache_bytes(model, fmt, context=blocks * block_size, batch=batch,
+                                      block_size=block_size) <= free_bytes
+    if free_bytes <= 0 or not fits(1):
+        return 0
+    lo, hi = 1, max(1, limit // block_size)
+    if fits(hi):
+        return hi * block_size
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * block_size
+
+
+def shard(model: ModelShape, tp: int) -> tuple:
+    """One device's share of ``model`` split over ``tp`` tensor-parallel ranks, and whether its
+    KV is replicated (fewer kv heads than ranks: each rank keeps the kv head its query heads read)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        _fail(f"--tp must be an int >= 1, got {tp!r}")
+    if tp == 1:
+        return model, False
+    heads, kv = model.num_heads or model.num_kv_heads, model.num_kv_heads
+    if heads % tp:
+        _fail(f"--tp {tp} must divide the {heads} query heads of {model.name}")
+    if kv >= tp and kv % tp:
+        _fail(f"--tp {tp} must divide the {kv} kv heads of {model.name} (or exceed them)")
+    replicated = kv < tp
+    if replicated and tp % kv:
+        _fail(f"--tp {tp} must be a multiple of the {kv} kv heads of {model.name} to replicate them")
+    weights = model.estimated_weights_bytes()
+    return replace(model, num_kv_heads=max(kv // tp, 1), num_heads=heads // tp, weights_bytes=-(-weights // tp),
+                   name=f"{model.name} (1 of {tp} devices)"), replicated
 
 
 def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, block_size: int = 16,
@@ -328,12 +432,20 @@ def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, bl
         "v_bytes_per_token": per_layer["v"] * model.num_layers,
         "f16_bytes_per_token": bytes_per_token(model, KVFormat()),
         "cache_bytes": total,
+        "cache_bytes_if_no_window": bytes_per_token(model, fmt) * _round_up(context, block_size) * batch,
+        "tokens_held_per_layer": dict(zip(("full", "sliding_window"),
+                                          tokens_held(model, context=context, block_size=block_size))),
         "weights_bytes": weights,
         "weights_source": "given" if weights_bytes is not None else model.source,
         "chip": chip,
         "memory": None,
         "decode_floor": None,
+        "notes": [],
     }
+    trained = model.max_position_embeddings
+    if trained and context > trained:
+        report["notes"].append(f"context {context:,} exceeds the model's trained context "
+                               f"(max_position_embeddings {trained:,}); quality past it is not assured")
     if memory_gib is not None:
         if memory_gib <= 0:
             _fail(f"memory must be positive GiB, got {memory_gib}")
@@ -343,20 +455,23 @@ def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, bl
         usable = int(memory_gib * GIB * fraction)
         free = usable - weights - int(overhead_bytes)
         seq_bytes = cache_bytes(model, fmt, context=context, block_size=block_size)
-        max_context = max(free, 0) // (per_token * batch) // block_size * block_size
+        longest = max_context(model, fmt, free_bytes=free, batch=batch, block_size=block_size)
         report["memory"] = {
             "memory_bytes": int(memory_gib * GIB),
             "usable_fraction": fraction,
             "usable_bytes": usable,
             "overhead_bytes": int(overhead_bytes),
             "free_for_cache_bytes": free,
+            "weights_fit": weights + int(overhead_bytes) <= usable,
             "fits": free >= total,
-            "max_context_at_batch": int(max_context),
+            "max_context_at_batch": int(longest),
+            "context_unbounded": model.num_full_layers == 0 and longest > 0,
             "max_batch_at_context": int(max(free, 0) // seq_bytes),
         }
-    if bandwidth_gbs is not None:
-        if bandwidth_gbs <= 0:
-            _fail(f"bandwidth must be positive GB/s, got {bandwidth_gbs}")
+    if bandwidth_gbs is not None and bandwidth_gbs <= 0:
+        _fail(f"bandwidth must be positive GB/s, got {bandwidth_gbs}")
+    # A configuration whose weights cannot even load has no decode speed to speak of.
+    if bandwidth_gbs is not None and (report["memory"] is None or report["memory"]["weights_fit"]):
         bw = bandwidth_gbs * GB
         cache_s, full_s = total / bw, (total + weights) / bw
         report["decode_floor"] = {
@@ -395,21 +510,45 @@ def format_report(r: dict) -> str:
            f"; {r['bytes_per_token'] / r['f16_bytes_per_token']:.3f} x f16"),
         f"cache       {human_bytes(r['cache_bytes'])} for {r['context']:,} tokens x batch {r['batch']}",
     ]
+    if m["num_sliding_layers"]:
+        held = r["tokens_held_per_layer"]["sliding_window"]
+        lines.insert(1, f"windows     {m['num_sliding_layers']} of {m['num_layers']} layers see the last "
+                        f"{m['sliding_window']:,} tokens and hold at most {held:,}; only "
+                        f"{m['num_layers'] - m['num_sliding_layers']} grow with the context")
+        if r["cache_bytes_if_no_window"] != r["cache_bytes"]:
+            lines[-1] += (f" ({r['cache_bytes'] / r['cache_bytes_if_no_window']:.2f} x the "
+                          f"{human_bytes(r['cache_bytes_if_no_window'])} of full-context layers)")
+    tp = r.get("tp")
+    if tp and tp["devices"] > 1:
+        how = ("KV is replicated: fewer kv heads than devices, so each keeps the kv head its query heads read"
+               if tp["kv_replicated"] else f"{tp['kv_heads_per_device']} of {tp['kv_heads_total']} kv heads each")
+        lines.insert(1, f"per device  1 of {tp['devices']} tensor-parallel devices: {how}; weights and cache "
+                        f"below are per device")
     if r["weights_bytes"]:
         how = {"given": "given", "safetensors": "safetensors files",
                "config": f"estimated: {m['params'] / 1e9:.2f} B params x {m['weight_bits']:g} bits",
                "preset": f"estimated: {m['params'] / 1e9:.2f} B params x {m['weight_bits']:g} bits"}
-        lines.append(f"weights     {human_bytes(r['weights_bytes'])} ({how[r['weights_source']]})")
+        share = f"1/{r['tp']['devices']} of the whole model, " if r.get("tp") and r["tp"]["devices"] > 1 else ""
+        lines.append(f"weights     {human_bytes(r['weights_bytes'])} ({share}{how[r['weights_source']]})")
     mem = r["memory"]
-    if mem:
+    if mem and not mem["weights_fit"]:
+        chip = f"{r['chip']}, " if r["chip"] else ""
+        lines.append(f"memory      {chip}{mem['memory_bytes'] / GIB:g} GiB x {mem['usable_fraction']:.2f} usable "
+                     f"= {human_bytes(mem['usable_bytes'])}")
+        lines.append(f"fits        NO: the weights alone ({human_bytes(r['weights_bytes'])}"
+                     + (" + overhead" if mem["overhead_bytes"] else "") + ") exceed usable memory; this "
+                     f"configuration cannot run here (no decode floor). Try a smaller or more quantized model"
+                     + (", or --tp to split it over devices" if not r.get("tp") or r["tp"]["devices"] == 1 else ""))
+    elif mem:
         chip = f"{r['chip']}, " if r["chip"] else ""
         lines.append(f"memory      {chip}{mem['memory_bytes'] / GIB:g} GiB x {mem['usable_fraction']:.2f} usable "
                      f"= {human_bytes(mem['usable_bytes'])}; free for the cache after weights"
                      + (" and overhead" if mem["overhead_bytes"] else "") + f": {human_bytes(max(mem['free_for_cache_bytes'], 0))}")
         verdict = "fits" if mem["fits"] else "does NOT fit"
+        longest = ("unbounded (every layer is windowed)" if mem["context_unbounded"]
+                   else f"{mem['max_context_at_batch']:,} tokens")
         lines.append(f"fits        this cache {verdict}; largest context at batch {r['batch']}: "
-                     f"{mem['max_context_at_batch']:,} tokens; largest batch at {r['context']:,} tokens: "
-                     f"{mem['max_batch_at_context']:,}")
+                     f"{longest}; largest batch at {r['context']:,} tokens: {mem['max_batch_at_context']:,}")
     floor = r["decode_floor"]
     if floor:
         bw = floor["bandwidth_bytes_per_s"] / GB
@@ -421,51 +560,91 @@ def format_report(r: dict) -> str:
                      f"{floor['with_weights_tokens_per_s_total']:,.1f} total)")
     if not mem and not floor:
         lines.append("(give --chip, or --memory and --bandwidth, for what fits and the decode floor)")
+    lines += [f"note        {n}" for n in r.get("notes", [])]
     return "\n".join(lines)
 
 
 COMPARE_FORMATS = ("f16", "k8v8", "k8v4", "k4v4", "k4v2")
 
 
-def compare_table(model: ModelShape, fmt: KVFormat, *, context: int, batch: int, block_size: int) -> str:
+def compare_rows(model: ModelShape, fmt: KVFormat, *, context: int, batch: int, block_size: int) -> list:
+    """Common K/V formats (and ``fmt``) side by side: per-token and cache bytes, or why not."""
     specs = [parse_kv(s, dtype=fmt.dtype) for s in COMPARE_FORMATS]
     specs = [replace(s, k_group_size=fmt.k_group_size, v_group_size=fmt.v_group_size) for s in specs]
     if fmt not in specs:
         specs.append(fmt)
-    rows = ["format          per token      cache"]
+    rows = []
     for s in specs:
+        row = {"label": s.label, "format": asdict(s), "bytes_per_token": None, "cache_bytes": None, "error": None}
         try:
-            per = bytes_per_token(model, s)
+            row["bytes_per_token"] = bytes_per_token(model, s)
+            row["cache_bytes"] = cache_bytes(model, s, context=context, batch=batch, block_size=block_size)
         except ValueError as exc:
-            rows.append(f"{s.label:<15} {str(exc).split('] ', 1)[-1]}")
-            continue
-        total = cache_bytes(model, s, context=context, batch=batch, block_size=block_size)
-        rows.append(f"{s.label:<15} {human_bytes(per):<14} {human_bytes(total)}")
-    return "\n".join(rows)
+            row["error"] = str(exc).split("] ", 1)[-1]
+        rows.append(row)
+    return rows
+
+
+def compare_table(rows: list) -> str:
+    lines = ["format          per token      cache"]
+    for row in rows:
+        if row["error"]:
+            lines.append(f"{row['label']:<15} {row['error']}")
+        else:
+            lines.append(f"{row['label']:<15} {human_bytes(row['bytes_per_token']):<14} "
+                         f"{human_bytes(row['cache_bytes'])}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- plot
 
+def _token_label(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K" if n >= 1024 else str(n)
+
+
 def plot_cache_sizes(model: ModelShape, formats, path: str, *, batch: int = 1, max_context: int = 131072,
-                     free_bytes: int | None = None) -> None:
-    """Cache GiB against context (log2 axis) for several formats, saved to ``path``."""
+                     free_bytes: int | None = None, context: int | None = None, chosen: KVFormat | None = None,
+                     block_size: int = 16) -> None:
+    """Cache bytes against context for several formats, log-log, saved to ``path``.
+
+    Ticks read 1K ... 1M; the requested context and format are marked, and the free-memory
+    line is drawn only when it falls inside the plotted range."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
     except ImportError as exc:
         raise ImportError(f"[{OP}] --plot needs matplotlib: pip install matplotlib ({exc})") from exc
-    contexts = [1 << k for k in range(10, max(11, int(math.log2(max_context)) + 1) + 1)]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    contexts = [1 << k for k in range(10, max(11, math.ceil(math.log2(max_context))) + 1)]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    lows, highs = [], []
     for fmt in formats:
-        ys = [cache_bytes(model, fmt, context=c, batch=batch) / GIB for c in contexts]
-        ax.plot(contexts, ys, marker="o", markersize=3, label=f"{fmt.label} ({bytes_per_token(model, fmt) / 1024:.1f} KiB/token)")
-    if free_bytes is not None and free_bytes > 0:
+        ys = [cache_bytes(model, fmt, context=c, batch=batch, block_size=block_size) / GIB for c in contexts]
+        lows.append(min(ys))
+        highs.append(max(ys))
+        mine = fmt == chosen
+        ax.plot(contexts, ys, marker="o", markersize=4 if mine else 2.5, linewidth=2.6 if mine else 1.2,
+                label=f"{fmt.label} ({bytes_per_token(model, fmt) / 1024:.1f} KiB/token)" + (" (chosen)" if mine else ""))
+        if mine and context is not None:
+            here = cache_bytes(model, fmt, context=context, batch=batch, block_size=block_size) / GIB
+            ax.plot([context], [here], marker="*", markersize=14, color="black", zorder=5,
+                    label=f"{_token_label(context) if context % 1024 == 0 else f'{context:,}'} tokens, "
+                          f"{fmt.label}: {here:.2f} GiB")
+    if context is not None:
+        ax.axvline(context, color="gray", linestyle=":", linewidth=1)
+    if free_bytes is not None and min(lows) <= free_bytes / GIB <= max(highs):
         ax.axhline(free_bytes / GIB, color="black", linestyle="--", linewidth=1, label="free memory after weights")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("KV cache (GiB)")
-    ax.set_title(f"{model.name}: KV cache at batch {batch}")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(contexts))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _token_label(int(x))))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.set_xlabel("context (tokens per sequence)")
+    ax.set_ylabel("KV cache (GiB, log scale)")
+    windows = f", {model.num_sliding_layers} sliding-window layers" if model.num_sliding_layers else ""
+    ax.set_title(f"{model.name}: KV cache at batch {batch}{windows}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -489,8 +668,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k-bits", type=int, default=None, help="quantize K to these bits (overrides --kv)")
     p.add_argument("--v-bits", type=int, default=None, help="quantize V to these bits (overrides --kv)")
     p.add_argument("--group-size", type=int, default=None, help="quantization group size for K and V (default 64)")
-    p.add_argument("--k-group-size", type=int, default=None)
-    p.add_argument("--v-group-size", type=int, default=None)
+    p.add_argument("--k-group-size", type=int, default=None, help="group size of K (overrides --group-size)")
+    p.add_argument("--v-group-size", type=int, default=None, help="group size of V (overrides --group-size)")
     p.add_argument("--dtype", default=None, help="float dtype of the cache / of scales and biases (default f16)")
     p.add_argument("--block-size", type=int, default=16, help="paged-cache block size: contexts round up to it")
     p.add_argument("--chip", default=None, help=f"Apple chip: {', '.join(CHIPS)}")
@@ -500,6 +679,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of memory the GPU may use (default 2/3 up to 36 GiB, else 3/4)")
     p.add_argument("--weights-gb", type=float, default=None, help="weights in GB, instead of the estimate")
     p.add_argument("--overhead-gb", type=float, default=0.0, help="other memory to reserve (activations...), GB")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel devices (mlx.launch + model.shard): report one device's kv heads, "
+                        "weights and cache (default 1)")
     p.add_argument("--compare", action="store_true", help="also list common K/V formats side by side")
     p.add_argument("--plot", metavar="PNG", default=None, help="plot cache size against context for several formats")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -540,14 +722,20 @@ def run(argv: list[str] | None = None) -> tuple:
             _fail(f"--chip must be one of {', '.join(CHIPS)}, got {args.chip!r}")
         memory = max(chip.memory_gib) if memory is None else memory
         bandwidth = chip.bandwidth_gbs if bandwidth is None else bandwidth
-    weights = None if args.weights_gb is None else int(args.weights_gb * GB)
+    whole = model
+    model, replicated = shard(model, args.tp)
+    weights = None if args.weights_gb is None else int(args.weights_gb * GB / args.tp)
     report = budget(model, fmt, context=context, batch=args.batch, block_size=args.block_size,
                     memory_gib=memory, bandwidth_gbs=bandwidth, weights_bytes=weights,
                     usable_fraction=args.usable_fraction, overhead_bytes=int(args.overhead_gb * GB),
                     chip=chip.name if chip else None)
+    report["model"]["params"] = whole.param_count()
+    report["tp"] = {"devices": args.tp, "kv_heads_total": whole.num_kv_heads,
+                    "kv_heads_per_device": model.num_kv_heads, "kv_replicated": replicated}
     text = format_report(report)
     if args.compare:
-        text += "\n\n" + compare_table(model, fmt, context=context, batch=args.batch, block_size=args.block_size)
+        report["compare"] = compare_rows(model, fmt, context=context, batch=args.batch, block_size=args.block_size)
+        text += "\n\n" + compare_table(report["compare"])
     if args.plot:
         formats = [replace(parse_kv(s, dtype=fmt.dtype), k_group_size=fmt.k_group_size,
                            v_group_size=fmt.v_group_size) for s in COMPARE_FORMATS]
@@ -555,8 +743,8 @@ def run(argv: list[str] | None = None) -> tuple:
         if fmt not in formats:
             formats.append(fmt)
         free = report["memory"]["free_for_cache_bytes"] if report["memory"] else None
-        plot_cache_sizes(model, formats, args.plot, batch=args.batch,
-                         max_context=max(4 * context, 131072), free_bytes=free)
+        plot_cache_sizes(model, formats, args.plot, batch=args.batch, max_context=max(4 * context, 1 << 20),
+                         free_bytes=free, context=context, chosen=fmt, block_size=args.block_size)
         report["plot"] = args.plot
         text += f"\n\nplot written to {args.plot}"
     return report, text

@@ -1,6 +1,6 @@
 """PagedKVCache: one block pool for every layer of a model, and the allocator behind it.
 
-Vocabulary (vLLM's, see DESIGN.md for the tensor layouts):
+Vocabulary (vLLM's, see docs/design.md for the tensor layouts):
 
     block        ``block_size`` consecutive token slots; block ``b`` of layer ``l`` is
                  ``key_caches[l][b]`` / ``value_caches[l][b]`` ([Hkv, bs, D] each)
@@ -41,6 +41,33 @@ class KVCacheFull(RuntimeError):
     """Not enough free or recyclable blocks; the cache was left unchanged."""
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_int(op: str, name: str, value, minimum: int = 0) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"[{op}] {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _token_count(op: str, tokens, num_tokens) -> tuple:
+    """(token ids as ints or None, how many): exactly one of ``tokens`` / ``num_tokens``."""
+    if (tokens is None) == (num_tokens is None):
+        raise TypeError(f"[{op}] pass exactly one of tokens (ids) or num_tokens")
+    if tokens is not None:
+        if isinstance(tokens, mx.array):
+            tokens = tokens.tolist()
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+            raise TypeError(f"[{op}] tokens must be a sequence of int token ids, got {type(tokens).__name__}")
+        tokens = list(tokens)
+        bad = next((t for t in tokens if not _is_int(t)), None)
+        if bad is not None:
+            raise TypeError(f"[{op}] tokens must be int token ids, got {bad!r}")
+        return [int(t) for t in tokens], len(tokens)
+    return None, _check_int(op, "num_tokens", num_tokens)
+
+
 def _chain_hash(previous: bytes, tokens) -> bytes:
     data = np.asarray(tokens, dtype=np.int64).tobytes()
     return hashlib.blake2b(previous + data, digest_size=16).digest()
@@ -65,6 +92,12 @@ class Append:
 class BlockAllocator:
     """Block ownership for one pool (pure Python; no tensors).
 
+    Deterministic: which blocks a call hands out depends only on the calls made before
+    it (a FIFO free list, an LRU list of cached blocks, no randomness, no ordering by
+    object ids). Processes that make the same calls get the same block tables, which
+    is what lets every rank of a model sharded by kv heads over ``mx.distributed`` run
+    its own allocator without exchanging tables.
+
     Args:
         num_blocks: blocks in the pool.
         block_size: token slots per block.
@@ -72,8 +105,7 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int):
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"[BlockAllocator] {name} must be an int >= 1, got {value!r}")
+            _check_int("BlockAllocator", name, value, 1)
         self.block_size = int(block_size)
         self.num_blocks = 0
         self.refcount: list = []
@@ -92,6 +124,34 @@ class BlockAllocator:
     def num_free(self) -> int:
         """Blocks that can be handed out now (free plus cached-and-recyclable)."""
         return len(self._free) + len(self._cached)
+
+    @property
+    def num_free_listed(self) -> int:
+        """Blocks on the free list (content meaningless)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks nobody owns whose content is still findable by prefix hash."""
+        return len(self._cached)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens held by every sequence (shared ones counted per sequence)."""
+        return sum(s.num_tokens for s in self._seqs.values())
+
+    @property
+    def num_shared(self) -> int:
+        """Blocks owned by more than one (sequence, table position)."""
+        return sum(1 for r in self.refcount if r > 1)
+
+    def is_published(self, block: int) -> bool:
+        """Whether ``block`` can be found by its prefix hash (and so must not be written)."""
+        return block in self._hash_of_block
 
     def sequences(self) -> list:
         return list(self._seqs)
@@ -122,7 +182,7 @@ class BlockAllocator:
     def slots(self, seq_id, start: int, stop: int) -> np.ndarray:
         """Slots of tokens ``start..stop-1`` of a sequence."""
         seq = self._seq("slots", seq_id)
-        if not 0 <= start <= stop <= seq.num_tokens:
+        if not (_is_int(start) and _is_int(stop)) or not 0 <= start <= stop <= seq.num_tokens:
             raise ValueError(f"[slots] token range [{start}, {stop}) is outside the sequence's {seq.num_tokens} tokens")
         positions = np.arange(start, stop)
         table = np.asarray(seq.blocks, dtype=np.int64)
@@ -153,15 +213,7 @@ class BlockAllocator:
         """
         if seq_id in self._seqs:
             raise ValueError(f"[add] sequence {seq_id!r} already exists")
-        if (tokens is None) == (num_tokens is None):
-            raise TypeError("[add] pass exactly one of tokens (ids) or num_tokens")
-        if tokens is not None:
-            tokens = [int(t) for t in tokens]
-            count = len(tokens)
-        else:
-            if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-                raise ValueError(f"[add] num_tokens must be an int >= 0, got {num_tokens!r}")
-            count = int(num_tokens)
+        tokens, count = _token_count("add", tokens, num_tokens)
         hashes, hits, needed, available = self._plan_add(tokens, count, share_limit)
         if needed > available:
             raise KVCacheFull(f"[add] sequence {seq_id!r} needs {needed} blocks, only {available} are free")
@@ -176,9 +228,8 @@ class BlockAllocator:
 
     def can_add(self, tokens=None, *, num_tokens: int | None = None, share_limit: int | None = None) -> bool:
         """Whether ``add`` would find enough blocks (changes nothing)."""
-        count = len(tokens) if tokens is not None else int(num_tokens)
-        _, _, needed, available = self._plan_add(None if tokens is None else [int(t) for t in tokens], count,
-                                                  share_limit)
+        tokens, count = _token_count("can_add", tokens, num_tokens)
+        _, _, needed, available = self._plan_add(tokens, count, share_limit)
         return needed <= available
 
     def cached_prefix(self, tokens) -> int:
@@ -188,15 +239,7 @@ class BlockAllocator:
     def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> Append:
         """Extend a sequence by ``tokens`` (ids) or ``num_tokens``; return their slots."""
         seq = self._seq("append", seq_id)
-        if (tokens is None) == (num_tokens is None):
-            raise TypeError("[append] pass exactly one of tokens (ids) or num_tokens")
-        if tokens is not None:
-            tokens = [int(t) for t in tokens]
-            count = len(tokens)
-        else:
-            if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-                raise ValueError(f"[append] num_tokens must be an int >= 0, got {num_tokens!r}")
-            count = int(num_tokens)
+        tokens, count = _token_count("append", tokens, num_tokens)
         needed = self._blocks_needed(seq, count)
         if needed > self.num_free:
             raise KVCacheFull(f"[append] sequence {seq_id!r} needs {needed} blocks for {count} tokens, "
@@ -204,12 +247,7 @@ class BlockAllocator:
         copies = []
         bs = self.block_size
         if count and seq.num_tokens % bs:
-            last = seq.blocks[-1]
-            if self.refcount[last] > 1:  # copy-on-write: never write into a shared block
-                fresh = self._take(1)[0]
-                copies.append((last, fresh))
-                self._release(last)
-                seq.blocks[-1] = fresh
+            copies += self._make_last_block_writable(seq)
         start = seq.num_tokens
         seq.blocks += self._take(-(-(start + count) // bs) - len(seq.blocks))
         seq.num_tokens += count
@@ -245,9 +283,7 @@ class BlockAllocator:
         """Release blocks wholly outside the last ``window`` tokens, except those
         holding the first ``keep`` (sink) tokens. Returns how many were released."""
         seq = self._seq("evict", seq_id)
-        for name, value in (("window", window), ("keep", keep)):
-            if not isinstance(value, (int, np.integer)) or value < 0:
-                raise ValueError(f"[evict] {name} must be an int >= 0, got {value!r}")
+        window, keep = _check_int("evict", "window", window), _check_int("evict", "keep", keep)
         bs = self.block_size
         first = -(-keep // bs)
         stop = max(0, seq.num_tokens - window) // bs
@@ -262,7 +298,7 @@ class BlockAllocator:
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens of a sequence (releases the rest)."""
         seq = self._seq("truncate", seq_id)
-        if not isinstance(num_tokens, (int, np.integer)) or not 0 <= num_tokens <= seq.num_tokens:
+        if not _is_int(num_tokens) or not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"[truncate] num_tokens must be in [0, {seq.num_tokens}], got {num_tokens!r}")
         bs = self.block_size
         keep_blocks = -(-num_tokens // bs)
@@ -276,14 +312,12 @@ class BlockAllocator:
         del seq.hashes[num_tokens // bs:]
         if seq.tokens is not None:
             del seq.tokens[num_tokens:]
-        if num_tokens % bs:
-            last = seq.blocks[-1]
-            if self.refcount[last] == 1 and last in self._hash_of_block:
-                # Its tail will be overwritten: nobody may find it by its old prefix any more.
-                del self._block_of_hash[self._hash_of_block.pop(last)]
+        # A published last block keeps its hash (its rows are still valid): the next
+        # append makes it writable first (_make_last_block_writable).
 
     def grow(self, num_new: int) -> None:
         """Add ``num_new`` free blocks (ids continue after the current ones)."""
+        num_new = _check_int("grow", "num_new", num_new, 1)
         start = self.num_blocks
         self.num_blocks += int(num_new)
         self.refcount += [0] * int(num_new)
@@ -316,6 +350,24 @@ class BlockAllocator:
         available = self.num_free - sum(1 for b in hits if self.refcount[b] == 0)
         return hashes, hits, needed, available
 
+    def _make_last_block_writable(self, seq: _Sequence) -> list:
+        """Before rows go into ``seq``'s partly filled last block: a published block is
+        immutable, so a shared one is copied (copy-on-write) and an unshared one loses
+        its hash. Returns the copies made, [(src, dst)]."""
+        last = seq.blocks[-1]
+        if self.refcount[last] > 1:
+            fresh = self._take(1)[0]
+            self._release(last)
+            seq.blocks[-1] = fresh
+            return [(last, fresh)]
+        self._unpublish(last)
+        return []
+
+    def _unpublish(self, b: int) -> None:
+        h = self._hash_of_block.pop(b, None)
+        if h is not None:
+            del self._block_of_hash[h]
+
     def _blocks_needed(self, seq: _Sequence, count: int) -> int:
         bs = self.block_size
         new = -(-(seq.num_tokens + count) // bs) - len(seq.blocks)
@@ -331,7 +383,7 @@ class BlockAllocator:
                 b = self._free.popleft()
             else:
                 b, _ = self._cached.popitem(last=False)
-                del self._block_of_hash[self._hash_of_block.pop(b)]
+                self._unpublish(b)
             self.refcount[b] = 1
             self.num_owned += 1
             taken.append(b)
@@ -372,7 +424,7 @@ class PagedKVCache:
 
     Args:
         num_layers: layers whose K/V live in the pool (each has its own arrays).
-        num_kv_heads, head_dim: per-layer K/V shape (DESIGN.md: [N, Hkv, bs, D]).
+        num_kv_heads, head_dim: per-layer K/V shape (docs/design.md: [N, Hkv, bs, D]).
         num_blocks: blocks in the pool (``grow`` adds more).
         block_size: tokens per block (8, 16 or 32).
         dtype: float dtype of the cache (also what a quantized cache dequantizes to).
@@ -392,8 +444,7 @@ class PagedKVCache:
                  v_bits: int | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_blocks", num_blocks)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"[PagedKVCache] {name} must be an int >= 1, got {value!r}")
+            _check_int("PagedKVCache", name, value, 1)
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"[PagedKVCache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
         if dtype not in ops.FLOAT_DTYPES:
@@ -407,8 +458,9 @@ class PagedKVCache:
         self.block_size, self.dtype = int(block_size), dtype
         self.k_bits, self.v_bits, self.group_size = k_bits, v_bits, group_size
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.key_caches = [self._empty(num_blocks, k_bits) for _ in range(num_layers)]
-        self.value_caches = [self._empty(num_blocks, v_bits) for _ in range(num_layers)]
+        # One physical block more than the allocator hands out: the zero null block.
+        self.key_caches = [self._empty(num_blocks + 1, k_bits) for _ in range(num_layers)]
+        self.value_caches = [self._empty(num_blocks + 1, v_bits) for _ in range(num_layers)]
 
     # ------------------------------------------------------------------ sequences
 
@@ -446,9 +498,9 @@ class PagedKVCache:
         return seq_id in self.allocator
 
     def grow(self, num_new: int) -> None:
-        """Add ``num_new`` zeroed blocks to every layer's pool."""
-        if not isinstance(num_new, (int, np.integer)) or num_new < 1:
-            raise ValueError(f"[grow] num_new must be an int >= 1, got {num_new!r}")
+        """Add ``num_new`` zeroed blocks to every layer's pool (the null block, zero,
+        becomes an ordinary block and a new zero block past them takes its role)."""
+        _check_int("grow", "num_new", num_new, 1)
         self.key_caches = [self._extend(c, num_new, self.k_bits) for c in self.key_caches]
         self.value_caches = [self._extend(c, num_new, self.v_bits) for c in self.value_caches]
         self.allocator.grow(num_new)
@@ -456,29 +508,87 @@ class PagedKVCache:
     # ------------------------------------------------------------------ tensors
 
     def write(self, layer: int, keys: mx.array, values: mx.array, slots) -> None:
-        """Store rows ``keys``/``values`` [T, Hkv, D] of ``layer`` at ``slots`` [T]."""
-        slots = slots if isinstance(slots, mx.array) else mx.array(np.asarray(slots, dtype=np.int32))
+        """Store rows ``keys``/``values`` [T, Hkv, D] of ``layer`` at ``slots`` [T].
+
+        ``slots`` come from ``add_sequence``/``append``/``slots``; a negative slot skips its
+        row. Each slot must lie in a block exactly one sequence owns: a free or cached
+        block is nobody's to write, and a shared block is read by several sequences
+        (``append`` copies it first). Checked on the host before anything is written."""
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"[PagedKVCache.write] layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        host = np.asarray(slots.tolist() if isinstance(slots, mx.array) else slots)
+        if host.ndim != 1 or not (host.size == 0 or np.issubdtype(host.dtype, np.integer)):
+            raise ValueError(f"[PagedKVCache.write] slots must be a 1-D array of ints, got {host.dtype} "
+                             f"with shape {host.shape}")
+        host = host.astype(np.int64, copy=False)
+        num_slots = self.allocator.num_blocks * self.block_size
+        if host.size and host.max() >= num_slots:
+            t = int(np.argmax(host >= num_slots))
+            raise ValueError(f"[PagedKVCache.write] slots[{t}] = {host[t]} is out of range [0, {num_slots})")
+        live = host[host >= 0]
+        refs = np.asarray(self.allocator.refcount, dtype=np.int64)[live // self.block_size]
+        if (refs != 1).any():
+            t = int(np.flatnonzero(host >= 0)[np.argmax(refs != 1)])
+            block = int(host[t] // self.block_size)
+            whose = "no sequence owns" if self.allocator.refcount[block] == 0 else "several sequences share"
+            raise ValueError(f"[PagedKVCache.write] slots[{t}] = {host[t]} lies in block {block}, which {whose}; "
+                             f"write only the slots add_sequence/append returned")
+        if np.unique(live).size != live.size:
+            raise ValueError("[PagedKVCache.write] slots name the same slot twice; each slot takes one token")
+        self._write_trusted(layer, keys, values, mx.array(host.astype(np.int32)))
+
+    def _write_trusted(self, layer: int, keys: mx.array, values: mx.array, slots: mx.array) -> None:
+        """``write`` for slots the caller took from this cache's allocator (no host checks)."""
         self.key_caches[layer], self.value_caches[layer] = ops.reshape_and_cache(
             keys, values, self.key_caches[layer], self.value_caches[layer], slots, validate=False)
 
-    def block_tables(self, seq_ids) -> tuple:
-        """(block_tables int32 [S, M], seq_lens int32 [S]) for ``seq_ids``.
+    @property
+    def null_block(self) -> int:
+        """The reserved all-zero block that evicted table entries point at (never written)."""
+        return self.allocator.num_blocks
 
-        Evicted entries point at a block the sequence still owns; attention with the
-        matching ``sliding_window`` never reads them."""
+    def block_tables(self, seq_ids) -> tuple:
+        """(block_tables int32 [S, M], seq_lens int32 [S]) for ``seq_ids`` (S may be 0).
+
+        Entries a sliding window evicted point at the reserved zero ``null_block``;
+        attention with the matching ``sliding_window`` never reads them, and a gather
+        returns zeros there, never another sequence's rows."""
+        seq_ids = list(seq_ids)
         rows = [self.allocator.block_table(s) for s in seq_ids]
-        width = max(1, max(len(r) for r in rows))
-        table = np.zeros((len(rows), width), dtype=np.int32)
+        width = max([1] + [len(r) for r in rows])
+        table = np.full((len(rows), width), self.null_block, dtype=np.int32)
         for i, row in enumerate(rows):
-            live = [b for b in row if b != HOLE]
-            filler = live[0] if live else 0
-            table[i, : len(row)] = [filler if b == HOLE else b for b in row]
+            table[i, : len(row)] = row
+        table[table == HOLE] = self.null_block
         lens = np.array([self.allocator.num_tokens(s) for s in seq_ids], dtype=np.int32)
         return mx.array(table), mx.array(lens)
 
+    def quantize(self, *, k_bits: int | None, v_bits: int | None, group_size: int | None = None) -> None:
+        """Convert float K and/or V pools to these bits in place (rows round-trip like
+        ``mx.quantize``); what is already quantized must already have these bits."""
+        group_size = self.group_size if group_size is None else group_size
+        for name, bits, current in (("k_bits", k_bits, self.k_bits), ("v_bits", v_bits, self.v_bits)):
+            if bits is not None and bits not in quant.SUPPORTED_BITS:
+                raise ValueError(f"[PagedKVCache.quantize] {name} must be None or one of {quant.SUPPORTED_BITS}, "
+                                 f"got {bits!r}")
+            if current is not None and bits != current:
+                raise ValueError(f"[PagedKVCache.quantize] {name}: the pool already holds {current}-bit rows, "
+                                 f"cannot convert to {bits}")
+        if (k_bits or v_bits) and self.head_dim % group_size:
+            raise ValueError(f"[PagedKVCache.quantize] head_dim {self.head_dim} is not a multiple of "
+                             f"group_size {group_size}")
+        if (self.k_bits or self.v_bits) and group_size != self.group_size:
+            raise ValueError(f"[PagedKVCache.quantize] group_size must stay {self.group_size}, got {group_size}")
+        convert = lambda c, bits: c if bits is None or isinstance(c, quant.QuantizedKV) else \
+            quant.quantize(c, bits=bits, group_size=group_size)
+        self.key_caches = [convert(c, k_bits) for c in self.key_caches]
+        self.value_caches = [convert(c, v_bits) for c in self.value_caches]
+        self.k_bits, self.v_bits, self.group_size = k_bits, v_bits, group_size
+
     @property
     def nbytes(self) -> int:
-        """Bytes of every layer's K and V pool (what the cache holds, used or not)."""
+        """Bytes of every layer's K and V pool (what the cache holds, used or not,
+        the null block included)."""
         return sum(c.nbytes for c in self.key_caches + self.value_caches)
 
     @property
@@ -488,7 +598,7 @@ class PagedKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.nbytes // self.allocator.num_blocks
+        return self.nbytes // (self.allocator.num_blocks + 1)  # the null block included
 
     def arrays(self) -> list:
         """Every array the pool holds (for ``mx.eval``)."""
@@ -500,19 +610,17 @@ class PagedKVCache:
     def stats(self) -> dict:
         a = self.allocator
         owned = a.num_owned
-        shared = sum(1 for r in a.refcount if r > 1)
-        refs = sum(a.refcount)
         return {
             "num_blocks": a.num_blocks,
             "block_size": a.block_size,
-            "free_blocks": len(a._free),
-            "cached_blocks": len(a._cached),
+            "free_blocks": a.num_free_listed,
+            "cached_blocks": a.num_cached,
             "used_blocks": owned,
-            "shared_blocks": shared,
-            "blocks_saved_by_sharing": refs - owned,
+            "shared_blocks": a.num_shared,
+            "blocks_saved_by_sharing": sum(a.refcount) - owned,
             "prefix_hit_blocks": a.prefix_hit_blocks,
-            "sequences": len(a._seqs),
-            "tokens": sum(s.num_tokens for s in a._seqs.values()),
+            "sequences": a.num_sequences,
+            "tokens": a.total_tokens,
             "nbytes": self.nbytes,
             "used_bytes": owned * self.bytes_per_block,
         }

@@ -8,9 +8,14 @@ import sys
 COMMANDS = {
     "bench": ("kvmetal.benchmarks", "microbenchmarks of the kernels against MLX baselines"),
     "budget": ("kvmetal.budget", "KV-cache memory and decode-bandwidth arithmetic"),
+    "serve": ("kvmetal.serve.cli", "an OpenAI-compatible HTTP server over the paged cache"),
     "demo": ("kvmetal.integrations.demo", "continuous batching over a paged cache on a small random model"),
-    "generate": ("kvmetal.integrations.generate", "generate with a local mlx-lm model using the paged cache"),
+    "generate": ("kvmetal.integrations.generate", "mlx-lm generate with the paged cache (model directory or Hugging Face repo id)"),
 }
+
+# optional dependency -> the kvmetal extra that installs it
+OPTIONAL_MODULES = {"mlx_lm": "lm", "transformers": "lm", "matplotlib": "plot", "fastapi": "serve",
+                    "uvicorn": "serve"}
 
 
 def _usage() -> str:
@@ -22,7 +27,10 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print(_usage(), file=sys.stderr)  # like argparse without a required argument
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
@@ -35,7 +43,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvmetal: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except ModuleNotFoundError as exc:
+        extra = OPTIONAL_MODULES.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"kvmetal {command}: error: this needs {exc.name.split('.')[0]}: pip install \"kvmetal[{extra}]\"",
+              file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # `kvmetal ... | head`: the reader left. Stop quietly; point stdout at devnull so
+        # the interpreter's final flush does not raise again (Python's documented recipe).
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

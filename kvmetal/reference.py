@@ -1,4 +1,4 @@
-"""NumPy float64 oracles, one per op, written from the definitions in DESIGN.md.
+"""NumPy float64 oracles, one per op, written from the definitions in docs/design.md.
 
 They walk the block table token by token, so they read nothing a sequence does
 not own: NaN-poisoned unused cache slots never reach an oracle's output.

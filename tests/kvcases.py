@@ -15,7 +15,7 @@ import numpy as np
 import kvmetal as kv
 from kvmetal import quant
 
-# max |out - oracle| / max |oracle|, per DESIGN.md
+# max |out - oracle| / max |oracle|, per docs/design.md
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 

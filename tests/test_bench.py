@@ -3,29 +3,109 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from kvmetal import cli
 
-REQUIRED = {"name", "backend", "seconds", "kv_bytes", "gbps", "baseline", "read_gbps"}
+REQUIRED = {"name", "backend", "seconds", "min_seconds", "max_seconds", "repeats", "kv_bytes", "gbps", "baseline",
+            "baselines", "read_gbps"}
 
 
-def test_bench_json_small(capsys):
-    code = cli.main(["bench", "--json", "--backend", "cpu", "--tokens", "300", "--repeat", "1",
-                     "--cases", "paged_decode_f32,paged_decode_f16,paged_decode_k8v4,decode_contiguous_f16,"
-                                "write_and_gather_f16"])
-    captured = capsys.readouterr()
+@pytest.fixture(scope="module")
+def small_report():
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["bench", "--json", "--backend", "cpu", "--tokens", "300", "--repeat", "3",
+                         "--cases", "paged_decode_f32,paged_decode_f16,paged_decode_k8v4,decode_contiguous_f16,"
+                                    "write_and_gather_f16"])
     assert code == 0
-    report = json.loads(captured.out)
+    return json.loads(out.getvalue()), err.getvalue()
+
+
+def test_bench_json_small(small_report):
+    report, err = small_report
     assert report["backend"] == "cpu" and report["read_gbps"] > 0
     names = [r["name"] for r in report["results"]]
     assert any(n.startswith("paged_decode_f16") for n in names) and len(names) == 6
     for r in report["results"]:
         assert REQUIRED <= r.keys(), r.keys() ^ REQUIRED
-        assert r["seconds"] > 0 and r["kv_bytes"] > 0
+        assert r["seconds"] > 0 and r["kv_bytes"] > 0 and r["repeats"] == 3
+        assert r["min_seconds"] <= r["seconds"] <= r["max_seconds"]
         assert r["gbps"] == pytest.approx(r["kv_bytes"] / r["seconds"] / 1e9)
         assert r["baseline"]["seconds"] > 0 and r["baseline"]["name"]
-    assert "[1/5]" in captured.err  # a progress line per case
+        assert r["baseline"] is r["baselines"][0] or r["baseline"] == r["baselines"][0]
+    assert "[1/5]" in err  # a progress line per case
+
+
+def test_no_fraction_of_read_bandwidth_above_one(small_report):
+    report, _ = small_report
+    for r in report["results"]:
+        if r.get("fraction_of_read") is None:
+            assert r["noisy"] and "exceeds the measured read bandwidth" in r["note"]
+        else:
+            assert 0 < r["fraction_of_read"] <= 1.0
+            assert r["gbps"] <= r["read_gbps"]
+
+
+def test_provenance_names_versions_cpu_and_threads(small_report):
+    prov = small_report[0]["provenance"]
+    assert prov["versions"]["kvmetal"] and prov["versions"]["mlx"] == mx.__version__
+    assert "mlx-lm" in prov["versions"]
+    assert prov["machine"]["cpu"] and prov["threads"]["kvmetal_cpu"] >= 1 and prov["threads"]["os_cpu_count"] >= 1
+
+
+def test_k8v4_is_compared_with_mlx_lm_quantized_and_gather_sdpa(small_report):
+    pytest.importorskip("mlx_lm")
+    k8v4 = next(r for r in small_report[0]["results"] if r["name"].startswith("paged_decode_k8v4"))
+    names = [b["name"] for b in k8v4["baselines"]]
+    assert names[0].startswith("mlx-lm QuantizedKVCache kv_bits=8 quantized SDPA")
+    assert any("gather_kv_cache (dequantized) + mx.fast.scaled_dot_product_attention" in n for n in names)
+    assert any(n.startswith("kvmetal paged_decode_f16") for n in names)
+    assert all(b["seconds"] > 0 and b["repeats"] >= 1 for b in k8v4["baselines"])
+
+
+def test_simulator_step_without_compiler_prints_a_skip_line(monkeypatch, capsys):
+    if mx.metal.is_available():
+        pytest.skip("on a Mac the metal kernels are timed, not simulated")
+    monkeypatch.setenv("CXX", "no-such-compiler-kvmetal")
+    assert cli.main(["bench", "--backend", "cpu", "--cases", "metal_kernels"]) == 0
+    out, err = capsys.readouterr()
+    assert "metal_kernels on sim" in err
+    assert "skipped: the Metal simulator compiles kernels" in out and "no-such-compiler-kvmetal" in out
+
+
+def test_bench_plot_writes_a_chart(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    assert cli.main(["bench", "--backend", "cpu", "--tokens", "256", "--repeat", "1", "--no-baseline",
+                     "--cases", "paged_decode_f16,decode_contiguous_f16", "--plot", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    assert "plot written to" in capsys.readouterr().err
+
+
+def test_bench_model_measures_four_configurations(tmp_path, capsys):
+    pytest.importorskip("mlx_lm")
+    from kvmetal.integrations import tiny_models
+
+    tiny_models.save("llama", tmp_path, dtype=mx.float32)
+    assert cli.main(["bench", "-m", str(tmp_path), "--contexts", "64,200", "--gen-tokens", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    assert [(r["context"], r["config"]) for r in rows] == [
+        (c, name) for c in (64, 200) for name in ("kvmetal f16", "kvmetal K8/V4", "mlx-lm KVCache",
+                                                  "mlx-lm kv_bits=8")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["prompt_tps"] > 0 and r["generation_tps"] > 0 and r["generated"] == 4
+        assert r["peak_memory_bytes"] > 0 and r["kv_bytes"] >= r["kv_used_bytes"] > 0
+    by = {(r["context"], r["config"]): r for r in rows}
+    # quantized caches hold fewer bytes than float ones at the same context
+    assert by[(200, "kvmetal K8/V4")]["kv_used_bytes"] < by[(200, "kvmetal f16")]["kv_used_bytes"]
+    assert by[(200, "mlx-lm kv_bits=8")]["kv_bytes"] < by[(200, "mlx-lm KVCache")]["kv_bytes"]
 
 
 def test_bench_rejects_unknown_case(capsys):
@@ -34,8 +114,19 @@ def test_bench_rejects_unknown_case(capsys):
 
 
 def test_cli_lists_commands(capsys):
-    assert cli.main([]) == 0
-    out = capsys.readouterr().out
+    assert cli.main([]) == 2  # no command: help, and the exit status of a usage error
+    out = capsys.readouterr().err
     for command in ("bench", "budget", "demo", "generate"):
         assert command in out
     assert cli.main(["frobnicate"]) == 2
+
+
+def test_missing_mlx_lm_baseline_is_named_not_silent(monkeypatch):
+    import sys
+
+    from kvmetal.benchmarks.cases import run_case
+
+    monkeypatch.setitem(sys.modules, "mlx_lm.models.base", None)
+    (r,) = run_case("paged_decode_k8v4", backend="cpu", tokens=64, repeat=1, baseline=True, progress=print)
+    assert not any(b["name"].startswith("mlx-lm") for b in r["baselines"])
+    assert 'pip install "kvmetal[lm]"' in r["skipped_baselines"][0]

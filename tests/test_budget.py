@@ -243,3 +243,110 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypat
     assert B.main(["--model", "llama-3-8b", "--plot", str(tmp_path / "x.png")]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+# ----------------------------------------------------------------------------- sliding windows, tp, honesty
+
+GEMMA3_12B = {"model_type": "gemma3", "text_config": {
+    "model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 1024,
+    "sliding_window_pattern": 6, "max_position_embeddings": 131072, "vocab_size": 262208}}
+GPT_OSS_20B = {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_attention_heads": 64,
+               "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2880, "sliding_window": 128,
+               "layer_types": ["sliding_attention", "full_attention"] * 12, "vocab_size": 201088}
+
+
+def _write_config(tmp_path, cfg) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_gemma3_sliding_layers_are_counted_at_their_window(tmp_path, capsys):
+    r = run_json(capsys, "-m", _write_config(tmp_path, GEMMA3_12B), "--context", "32K")
+    assert (r["model"]["num_sliding_layers"], r["model"]["sliding_window"]) == (40, 1024)
+    layer = 8 * 256 * 2 * 2  # kv heads x head_dim x (K + V) x f16
+    # 8 global layers hold 32K tokens; 40 local layers their 1024-token window plus one partial block
+    assert r["tokens_held_per_layer"] == {"full": 32768, "sliding_window": 1040}
+    assert r["cache_bytes"] == layer * (8 * 32768 + 40 * 1040)
+    assert r["cache_bytes_if_no_window"] == layer * 48 * 32768
+    assert r["cache_bytes"] < r["cache_bytes_if_no_window"] / 5
+    assert B.main(["-m", _write_config(tmp_path, GEMMA3_12B), "--context", "32K"]) == 0
+    assert "40 of 48 layers see the last 1,024 tokens" in capsys.readouterr().out
+
+
+def test_gpt_oss_layer_types_and_qwen2_without_windows(tmp_path):
+    gpt = B.shape_from_config(GPT_OSS_20B)
+    assert (gpt.num_sliding_layers, gpt.sliding_window, gpt.num_full_layers) == (12, 128, 12)
+    qwen = B.shape_from_config({"model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 28,
+                                "num_key_value_heads": 4, "hidden_size": 3584, "sliding_window": 131072,
+                                "use_sliding_window": False})
+    assert qwen.num_sliding_layers == 0
+    # a window longer than the context changes nothing
+    assert B.cache_bytes(gpt, KVFormat(), context=100) == B.bytes_per_token(gpt, KVFormat()) * 100
+
+
+def test_largest_context_with_windows_is_the_true_boundary():
+    model = B.PRESETS["gemma-3-12b"]
+    free = 10 * GIB
+    longest = B.max_context(model, KVFormat(), free_bytes=free, batch=2, block_size=16)
+    assert B.cache_bytes(model, KVFormat(), context=longest, batch=2, block_size=16) <= free
+    assert B.cache_bytes(model, KVFormat(), context=longest + 16, batch=2, block_size=16) > free
+
+
+def test_json_includes_the_compare_table(capsys):
+    r = run_json(capsys, "-m", "llama-3-8b", "--context", "8K", "--compare")
+    labels = [row["label"] for row in r["compare"]]
+    assert labels[:3] == ["f16", "K8/V8 g64", "K8/V4 g64"]
+    f16 = r["compare"][0]
+    assert f16["bytes_per_token"] == 128 * KIB and f16["cache_bytes"] == 128 * KIB * 8192
+
+
+def test_head_dim_96_suggests_group_size_32(capsys):
+    assert B.main(["-m", "phi-3-mini", "--kv", "k8v4"]) == 2
+    assert "try --group-size 32" in capsys.readouterr().err
+    r = run_json(capsys, "-m", "phi-3-mini", "--kv", "f16", "--compare")
+    assert all("try --group-size 32" in row["error"] for row in r["compare"][1:])
+
+
+def test_weights_beyond_memory_say_so_and_give_no_decode_floor(tmp_path, capsys):
+    r = run_json(capsys, "-m", "llama-3-70b", "--chip", "m4-pro", "--memory", "24")
+    assert r["memory"]["weights_fit"] is False and r["decode_floor"] is None
+    assert B.main(["-m", "llama-3-70b", "--chip", "m4-pro", "--memory", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "weights alone" in out and "exceed usable memory" in out and "decode floor at" not in out
+
+
+def test_context_past_the_trained_context_gets_a_note(tmp_path, capsys):
+    config = _write_config(tmp_path, GEMMA3_12B)
+    assert B.main(["-m", config, "--context", "256K"]) == 0
+    assert "exceeds the model's trained context (max_position_embeddings 131,072)" in capsys.readouterr().out
+    assert run_json(capsys, "-m", config, "--context", "128K")["notes"] == []
+
+
+def test_missing_config_file_says_file_not_found(tmp_path, capsys):
+    assert B.main(["-m", str(tmp_path / "config.json")]) == 2
+    assert "file not found" in capsys.readouterr().err
+
+
+def test_tensor_parallel_splits_kv_heads_and_weights(capsys):
+    one = run_json(capsys, "-m", "llama-3-8b", "--context", "32K")
+    two = run_json(capsys, "-m", "llama-3-8b", "--context", "32K", "--tp", "2")
+    assert two["tp"] == {"devices": 2, "kv_heads_total": 8, "kv_heads_per_device": 4, "kv_replicated": False}
+    assert two["cache_bytes"] * 2 == one["cache_bytes"]
+    assert abs(two["weights_bytes"] * 2 - one["weights_bytes"]) <= 2
+    sixteen = run_json(capsys, "-m", "llama-3-70b", "--tp", "16")
+    assert sixteen["tp"]["kv_replicated"] and sixteen["tp"]["kv_heads_per_device"] == 1
+    assert B.main(["-m", "llama-3-70b", "--tp", "16"]) == 0
+    assert "KV is replicated" in capsys.readouterr().out
+    assert B.main(["-m", "llama-3-8b", "--tp", "3"]) == 2
+    assert "--tp 3 must divide" in capsys.readouterr().err
+
+
+def test_plot_of_a_windowed_model_marks_the_request(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "gemma.png"
+    assert B.main(["-m", "gemma-3-12b", "--context", "32K", "--kv", "k8v4", "--chip", "m4-max",
+                   "--plot", str(out)]) == 0
+    assert out.stat().st_size > 10_000
+    assert B._token_label(1 << 20) == "1M" and B._token_label(32768) == "32K"

@@ -142,7 +142,7 @@ def test_grow_keeps_content_and_adds_free_blocks():
     fill(cache, 0, k, v)
     cache.grow(3)
     assert cache.stats()["num_blocks"] == 5 and cache.allocator.num_free == 3
-    assert cache.key_caches[0].shape == (5, H_KV, BS, D)
+    assert cache.key_caches[0].shape == (6, H_KV, BS, D)  # 5 blocks and the null block
     np.testing.assert_array_equal(gathered(cache, 0, 0)[0], np.array(k))
     cache.append(0, num_tokens=40)
 
@@ -170,7 +170,7 @@ def test_evicted_blocks_are_reusable_and_windowed_attention_ignores_them():
 def test_stats_and_nbytes():
     cache = make_cache(num_blocks=8)
     per_block = 2 * 2 * H_KV * BS * D * 4  # layers x (K, V) x heads x slots x dim x float32
-    assert cache.nbytes == 8 * per_block and cache.bytes_per_block == per_block
+    assert cache.nbytes == 9 * per_block and cache.bytes_per_block == per_block  # + the null block
     cache.add_sequence("a", list(range(40)))
     assert cache.add_sequence("b", list(range(40))) == 32
     s = cache.stats()
@@ -195,3 +195,86 @@ def test_bad_arguments(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=r"\[PagedKVCache\] " + match):
         PagedKVCache(**args)
+
+
+def test_prefix_sharing_never_serves_rows_overwritten_after_a_truncate():
+    # issue 10 item 1, with tensors: the K/V C finds for its prefix are the rows of that prefix.
+    rng = np.random.default_rng(7)
+    cache = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=64, num_blocks=8, block_size=8, dtype=mx.float32)
+    prefix = list(range(100, 116))
+    row_of = {}  # token id -> its K row (a deterministic stand-in for the model)
+
+    def write(seq, start, tokens):
+        k = mx.array(np.stack([row_of.setdefault(t, rng.standard_normal((1, 64)).astype(np.float32))
+                               for t in tokens]))
+        cache.write(0, k, k, cache.slots(seq, start, start + len(tokens)))
+
+    write("A", cache.add_sequence("A", prefix + [1]), prefix + [1])
+    assert cache.add_sequence("B", prefix + [1]) == 16
+    write("B", 16, [1])
+    cache.truncate("B", 12)
+    cache.free("A")
+    slots = cache.append("B", [7, 7, 7, 7])
+    k = mx.array(np.stack([row_of.setdefault(7, rng.standard_normal((1, 64)).astype(np.float32))] * 4))
+    cache.write(0, k, k, slots)
+    cached = cache.add_sequence("C", prefix + [2])
+    assert cached == 8
+    write("C", cached, (prefix + [2])[cached:])
+    got, _ = gathered(cache, 0, "C")
+    np.testing.assert_array_equal(got, np.stack([row_of[t] for t in prefix + [2]]))
+
+
+def test_write_checks_the_callers_slots():
+    cache = make_cache(num_blocks=4)
+    cache.add_sequence("a", num_tokens=20)
+    k = mx.zeros((1, H_KV, D))
+    for slots, match in [([4 * BS + 10**6], r"slots\[0\] = 1000064 is out of range \[0, 64\)"),
+                         ([2**40], r"slots\[0\] = 1099511627776 is out of range"),
+                         ([3 * BS], r"lies in block 3, which no sequence owns"),
+                         ([4 * BS], r"slots\[0\] = 64 is out of range"),  # the null block is never written
+                         ([[1]], r"1-D array of ints"),
+                         (np.array([1.5]), r"1-D array of ints")]:
+        with pytest.raises(ValueError, match=r"\[PagedKVCache.write\] .*" + match):
+            cache.write(0, k, k, slots)
+    with pytest.raises(ValueError, match=r"same slot twice"):
+        cache.write(0, mx.zeros((2, H_KV, D)), mx.zeros((2, H_KV, D)), [3, 3])
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\)"):
+        cache.write(2, k, k, [0])
+    cache.fork("a", "b")
+    with pytest.raises(ValueError, match=r"lies in block 1, which several sequences share"):
+        cache.write(0, k, k, cache.slots("b", 19, 20))
+    cache.write(0, k, k, [-1])  # a negative slot skips its row
+    slots = cache.append("b", num_tokens=1)  # copy-on-write first: then b owns the block alone
+    cache.write(0, k, k, slots)
+
+
+def test_block_tables_of_no_sequences_and_evicted_entries_read_as_zeros():
+    cache = make_cache(num_blocks=4)
+    tables, lens = cache.block_tables([])
+    assert tables.shape == (0, 1) and lens.shape == (0,)
+    cache.key_caches = [mx.zeros(c.shape) for c in cache.key_caches]  # un-poison: the null block is zero
+    cache.value_caches = list(cache.key_caches)
+    rng = np.random.default_rng(8)
+    cache.add_sequence(0, num_tokens=40)
+    fill(cache, 0, rows(rng, 40), rows(rng, 40))
+    assert cache.evict(0, window=8) == 2
+    tables, _ = cache.block_tables([0])
+    assert tables.tolist()[0][:2] == [cache.null_block] * 2
+    k, _ = gathered(cache, 0, 0)
+    assert not k[:32].any() and k[32:].all()  # zeros, never another block's real rows
+
+
+def test_quantize_converts_the_pool_in_place_like_mx_quantize():
+    rng = np.random.default_rng(9)
+    cache = PagedKVCache(num_layers=2, num_kv_heads=H_KV, head_dim=D, num_blocks=4, block_size=BS, dtype=mx.float32)
+    k, v = rows(rng, 20), rows(rng, 20)
+    cache.add_sequence(0, num_tokens=20)
+    fill(cache, 0, k, v)
+    cache.quantize(k_bits=8, v_bits=4)
+    assert cache.key_caches[1].bits == 8 and cache.value_caches[1].bits == 4
+    gk, gv = gathered(cache, 1, 0)
+    for got, x, bits in ((gk, k * 2, 8), (gv, v * 2, 4)):
+        np.testing.assert_allclose(got, np.array(quant.dequantize(quant.quantize(x, bits=bits))), atol=1e-6)
+    cache.quantize(k_bits=8, v_bits=4)  # idempotent
+    with pytest.raises(ValueError, match=r"k_bits: the pool already holds 8-bit rows"):
+        cache.quantize(k_bits=4, v_bits=4)

@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvmetal.cache import HOLE, BlockAllocator, KVCacheFull
+from kvmetal.cache import HOLE, BlockAllocator, KVCacheFull, _chain_hash
 
 BLOCK_SIZE = 4
 
@@ -28,7 +28,15 @@ class ShadowedAllocator:
         self.bs = block_size
         self.content = {}  # slot -> token id written there
         self.expected = {}  # seq id -> its token ids
+        self.block_of_hash = {}  # chain hash -> the token ids of the full block it stands for
         self.next_id = 0
+
+    def _learn_hashes(self, seq):
+        """Remember which block tokens every chain hash of ``seq``'s full blocks stands for."""
+        tokens, previous = self.expected[seq], b""
+        for i in range(len(tokens) // self.bs):
+            previous = _chain_hash(previous, tokens[i * self.bs:(i + 1) * self.bs])
+            self.block_of_hash[previous] = tokens[i * self.bs:(i + 1) * self.bs]
 
     # Each op returns False when the allocator reported KVCacheFull (and checks it changed nothing).
     def _guarded(self, fn) -> bool:
@@ -56,6 +64,7 @@ class ShadowedAllocator:
             cached = self.alloc.add(seq, tokens)
             assert cached % self.bs == 0 and cached <= max(0, len(tokens) - 1)
             self.expected[seq] = list(tokens)
+            self._learn_hashes(seq)
             self._write(seq, cached, tokens[cached:])
         ok = self._guarded(run)
         self.next_id += ok
@@ -74,6 +83,7 @@ class ShadowedAllocator:
             for slot in result.slots:  # every written block is owned by this sequence alone
                 assert self.alloc.refcount[int(slot) // self.bs] == 1
             self.expected[seq] += list(tokens)
+            self._learn_hashes(seq)
             self._write(seq, start, tokens)
         return self._guarded(run)
 
@@ -120,6 +130,13 @@ class ShadowedAllocator:
             assert a.block_hash(b) is not None, "a cached block must be findable by its hash"
         hashes = [a.block_hash(b) for b in range(a.num_blocks) if a.block_hash(b) is not None]
         assert len(set(hashes)) == len(hashes), "two blocks registered under one hash"
+        # A published block is immutable: it still holds exactly the tokens its hash names,
+        # so a later prompt that finds it gets the right K/V (issue 10 item 1).
+        for b in range(a.num_blocks):
+            h = a.block_hash(b)
+            if h is not None:
+                held = [self.content.get(b * bs + o) for o in range(bs)]
+                assert held == self.block_of_hash[h], f"published block {b} was overwritten"
 
 
 # A few shared prefixes make prefix hits and copy-on-write common.
@@ -189,7 +206,7 @@ def test_ten_thousand_random_operations_end_consistent():
     counts = dict.fromkeys(("add", "append", "fork", "free", "evict", "truncate", "full"), 0)
     for step in range(10_000):
         seqs = sorted(m.expected)
-        op = rng.choice(["add", "append", "append", "fork", "free", "evict", "truncate"]) if seqs else "add"
+        op = rng.choice(["add", "append", "append", "fork", "free", "evict", "truncate", "truncate"]) if seqs else "add"
         seq = seqs[rng.integers(len(seqs))] if seqs else None
         ok = True
         if op == "add":
@@ -209,7 +226,7 @@ def test_ten_thousand_random_operations_end_consistent():
             m.truncate(seq, int(rng.integers(0, limit + 1)))
         counts[op] += 1
         counts["full"] += not ok
-        if step % 250 == 0:
+        if step % 50 == 0:
             m.check()
     m.check()
     # Every kind of operation ran, including ones that found the pool full.
@@ -302,3 +319,80 @@ def test_bad_arguments_raise_named_errors():
         a.evict("a", window=-1)
     with pytest.raises(ValueError, match=r"\[truncate\] num_tokens"):
         a.truncate("a", 5)
+
+
+def test_a_published_block_is_never_written_in_place():
+    # issue 10 item 1: B truncates into a block it shares with A, A leaves, B appends.
+    a = BlockAllocator(8, 8)
+    prefix = list(range(100, 116))
+    a.add("A", prefix + [1])
+    assert a.add("B", prefix + [1]) == 16
+    shared = a.block_table("B")[1]
+    a.truncate("B", 12)
+    assert a.is_published(shared)  # its rows are still valid after the truncate
+    assert a.add("D", prefix + [3]) == 16  # ... so another prompt may still share it
+    a.free("D")
+    a.free("A")
+    old_hash = a.block_hash(shared)
+    result = a.append("B", [7, 7, 7, 7])  # B alone owns it now: it loses its hash before the write
+    assert result.copies == [] and a.block_hash(shared) != old_hash  # now published as B's block
+    assert a.add("C", prefix + [2]) == 8  # only the first block is a real hit
+    assert a.block_table("C")[1] != shared
+
+
+def test_fork_truncate_then_append_copies_the_shared_published_block():
+    a = BlockAllocator(8, 4)
+    a.add("p", list(range(9)))
+    a.fork("p", "c")
+    a.truncate("c", 6)  # into block 1, full and published, shared with p
+    block = a.block_table("c")[1]
+    result = a.append("c", [50])
+    assert result.copies == [(block, a.block_table("c")[1])]
+    assert a.is_published(block) and a.block_table("p")[1] == block
+    a.free("p")
+    assert a.add("q", list(range(9))) == 8  # p's blocks are still found by their prefix
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_walk_of_truncates_and_appends_over_shared_prefixes(seed):
+    # Truncate-heavy walks over one prefix: the pattern that exposed the in-place write.
+    rng = np.random.default_rng(seed)
+    m = ShadowedAllocator(num_blocks=24)
+    base = [int(t) for t in rng.integers(0, 4, 12)]
+    for _ in range(400):
+        seqs = sorted(m.expected)
+        op = rng.choice(["add", "append", "truncate", "free", "fork"]) if seqs else "add"
+        seq = seqs[rng.integers(len(seqs))] if seqs else None
+        if op == "add":
+            m.add(base[: rng.integers(4, 13)] + [int(t) for t in rng.integers(0, 4, rng.integers(0, 4))])
+        elif op == "append":
+            m.append(seq, [int(t) for t in rng.integers(0, 4, rng.integers(1, 5))])
+        elif op == "truncate":
+            m.truncate(seq, int(rng.integers(0, m.alloc.num_tokens(seq) + 1)))
+        elif op == "fork":
+            m.fork(seq)
+        else:
+            m.free(seq)
+        m.check()
+    assert m.alloc.prefix_hit_blocks > 20
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda a: a.add("x", [1, 2.5]), TypeError, r"\[add\] tokens must be int token ids, got 2.5"),
+    (lambda a: a.add("x", [True]), TypeError, r"\[add\] tokens must be int token ids, got True"),
+    (lambda a: a.add("x", "abc"), TypeError, r"\[add\] tokens must be a sequence of int token ids"),
+    (lambda a: a.add("x", num_tokens=True), ValueError, r"\[add\] num_tokens must be an int >= 0"),
+    (lambda a: a.append("a", num_tokens=-1), ValueError, r"\[append\] num_tokens must be an int >= 0"),
+    (lambda a: a.truncate("a", True), ValueError, r"\[truncate\] num_tokens"),
+    (lambda a: a.evict("a", window=2.0), ValueError, r"\[evict\] window must be an int >= 0"),
+    (lambda a: a.slots("a", 0.0, 1), ValueError, r"\[slots\] token range"),
+    (lambda a: a.grow(0), ValueError, r"\[grow\] num_new must be an int >= 1"),
+    (lambda a: BlockAllocator(4, True), ValueError, r"\[BlockAllocator\] block_size must be an int >= 1"),
+])
+def test_bad_values_are_named_and_change_nothing(call, error, match):
+    a = BlockAllocator(4, 4)
+    a.add("a", [1, 2, 3])
+    before = (list(a.refcount), a.block_table("a"), a.num_free)
+    with pytest.raises(error, match=match):
+        call(a)
+    assert (list(a.refcount), a.block_table("a"), a.num_free) == before

@@ -10,9 +10,8 @@ import pytest
 pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from kvmetal import KVCacheFull  # noqa: E402
 from kvmetal.integrations import model_cache, tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine  # noqa: E402
+from kvmetal.integrations.engine import Engine, RequestTooLarge, SamplingParams  # noqa: E402
 
 
 def one_at_a_time(model, prompt, max_tokens):
@@ -116,12 +115,124 @@ def test_finished_requests_free_their_blocks_at_once():
         assert len(engine.requests[long].output) == 10
 
 
-def test_prompt_larger_than_the_pool_raises_kv_cache_full():
+def test_prompt_larger_than_the_pool_is_rejected_at_add_request_and_others_still_run():
+    # issue 10 item 8: a 59-token prompt in 4 blocks of 8 used to wedge every later step.
     model = tiny_models.build("llama")
-    with Engine(model, num_blocks=2, block_size=16) as engine:
-        engine.add_request(list(range(40)), max_tokens=2)
-        with pytest.raises(KVCacheFull, match=r"\[Engine\] request 0 needs more blocks than the whole pool"):
+    with Engine(model, block_size=8, num_blocks=4) as engine:
+        with pytest.raises(RequestTooLarge, match=r"59 tokens needs 8 blocks of 8, but the whole pool holds 4 "
+                                                  r"blocks \(32 tokens\)") as info:
+            engine.add_request(list(range(59)), max_tokens=2)
+        assert (info.value.requested, info.value.fits) == (59, 32)
+        assert isinstance(info.value, ValueError) and not engine.has_work()
+        rid = engine.add_request(list(range(5)), max_tokens=3)
+        while engine.has_work():
             engine.step()
+        assert engine.requests[rid].finish_reason == "length" and len(engine.requests[rid].output) == 3
+
+
+def test_request_outgrowing_the_pool_mid_decode_ends_with_length_while_others_run():
+    # issue 10 item 8: prompt + max_tokens beyond the whole pool; a short request beside it.
+    model = tiny_models.build("llama")
+    long_prompt, short_prompt = list(range(1, 21)), list(range(100, 104))
+    expected_short = one_at_a_time(model, short_prompt, 6)
+    expected_long = one_at_a_time(model, long_prompt, 13)
+    with Engine(model, block_size=8, num_blocks=4) as engine:  # 32 tokens in all
+        long = engine.add_request(long_prompt, max_tokens=100)
+        short = engine.add_request(short_prompt, max_tokens=6)
+        outputs, reasons = {}, {}
+        for _ in range(200):
+            if not engine.has_work():
+                break
+            for event in engine.step():
+                if event.token is not None:
+                    outputs.setdefault(event.request_id, []).append(event.token)
+                if event.finished:
+                    reasons[event.request_id] = event.finish_reason
+        assert not engine.has_work(), "the engine wedged"
+        assert reasons == {long: "length", short: "length"}
+        assert outputs[short] == expected_short
+        # The cache holds 32 = 20 prompt + 12 output tokens, which give the 13th; no room after.
+        assert outputs[long] == expected_long
+        assert engine.cache.stats()["used_blocks"] == 0
+
+
+def test_auto_request_ids_skip_ids_a_caller_took():
+    # issue 10 item 7
+    model = tiny_models.build("llama")
+    with Engine(model) as engine:
+        assert engine.add_request([1, 2], max_tokens=2, request_id=0) == 0
+        assert engine.add_request([3, 4], max_tokens=2, request_id=2) == 2
+        assert engine.add_request([5], max_tokens=2) == 1
+        assert engine.add_request([6], max_tokens=2) == 3
+        assert engine.run([[7]], 2) and sorted(engine.requests) == [0, 1, 2, 3, 4]
+
+
+def test_engine_used_after_close_raises():
+    # issue 10 item 9: after close() the model is unpatched, so running would be wrong.
+    model = tiny_models.build("llama")
+    engine = Engine(model)
+    engine.add_request([1, 2, 3], max_tokens=4)
+    engine.close()
+    for call in (engine.step, lambda: engine.add_request([1], max_tokens=1), lambda: engine.run([[1]], 1),
+                 lambda: engine.abort(0)):
+        with pytest.raises(RuntimeError, match=r"closed"):
+            call()
+
+
+def test_max_tokens_must_be_a_real_int():
+    # issue 10 item 12: True is an int subclass, and used to mean 1.
+    model = tiny_models.build("llama")
+    with Engine(model) as engine:
+        for bad in (True, False, 2.0, "3", None, -1):
+            with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1"):
+                engine.add_request([1], max_tokens=bad)
+        assert not engine.has_work()
+
+
+def test_stop_tokens_abort_and_finish_reasons():
+    model = tiny_models.build("llama")
+    prompt = [5, 6, 7, 8]
+    expected = one_at_a_time(model, prompt, 8)
+    with Engine(model, keep_finished=False) as engine:
+        stop = engine.add_request(prompt, max_tokens=8, stop_token_ids=[expected[3]])
+        gone = engine.add_request(list(range(40)), max_tokens=50)
+        events = engine.step()
+        assert engine.abort(gone) and not engine.abort(gone)
+        assert gone not in engine.cache.pools[0]
+        while engine.has_work():
+            events += engine.step()
+        stop_events = [e for e in events if e.request_id == stop]
+        first = expected.index(expected[3])
+        assert [e.token for e in stop_events] == expected[: first + 1]
+        assert stop_events[-1].finish_reason == "stop" and stop_events[-1].finished
+        assert engine.requests == {} and engine.cache.stats()["used_blocks"] == 0
+
+
+def test_seeded_sampling_does_not_depend_on_batching_or_preemption():
+    model = tiny_models.build("llama")
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    prompts = [list(range(i, i + 10 + 3 * i)) for i in range(6)]
+    with Engine(model) as engine:
+        rid = engine.add_request(prompts[0], max_tokens=20, sampling=params)
+        while engine.has_work():
+            engine.step()
+        alone = engine.requests[rid].output
+    with Engine(model, num_blocks=6) as engine:  # tight: preempts
+        ids = [engine.add_request(p, max_tokens=20, sampling=params if i == 0 else None)
+               for i, p in enumerate(prompts)]
+        while engine.has_work():
+            engine.step()
+        assert engine.preemptions > 0
+        assert engine.requests[ids[0]].output == alone
+    with Engine(model) as engine:
+        other = engine.add_request(prompts[0], max_tokens=20, sampling=SamplingParams(temperature=0.8, seed=99))
+        while engine.has_work():
+            engine.step()
+        assert engine.requests[other].output != alone
+    with pytest.raises(ValueError, match=r"top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(TypeError, match=r"seed"):
+        SamplingParams(seed=1.5)
 
 
 def test_bad_requests_raise():
@@ -131,7 +242,52 @@ def test_bad_requests_raise():
             engine.add_request([], max_tokens=1)
         with pytest.raises(ValueError, match=r"\[Engine.add_request\] max_tokens"):
             engine.add_request([1], max_tokens=0)
+        for bad in ([1, -2], [1.5], [True], ["3"], [512]):  # the tiny model's vocabulary is 512
+            with pytest.raises(ValueError, match=r"prompt token ids must be ints >= 0 and < 512"):
+                engine.add_request(bad, max_tokens=1)
+        assert engine.add_request(np.array([1, 511]), max_tokens=1) is not None
         engine.add_request([1], max_tokens=1, request_id="a")
         with pytest.raises(ValueError, match=r"already in use"):
             engine.add_request([1], max_tokens=1, request_id="a")
     assert "make_cache" not in vars(model)  # closing the engine restored the model
+
+
+def test_quantized_sliding_window_layers_release_blocks_in_a_fixed_pool():
+    # gemma3_text: window layers (24 tokens) and full layers, both K8/V4, in a fixed pool.
+    from kvmetal.quant import QuantizedKV
+
+    model = tiny_models.build("gemma3_text")
+    prompt, max_tokens = list(range(1, 30)), 40
+    with Engine(model, block_size=8, k_bits=8, v_bits=4) as roomy:
+        expected = roomy.run([prompt], max_tokens)[0]
+    with Engine(model, block_size=8, num_blocks=12, k_bits=8, v_bits=4) as engine:
+        [window_pool] = [p for p, w in zip(engine.cache.pools, engine.cache.windows) if w is not None]
+        [full_pool] = [p for p, w in zip(engine.cache.pools, engine.cache.windows) if w is None]
+        assert isinstance(window_pool.key_caches[0], QuantizedKV) and isinstance(full_pool.value_caches[0], QuantizedKV)
+        rid = engine.add_request(prompt, max_tokens=max_tokens)
+        held = []
+        while engine.has_work():
+            engine.step()
+            if rid in window_pool:
+                held.append((len([b for b in window_pool.allocator.block_table(rid) if b >= 0]),
+                             len(full_pool.allocator.block_table(rid))))
+        assert engine.requests[rid].output == expected
+    # The full layers keep every block (69 tokens: 9); the window layers keep about window / block_size.
+    assert max(f for _, f in held) == 9
+    assert max(w for w, _ in held[3:]) <= 24 // 8 + 3 and held[-1][0] < held[-1][1]
+
+
+def test_prefill_budget_spreads_admissions_over_steps_without_changing_tokens():
+    model = tiny_models.build("llama")
+    prompts = [list(range(i * 50, i * 50 + 40)) for i in range(4)]
+    expected = [one_at_a_time(model, p, 6) for p in prompts]
+    with Engine(model, max_prefill_tokens=50) as engine:
+        ids = [engine.add_request(p, max_tokens=6) for p in prompts]
+        running = []
+        while engine.has_work():
+            engine.step()
+            running.append(len(engine.running))
+        assert running[:4] == [1, 2, 3, 4]  # one 40-token prompt per step, decode in between
+        assert [engine.requests[i].output for i in ids] == expected
+    with pytest.raises(ValueError, match=r"max_prefill_tokens"):
+        Engine(model, max_prefill_tokens=0)

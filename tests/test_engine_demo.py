@@ -43,3 +43,28 @@ def test_demo_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--requests", "0"])
     assert "--requests must be >= 1" in capsys.readouterr().err
+
+
+def test_demo_explains_differing_outputs(capsys):
+    assert cli.main(["demo", "--requests", "8", "--dtype", "bfloat16", "--json", "--quiet"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    found = result["divergences"]
+    assert len(found) == 8 - result["same_outputs"]
+    for d in found:
+        assert d["step"] >= 0 and d["kvmetal_token"] != d["mlx_lm_token"]
+        assert d["top2_margin"] >= 0 and d["margin_in_rounding_steps"] >= 0
+
+
+def test_divergence_finds_the_first_differing_step_and_margin():
+    import mlx.core as mx
+
+    from kvmetal.integrations import tiny_models
+
+    model = tiny_models.build("llama")
+    prompt = [5, 6, 7]
+    logits = model(mx.array([prompt + [1, 2]]))[0, -1]
+    top = mx.sort(logits)
+    found = demo.divergences(model, [prompt, prompt], [[1, 2, 9, 4], [1, 2]], [[1, 2, 3, 4], [1, 2]])
+    assert len(found) == 1 and found[0]["request"] == 0 and found[0]["step"] == 2
+    assert (found[0]["kvmetal_token"], found[0]["mlx_lm_token"]) == (9, 3)
+    assert found[0]["top2_margin"] == pytest.approx(float(top[-1] - top[-2]), rel=1e-5)

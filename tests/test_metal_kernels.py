@@ -70,12 +70,12 @@ def test_paged_attention(case, backend):
         if trace is not None:
             # The description's threadgroup memory is what the MSL declares.
             call = next(c for c in trace.calls if "paged_attention_partials" in c.name)
-            tile = metal.tile_tokens(head_dim, block_size)
-            geometry = metal.SPECS["paged_attention_partials"].geometry(
-                splits=1, num_kv_heads=1, num_seqs=1, head_dim=head_dim, tile=tile)
-            assert call.threadgroup_memory == geometry.threadgroup_bytes
-            if splits is not None:
-                assert call.grid[0] == splits * metal.SIMDGROUPS * 32
+            layout = metal.layout_for(query[:, None], kc, vc, paged=True)
+            assert call.threadgroup_memory == layout.threadgroup_bytes
+            if splits is not None and window is None:
+                # Requested splits, cut to the whole SPLIT_UNIT-token runs the table holds.
+                units = -(-tables.shape[1] * block_size // metal.SPLIT_UNIT)
+                assert call.grid[0] == min(splits, units) * layout.threads
 
 
 # dtype, head_dim, kv heads, GQA, tokens, splits, softcap, sinks, view, K quant, V quant

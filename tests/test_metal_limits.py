@@ -5,7 +5,6 @@ the simulator would run past either, so every offered configuration is checked
 here against the one description both backends launch from.
 """
 import itertools
-import math
 
 import mlx.core as mx
 import pytest
@@ -27,22 +26,53 @@ def _within_limits(geometry: metal.Geometry):
     assert all(g >= 1 for g in geometry.grid) and all(t >= 1 for t in geometry.threadgroup), geometry
 
 
+QUERY_TOKENS = tuple(range(1, 9))
+KV_FORMATS = ((0, 32), (8, 64), (4, 64), (2, 32), (3, 32), (5, 32), (6, 64), (4, 128))
+
+
+def _layouts(head_dim, block_size):
+    """Every layout the backend can pick at this head_dim and block size."""
+    for dtype, gqa, query_len, (kbits, kgs), (vbits, vgs) in itertools.product(
+            DTYPES, GQA, QUERY_TOKENS, KV_FORMATS, KV_FORMATS[:3]):
+        if head_dim % kgs or head_dim % vgs:
+            continue
+        size = dtype.size if not kbits else 2
+        layout = metal.attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=kbits,
+                                        k_group=kgs, k_itemsize=size, v_bits=vbits, v_group=vgs,
+                                        v_itemsize=dtype.size if not vbits else 2, block_size=block_size)
+        yield dtype, gqa, query_len, kbits, kgs, vbits, vgs, layout
+
+
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_attention_limits_every_configuration(head_dim):
-    for block_size, dtype, gqa in itertools.product(BLOCK_SIZES, DTYPES, GQA):
-        tile = metal.tile_tokens(head_dim, block_size)
-        # Tiles never straddle a block, and hold at least one row.
-        assert tile >= 1 and block_size % tile == 0
-        for name in ("paged_attention_partials", "decode_attention_partials"):
-            geometry = metal.SPECS[name].geometry(splits=3, num_kv_heads=8, num_seqs=2,
-                                                  head_dim=head_dim, tile=tile)
-            _within_limits(geometry)
-            # Float32 K and V tiles plus the phase-merge scratch (checked against the
-            # simulator's count of the declared arrays in test_metal_kernels).
-            assert geometry.threadgroup_bytes == 4 * (2 * tile * head_dim + metal.SIMDGROUPS * (head_dim + 4))
-        # Heads per simdgroup stay small enough to live in registers.
-        assert math.ceil(gqa / metal.SIMDGROUPS) <= 4
-        _within_limits(metal.SPECS["attention_reduce"].geometry(rows=8 * gqa))
+    for block_size in BLOCK_SIZES:
+        for dtype, gqa, query_len, kbits, kgs, vbits, vgs, layout in _layouts(head_dim, block_size):
+            rows = gqa * query_len
+            for name in ("paged_attention_partials", "decode_attention_partials"):
+                _within_limits(metal.SPECS[name].geometry(splits=3, num_kv_heads=8, num_seqs=2, layout=layout))
+            # Issue 9's threadgroup memory budget: 2 KiB for one-token GQA <= 8 at
+            # D <= 128, 8 KiB at D <= 128, 16 KiB at D 256.
+            if query_len == 1 and gqa <= 8 and head_dim <= 128:
+                assert layout.threadgroup_bytes <= 2048, layout
+            assert layout.threadgroup_bytes <= (8192 if head_dim <= 128 else 16384), layout
+            # Register budget: the rows a simdgroup serves fit (else 32 lanes per key).
+            per = layout.rows_per_simdgroup
+            assert per <= metal.ROW_REGISTER_LIMIT
+            assert (per * 2 * head_dim // layout.lanes_per_key <= metal.REGISTER_BUDGET
+                    or layout.lanes_per_key == 32), layout
+            assert per * layout.simdgroups >= rows
+            if per < rows:  # shared mode: tiles never straddle a block
+                assert layout.tile >= 1 and block_size % layout.tile == 0 and metal.SPLIT_UNIT % layout.tile == 0
+            else:
+                assert layout.tile == 0 and layout.simdgroups == metal.REGISTER_SIMDGROUPS
+            # Quantized atoms: whole words inside one group, aligned in every row.
+            for bits, group, words in ((kbits, kgs, layout.key_atom_words), (vbits, vgs, layout.value_atom_words)):
+                if bits:
+                    values = words * 32 // bits
+                    assert values % 4 == 0 and group % values == 0 and (head_dim * bits // 32) % words == 0
+                else:
+                    assert words == 0
+        _within_limits(metal.SPECS["attention_reduce"].geometry(rows=8 * 16))
         _within_limits(metal.SPECS["cache_rows_convert"].geometry(tokens=5, num_kv_heads=8,
                                                                   head_dim=head_dim))
         _within_limits(metal.SPECS["gather_kv_rows"].geometry(tasks=head_dim // 4, max_len=40, num_rows=16))
@@ -59,23 +89,33 @@ def test_quantized_limits_every_configuration(head_dim):
         _within_limits(metal.SPECS["gather_kv_rows"].geometry(tasks=groups, max_len=40, num_rows=16))
 
 
-def test_tile_is_largest_power_of_two_within_budget():
-    assert metal.tile_tokens(128, 32) == 16
-    assert metal.tile_tokens(64, 32) == 32
-    assert metal.tile_tokens(256, 8) == 8
-    assert metal.tile_tokens(80, 16) == 16
-
-
 def test_split_count_fills_fallback_gpu_for_one_long_sequence():
     cores = metal.FALLBACK_GPU_CORES
-    splits = metal.choose_num_splits(32768, 8, cores=cores)
-    geometry = metal.SPECS["paged_attention_partials"].geometry(
-        splits=splits, num_kv_heads=8, num_seqs=1, head_dim=128, tile=metal.tile_tokens(128, 16))
+    layout = metal.attention_layout(head_dim=128, gqa=1, query_len=1, k_bits=0, k_group=32, k_itemsize=2,
+                                    v_bits=0, v_group=32, v_itemsize=2, block_size=16)
+    splits = metal.choose_num_splits(32768, 8, cores=cores, threadgroup_bytes=layout.threadgroup_bytes,
+                                     threads=layout.threads)
+    geometry = metal.SPECS["paged_attention_partials"].geometry(splits=splits, num_kv_heads=8, num_seqs=1,
+                                                                layout=layout)
     assert geometry.threadgroups >= 4 * cores
     # Short sequences are not over-split, big batches not split at all.
     assert metal.choose_num_splits(300, 8, cores=cores) == 2
     assert metal.choose_num_splits(32768, 256, cores=cores) == 1
     assert metal.choose_num_splits(10**7, 1, cores=cores) == metal.MAX_SPLITS
+
+
+def test_splits_follow_the_threadgroups_that_fit_per_core():
+    """Occupancy, not a fixed count: a kernel with more threadgroup memory or more
+    threads per threadgroup fits fewer threadgroups per core, so it gets fewer splits."""
+    small = metal.threadgroups_per_core(2 * 1024, 128)
+    big_memory = metal.threadgroups_per_core(16 * 1024, 128)
+    many_threads = metal.threadgroups_per_core(2 * 1024, 512)
+    assert small > big_memory and small > many_threads
+    assert big_memory == metal.CORE_THREADGROUP_MEMORY // (16 * 1024)
+    assert many_threads == metal.CORE_THREADS // 512
+    args = dict(cores=10)
+    assert (metal.choose_num_splits(10**6, 1, threadgroup_bytes=16 * 1024, **args)
+            < metal.choose_num_splits(10**6, 1, threadgroup_bytes=2 * 1024, **args))
 
 
 def test_gpu_core_count_fallback_without_metal():
@@ -87,10 +127,10 @@ def test_gpu_core_count_fallback_without_metal():
 
 def test_variant_names_spell_the_specialisation():
     spec = metal.SPECS["paged_attention_partials"]
-    name = spec.variant(dict(TK=mx.float16, TV=mx.bfloat16, D=128, G=4, BS=16, TT=16, NSG=4,
-                             KBITS=8, KGS=64, VBITS=4, VGS=64))
-    assert name == ("kvmetal_paged_attention_partials_tkf16_tvbf16_d128_g4_bs16_tt16_nsg4"
-                    "_kbits8_kgs64_vbits4_vgs64")
+    name = spec.variant(dict(TK=mx.float16, TV=mx.bfloat16, D=128, G=4, BS=16, QL=2, NSG=4, RPS=8, LPK=16, TT=0,
+                             KBITS=8, KGS=64, KAW=2, VBITS=4, VGS=64, VAW=1))
+    assert name == ("kvmetal_paged_attention_partials_tkf16_tvbf16_d128_g4_bs16_ql2_nsg4_rps8_lpk16_tt0"
+                    "_kbits8_kgs64_kaw2_vbits4_vgs64_vaw1")
 
 
 def test_every_description_has_a_body_and_no_spurious_injected_names():

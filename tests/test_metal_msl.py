@@ -45,7 +45,7 @@ def test_generated_sources_pass_clang_with_address_spaces(generated):
 @needs_clang
 def test_clang_pass_catches_a_device_pointer_used_as_threadgroup(generated):
     name, source = next((n, s) for n, s in generated.items() if "paged_attention_partials" in n)
-    wrong = source.replace("ktile, vtile, merge,", "part_acc, vtile, merge,", 1)
+    wrong = source.replace("merge_stats, merge_acc, tile_k,", "merge_stats, merge_acc, part_acc,", 1)
     assert wrong != source
     findings = msl_check.syntax({name: wrong})
-    assert findings and "kv_attend_split" in findings[0]
+    assert findings and "kv_attend" in findings[0]

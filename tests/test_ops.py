@@ -1,6 +1,6 @@
 """Every public op against its float64 oracle, on every backend available here.
 
-The CPU backend runs the full DESIGN.md shape matrix; the simulator (slow: it runs the
+The CPU backend runs the full docs/design.md shape matrix; the simulator (slow: it runs the
 Metal kernels thread by thread) runs a covering subset here, and the kernel tests in
 test_metal*.py cover its full matrix.
 """

@@ -99,10 +99,12 @@ def qkv(x, bits, gs):
     return quant.quantize(x, bits=bits, group_size=gs)
 
 S, H, Hkv, N, M = 2, 8, 2, 16, 4
-for dtype, D, bs, kq, vq in [(mx.float16, 128, 16, None, None), (mx.bfloat16, 80, 8, None, None),
-                             (mx.float32, 256, 32, None, None), (mx.float16, 128, 16, (8, 64), (4, 64)),
-                             (mx.bfloat16, 96, 32, (3, 32), (6, 32)), (mx.float16, 64, 8, (5, 32), None)]:
-    q = mx.zeros((S, H, D), dtype=dtype)
+# (query tokens L: with H / Hkv = 4, L >= 3 takes the shared-tile mode)
+for dtype, D, bs, kq, vq, L in [(mx.float16, 128, 16, None, None, 1), (mx.bfloat16, 80, 8, None, None, 3),
+                                (mx.float32, 256, 32, None, None, 8), (mx.float16, 128, 16, (8, 64), (4, 64), 1),
+                                (mx.float16, 128, 16, (8, 64), (4, 64), 4),
+                                (mx.bfloat16, 96, 32, (3, 32), (6, 32), 2), (mx.float16, 64, 8, (5, 32), None, 5)]:
+    q = mx.zeros((S, L, H, D), dtype=dtype)
     kc = mx.zeros((N, Hkv, bs, D), dtype=dtype)
     kk = qkv(kc, *kq) if kq else kc
     vv = qkv(kc, *vq) if vq else kc
@@ -119,7 +121,7 @@ for dtype, D, bs, kq, vq in [(mx.float16, 128, 16, None, None), (mx.bfloat16, 80
     def contiguous(q, *arrs):
         k, v = rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:])
         k = k if isinstance(k, quant.QuantizedKV) else k[:, :, :5]
-        return backend.decode_attention(q.reshape(S, H, 1, D)[:, :, :, :], k, v, scale=0.1, softcap=None,
+        return backend.decode_attention(q.transpose(0, 2, 1, 3), k, v, scale=0.1, softcap=None,
                                         sinks=None, num_splits=None)
     trace(contiguous, q, *parts(kk), *parts(vv))
     def gather(bt, sl, *arrs):

@@ -5,7 +5,7 @@ already checked and normalised every argument, so backends trust their inputs
 and never re-check; a configuration a backend cannot run raises
 ``NotImplementedError`` naming it (no silent fallbacks).
 
-Contract (shapes per DESIGN.md; ``KV`` is a float ``mx.array`` or a
+Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
 ``kvmetal.quant.QuantizedKV``; K and V may differ in kind and bits)::
 
     reshape_and_cache(key, value, key_cache: KV, value_cache: KV, slot_mapping)

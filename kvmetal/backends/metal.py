@@ -23,18 +23,28 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from .. import chips
 from ..quant import QuantizedKV
 
 # ----------------------------------------------------------------------------- tuning
 
-SIMDGROUPS = 4                      # simdgroups per attention threadgroup (128 threads)
-TILE_BYTES_BUDGET = 24 * 1024       # K + V float tiles in threadgroup memory
+REGISTER_SIMDGROUPS = 4             # simdgroups per threadgroup in register mode (128 threads)
+ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in registers
+REGISTER_BUDGET = 128               # 32-bit registers per lane for the rows' q + accumulators
+LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
+TILE_MEMORY_BUDGET = {128: 8 * 1024 - 512, 256: 16 * 1024 - 512}  # shared-mode K/V tiles, by max head_dim
+MAX_TILE_TOKENS = 16
+SPLIT_UNIT = 32                     # splits cut the tokens in whole units of this many (kernels: kv_split_range)
 THREADGROUP_MEMORY_LIMIT = 32 * 1024
 THREADS_PER_THREADGROUP_LIMIT = 1024
+# Occupancy model of one Apple GPU core (assumed; Apple documents neither): the
+# threadgroup memory and threads resident at once, and a cap on threadgroups.
+CORE_THREADGROUP_MEMORY = 64 * 1024
+CORE_THREADS = 2048
+CORE_MAX_THREADGROUPS = 16
 FALLBACK_GPU_CORES = 10             # base M-series GPU; used where Metal reports nothing
-THREADGROUPS_PER_CORE = 8           # split-KV target occupancy
 MIN_TOKENS_PER_SPLIT = 256          # below this a split costs more than it saves
 MAX_SPLITS = 64
 
@@ -53,29 +63,171 @@ def gpu_core_count() -> int:
     return chip.gpu_cores if chip is not None else FALLBACK_GPU_CORES
 
 
-def choose_num_splits(work_tokens: int, parallel_groups: int, *, cores: int | None = None) -> int:
+def threadgroups_per_core(threadgroup_bytes: int, threads: int) -> int:
+    """Threadgroups of one kernel resident on a GPU core at once, from what each one
+    declares (threadgroup memory) and runs (threads), under the occupancy model above."""
+    by_memory = CORE_THREADGROUP_MEMORY // threadgroup_bytes if threadgroup_bytes else CORE_MAX_THREADGROUPS
+    by_threads = CORE_THREADS // max(1, threads)
+    return max(1, min(by_memory, by_threads, CORE_MAX_THREADGROUPS))
+
+
+def choose_num_splits(work_tokens: int, parallel_groups: int, *, cores: int | None = None,
+                      threadgroup_bytes: int = 0, threads: int = 128) -> int:
     """KV splits per (sequence, kv head) so that the launch fills the GPU.
 
-    Aims at THREADGROUPS_PER_CORE threadgroups per core across the
-    ``parallel_groups`` (sequences x kv heads), but never gives a split fewer
-    than MIN_TOKENS_PER_SPLIT of the ``work_tokens`` (an upper bound of the
-    tokens one sequence attends to).
+    Aims at the threadgroups that fit per core (threadgroups_per_core) across
+    the ``parallel_groups`` (sequences x kv heads), but never gives a split
+    fewer than MIN_TOKENS_PER_SPLIT of the ``work_tokens`` (an upper bound of
+    the tokens one sequence attends to).
     """
     cores = gpu_core_count() if cores is None else cores
-    wanted = math.ceil(THREADGROUPS_PER_CORE * cores / max(1, parallel_groups))
+    resident = threadgroups_per_core(threadgroup_bytes, threads) * cores
+    wanted = math.ceil(resident / max(1, parallel_groups))
     useful = math.ceil(work_tokens / MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
-def tile_tokens(head_dim: int, block_size: int = 32) -> int:
-    """Tokens per threadgroup tile: the K and V float tiles fit TILE_BYTES_BUDGET.
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a partial kernel maps rows and keys to lanes (template parameters).
 
-    A power of two no larger than the block size, so tiles never straddle blocks.
+    Register mode (rows_per_simdgroup == rows): every simdgroup holds all G x L
+    rows and owns a token run of the split. Shared mode: simdgroups split the
+    rows and share tiles of ``tile`` tokens through threadgroup memory.
     """
-    tokens = block_size
-    while tokens > 1 and 2 * tokens * head_dim * 4 > TILE_BYTES_BUDGET:
-        tokens //= 2
-    return tokens
+
+    simdgroups: int
+    rows_per_simdgroup: int
+    lanes_per_key: int
+    tile: int                 # shared mode: tile tokens; 0 in register mode
+    key_atom_words: int       # packed words per lane atom (0: float cache)
+    value_atom_words: int
+    threadgroup_bytes: int
+
+    @property
+    def threads(self) -> int:
+        return self.simdgroups * 32
+
+
+def _atom_words(head_dim: int, bits: int, group_size: int, lanes_per_key: int) -> int:
+    """Packed words per atom: whole words of whole values inside one group; for
+    2/4/8 bits up to a uint4 load while each key-group lane still gets an atom."""
+    if not bits:
+        return 0
+    width = head_dim * bits // 32
+    group_words = group_size * bits // 32
+    if bits in (2, 4, 8):
+        for words in (4, 2, 1):
+            if width % words == 0 and words <= group_words and width // words >= lanes_per_key:
+                return words
+        return 1
+    values = 32 // math.gcd(bits, 32)  # 3, 5 bits: 32 values; 6 bits: 16
+    return values * bits // 32
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgroup, tile, k_row_bytes, v_row_bytes,
+                                k_scale_bytes, v_scale_bytes) -> int:
+    """Threadgroup memory the partial kernels declare (mirrors KV_ATTN_THREADGROUP_ARRAYS).
+
+    *_row_bytes: bytes of one cache row's data; *_scale_bytes: of its scales (0: float cache)."""
+    shared = rows_per_simdgroup < rows
+    merge = not shared and simdgroups > 1
+    stats = 4 * (simdgroups * rows_per_simdgroup * 2 if merge else 1)
+    acc = 4 * ((simdgroups - 1) * head_dim if merge else 1)
+
+    def tile_bytes(row_bytes):
+        return 16 * (-(-2 * tile * row_bytes // 16) if shared else 1)
+
+    total = _round16(stats) + _round16(acc) + tile_bytes(k_row_bytes) + tile_bytes(v_row_bytes)
+    total += 2 * (tile_bytes(k_scale_bytes) if k_scale_bytes else 16)
+    total += 2 * (tile_bytes(v_scale_bytes) if v_scale_bytes else 16)
+    total += _round16(4 * (2 * tile if shared else 1))
+    return total
+
+
+def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
+                     v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None) -> AttentionLayout:
+    """The layout of one partial-kernel specialisation.
+
+    Register budget rule: a lane keeps, per row it serves, its share of the
+    pre-scaled query and of the accumulator, 2 * head_dim / lanes_per_key
+    floats; the narrowest key group with rows * 2 * head_dim / lanes_per_key <=
+    REGISTER_BUDGET wins (narrow groups score more keys per pass). More than
+    ROW_REGISTER_LIMIT rows go to shared mode: ceil(rows / 8) simdgroups, each
+    with at most 8 rows.
+    """
+    rows = gqa * query_len
+    if rows <= ROW_REGISTER_LIMIT:
+        simdgroups, per = REGISTER_SIMDGROUPS, rows
+    else:
+        simdgroups = -(-rows // ROW_REGISTER_LIMIT)
+        per = -(-rows // simdgroups)
+    lanes = next((w for w in LANES_PER_KEY if per * 2 * head_dim // w <= REGISTER_BUDGET), LANES_PER_KEY[-1])
+    k_row = head_dim * k_bits // 8 if k_bits else head_dim * k_itemsize
+    v_row = head_dim * v_bits // 8 if v_bits else head_dim * v_itemsize
+    k_scales = head_dim // k_group * k_itemsize if k_bits else 0
+    v_scales = head_dim // v_group * v_itemsize if v_bits else 0
+    tile = 0
+    if per < rows:
+        budget = TILE_MEMORY_BUDGET[128 if head_dim <= 128 else 256]
+        tile = min(MAX_TILE_TOKENS, block_size or MAX_TILE_TOKENS)
+        while tile > 1 and 2 * tile * (k_row + v_row + 2 * k_scales + 2 * v_scales) > budget:
+            tile //= 2
+    tg_bytes = attention_threadgroup_bytes(
+        head_dim=head_dim, rows=rows, simdgroups=simdgroups, rows_per_simdgroup=per, tile=tile, k_row_bytes=k_row,
+        v_row_bytes=v_row, k_scale_bytes=k_scales, v_scale_bytes=v_scales)
+    return AttentionLayout(simdgroups, per, lanes, tile, _atom_words(head_dim, k_bits, k_group, lanes),
+                           _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes)
+
+
+def layout_for(query, keys, values, *, paged: bool) -> AttentionLayout:
+    """The layout the backend picks for a 4-D query ([S, L, H, D] paged, [B, H, L, D] contiguous)."""
+    def fmt(cache):
+        if isinstance(cache, QuantizedKV):
+            return cache.bits, cache.group_size, cache.scales.dtype.size
+        return 0, 32, cache.dtype.size
+
+    kbits, kgs, ksize = fmt(keys)
+    vbits, vgs, vsize = fmt(values)
+    num_heads, query_len = (query.shape[2], query.shape[1]) if paged else (query.shape[1], query.shape[2])
+    num_kv_heads = tuple(keys.shape)[1]
+    return attention_layout(head_dim=query.shape[-1], gqa=num_heads // num_kv_heads, query_len=query_len,
+                            k_bits=kbits, k_group=kgs, k_itemsize=ksize, v_bits=vbits, v_group=vgs,
+                            v_itemsize=vsize, block_size=tuple(keys.shape)[2] if paged else None)
+
+
+# ----------------------------------------------------------------------------- kernel parameters
+
+@dataclass(frozen=True)
+class ParamStruct:
+    """An MSL struct of 4-byte fields read from an int32 buffer (kvmetal_common.h)."""
+
+    name: str
+    fields: tuple  # ((name, "i" | "f"), ...) in the struct's order
+
+    def pack(self, **values) -> mx.array:
+        """The int32 buffer of the struct (floats bit for bit), at least 8 entries long
+        (MLX binds shorter inputs as `constant`). Unset fields are 0."""
+        unknown = set(values) - {n for n, _ in self.fields}
+        if unknown:
+            raise TypeError(f"[metal] {self.name} has no field(s) {sorted(unknown)}")
+        words = np.zeros(max(8, len(self.fields)), dtype=np.int32)
+        for i, (name, kind) in enumerate(self.fields):
+            value = values.get(name, 0)
+            words[i] = np.array(value, dtype=np.float32).view(np.int32) if kind == "f" else int(value)
+        return mx.array(words)
+
+
+ATTENTION_PARAMS = ParamStruct("KvAttnParams", (
+    ("num_kv_heads", "i"), ("num_heads", "i"), ("query_len", "i"), ("num_splits", "i"), ("max_blocks", "i"),
+    ("num_blocks", "i"), ("window", "i"), ("num_tokens", "i"), ("scale", "f"), ("softcap", "f"),
+    ("head_div", "i"), ("pad", "i")))
+GATHER_PARAMS = ParamStruct("KvGatherParams", (
+    ("num_kv_heads", "i"), ("max_blocks", "i"), ("max_len", "i"), ("num_blocks", "i")))
 
 
 # ----------------------------------------------------------------------------- descriptions
@@ -106,6 +258,7 @@ class KernelSpec:
     template: tuple             # template parameter names, in order
     geometry: Callable          # (**shape) -> Geometry
     row_contiguous: bool = True  # False: the body reads <input>_strides
+    math_mode: str = "safe"      # mx.fast.metal_kernel compile_options["math_mode"]
 
     def variant(self, template_values: dict) -> str:
         """The kernel name spelled with its specialisation (shown by verbose=True and GPU captures)."""
@@ -119,28 +272,37 @@ class KernelSpec:
         return "kvmetal_" + self.name + "_" + "_".join(parts)
 
 
-def _attention_geometry(*, splits, num_kv_heads, num_seqs, head_dim, tile):
-    return Geometry(grid=(splits * SIMDGROUPS * 32, num_kv_heads, num_seqs),
-                    threadgroup=(SIMDGROUPS * 32, 1, 1),
-                    threadgroup_bytes=4 * (2 * tile * head_dim + SIMDGROUPS * (head_dim + 4)))
+def _attention_geometry(*, splits, num_kv_heads, num_seqs, layout):
+    return Geometry(grid=(splits * layout.threads, num_kv_heads, num_seqs), threadgroup=(layout.threads, 1, 1),
+                    threadgroup_bytes=layout.threadgroup_bytes)
 
 
-_ATTENTION_TEMPLATE = ("TK", "TV", "D", "G", "TT", "NSG", "KBITS", "KGS", "VBITS", "VGS")
+_ATTENTION_TEMPLATE = ("TK", "TV", "D", "G", "QL", "NSG", "RPS", "LPK", "TT", "KBITS", "KGS", "KAW", "VBITS", "VGS",
+                       "VAW")
 _KV_INPUTS = ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
 _PARTIALS = ("part_max", "part_sum", "part_acc")
+# Attention math mode: "relaxed" lets Metal use its fast exp2/tanh and contract
+# multiply-adds, while keeping IEEE infinities and NaN. The kernels need no
+# infinity (KV_NEG_BIG is finite; masked probabilities are selected to 0), but
+# NaN must survive: a NaN-poisoned slot that a kernel wrongly reads then shows
+# in the output (the tests' check), where "fast" may assume NaN away. The cache
+# write kernels stay "safe" so their rounding matches mx.quantize bit for bit.
+ATTENTION_MATH_MODE = "relaxed"
 
 SPECS = {
     spec.name: spec
     for spec in (
         KernelSpec("paged_attention_partials", "attention",
-                   ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "scalars", "dims"), _PARTIALS,
-                   _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry),
+                   ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
+                   _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
+                   math_mode=ATTENTION_MATH_MODE),
         KernelSpec("decode_attention_partials", "attention",
-                   ("query",) + _KV_INPUTS + ("scalars", "dims"), _PARTIALS,
-                   _ATTENTION_TEMPLATE, _attention_geometry, row_contiguous=False),
+                   ("query",) + _KV_INPUTS + ("params",), _PARTIALS,
+                   _ATTENTION_TEMPLATE, _attention_geometry, row_contiguous=False, math_mode=ATTENTION_MATH_MODE),
         KernelSpec("attention_reduce", "attention",
-                   _PARTIALS + ("sinks", "dims"), ("out",), ("TQ", "D", "HAS_SINKS"),
-                   lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1))),
+                   _PARTIALS + ("sinks", "params"), ("out",), ("TQ", "D", "HAS_SINKS"),
+                   lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
+                   math_mode=ATTENTION_MATH_MODE),
         KernelSpec("cache_rows_convert", "cache_write", ("new_rows", "src_token"), ("rows_out",),
                    ("TC", "D"),
                    lambda *, tokens, num_kv_heads, head_dim: Geometry(
@@ -150,7 +312,7 @@ SPECS = {
                    lambda *, tokens, num_kv_heads, groups: Geometry(
                        grid=(groups, num_kv_heads, tokens), threadgroup=(groups, 1, 1))),
         KernelSpec("gather_kv_rows", "cache_copy",
-                   ("cache_data", "cache_scales", "cache_biases", "block_tables", "seq_lens", "dims"),
+                   ("cache_data", "cache_scales", "cache_biases", "block_tables", "seq_lens", "params"),
                    ("rows_out",), ("TE", "D", "BS", "BITS", "GS"),
                    lambda *, tasks, max_len, num_rows: Geometry(
                        grid=(tasks, max_len, num_rows), threadgroup=(tasks, 1, 1))),
@@ -236,35 +398,44 @@ def _placeholder(dtype):
     return _placeholder_cached(DTYPE_TAGS[dtype])
 
 
-def _int_params(*values) -> mx.array:
-    """An int32 parameter vector padded to 8 entries (a `device` buffer, as above)."""
-    return mx.array(list(values) + [0] * (8 - len(values)), dtype=mx.int32)
-
-
-def _float_params(*values) -> mx.array:
-    return mx.array(list(values) + [0.0] * (8 - len(values)), dtype=mx.float32)
-
-
 def _logical_shape(cache) -> tuple:
     return tuple(cache.shape)
 
 
-def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array) -> mx.array:
+_BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
+
+
+def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, write=None) -> mx.array:
     """``array`` viewed as [rows, width] with ``rows`` written at ``row_index``.
 
-    An MLX scatter: it runs in place (buffer donation) when ``array`` has no other
-    reference by the time it is evaluated, i.e. when the caller rebinds the result.
+    MLX scatters: they run in place (buffer donation) when ``array`` has no other
+    reference by the time they are evaluated, i.e. when the caller rebinds the result.
+    ``write`` (bool per row of ``rows``) masks the writes: two integer scatters on
+    the bits, ``old * 0 + new`` where set and ``old * 1 + 0`` where not, exact for
+    any value incl. NaN. (Reading the old rows instead would hold a second
+    reference to the cache and cost the donation.) Rows written more than once
+    must all be masked off but one; ops rejects duplicate slots with validate=True.
     """
     width = array.shape[-1]
     flat = array.reshape(-1, width)
-    flat[row_index] = rows.reshape(-1, width)
-    return flat.reshape(array.shape)
+    new = rows.reshape(-1, width)
+    if write is None:
+        flat[row_index] = new
+        return flat.reshape(array.shape)
+    bits = _BITS[array.dtype.size]
+    keep = mx.where(write, 0, 1).astype(bits)[:, None]
+    words = flat.view(bits)
+    words = words.at[row_index].multiply(mx.broadcast_to(keep, new.shape))
+    words = words.at[row_index].add(new.view(bits) * (1 - keep))
+    return words.view(array.dtype).reshape(array.shape)
 
 
 # ----------------------------------------------------------------------------- backend
 
 class KernelBackend:
     """The five contract functions over SPECS, with kernels made by ``make_kernel``."""
+
+    MULTI_QUERY = True  # serves 1 <= L <= 8 query rows per sequence (kvmetal.ops)
 
     def __init__(self, name: str, make_kernel: Callable, *, call_options: Callable | None = None):
         self.name = name
@@ -283,14 +454,29 @@ class KernelBackend:
                 header, body = kernel_text(spec.name)
                 self._kernels[variant] = self._make_kernel(
                     name=variant, input_names=list(spec.inputs), output_names=list(spec.outputs),
-                    source=body, header=header, ensure_row_contiguous=spec.row_contiguous)
+                    source=body, header=header, ensure_row_contiguous=spec.row_contiguous,
+                    compile_options={"math_mode": spec.math_mode})
             return self._kernels[variant]
 
-    def launch(self, name: str, inputs: list, template_values: dict, geometry: Geometry,
-               output_shapes: list, output_dtypes: list) -> list:
+    def launch(self, name: str, template_values: dict, geometry: Geometry, output_shapes: list,
+               output_dtypes: list, **inputs) -> list:
+        """Run kernel ``name`` with its inputs by name, checked against SPECS first."""
         spec = SPECS[name]
+        missing = [n for n in spec.inputs if n not in inputs]
+        extra = sorted(set(inputs) - set(spec.inputs))
+        if missing or extra:
+            raise TypeError(f"[metal] {name} takes inputs {list(spec.inputs)}; missing {missing}, unexpected {extra}")
+        for n in spec.inputs:
+            if not isinstance(inputs[n], mx.array):
+                raise TypeError(f"[metal] {name} input '{n}' must be an mx.array, got {type(inputs[n]).__name__}")
+        absent = [k for k in spec.template if k not in template_values]
+        if absent:
+            raise TypeError(f"[metal] {name} needs template values {absent}")
+        if len(output_shapes) != len(spec.outputs) or len(output_dtypes) != len(spec.outputs):
+            raise TypeError(f"[metal] {name} has outputs {list(spec.outputs)}")
         kernel = self.kernel(spec, template_values)
-        return kernel(inputs=inputs, template=[(k, template_values[k]) for k in spec.template],
+        return kernel(inputs=[inputs[n] for n in spec.inputs],
+                      template=[(k, template_values[k]) for k in spec.template],
                       grid=geometry.grid, threadgroup=geometry.threadgroup,
                       output_shapes=output_shapes, output_dtypes=output_dtypes, **self._call_options())
 
@@ -298,43 +484,43 @@ class KernelBackend:
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping):
         num_tokens = key.shape[0]
-        # Padding tokens repeat the first real token's row and slot, so the scatter
-        # needs no mask. ops.reshape_and_cache returns early when no slot is real (or,
-        # with validate=False, its caller promises one is): no host sync here.
         if num_tokens == 0:
             return key_cache, value_cache
-        valid = slot_mapping >= 0
-        first = mx.argmax(valid.astype(mx.int32))
-        src_token = mx.where(valid, mx.arange(num_tokens, dtype=mx.int32), first.astype(mx.int32))
-        slots = mx.where(valid, slot_mapping, slot_mapping[first])
-        _, num_kv_heads, block_size, _ = _logical_shape(key_cache)
+        num_blocks, num_kv_heads, block_size, _ = _logical_shape(key_cache)
+        # Index guard: a slot outside [0, N * BS) (negative = padding, or validate=False
+        # misuse) writes nothing. Such tokens aim at row 0 with a no-op write, so the
+        # scatter needs no host sync and no mask (see _scatter_rows).
+        valid = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
+        slots = mx.where(valid, slot_mapping, 0)
         block, offset = slots // block_size, slots % block_size
         heads = mx.arange(num_kv_heads, dtype=mx.int32)
         row_index = ((block[:, None] * num_kv_heads + heads[None, :]) * block_size + offset[:, None]).reshape(-1)
-        return (self._write_rows(key, key_cache, src_token, row_index),
-                self._write_rows(value, value_cache, src_token, row_index))
+        write = mx.broadcast_to(valid[:, None], (num_tokens, num_kv_heads)).reshape(-1)
+        src_token = mx.arange(num_tokens, dtype=mx.int32)
+        return (self._write_rows(key, key_cache, src_token, row_index, write),
+                self._write_rows(value, value_cache, src_token, row_index, write))
 
-    def _write_rows(self, rows, cache, src_token, row_index):
+    def _write_rows(self, rows, cache, src_token, row_index, keep=None):
         num_tokens, num_kv_heads, head_dim = rows.shape
         if not isinstance(cache, QuantizedKV):
             template = dict(TC=cache.dtype, D=head_dim)
             geometry = SPECS["cache_rows_convert"].geometry(tokens=num_tokens, num_kv_heads=num_kv_heads,
                                                             head_dim=head_dim)
-            (converted,) = self.launch("cache_rows_convert", [rows, src_token], template, geometry,
-                                       [rows.shape], [cache.dtype])
-            return _scatter_rows(cache, row_index, converted)
+            (converted,) = self.launch("cache_rows_convert", template, geometry, [rows.shape], [cache.dtype],
+                                       new_rows=rows, src_token=src_token)
+            return _scatter_rows(cache, row_index, converted, keep)
         groups = head_dim // cache.group_size
         template = dict(TC=cache.dtype, D=head_dim, BITS=cache.bits, GS=cache.group_size)
         geometry = SPECS["cache_rows_quantize"].geometry(tokens=num_tokens, num_kv_heads=num_kv_heads,
                                                          groups=groups)
         words, scales, biases = self.launch(
-            "cache_rows_quantize", [rows, src_token], template, geometry,
+            "cache_rows_quantize", template, geometry,
             [(num_tokens, num_kv_heads, head_dim * cache.bits // 32), (num_tokens, num_kv_heads, groups),
              (num_tokens, num_kv_heads, groups)],
-            [mx.uint32, cache.dtype, cache.dtype])
-        return cache.replace(_scatter_rows(cache.data, row_index, words),
-                             _scatter_rows(cache.scales, row_index, scales),
-                             _scatter_rows(cache.biases, row_index, biases))
+            [mx.uint32, cache.dtype, cache.dtype], new_rows=rows, src_token=src_token)
+        return cache.replace(_scatter_rows(cache.data, row_index, words, keep),
+                             _scatter_rows(cache.scales, row_index, scales, keep),
+                             _scatter_rows(cache.biases, row_index, biases, keep))
 
     def copy_blocks(self, key_cache, value_cache, src, dst):
         return self._copy(key_cache, src, dst), self._copy(value_cache, src, dst)
@@ -344,12 +530,18 @@ class KernelBackend:
             return cache.replace(*(self._copy(part, src, dst) for part in cache.arrays()))
         if src.shape[0] == 0:
             return cache
+        # Index guard: a pair with src or dst outside [0, N) (validate=False misuse)
+        # copies nothing: it reads block 0 and writes it nowhere (a masked write).
+        num_blocks = cache.shape[0]
+        valid = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+        src = mx.where(valid, src, 0).astype(mx.int32)
+        dst = mx.where(valid, dst, 0).astype(mx.int32)
         blocks = cache.reshape(cache.shape[0], -1)
         width = blocks.shape[1]
         geometry = SPECS["copy_blocks_gather"].geometry(width=width, count=src.shape[0])
-        (copied,) = self.launch("copy_blocks_gather", [blocks, src], dict(T=cache.dtype), geometry,
-                                [(src.shape[0], width)], [cache.dtype])
-        return _scatter_rows(blocks, dst, copied).reshape(cache.shape)
+        (copied,) = self.launch("copy_blocks_gather", dict(T=cache.dtype), geometry, [(src.shape[0], width)],
+                                [cache.dtype], blocks=blocks, src=src)
+        return _scatter_rows(blocks, dst, copied, valid).reshape(cache.shape)
 
     # -- reads
 
@@ -365,77 +557,105 @@ class KernelBackend:
         template = dict(TE=dtype, D=head_dim, BS=block_size, BITS=bits, GS=group_size)
         geometry = SPECS["gather_kv_rows"].geometry(tasks=tasks, max_len=max_len,
                                                     num_rows=num_seqs * num_kv_heads)
-        (rows,) = self.launch("gather_kv_rows",
-                              [data, scales, biases, block_tables, seq_lens,
-                               _int_params(num_kv_heads, max_blocks, max_len)],
-                              template, geometry, [(num_seqs, num_kv_heads, max_len, head_dim)], [dtype])
+        (rows,) = self.launch("gather_kv_rows", template, geometry, [(num_seqs, num_kv_heads, max_len, head_dim)],
+                              [dtype], cache_data=data, cache_scales=scales, cache_biases=biases,
+                              block_tables=block_tables, seq_lens=seq_lens,
+                              params=GATHER_PARAMS.pack(num_kv_heads=num_kv_heads, max_blocks=max_blocks,
+                                                        max_len=max_len, num_blocks=cache.shape[0]))
         return rows
 
     # -- attention
 
     def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, *, scale, softcap,
                         sliding_window, sinks, num_splits):
-        num_seqs, num_heads, head_dim = query.shape
-        _, num_kv_heads, block_size, _ = _logical_shape(key_cache)
+        """query [S, L, H, D] -> [S, L, H, D] (a 3-D query [S, H, D] is served as L = 1)."""
+        squeeze = query.ndim == 3
+        if squeeze:
+            query = query[:, None]
+        num_seqs, query_len, num_heads, head_dim = query.shape
+        num_blocks, num_kv_heads, block_size, _ = _logical_shape(key_cache)
         max_blocks = block_tables.shape[1]
-        tile = tile_tokens(head_dim, block_size)
         work = max_blocks * block_size
         if sliding_window is not None:
-            work = min(work, sliding_window + block_size)
-        splits = self._splits(num_splits, work, num_seqs * num_kv_heads, tile)
+            work = min(work, sliding_window + query_len - 1 + SPLIT_UNIT)
+        layout = self._layout(query, key_cache, value_cache, num_heads // num_kv_heads, block_size)
+        splits = self._splits(num_splits, work, num_seqs * num_kv_heads, layout)
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(key_cache)
         vd, vs, vb, vdt, vbits, vgs = _cache_parts(value_cache)
-        template = dict(TK=kdt, TV=vdt, D=head_dim, G=num_heads // num_kv_heads, BS=block_size, TT=tile,
-                        NSG=SIMDGROUPS, KBITS=kbits, KGS=kgs, VBITS=vbits, VGS=vgs)
-        dims = _int_params(num_kv_heads, max_blocks, sliding_window or 0, splits, num_heads)
-        geometry = SPECS["paged_attention_partials"].geometry(
-            splits=splits, num_kv_heads=num_kv_heads, num_seqs=num_seqs, head_dim=head_dim, tile=tile)
-        partials = self.launch("paged_attention_partials",
-                               [query, kd, ks, kb, vd, vs, vb, block_tables, seq_lens,
-                                _float_params(scale, softcap or 0.0), dims],
-                               template, geometry, *self._partial_outputs(num_seqs, num_heads, splits, head_dim))
-        return self._reduce(partials, sinks, dims, query.dtype, (num_seqs, num_heads, head_dim))
+        template = self._template(kdt, vdt, head_dim, num_heads // num_kv_heads, query_len, layout, kbits, kgs,
+                                  vbits, vgs)
+        template["BS"] = block_size
+        params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
+                                       num_splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
+                                       window=sliding_window or 0, scale=scale, softcap=softcap or 0.0, head_div=1)
+        geometry = SPECS["paged_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
+                                                              num_seqs=num_seqs, layout=layout)
+        rows = num_seqs * query_len * num_heads
+        partials = self.launch("paged_attention_partials", template, geometry,
+                               *self._partial_outputs(rows, splits, head_dim),
+                               query=mx.contiguous(query), key_data=kd, key_scales=ks, key_biases=kb, value_data=vd,
+                               value_scales=vs, value_biases=vb, block_tables=block_tables, seq_lens=seq_lens,
+                               params=params)
+        out = self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
+        return out[:, 0] if squeeze else out
 
     def decode_attention(self, query, keys, values, *, scale, softcap, sinks, num_splits):
-        batch, num_heads, _, head_dim = query.shape
+        """query [B, H, L, D] -> [B, H, L, D]; keys/values [B, Hkv, T, D] read in place (any view)."""
+        batch, num_heads, query_len, head_dim = query.shape
         _, num_kv_heads, num_tokens, _ = _logical_shape(keys)
-        tile = tile_tokens(head_dim)
-        splits = self._splits(num_splits, num_tokens, batch * num_kv_heads, tile)
+        layout = self._layout(query, keys, values, num_heads // num_kv_heads, None)
+        splits = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout)
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(keys)
         vd, vs, vb, vdt, vbits, vgs = _cache_parts(values)
-        template = dict(TK=kdt, TV=vdt, D=head_dim, G=num_heads // num_kv_heads, TT=tile,
-                        NSG=SIMDGROUPS, KBITS=kbits, KGS=kgs, VBITS=vbits, VGS=vgs)
-        dims = _int_params(num_kv_heads, num_tokens, 0, splits, num_heads)
-        geometry = SPECS["decode_attention_partials"].geometry(
-            splits=splits, num_kv_heads=num_kv_heads, num_seqs=batch, head_dim=head_dim, tile=tile)
+        template = self._template(kdt, vdt, head_dim, num_heads // num_kv_heads, query_len, layout, kbits, kgs,
+                                  vbits, vgs)
+        params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
+                                       num_splits=splits, num_tokens=num_tokens, scale=scale,
+                                       softcap=softcap or 0.0, head_div=query_len)
+        geometry = SPECS["decode_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
+                                                               num_seqs=batch, layout=layout)
+        rows = batch * num_heads * query_len
         # The kernel reads K/V views in place through their strides; the small
         # query is made row-contiguous here instead.
-        partials = self.launch("decode_attention_partials",
-                               [mx.contiguous(query), kd, ks, kb, vd, vs, vb,
-                                _float_params(scale, softcap or 0.0), dims],
-                               template, geometry, *self._partial_outputs(batch, num_heads, splits, head_dim))
-        return self._reduce(partials, sinks, dims, query.dtype, tuple(query.shape))
+        partials = self.launch("decode_attention_partials", template, geometry,
+                               *self._partial_outputs(rows, splits, head_dim),
+                               query=mx.contiguous(query), key_data=kd, key_scales=ks, key_biases=kb, value_data=vd,
+                               value_scales=vs, value_biases=vb, params=params)
+        return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
 
     @staticmethod
-    def _splits(requested, work_tokens, parallel_groups, tile):
+    def _layout(query, keys, values, gqa, block_size) -> AttentionLayout:
+        return layout_for(query, keys, values, paged=block_size is not None)
+
+    @staticmethod
+    def _template(kdt, vdt, head_dim, gqa, query_len, layout, kbits, kgs, vbits, vgs) -> dict:
+        return dict(TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
+                    RPS=layout.rows_per_simdgroup, LPK=layout.lanes_per_key, TT=layout.tile, KBITS=kbits, KGS=kgs,
+                    KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words)
+
+    @staticmethod
+    def _splits(requested, work_tokens, parallel_groups, layout):
+        # Splits cut whole SPLIT_UNIT-token units: more than that many would be empty.
+        useful = max(1, -(-work_tokens // SPLIT_UNIT))
         if requested is not None:
-            return requested
-        return max(1, min(choose_num_splits(work_tokens, parallel_groups), -(-work_tokens // tile)))
+            return max(1, min(int(requested), useful))
+        return max(1, min(useful, choose_num_splits(work_tokens, parallel_groups,
+                                                    threadgroup_bytes=layout.threadgroup_bytes,
+                                                    threads=layout.threads)))
 
     @staticmethod
-    def _partial_outputs(rows, num_heads, splits, head_dim):
-        return ([(rows, num_heads, splits), (rows, num_heads, splits), (rows, num_heads, splits, head_dim)],
-                [mx.float32, mx.float32, mx.float32])
+    def _partial_outputs(rows, splits, head_dim):
+        return ([(rows, splits), (rows, splits), (rows, splits, head_dim)], [mx.float32, mx.float32, mx.float32])
 
-    def _reduce(self, partials, sinks, dims, dtype, out_shape):
-        rows = out_shape[0] * out_shape[1]
-        head_dim = out_shape[-1]
+    def _reduce(self, partials, sinks, params, dtype, rows, head_dim):
         template = dict(TQ=dtype, D=head_dim, HAS_SINKS=sinks is not None)
         geometry = SPECS["attention_reduce"].geometry(rows=rows)
         sink_input = sinks if sinks is not None else _placeholder(mx.float32)
-        (out,) = self.launch("attention_reduce", [*partials, sink_input, dims], template, geometry,
-                             [(rows, head_dim)], [dtype])
-        return out.reshape(out_shape)
+        part_max, part_sum, part_acc = partials
+        (out,) = self.launch("attention_reduce", template, geometry, [(rows, head_dim)], [dtype],
+                             part_max=part_max, part_sum=part_sum, part_acc=part_acc, sinks=sink_input,
+                             params=params)
+        return out
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -1,4 +1,5 @@
-"""Benchmark cases. Each returns result dicts: name, backend, seconds, kv_bytes, gbps, baseline."""
+"""Benchmark cases. Each returns result dicts: name, backend, seconds (median), min_seconds,
+max_seconds, repeats, kv_bytes, gbps, baseline (the main one) and baselines (all of them)."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -6,7 +7,11 @@ import numpy as np
 
 from .. import ops, quant
 from ..backends import use_backend
-from .timing import median_seconds
+from .timing import time_stats
+
+# A baseline slower than this per call (mlx-lm's quantized SDPA on a CPU takes seconds at
+# 32K) is timed fewer times, so that the default `kvmetal bench` stays near a minute.
+BASELINE_BUDGET_S = 2.0
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -40,21 +45,68 @@ def _live_kv_bytes(tokens: int, itemsize_k: float, itemsize_v: float) -> int:
     return int(tokens * NUM_KV_HEADS * HEAD_DIM * (itemsize_k + itemsize_v))
 
 
-def _result(name, backend, seconds, kv_bytes, baseline=None, **extra):
-    r = {"name": name, "backend": backend, "seconds": seconds, "kv_bytes": kv_bytes,
-         "gbps": kv_bytes / seconds / 1e9 if seconds else None, "baseline": baseline}
-    if baseline:
-        r["speedup_vs_baseline"] = baseline["seconds"] / seconds
+def _result(name, backend, stats, kv_bytes, baselines=None, **extra):
+    """One result row; ``baselines`` (a list, or one dict) were measured in this run, the
+    first is the main one (``baseline``)."""
+    if isinstance(baselines, dict):
+        baselines = [baselines]
+    baselines = [b for b in baselines or [] if b]
+    seconds = stats["seconds"]
+    r = {"name": name, "backend": backend, "seconds": seconds, "min_seconds": stats["min"],
+         "max_seconds": stats["max"], "repeats": stats["repeats"], "kv_bytes": kv_bytes,
+         "gbps": kv_bytes / seconds / 1e9 if seconds else None,
+         "baseline": baselines[0] if baselines else None, "baselines": baselines}
+    if baselines:
+        r["speedup_vs_baseline"] = baselines[0]["seconds"] / seconds
     r.update(extra)
     return r
 
 
+def _baseline(name: str, fn, repeat: int, **kwargs) -> dict:
+    stats = time_stats(fn, repeat=repeat, **kwargs)
+    return {"name": name, "seconds": stats["seconds"], "min_seconds": stats["min"], "max_seconds": stats["max"],
+            "repeats": stats["repeats"]}
+
+
+def _device() -> str:
+    return "gpu" if mx.metal.is_available() else "cpu"
+
+
 def _sdpa_baseline(query, keys, values, repeat: int) -> dict:
     q4 = query[:, :, None, :]
-    seconds = median_seconds(lambda: mx.fast.scaled_dot_product_attention(q4, keys, values, scale=HEAD_DIM ** -0.5),
-                             repeat=repeat)
-    device = "gpu" if mx.metal.is_available() else "cpu"
-    return {"name": f"mx.fast.scaled_dot_product_attention ({device}, contiguous)", "seconds": seconds}
+    return _baseline(f"mx.fast.scaled_dot_product_attention ({_device()}, contiguous)",
+                     lambda: mx.fast.scaled_dot_product_attention(q4, keys, values, scale=HEAD_DIM ** -0.5), repeat)
+
+
+def _mlx_lm_quantized_baseline(query, keys, values, repeat: int, *, bits: int = 8) -> dict | None:
+    """mlx-lm's own quantized-cache attention: ``QuantizedKVCache(bits=8)`` layout (mx.quantize
+    of the contiguous K and V) through its ``quantized_scaled_dot_product_attention``."""
+    try:
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention
+    except ImportError:
+        return None
+    qk = mx.quantize(keys, group_size=64, bits=bits)
+    qv = mx.quantize(values, group_size=64, bits=bits)
+    mx.eval(qk, qv)
+    q4 = query[:, :, None, :]
+    return _baseline(f"mlx-lm QuantizedKVCache kv_bits={bits} quantized SDPA ({_device()}, contiguous)",
+                     lambda: quantized_scaled_dot_product_attention(q4, qk, qv, scale=HEAD_DIM ** -0.5, mask=None,
+                                                                    group_size=64, bits=bits),
+                     repeat, budget_s=BASELINE_BUDGET_S)
+
+
+def _gather_sdpa_baseline(query, k_cache, v_cache, tables, lens, backend: str, repeat: int) -> dict:
+    """What a paged cache without a fused kernel does: gather (and dequantize) the rows,
+    then MLX's SDPA over them."""
+    q4 = query[:, :, None, :]
+
+    def run():
+        with use_backend(backend):
+            keys, values = ops.gather_kv_cache(k_cache, v_cache, tables, lens, validate=False)
+        return mx.fast.scaled_dot_product_attention(q4, keys, values, scale=HEAD_DIM ** -0.5)
+
+    return _baseline(f"kvmetal gather_kv_cache (dequantized) + mx.fast.scaled_dot_product_attention ({backend})",
+                     run, repeat, budget_s=BASELINE_BUDGET_S)
 
 
 def paged_decode(dtype_name: str):
@@ -63,32 +115,40 @@ def paged_decode(dtype_name: str):
     def run(*, backend, tokens, repeat, baseline, progress):
         query, kc, vc, tables, lens, keys, values = paged_setup(tokens, dtype)
         with use_backend(backend):
-            seconds = median_seconds(lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
-                                     repeat=repeat)
+            stats = time_stats(lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
+                               repeat=repeat)
         base = _sdpa_baseline(query, keys, values, repeat) if baseline else None
         kv_bytes = _live_kv_bytes(tokens, dtype.size, dtype.size)
-        return [_result(f"paged_decode_{dtype_name} T={tokens}", backend, seconds, kv_bytes, base,
+        return [_result(f"paged_decode_{dtype_name} T={tokens}", backend, stats, kv_bytes, base,
                         shape=f"H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bs={BLOCK_SIZE}")]
     return run
 
 
 def paged_decode_quantized(k_bits: int, v_bits: int):
     def run(*, backend, tokens, repeat, baseline, progress):
-        query, kc, vc, tables, lens, _, _ = paged_setup(tokens, mx.float16)
+        query, kc, vc, tables, lens, keys, values = paged_setup(tokens, mx.float16)
         qk = quant.quantize(kc, bits=k_bits, group_size=64)
         qv = quant.quantize(vc, bits=v_bits, group_size=64)
         mx.eval(*qk.arrays(), *qv.arrays())
         with use_backend(backend):
-            seconds = median_seconds(lambda: ops.paged_attention(query, qk, qv, tables, lens, validate=False),
-                                     repeat=repeat)
-            base = None
-            if baseline:
-                f16 = median_seconds(lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
-                                     repeat=repeat)
-                base = {"name": f"kvmetal paged_decode_f16 ({backend})", "seconds": f16}
+            stats = time_stats(lambda: ops.paged_attention(query, qk, qv, tables, lens, validate=False),
+                               repeat=repeat)
+        bases, skipped = [], []
+        if baseline:
+            # mlx-lm's own quantized path first (the fair comparison), then the gather +
+            # SDPA route over the same K8/V4 cache, then kvmetal's own float16 kernel.
+            bases.append(_mlx_lm_quantized_baseline(query, keys, values, repeat, bits=8))
+            if bases[-1] is None:
+                skipped.append('mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed (pip install "kvmetal[lm]")')
+            bases.append(_gather_sdpa_baseline(query, qk, qv, tables, lens, backend, repeat))
+            with use_backend(backend):
+                bases.append(_baseline(f"kvmetal paged_decode_f16 ({backend})",
+                                       lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
+                                       repeat))
         live_fraction = tokens / (kc.shape[0] * BLOCK_SIZE)
         kv_bytes = int((qk.nbytes + qv.nbytes) * live_fraction)
-        return [_result(f"paged_decode_k{k_bits}v{v_bits} T={tokens}", backend, seconds, kv_bytes, base,
+        return [_result(f"paged_decode_k{k_bits}v{v_bits} T={tokens}", backend, stats, kv_bytes, bases,
+                        skipped_baselines=skipped,
                         bytes_vs_f16=kv_bytes / _live_kv_bytes(tokens, 2, 2))]
     return run
 
@@ -97,9 +157,9 @@ def decode_contiguous(*, backend, tokens, repeat, baseline, progress):
     query, _, _, _, _, keys, values = paged_setup(tokens, mx.float16)
     q4 = query[:, :, None, :]
     with use_backend(backend):
-        seconds = median_seconds(lambda: ops.decode_attention(q4, keys, values), repeat=repeat)
+        stats = time_stats(lambda: ops.decode_attention(q4, keys, values), repeat=repeat)
     base = _sdpa_baseline(query, keys, values, repeat) if baseline else None
-    return [_result(f"decode_attention_f16 T={tokens}", backend, seconds, _live_kv_bytes(tokens, 2, 2), base)]
+    return [_result(f"decode_attention_f16 T={tokens}", backend, stats, _live_kv_bytes(tokens, 2, 2), base)]
 
 
 def write_and_gather(*, backend, tokens, repeat, baseline, progress):
@@ -123,9 +183,9 @@ def write_and_gather(*, backend, tokens, repeat, baseline, progress):
         return caches[0], caches[1]
 
     with use_backend(backend):
-        write = median_seconds(kvmetal_write, repeat=repeat)
-        gather = median_seconds(lambda: ops.gather_kv_cache(caches[0], caches[1], tables, lens, validate=False),
-                                repeat=repeat)
+        write = time_stats(kvmetal_write, repeat=repeat)
+        gather = time_stats(lambda: ops.gather_kv_cache(caches[0], caches[1], tables, lens, validate=False),
+                            repeat=repeat)
     write_base = gather_base = None
     if baseline:
         blocks, offsets = slots // BLOCK_SIZE, slots % BLOCK_SIZE
@@ -141,11 +201,24 @@ def write_and_gather(*, backend, tokens, repeat, baseline, progress):
             return (k[tables[0]].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM),
                     v[tables[0]].transpose(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM))
 
-        write_base = {"name": "MLX indexed assignment (scatter)", "seconds": median_seconds(mlx_write, repeat=repeat)}
-        gather_base = {"name": "MLX take + transpose", "seconds": median_seconds(mlx_gather, repeat=repeat)}
+        write_base = _baseline("MLX indexed assignment (scatter)", mlx_write, repeat)
+        gather_base = _baseline("MLX take + transpose", mlx_gather, repeat)
     row_bytes = 2 * new * NUM_KV_HEADS * HEAD_DIM * 2
     return [_result(f"reshape_and_cache_f16 {new} rows", backend, write, row_bytes, write_base),
             _result(f"gather_kv_cache_f16 T={tokens}", backend, gather, _live_kv_bytes(tokens, 2, 2), gather_base)]
+
+
+def simulator_missing() -> str | None:
+    """Why the simulator cannot run here (no C++ compiler), or None."""
+    import shutil
+
+    from ..sim import build
+
+    cmd = build.compiler()
+    if cmd and shutil.which(cmd[0]):
+        return None
+    return (f"skipped: the Metal simulator compiles kernels with a C++ compiler and {' '.join(cmd) or 'g++'!r} "
+            f"is not on PATH (install g++ or clang++, or set CXX)")
 
 
 def metal_kernels(*, backend, tokens, repeat, baseline, progress):
@@ -153,9 +226,14 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
     above already time the metal backend's kernels, so this adds nothing there."""
     if mx.metal.is_available():
         return []
+    missing = simulator_missing()
+    if missing:
+        return [{"name": "metal kernels (simulator traffic)", "backend": "sim", "seconds": None,
+                 "kv_bytes": None, "gbps": None, "note": missing, "skipped": True}]
     from .metal_cases import run_metal_cases  # the simulator is loaded only here
+    from .sim_costs import cost_rows
 
-    return run_metal_cases(progress)
+    return run_metal_cases(progress) + cost_rows(progress)
 
 
 CASES = {

@@ -10,16 +10,33 @@ import mlx.core as mx
 import numpy as np
 
 
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    mx.eval(fn())
+    return time.perf_counter() - start
+
+
+def time_stats(fn, *, repeat: int = 5, warmup: int = 1, budget_s: float | None = None) -> dict:
+    """Wall times of ``fn()`` (evaluated with ``mx.eval``) after ``warmup`` calls:
+    ``{"seconds": median, "min": ..., "max": ..., "repeats": n}``.
+
+    ``budget_s`` bounds a slow function's cost: the repeats shrink to what fits in it
+    (at least one), and when the warm-up call alone exceeds it that call is the one
+    sample (``"warmup_as_sample": True``); ``repeats`` always says how many were taken.
+    """
+    first = [_timed(fn) for _ in range(max(warmup, 1 if budget_s else 0))]
+    if budget_s is not None and first and first[-1] >= budget_s:
+        t = first[-1]
+        return {"seconds": t, "min": t, "max": t, "repeats": 1, "warmup_as_sample": True}
+    if budget_s is not None and first:
+        repeat = max(1, min(repeat, int(budget_s / max(first[-1], 1e-9))))
+    times = [_timed(fn) for _ in range(repeat)]
+    return {"seconds": statistics.median(times), "min": min(times), "max": max(times), "repeats": len(times)}
+
+
 def median_seconds(fn, *, repeat: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` (its result is evaluated with ``mx.eval``)."""
-    for _ in range(warmup):
-        mx.eval(fn())
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time_stats(fn, repeat=repeat, warmup=warmup)["seconds"]
 
 
 def read_bandwidth_gbps(nbytes: int = 512 << 20, repeat: int = 5) -> float:

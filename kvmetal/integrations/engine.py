@@ -11,18 +11,73 @@ Requests join and leave at any step. Each ``step()``:
 
 When a fixed-size pool runs dry mid-decode, the most recently admitted request is
 preempted: its blocks are freed and it waits to be recomputed from its tokens so far
-(vLLM's recompute preemption), so the output does not change.
+(vLLM's recompute preemption), so the output does not change. A request that could
+not grow even with the whole pool to itself finishes early with reason ``"length"``
+(the cache is full) while the others keep running; a prompt that cannot fit even in
+an empty pool is rejected by ``add_request``.
+
+Sampling is per request (``SamplingParams``): greedy, or temperature / top-p / top-k /
+min-p with the request's own random key, so a seeded request gives the same tokens
+whatever it is batched with and however often it is preempted.
 """
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import KVCacheFull
 from .mlx_lm import use_paged_cache
+
+
+class RequestTooLarge(ValueError):
+    """A request needs more KV cache than the whole (fixed) pool holds.
+
+    ``requested`` and ``fits`` are token counts, for error messages."""
+
+    def __init__(self, message: str, *, requested: int, fits: int):
+        super().__init__(message)
+        self.requested = requested
+        self.fits = fits
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens (mlx-lm's names and meanings).
+
+    temperature 0 is greedy; top_p 1 / top_k 0 / min_p 0 switch that filter off;
+    seed makes sampling reproducible (None draws one)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        checks = (("temperature", self.temperature, 0.0, None), ("top_p", self.top_p, 0.0, 1.0),
+                  ("min_p", self.min_p, 0.0, 1.0))
+        for name, value, low, high in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"[SamplingParams] {name} must be a number, got {value!r}")
+            if not (value >= low and (high is None or value <= high)) or value != value or value == float("inf"):
+                bound = f"in [{low}, {high}]" if high is not None else f">= {low} and finite"
+                raise ValueError(f"[SamplingParams] {name} must be {bound}, got {value!r}")
+        for name, value in (("top_k", self.top_k), ("seed", self.seed)):
+            if value is None and name == "seed":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"[SamplingParams] {name} must be an int, got {value!r}")
+        if self.top_k < 0:
+            raise ValueError(f"[SamplingParams] top_k must be >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass
@@ -32,68 +87,171 @@ class Request:
     max_tokens: int
     output: list = field(default_factory=list)
     cached_prompt_tokens: int = 0  # prompt tokens found through prefix sharing (last admission)
+    sampling: SamplingParams | None = None  # None: the engine's sampler
+    stop_token_ids: frozenset = frozenset()
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    key: mx.array | None = None  # this request's random state (sampling with temperature)
 
     @property
     def finished(self) -> bool:
-        return len(self.output) >= self.max_tokens
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list:
+        """Prompt and output so far: what a preempted request is recomputed from."""
+        return self.prompt + self.output
 
 
 @dataclass(frozen=True)
 class Event:
-    """One generated token."""
+    """One generated token, or (``token`` None) a request that ended without one."""
 
     request_id: object
-    token: int
+    token: int | None
     finished: bool
+    finish_reason: str | None = None
 
 
 def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"[Engine.add_request] {name} must be an int >= 1, got {value!r}")
+    return value
+
+
 class Engine:
-    """Continuous-batching greedy (or ``sampler``) generation for an mlx-lm model.
+    """Continuous-batching generation for an mlx-lm model.
 
     Args:
         model: an mlx-lm model of a family ``use_paged_cache`` supports.
         block_size, num_blocks, k_bits, v_bits: the paged cache (``num_blocks=None`` grows).
+        k_group_size, v_group_size: quantization group sizes, passed to ``use_paged_cache``
+            when given (None: its default).
         prefix_sharing: share full prompt blocks between requests with equal prefixes.
-        sampler: logits [S, V] -> token ids [S]; greedy by default.
-    Use as a context manager, or call ``close()`` to restore the model.
+        sampler: logits [S, V] -> token ids [S] for requests without ``sampling``; greedy by default.
+        keep_finished: keep finished requests in ``requests`` (a server turns this off).
+        on_finish: called with a request that finished normally, before its blocks are
+            freed (a prefix store reads them there).
+        max_prefill_tokens: prompt tokens one step may compute before it decodes (at least
+            one prompt is always admitted); bounds the pause running requests see when
+            many prompts arrive at once. None: admit everything that fits.
+    Use as a context manager, or call ``close()`` to restore the model; a closed
+    engine raises ``RuntimeError``.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
-                 v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy):
+                 v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy,
+                 keep_finished: bool = True, on_finish=None, max_prefill_tokens: int | None = None,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
         self.model = model
+        groups = {k: v for k, v in (("k_group_size", k_group_size), ("v_group_size", v_group_size)) if v is not None}
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
-                                      v_bits=v_bits)
+                                      v_bits=v_bits, **groups)
         self.cache = self.handle.new_model_cache()
+        self.block_size = block_size
         self.prefix_sharing = prefix_sharing
         self.sampler = sampler
+        self.keep_finished = keep_finished
+        self.on_finish = on_finish
+        if max_prefill_tokens is not None:
+            _check_count("max_prefill_tokens", max_prefill_tokens)
+        self.max_prefill_tokens = max_prefill_tokens
+        # Across ranks (``kvmetal serve`` under mlx.launch): maps this rank's sampled tokens to
+        # rank 0's, so that every rank appends the same tokens and stays in lockstep.
+        self.token_sync = None
         self.waiting: deque = deque()
         self.running: list = []  # in admission order
         self.requests: dict = {}
         self._ids = itertools.count()
+        self.closed = False
         self.decode_steps = 0
         self.preemptions = 0
         self.prompt_tokens_computed = 0
+        self.prompt_tokens_cached = 0  # tokens admissions found through prefix sharing
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """Most prompt tokens one request can bring with the whole pool to itself (None: the
+        pool grows). A prompt is written whole into every layer group, window groups too."""
+        if self.cache.growable:
+            return None
+        return min(p.allocator.num_blocks for p in self.cache.pools) * self.block_size
+
+    @property
+    def max_sequence_tokens(self) -> int | None:
+        """Most tokens (prompt and output) one request can reach alone (None: no bound).
+        Only full-attention groups bound it: window groups release blocks as decode moves."""
+        full = [p for p, w in zip(self.cache.pools, self.cache.windows) if w is None]
+        if self.cache.growable or not full:
+            return None
+        return min(p.allocator.num_blocks for p in full) * self.block_size
+
+    def _fits_alone(self, num_tokens: int) -> bool:
+        limit = self.max_sequence_tokens
+        return limit is None or num_tokens <= limit
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, prompt, *, max_tokens: int, request_id=None):
-        """Queue a prompt (token ids); it joins the batch at the next ``step()``."""
-        prompt = [int(t) for t in prompt]
+    def add_request(self, prompt, *, max_tokens: int, request_id=None, sampling: SamplingParams | None = None,
+                    stop_token_ids=()):
+        """Queue a prompt (token ids); it joins the batch at the next ``step()``.
+
+        Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
+        empty pool; a request that outgrows the pool later finishes with "length"."""
+        self._check_open("add_request")
+        prompt = list(prompt)
         if not prompt:
             raise ValueError("[Engine.add_request] prompt must hold at least one token")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"[Engine.add_request] max_tokens must be an int >= 1, got {max_tokens!r}")
-        request_id = next(self._ids) if request_id is None else request_id
-        if request_id in self.requests:
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        for t in prompt:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0 or (
+                    vocab is not None and t >= vocab):
+                bound = f" and < {vocab} (the vocabulary)" if vocab is not None else ""
+                raise ValueError(f"[Engine.add_request] prompt token ids must be ints >= 0{bound}, got {t!r}")
+        prompt = [int(t) for t in prompt]
+        _check_count("max_tokens", max_tokens)
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise TypeError(f"[Engine.add_request] sampling must be a SamplingParams or None, got {sampling!r}")
+        limit = self.max_prompt_tokens
+        if limit is not None and len(prompt) > limit:
+            raise RequestTooLarge(
+                f"[Engine.add_request] a prompt of {len(prompt)} tokens needs "
+                f"{-(-len(prompt) // self.block_size)} blocks of {self.block_size}, but the whole pool holds "
+                f"{limit // self.block_size} blocks ({limit} tokens)", requested=len(prompt), fits=limit)
+        if request_id is None:
+            request_id = next(self._ids)
+            while request_id in self.requests:  # skip ids a caller chose
+                request_id = next(self._ids)
+        elif request_id in self.requests:
             raise ValueError(f"[Engine.add_request] request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, max_tokens)
+        request = Request(request_id, prompt, max_tokens, sampling=sampling,
+                          stop_token_ids=frozenset(int(t) for t in stop_token_ids))
+        if sampling is not None and not sampling.greedy:
+            seed = random.getrandbits(63) if sampling.seed is None else sampling.seed
+            request.key = mx.random.key(seed)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request_id
+
+    def abort(self, request_id) -> bool:
+        """Drop a waiting or running request and free its blocks; False if it is not live."""
+        self._check_open("abort")
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.free(request_id)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, "abort")
+        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -102,6 +260,7 @@ class Engine:
 
     def step(self) -> list:
         """Admit what fits, decode every running request once; returns the new tokens."""
+        self._check_open("step")
         events = self._admit()
         if self.running:
             events += self._decode()
@@ -111,62 +270,110 @@ class Engine:
         """Generate for every prompt (all join at once); returns each one's tokens."""
         max_tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         ids = [self.add_request(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+        outputs = {}
         while self.has_work():
-            self.step()
-        return [self.requests[i].output for i in ids]
+            for event in self.step():
+                if event.token is not None:
+                    outputs.setdefault(event.request_id, []).append(event.token)
+        return [outputs.get(i, []) for i in ids]
 
     # ------------------------------------------------------------------ internals
 
+    def _check_open(self, op: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"[Engine.{op}] the engine was closed; create a new Engine")
+
     def _admit(self) -> list:
         events = []
+        budget = self.max_prefill_tokens
+        computed = 0
         while self.waiting:
             request = self.waiting[0]
-            tokens = request.prompt + request.output  # a preempted request resumes from here
+            tokens = request.tokens  # a preempted request resumes from here
+            if budget is not None and computed and computed + len(tokens) > budget:
+                break  # decode first; the rest joins at the next steps
             try:
                 if self.prefix_sharing:
                     start = self.cache.add_sequence(request.request_id, tokens)
                 else:
                     start = self.cache.add_sequence(request.request_id, num_tokens=len(tokens))
             except KVCacheFull:
-                if not self.running:
-                    raise KVCacheFull(f"[Engine] request {request.request_id!r} needs more blocks than the "
-                                      f"whole pool holds ({len(tokens)} tokens)") from None
-                break  # wait for running requests to finish
+                if self.running:
+                    break  # wait for running requests to finish
+                # Alone in the pool and still too big: only a resumed request that grew gets here.
+                self.waiting.popleft()
+                events.append(self._finish(request, "length"))
+                continue
             self.waiting.popleft()
             request.cached_prompt_tokens = start
+            self.prompt_tokens_cached += start
             self.prompt_tokens_computed += len(tokens) - start
+            computed += len(tokens) - start
             caches = self.cache.layer_caches([request.request_id], [start])
             logits = self.model(mx.array(tokens[start:])[None], cache=caches)
-            token = int(self.sampler(logits[:, -1, :]).item())
+            token = self._sample([request], logits[:, -1, :])[0]
             events.append(self._emit(request, token))
             if not request.finished:
                 self.running.append(request)
         return events
 
     def _decode(self) -> list:
-        # Room for one more token per running request; preempt the newest until it fits.
+        # Room for one more token per running request. One that could not grow even with
+        # the pool to itself ends ("length"); otherwise preempt the newest until all fit.
+        events = []
         while True:
             appended = []
             try:
                 for request in self.running:
+                    if not self._fits_alone(len(request.tokens)):
+                        raise _Outgrown(request)
                     self._append(request)
                     appended.append(request)
                 break
-            except KVCacheFull:
+            except (KVCacheFull, _Outgrown) as e:
                 for request in appended:  # undo this step's appends, then make room
                     self.cache.truncate(request.request_id, self.cache.num_tokens(request.request_id) - 1)
-                self._preempt(self.running[-1])
+                if isinstance(e, _Outgrown):
+                    self.running.remove(e.request)
+                    self.cache.free(e.request.request_id)
+                    events.append(self._finish(e.request, "length"))
+                elif len(self.running) == 1:  # alone and still no room: the pool cannot hold it
+                    request = self.running.pop()
+                    self.cache.free(request.request_id)
+                    events.append(self._finish(request, "length"))
+                else:
+                    self._preempt(self.running[-1])
                 if not self.running:
-                    return []
+                    return events
         ids = [r.request_id for r in self.running]
-        offsets = [len(r.prompt) + len(r.output) - 1 for r in self.running]
+        offsets = [len(r.tokens) - 1 for r in self.running]
         inputs = mx.array([[r.output[-1]] for r in self.running])
         logits = self.model(inputs, cache=self.cache.layer_caches(ids, offsets))
-        tokens = self.sampler(logits[:, -1, :]).tolist()
+        tokens = self._sample(self.running, logits[:, -1, :])
         self.decode_steps += 1
-        events = [self._emit(r, int(t)) for r, t in zip(self.running, tokens)]
+        events += [self._emit(r, t) for r, t in zip(self.running, tokens)]
         self.running = [r for r in self.running if not r.finished]
         return events
+
+    def _sample(self, requests: list, logits: mx.array) -> list:
+        """One token per row of ``logits`` [S, V], each by its request's sampling."""
+        tokens = self._pick(requests, logits)
+        return tokens if self.token_sync is None else self.token_sync(tokens)
+
+    def _pick(self, requests: list, logits: mx.array) -> list:
+        if all(r.sampling is None for r in requests):
+            return [int(t) for t in self.sampler(logits).tolist()]
+        picks = []
+        argmax = mx.argmax(logits, axis=-1)
+        for i, r in enumerate(requests):
+            if r.sampling is None:
+                picks.append(self.sampler(logits[i:i + 1])[0])
+            elif r.sampling.greedy:
+                picks.append(argmax[i])
+            else:
+                r.key, key = mx.random.split(r.key)
+                picks.append(_sample_row(logits[i], r.sampling, key))
+        return [int(t) for t in mx.stack(picks).tolist()]
 
     def _append(self, request: Request) -> None:
         token = request.output[-1]
@@ -183,9 +390,24 @@ class Engine:
 
     def _emit(self, request: Request, token: int) -> Event:
         request.output.append(token)
-        if request.finished:
-            self.cache.free(request.request_id)  # blocks go back right away
-        return Event(request.request_id, token, request.finished)
+        self.generated_tokens += 1
+        reason = None
+        if token in request.stop_token_ids:
+            reason = "stop"
+        elif len(request.output) >= request.max_tokens:
+            reason = "length"
+        if reason is None:
+            return Event(request.request_id, token, False)
+        if self.on_finish is not None:
+            self.on_finish(request)
+        self.cache.free(request.request_id)  # blocks go back right away
+        return self._finish(request, reason, token)
+
+    def _finish(self, request: Request, reason: str, token: int | None = None) -> Event:
+        request.finish_reason = reason
+        if not self.keep_finished:
+            self.requests.pop(request.request_id, None)
+        return Event(request.request_id, token, True, reason)
 
     @property
     def peak_nbytes(self) -> int:
@@ -198,6 +420,7 @@ class Engine:
         return self.cache.peak_used_bytes
 
     def close(self) -> None:
+        self.closed = True
         self.handle.undo()
 
     def __enter__(self):
@@ -206,3 +429,22 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class _Outgrown(Exception):
+    def __init__(self, request: Request):
+        self.request = request
+
+
+def _sample_row(logits: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:
+    """Sample one token from ``logits`` [V] with mlx-lm's filters and an explicit key."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]
+    if 0 < sampling.top_p < 1:
+        logprobs = apply_top_p(logprobs, sampling.top_p)
+    if sampling.min_p > 0:
+        logprobs = apply_min_p(logprobs, sampling.min_p)
+    if 0 < sampling.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, sampling.top_k)
+    return mx.random.categorical(logprobs * (1 / sampling.temperature), key=key)[0]

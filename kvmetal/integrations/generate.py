@@ -1,70 +1,226 @@
-"""``kvmetal generate``: run a local mlx-lm model directory with kvmetal's paged KV cache.
+"""``kvmetal generate``: mlx-lm's ``generate`` with kvmetal's paged KV cache.
 
-    kvmetal generate --model ./Qwen3-0.6B-4bit --prompt "Hello" --max-tokens 64 --k-bits 8 --v-bits 4
+    kvmetal generate -m ./Qwen3-0.6B-4bit -p "Hello" --max-tokens 64 --k-bits 8 --v-bits 4
+    kvmetal generate -m mlx-community/Qwen3-0.6B-4bit -p "Hello" --kv-bits 8
 
-Text streams to stdout; speeds and KV bytes go to stderr.
+The flags follow ``mlx_lm.generate`` (chat template by default, sampling, ``--kv-bits``);
+``-m`` is ``--model`` here, as in every kvmetal command. Text streams to stdout; speeds,
+peak memory and KV bytes go to stderr. Under ``mlx.launch`` the model is sharded over
+the ranks with mlx-lm's ``sharded_load`` and only rank 0 prints.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
+PROG = "kvmetal generate"
+
+
+class UserError(Exception):
+    """A mistake in the command line or the environment: one line, no traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="mlx-lm's generate with kvmetal's paged KV cache.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="K/V storage: --kv-bits quantizes both (mlx-lm's meaning); --k-bits and "
+                                       "--v-bits set each side (K8/V4: --k-bits 8 --v-bits 4).")
+    p.add_argument("-m", "--model", required=True,
+                   help="a local mlx-lm model directory, or a Hugging Face repo id (resolved and cached by mlx-lm)")
+    p.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
+    p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (default 100)")
+    p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="use the prompt as raw text (default: the tokenizer's chat template, when it has one)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default 0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--kv-bits", type=int, default=None, help="quantize K and V to these bits (mlx-lm's flag)")
+    p.add_argument("--kv-group-size", type=int, default=None,
+                   help="quantization group size for K and V (default 64, or the largest that divides head_dim)")
+    p.add_argument("--quantized-kv-start", type=int, default=0,
+                   help="accepted for mlx-lm compatibility; kvmetal quantizes from the first token")
+    p.add_argument("--k-bits", type=int, default=None, help="quantize K to these bits")
+    p.add_argument("--v-bits", type=int, default=None, help="quantize V to these bits")
+    p.add_argument("--k-group-size", type=int, default=None, help="group size of K (overrides --kv-group-size)")
+    p.add_argument("--v-group-size", type=int, default=None, help="group size of V (overrides --kv-group-size)")
+    p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per cache block")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="fixed pool size in blocks (default: the pool grows on demand)")
+    p.add_argument("--backend", choices=("metal", "cpu", "sim"), default=None,
+                   help="kvmetal backend (default: metal on a Mac, else cpu)")
+    return p
+
+
+def kv_options(args, head_dim: int) -> tuple:
+    """(bits, group sizes, notes) from the flags; group sizes auto-picked for head_dim."""
+    from .. import quant
+    from ..budget import largest_group_size
+
+    if args.kv_bits is not None and (args.k_bits is not None or args.v_bits is not None):
+        raise UserError("give either --kv-bits or --k-bits/--v-bits, not both")
+    k_bits = args.kv_bits if args.kv_bits is not None else args.k_bits
+    v_bits = args.kv_bits if args.kv_bits is not None else args.v_bits
+    for name, bits in (("--k-bits", k_bits), ("--v-bits", v_bits)):
+        if bits is not None and bits not in quant.SUPPORTED_BITS:
+            raise UserError(f"{name} must be one of {quant.SUPPORTED_BITS}, got {bits}")
+    notes, auto = [], []
+    groups = {}
+    for side, bits, explicit in (("k", k_bits, args.k_group_size), ("v", v_bits, args.v_group_size)):
+        group = explicit if explicit is not None else args.kv_group_size
+        if bits is None:
+            groups[side] = None
+            continue
+        if group is not None:
+            if group not in quant.SUPPORTED_GROUP_SIZES:
+                raise UserError(f"--{side}-group-size must be one of {quant.SUPPORTED_GROUP_SIZES}, got {group}")
+            if head_dim % group:
+                raise UserError(f"head_dim {head_dim} is not a multiple of group size {group}; "
+                                f"try --kv-group-size {largest_group_size(head_dim) or 32}")
+        else:
+            group = quant.DEFAULT_GROUP_SIZE
+            if head_dim % group:
+                group = largest_group_size(head_dim)
+                if group is None:
+                    raise UserError(f"head_dim {head_dim} has no supported quantization group size "
+                                    f"({quant.SUPPORTED_GROUP_SIZES})")
+                auto.append((side.upper(), group))
+        groups[side] = group
+    if auto:
+        sides = " and ".join(side for side, _ in auto)
+        notes.append(f"head_dim {head_dim} is not a multiple of {quant.DEFAULT_GROUP_SIZE}: {sides} "
+                     f"use{'s' if len(auto) == 1 else ''} group size {auto[0][1]}")
+    if args.quantized_kv_start and (k_bits or v_bits):
+        notes.append(f"--quantized-kv-start {args.quantized_kv_start} ignored: the paged cache is quantized "
+                     f"from the first token")
+    return k_bits, v_bits, groups["k"], groups["v"], notes
+
+
+def resolve_model(spec: str) -> Path:
+    """A local model directory, or a repo id through mlx-lm's own download and cache."""
+    path = Path(spec).expanduser()
+    if not path.exists():
+        looks_like_repo = spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+        if not looks_like_repo:
+            raise UserError(f"--model {spec!r}: no such directory")
+        from mlx_lm.utils import _download
+
+        try:
+            path = Path(_download(spec))
+        except Exception as exc:  # huggingface_hub's errors: offline, unknown repo, no access
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            offline = os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0")
+            raise UserError(f"--model {spec!r} is not a local directory and could not be fetched from the "
+                            f"Hugging Face Hub{' (HF_HUB_OFFLINE is set)' if offline else ''} nor found in its "
+                            f"cache: {type(exc).__name__}: {reason[:200]}") from None
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise UserError(f"--model {spec!r} is not a model directory (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"--model {spec!r} has a config.json but no weights (*.safetensors)")
+    return path
+
+
+def _distributed_group():
+    """The mlx.launch group, or None in a plain process."""
+    import mlx.core as mx
+
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvmetal generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="a local mlx-lm model directory (config.json, weights, tokenizer)")
-    parser.add_argument("--prompt", required=True, help="prompt text ('-' reads stdin)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32))
-    parser.add_argument("--num-blocks", type=int, help="fixed pool size in blocks (default: grow on demand)")
-    parser.add_argument("--k-bits", type=int, help="quantize K to these bits")
-    parser.add_argument("--v-bits", type=int, help="quantize V to these bits")
-    parser.add_argument("--backend", choices=("metal", "cpu", "sim"), help="kvmetal backend (default: best available)")
-    args = parser.parse_args(argv)
-    if args.max_tokens < 1:
-        parser.error("--max-tokens must be >= 1")
-    if not (Path(args.model) / "config.json").is_file():
-        print(f"kvmetal generate: --model {args.model!r} is not a model directory (no config.json)", file=sys.stderr)
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UserError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
 
-    import contextlib
 
-    from mlx_lm import load, stream_generate
+def _run(args) -> int:
+    import mlx.core as mx
+
+    from ..budget import shape_from_config
+    from ..cache import KVCacheFull
+
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        raise UserError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.backend == "metal" and not mx.metal.is_available():
+        raise UserError("the metal backend needs an Apple GPU (macOS on Apple Silicon); try --backend cpu")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if not prompt.strip():
+        raise UserError("the prompt is empty")
+
+    import mlx_lm  # noqa: F401  (a missing mlx-lm is reported before any model work)
+    from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load, sharded_load
 
     from ..backends import use_backend
     from .mlx_lm import use_paged_cache
 
-    model, tokenizer = load(args.model)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if args.chat and getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    group = _distributed_group()
+    rank0 = group is None or group.rank() == 0
+    say = (lambda *a, **k: print(*a, **k)) if rank0 else (lambda *a, **k: None)
+
+    path = resolve_model(args.model)
+    if args.seed is not None:
+        mx.random.seed(args.seed)  # before loading, as mlx_lm.generate does: same seed, same tokens
+    if group is not None:
+        model, tokenizer, config = sharded_load(str(path), tensor_group=group, return_config=True)
+        say(f"sharded over {group.size()} ranks (tensor parallel)", file=sys.stderr)
+    else:
+        model, tokenizer, config = load(str(path), return_config=True)
+    head_dim = shape_from_config(config, name=path.name).head_dim
+    k_bits, v_bits, k_group, v_group, notes = kv_options(args, head_dim)
+    for note in notes:
+        say(f"{PROG}: {note}", file=sys.stderr)
+
+    if not args.ignore_chat_template and getattr(tokenizer, "has_chat_template", False):
+        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
+        messages.append({"role": "user", "content": prompt})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    elif args.system_prompt is not None:
+        say(f"{PROG}: --system-prompt ignored: no chat template in use", file=sys.stderr)
+
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     try:
-        handle = use_paged_cache(model, block_size=args.block_size, num_blocks=args.num_blocks,
-                                 k_bits=args.k_bits, v_bits=args.v_bits)
-    except (NotImplementedError, ValueError) as e:
-        print(f"kvmetal generate: {e}", file=sys.stderr)
-        return 2
+        handle = use_paged_cache(model, block_size=args.block_size, num_blocks=args.num_blocks, k_bits=k_bits,
+                                 v_bits=v_bits, k_group_size=k_group, v_group_size=v_group)
+    except (NotImplementedError, ValueError) as exc:
+        raise UserError(str(exc)) from None
     backend = use_backend(args.backend) if args.backend else contextlib.nullcontext()
     with handle, backend:
         cache = make_prompt_cache(model)
         last = None
-        for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                    sampler=make_sampler(temp=args.temp), prompt_cache=cache):
-            print(last.text, end="", flush=True)
-        print()
+        try:
+            for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, sampler=sampler,
+                                        prompt_cache=cache):
+                say(last.text, end="", flush=True)
+        except KVCacheFull as exc:
+            say()
+            raise UserError(f"the KV cache is full ({exc}); raise --num-blocks, or omit it to let the pool "
+                            f"grow") from None
+        say()
         model_cache = cache[0].model_cache
         if last is not None:
-            print(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s; "
-                  f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s",
-                  file=sys.stderr)
-        print(f"kv cache: {model_cache.used_bytes / 2**20:.2f} MiB in blocks owned, pool "
-              f"{model_cache.nbytes / 2**20:.2f} MiB ({model_cache.stats()['num_blocks']} blocks of "
-              f"{args.block_size} tokens)", file=sys.stderr)
+            say(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s; "
+                f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s", file=sys.stderr)
+        say(f"peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", file=sys.stderr)
+        per_rank = " per rank" if group is not None else ""
+        say(f"kv cache{per_rank}: {model_cache.used_bytes / 2**20:.2f} MiB in blocks owned, pool "
+            f"{model_cache.nbytes / 2**20:.2f} MiB ({model_cache.stats()['num_blocks']} blocks of "
+            f"{args.block_size} tokens)", file=sys.stderr)
     return 0
 
 

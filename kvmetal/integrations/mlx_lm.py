@@ -8,8 +8,15 @@ Two patches, both undone on exit: ``model.make_cache`` returns kvmetal caches (m
 ``make_prompt_cache`` prefers it, so ``generate``, ``stream_generate`` and
 ``generate_step`` pick them up unchanged), and the name ``scaled_dot_product_attention``
 in the model's module is wrapped so that a layer holding a kvmetal cache attends through
-kvmetal: ``paged_attention`` for decode, gather + ``mx.fast.scaled_dot_product_attention``
-for prefill. Any other cache goes to mlx-lm's own function untouched.
+kvmetal: ``paged_attention`` for decode and passes of up to 8 tokens (speculative
+verification, short chunks; L > 1 where the backend declares ``MULTI_QUERY``), gather +
+``mx.fast.scaled_dot_product_attention`` for longer prefill. Any other cache goes to
+mlx-lm's own function untouched.
+
+Every ``make_cache()`` of one patch draws its sequences from one shared pool, so
+mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table operations; a
+cache's blocks go back when the cache is dropped. Patching is atomic per model: a
+second ``use_paged_cache`` on a patched model raises, from any thread.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss
 
 _patch_lock = threading.Lock()
 _patched_modules: dict = {}  # module name -> [original function, number of live patches]
+_patched_models: dict = {}  # id(model) -> its live PagedCacheHandle (claimed before any work)
 
 
 def model_family(model) -> str:
@@ -107,35 +115,58 @@ def layer_specs(model) -> list:
 class PagedCacheHandle:
     """An active ``use_paged_cache`` patch; ``undo()`` (or leaving the ``with``) restores the model."""
 
-    def __init__(self, model, *, block_size: int, num_blocks: int | None, k_bits: int | None, v_bits: int | None):
+    def __init__(self, model, *, block_size: int, num_blocks: int | None, k_bits: int | None, v_bits: int | None,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
         self.model = model
-        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)
-        self.specs = layer_specs(model)
-        self._module = type(model).__module__
-        self._had_instance_make_cache = "make_cache" in vars(model)
-        self._instance_make_cache = vars(model).get("make_cache")
-        _patch_module(self._module)
+        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
+                            k_group_size=k_group_size, v_group_size=v_group_size)
+        self.active = False
+        with _patch_lock:  # claim the model first: a second patch, from any thread, fails here
+            if id(model) in _patched_models:
+                raise ValueError("[use_paged_cache] this model already uses a paged cache; undo that one first")
+            _patched_models[id(model)] = self
+        try:
+            self.specs = layer_specs(model)
+            self._module = type(model).__module__
+            self._had_instance_make_cache = "make_cache" in vars(model)
+            self._instance_make_cache = vars(model).get("make_cache")
+            _patch_module(self._module)
+        except BaseException:
+            with _patch_lock:
+                del _patched_models[id(model)]
+            raise
         model.make_cache = self.make_cache
+        self._shared = None
         self.active = True
 
     def new_model_cache(self) -> PagedModelCache:
         """An empty paged cache for this model (the engine adds its own sequences)."""
         return PagedModelCache(self.specs, **self.options)
 
+    @property
+    def shared_cache(self) -> PagedModelCache:
+        """The pool every ``make_cache()`` of this patch draws its sequences from."""
+        if self._shared is None:
+            self._shared = self.new_model_cache()
+        return self._shared
+
     def make_cache(self) -> list:
-        """What ``model.make_cache()`` returns while patched: one-sequence layer caches."""
-        model_cache = self.new_model_cache()
-        model_cache.add_sequence(0, num_tokens=0)
-        return model_cache.layer_caches([0])
+        """What ``model.make_cache()`` returns while patched: one-sequence layer caches
+        (a batch in the first forward pass widens them) whose blocks live in the shared
+        pool until the caches are dropped."""
+        _refuse_dropped_options()
+        return self.shared_cache.owned_layer_caches(1)
 
     def undo(self) -> None:
-        if not self.active:
-            return
-        self.active = False
-        if self._had_instance_make_cache:
-            self.model.make_cache = self._instance_make_cache
-        else:
-            del self.model.make_cache
+        with _patch_lock:
+            if not self.active:
+                return
+            self.active = False
+            if self._had_instance_make_cache:
+                self.model.make_cache = self._instance_make_cache
+            else:
+                vars(self.model).pop("make_cache", None)
+            del _patched_models[id(self.model)]
         _unpatch_module(self._module)
 
     def __enter__(self):
@@ -146,8 +177,35 @@ class PagedCacheHandle:
         return False
 
 
+def _refuse_dropped_options() -> None:
+    """mlx-lm's ``make_prompt_cache(model, max_kv_size=N)`` calls ``model.make_cache()``
+    without passing ``max_kv_size`` on (it would build a rotating cache otherwise): the
+    option would be silently lost, so refuse it here."""
+    from mlx_lm.models import cache as mlx_cache
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is mlx_cache.make_prompt_cache.__code__:
+            if frame.f_locals.get("max_kv_size") is not None:
+                raise NotImplementedError(
+                    f"[use_paged_cache] max_kv_size={frame.f_locals['max_kv_size']} is not supported: mlx-lm "
+                    "would keep 4 sink tokens plus a rotating window, which kvmetal's paged cache does not "
+                    "model. Drop max_kv_size (cap memory with use_paged_cache(num_blocks=...)) or undo the patch")
+            return
+        frame = frame.f_back
+
+
+def _register_for_load_prompt_cache() -> None:
+    """mlx-lm's ``load_prompt_cache`` finds cache classes by name in its cache module."""
+    from mlx_lm.models import cache as mlx_cache
+
+    if getattr(mlx_cache, PagedLayerCache.__name__, None) is not PagedLayerCache:
+        setattr(mlx_cache, PagedLayerCache.__name__, PagedLayerCache)
+
+
 def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
-                    v_bits: int | None = None) -> PagedCacheHandle:
+                    v_bits: int | None = None, k_group_size: int | None = None,
+                    v_group_size: int | None = None) -> PagedCacheHandle:
     """Make an mlx-lm ``model`` keep its KV cache in kvmetal's paged pools.
 
     Args:
@@ -155,6 +213,7 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
         block_size: tokens per block (8, 16 or 32).
         num_blocks: blocks per pool; None grows the pool on demand.
         k_bits, v_bits: quantize K / V to these bits (None keeps the model's dtype).
+        k_group_size, v_group_size: quantization group sizes along head_dim (None: 64).
     Returns:
         A handle: use it as a context manager or call ``undo()``.
     """
@@ -164,11 +223,21 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
                                   f"supported: {', '.join(SUPPORTED_FAMILIES)}")
     if block_size not in ops.SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"[use_paged_cache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
-    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+    if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1):
         raise ValueError(f"[use_paged_cache] num_blocks must be None or an int >= 1, got {num_blocks!r}")
     for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
         if bits is not None and bits not in quant.SUPPORTED_BITS:
             raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
-    if isinstance(getattr(getattr(model, "make_cache", None), "__self__", None), PagedCacheHandle):
-        raise ValueError("[use_paged_cache] this model already uses a paged cache; undo that one first")
-    return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits)
+    for name, group in (("k_group_size", k_group_size), ("v_group_size", v_group_size)):
+        if group is not None and group not in quant.SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_GROUP_SIZES}, "
+                             f"got {group!r}")
+    _register_for_load_prompt_cache()
+    return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
+                            k_group_size=k_group_size, v_group_size=v_group_size)
+
+
+try:  # so that load_prompt_cache finds PagedLayerCache even before (or after) a patch
+    _register_for_load_prompt_cache()
+except ImportError:  # mlx-lm not installed: nothing to register with
+    pass

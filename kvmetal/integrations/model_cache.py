@@ -5,23 +5,30 @@ one :class:`~kvmetal.PagedKVCache`, each sliding-window size in another (so a wi
 group can release blocks the window left behind while full layers keep theirs). Every
 group sees the same sequence ids.
 
-:class:`PagedLayerCache` speaks mlx-lm's cache protocol (``offset``,
-``update_and_fetch``, ``make_mask``, ``state``, ``trim``...) for one layer and one or
-more sequences. Dimension names: B sequences, H query heads, Hkv kv heads, L new
-tokens, T cached tokens, D head_dim.
+:class:`PagedLayerCache` speaks mlx-lm's cache protocol for one layer and one or more
+sequences: ``offset``, ``update_and_fetch``, ``make_mask``, ``state``/``meta_state``/
+``from_state``, ``trim``, ``to_quantized``, ``copy.deepcopy``, and the batching
+operations ``merge``/``extend``/``filter``/``extract``/``prepare``/``finalize`` that
+mlx-lm's ``BatchGenerator`` uses. On the pool those are table operations (fork, free,
+truncate), never copies of K/V. Dimension names: B sequences, H query heads, Hkv kv
+heads, L new tokens, T cached tokens, D head_dim.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from .. import ops
-from ..cache import KVCacheFull, PagedKVCache
+from .. import backends, ops, quant
+from ..cache import HOLE, KVCacheFull, PagedKVCache
 
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
 GROWTH = 0.25  # a full growable pool adds this fraction of its size: held bytes stay near the need
+MAX_PAGED_QUERY_TOKENS = ops.MAX_QUERY_TOKENS  # passes of up to this many tokens skip the gather
+TRIM_SLACK = 16  # window layers keep this many tokens beyond their window, so a rewind of that
+                 # many (speculative decoding's rejected drafts) still finds the window intact
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,15 @@ class _Plan:
     max_len: int
 
 
+def _one_group_size(group_size, k_group_size, v_group_size) -> int:
+    """PagedKVCache quantizes K and V with one group size."""
+    sizes = {g for g in (group_size, k_group_size, v_group_size) if g is not None}
+    if len(sizes) > 1:
+        raise NotImplementedError(f"[PagedModelCache] k_group_size {k_group_size} and v_group_size "
+                                  f"{v_group_size} differ; the paged cache takes one group size for K and V")
+    return sizes.pop() if sizes else quant.DEFAULT_GROUP_SIZE
+
+
 class PagedModelCache:
     """Paged K/V for every layer of one model, shared by any number of sequences.
 
@@ -53,12 +69,18 @@ class PagedModelCache:
         block_size: tokens per block.
         num_blocks: blocks per group pool; None starts small and grows on demand.
         k_bits, v_bits: quantize K / V (None keeps them in the model's float dtype).
+        group_size: quantization group size along head_dim for K and V (None: 64);
+        k_group_size, v_group_size: the same, per side (they must agree: one group size per pool).
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
-                 k_bits: int | None = None, v_bits: int | None = None):
+                 k_bits: int | None = None, v_bits: int | None = None, group_size: int | None = None,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
+        group_size = _one_group_size(group_size, k_group_size, v_group_size)
         self.specs = list(specs)
         self.growable = num_blocks is None
+        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
+                            group_size=group_size)
         group_keys = []
         self.layer_group, self.layer_index = [], []
         for spec in self.specs:
@@ -71,15 +93,30 @@ class PagedModelCache:
         self.pools = [
             PagedKVCache(num_layers=self.layer_group.count(g), num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, num_blocks=num_blocks or INITIAL_BLOCKS,
-                         block_size=block_size, dtype=spec.dtype, k_bits=k_bits, v_bits=v_bits)
+                         block_size=block_size, dtype=spec.dtype, k_bits=k_bits, v_bits=v_bits,
+                         group_size=group_size)
             for g, spec in enumerate(group_keys)
         ]
         self.block_size = block_size
         self._version = [0] * len(self.pools)  # bumped on every table change: plans go stale
         self._plans = [None] * len(self.pools)
+        self.mutations = 0  # every table change; keys the memos that layers of one call share
         self.peak_used_bytes = 0
+        self._next_id = 0
+        self._memo: dict = {}  # (kind, args, mutations) -> weak refs every layer of one call shares
+        self._masks: list = []  # [(mask object, requested window)] that make_mask handed out
 
     # ------------------------------------------------------------------ sequences
+
+    def new_seq_id(self):
+        """A fresh sequence id for the drop-in caches (the Engine uses its own ids)."""
+        while ("kvmetal", self._next_id) in self:
+            self._next_id += 1
+        self._next_id += 1
+        return ("kvmetal", self._next_id - 1)
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self.pools[0]
 
     def add_sequence(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> int:
         """Start a sequence in every group; returns the leading tokens already cached in
@@ -89,11 +126,8 @@ class PagedModelCache:
         if tokens is not None:
             start = min(p.allocator.cached_prefix(tokens) for p in self.pools)
         for g, pool in enumerate(self.pools):
-            fits = lambda: pool.allocator.can_add(tokens, num_tokens=num_tokens, share_limit=start)
-            while not fits():
-                if not self.growable:
-                    raise KVCacheFull(f"[add_sequence] sequence {seq_id!r} does not fit in the free blocks")
-                self._grow(g)
+            fits = lambda a=pool.allocator: a.can_add(tokens, num_tokens=num_tokens, share_limit=start)  # noqa: E731
+            self._ensure_room(g, fits, f"[add_sequence] sequence {seq_id!r} does not fit in the free blocks")
         for pool in self.pools:
             pool.add_sequence(seq_id, tokens, num_tokens=num_tokens, share_limit=start)
         self._touch()
@@ -103,15 +137,10 @@ class PagedModelCache:
         """Extend a sequence in every group (window groups first drop what they no longer need).
         Checks every group's room first: on ``KVCacheFull`` only evictions happened."""
         count = len(tokens) if tokens is not None else num_tokens
-        for pool, window in zip(self.pools, self.windows):
-            if window is not None:
-                # The first new query sees the last window - 1 cached tokens and itself.
-                pool.evict(seq_id, window=window - 1)
-        for g, pool in enumerate(self.pools):
-            while pool.allocator.blocks_needed(seq_id, count) > pool.allocator.num_free:
-                if not self.growable:
-                    raise KVCacheFull(f"[append] sequence {seq_id!r} needs more blocks than are free")
-                self._grow(g)
+        for g in range(len(self.pools)):
+            self._evict_behind_window(g, seq_id)
+        for g in range(len(self.pools)):
+            self._ensure_room_for(g, seq_id, count, "append")
         for pool in self.pools:
             pool.append(seq_id, tokens, num_tokens=num_tokens)
         self._touch()
@@ -127,6 +156,7 @@ class PagedModelCache:
         self._touch()
 
     def fork(self, parent_id, child_id) -> None:
+        """``child_id`` shares every block of ``parent_id`` (copy-on-write on the next write)."""
         for pool in self.pools:
             pool.fork(parent_id, child_id)
         self._touch()
@@ -135,10 +165,28 @@ class PagedModelCache:
         return self.pools[0].num_tokens(seq_id)
 
     def layer_caches(self, seq_ids, offsets=None) -> list:
-        """mlx-lm cache objects, one per layer, for a forward pass over ``seq_ids``."""
+        """mlx-lm cache objects, one per layer, for a forward pass over ``seq_ids``
+        (which the caller owns: dropping the caches frees nothing)."""
         seq_ids = list(seq_ids)
         offsets = [self.num_tokens(s) for s in seq_ids] if offsets is None else list(offsets)
         return [PagedLayerCache(self, layer, seq_ids, offsets) for layer in range(len(self.specs))]
+
+    def owned_layer_caches(self, num_seqs: int = 1) -> list:
+        """Layer caches over ``num_seqs`` new empty sequences that live as long as the caches do."""
+        refs = [self._new_ref() for _ in range(num_seqs)]
+        family = {}  # shared by these layers: a batch they widen to (see PagedLayerCache._widen)
+        caches = [PagedLayerCache(self, layer, [r.seq_id for r in refs], [0] * num_seqs, refs=refs)
+                  for layer in range(len(self.specs))]
+        for c in caches:
+            c._family = family
+        return caches
+
+    def quantize(self, *, k_bits: int | None, v_bits: int | None, group_size: int | None = None) -> None:
+        """Convert every pool's float K and/or V to these bits in place."""
+        for pool in self.pools:
+            pool.quantize(k_bits=k_bits, v_bits=v_bits, group_size=group_size)
+        self.options.update(k_bits=k_bits, v_bits=v_bits, group_size=self.pools[0].group_size)
+        self._touch()
 
     # ------------------------------------------------------------------ accounting
 
@@ -152,35 +200,82 @@ class PagedModelCache:
         """Bytes of the blocks live sequences own (every group)."""
         return sum(p.used_bytes for p in self.pools)
 
-    def stats(self) -> dict:
+    def stats(self, group=None) -> dict:
+        """Block and byte counts of this process's pools, summed over layer groups.
+
+        With an ``mx.distributed`` ``group`` (a collective: every rank must call it) the
+        result also holds ``rank``, ``world_size`` and ``all_ranks``: the byte and block
+        counts summed over every rank (run after the model's own collectives have
+        finished; mlx-lm's generation stream is synchronized here). On a model sharded by kv heads each rank's pools
+        hold only its own heads: the same blocks and tables everywhere (the allocator is
+        deterministic), a 1/world_size share of the bytes."""
         per_group = [p.stats() for p in self.pools]
         total = {k: sum(s[k] for s in per_group) for k in per_group[0] if k not in ("block_size", "sequences")}
         total["sequences"] = per_group[0]["sequences"]
         total["groups"] = len(self.pools)
+        if group is not None:
+            _synchronize_model_streams()
+            keys = sorted(total)
+            summed = mx.distributed.all_sum(mx.array([float(total[k]) for k in keys], dtype=mx.float32),
+                                            group=group).tolist()
+            total.update(rank=group.rank(), world_size=group.size(),
+                         all_ranks={k: int(round(v)) for k, v in zip(keys, summed)})
         return total
 
     # ------------------------------------------------------------------ internals
+
+    def _new_ref(self, parent=None) -> "_SequenceRef":
+        seq_id = self.new_seq_id()
+        if parent is None:
+            self.add_sequence(seq_id, num_tokens=0)
+        else:
+            self.fork(parent, seq_id)
+        return _SequenceRef(self, seq_id)
+
+    def _shared(self, key: tuple, make) -> list:
+        """``make()`` (a list of :class:`_SequenceRef`) once per table state: the layers
+        of one mlx-lm call (extract, merge, to_quantized...) each ask, the first one's
+        result serves them all. Held weakly: dropped caches still free their blocks."""
+        held = self._memo.get(key + (self.mutations,))
+        refs = None if held is None else [r() for r in held]
+        if refs is None or any(r is None for r in refs):
+            refs = make()
+            self._memo = {key + (self.mutations,): [weakref.ref(r) for r in refs]}  # older entries are stale
+        return refs
 
     def _touch(self, group: int | None = None):
         """Tables changed (in ``group``, or all): cached plans are stale."""
         for g in range(len(self._version)) if group is None else (group,):
             self._version[g] += 1
+        self.mutations += 1
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def _grow(self, g: int) -> None:
         pool = self.pools[g]
         pool.grow(max(8, int(pool.allocator.num_blocks * GROWTH)))
 
+    def _ensure_room(self, g: int, fits, message: str) -> None:
+        """Grow group ``g``'s pool until ``fits()``; a fixed pool raises ``KVCacheFull``."""
+        while not fits():
+            if not self.growable:
+                raise KVCacheFull(message)
+            self._grow(g)
+
+    def _ensure_room_for(self, g: int, seq_id, num_new: int, op: str) -> None:
+        allocator = self.pools[g].allocator
+        self._ensure_room(g, lambda: allocator.blocks_needed(seq_id, num_new) <= allocator.num_free,
+                          f"[{op}] sequence {seq_id!r} needs more blocks than are free")
+
+    def _evict_behind_window(self, g: int, seq_id) -> None:
+        if self.windows[g] is not None:
+            # The first new query sees the last window - 1 cached tokens and itself.
+            self.pools[g].evict(seq_id, window=self.windows[g] - 1 + TRIM_SLACK)
+
     def _extend_group(self, g: int, seq_id, num_new: int) -> None:
         """mlx-lm's path: the first layer of a group to see new tokens makes room for them."""
-        pool, window = self.pools[g], self.windows[g]
-        if window is not None:
-            pool.evict(seq_id, window=window - 1)
-        while pool.allocator.blocks_needed(seq_id, num_new) > pool.allocator.num_free:
-            if not self.growable:
-                raise KVCacheFull(f"[PagedLayerCache] sequence {seq_id!r} needs more blocks than are free")
-            self._grow(g)
-        pool.append(seq_id, num_tokens=num_new)
+        self._evict_behind_window(g, seq_id)
+        self._ensure_room_for(g, seq_id, num_new, "PagedLayerCache")
+        self.pools[g].append(seq_id, num_tokens=num_new)
         self._touch(g)
 
     def _plan(self, g: int, seq_ids: list, offsets: list, num_new: int) -> _Plan:
@@ -194,38 +289,101 @@ class PagedModelCache:
             have = pool.num_tokens(seq)
             if have == off:  # first layer of this group in this pass: make room
                 self._extend_group(g, seq, num_new)
-                key = key[:3] + (self._version[g],)
             elif have != off + num_new:
                 raise ValueError(f"[PagedLayerCache] sequence {seq!r} holds {have} tokens in this layer group, "
                                  f"but the layer is at offset {off} with {num_new} new tokens")
+        key = key[:3] + (self._version[g],)
         slots = np.concatenate([pool.slots(s, o, o + num_new) for s, o in zip(seq_ids, offsets)])
         tables, lens = pool.block_tables(seq_ids)
         plan = _Plan(key, mx.array(slots.astype(np.int32)), tables, lens, max(offsets) + num_new)
         self._plans[g] = plan
         return plan
 
+    def _remember_mask(self, mask, window) -> None:
+        """Masks handed out by make_mask, so attention knows what they mean (causal plus
+        ``window``) and can run its own kernels instead of applying them as arrays."""
+        if isinstance(mask, mx.array):
+            self._masks = self._masks[-7:] + [(mask, window)]
+
+    def _mask_window(self, mask) -> tuple:
+        """(known, requested window) of a mask an attention call received."""
+        if mask is None or (isinstance(mask, str) and mask == "causal"):
+            return True, None
+        for m, window in self._masks:
+            if m is mask:
+                return True, window
+        return False, None
+
+
+def _synchronize_model_streams() -> None:
+    """Wait for the streams mlx-lm runs the model on: a sharded model's collectives
+    still in flight there (generate_step computes one token ahead) would interleave with
+    ours on the same ring connection."""
+    import sys
+
+    mx.synchronize()
+    generate = sys.modules.get("mlx_lm.generate")
+    if generate is not None and hasattr(generate, "generation_stream"):
+        mx.synchronize(generate.generation_stream)
+
+
+class _SequenceRef:
+    """Owns one sequence of a model cache: when the last cache holding it goes, so do its blocks."""
+
+    __slots__ = ("model_cache", "seq_id", "__weakref__")
+
+    def __init__(self, model_cache: PagedModelCache, seq_id):
+        self.model_cache, self.seq_id = model_cache, seq_id
+
+    def __del__(self):
+        try:
+            if self.seq_id in self.model_cache:
+                self.model_cache.free(self.seq_id)
+        except Exception:  # interpreter shutdown: nothing left to give back to
+            pass
+
+
+def _min_window(a, b):
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _causal_window_mask(offsets: list, num_new: int, total: int, window) -> mx.array:
+    """bool [B, 1, L, T]: query l of sequence i (position offsets[i] + l) sees key t when
+    t <= that position and, with a window, t > position - window."""
+    pos = mx.array(offsets, dtype=mx.int32)[:, None, None, None] + mx.arange(num_new)[None, None, :, None]
+    keys = mx.arange(total)[None, None, None, :]
+    mask = keys <= pos
+    if window is not None:
+        mask = mask & (keys > pos - window)
+    return mask
+
 
 class PagedLayerCache:
     """One layer's view of a :class:`PagedModelCache` for a forward pass over ``seq_ids``.
 
-    Implements mlx-lm's cache protocol. With one sequence ``offset`` is an int (mlx-lm's
-    generate); with several it is an int32 array (batched decode, one token each).
+    Implements mlx-lm's cache protocol. ``offset`` is an int while every sequence is at
+    the same position (one sequence, or a batch that started together), else an int32
+    array (mlx-lm's batched caches do the same). ``refs`` (owned sequences) free their
+    blocks when the last cache holding them is dropped; the Engine passes none.
     """
 
-    def __init__(self, model_cache: PagedModelCache, layer: int, seq_ids: list, offsets: list):
+    def __init__(self, model_cache: PagedModelCache, layer: int, seq_ids: list, offsets: list, *, refs=None):
         self.model_cache = model_cache
         self.layer = layer
         self.seq_ids = list(seq_ids)
         self._offsets = [int(o) for o in offsets]
+        self._refs = None if refs is None else list(refs)
         self._group = model_cache.layer_group[layer]
         self._index = model_cache.layer_index[layer]
         self._plan = None
+        self._right_padding = None
+        self._family = None
 
     # ------------------------------------------------------------------ protocol
 
     @property
     def offset(self):
-        if len(self._offsets) == 1:
+        if len(set(self._offsets)) == 1:
             return self._offsets[0]
         return mx.array(self._offsets, dtype=mx.int32)
 
@@ -240,85 +398,375 @@ class PagedLayerCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write the new rows ([B, Hkv, L, D]) into the pool.
 
-        Returns the layer's keys/values [B, Hkv, T, D] gathered from the pool when L > 1
-        (prefill attends over them) and the new rows themselves when L == 1: decode
-        attention reads the pool directly (``attention``), so nothing is gathered."""
+        Returns the new rows themselves when ``attention`` will read the pool directly
+        (L == 1, or L <= 8 on a multi-query backend), else the layer's keys/values
+        [B, Hkv, T, D] gathered from the pool (lazily: only run if something reads them)."""
         batch, num_kv_heads, num_new, head_dim = keys.shape
         if batch != len(self.seq_ids):
-            raise ValueError(f"[PagedLayerCache] keys hold {batch} sequences, the cache serves {len(self.seq_ids)}")
-        if batch > 1 and num_new != 1:
-            raise ValueError("[PagedLayerCache] several sequences at once must each add exactly one token (decode)")
+            self._widen(batch)
         plan = self.model_cache._plan(self._group, self.seq_ids, self._offsets, num_new)
         rows = lambda x: x.transpose(0, 2, 1, 3).reshape(batch * num_new, num_kv_heads, x.shape[-1])
-        self.pool.write(self._index, rows(keys), rows(values), plan.slots)
+        self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        if num_new == 1:
-            return keys, values
-        return ops.gather_kv_cache(self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                                   plan.block_tables, plan.seq_lens, max_len=plan.max_len, validate=False)
+        if num_new == 1 or (num_new <= MAX_PAGED_QUERY_TOKENS and paged_multi_query_available()):
+            return keys, values  # attention reads the pool itself
+        return self._gather(plan)
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None) -> mx.array:
         """Attention of ``queries`` [B, H, L, D] after ``update_and_fetch``.
 
-        Decode (L == 1) runs one batched ``paged_attention`` over the pool; prefill
-        attends over the gathered keys/values with the causal (and window) mask."""
+        A mask from our own ``make_mask`` (or None / "causal") means causal attention,
+        within the layer's window and any window the model asked for. Passes of up to
+        ``MAX_PAGED_QUERY_TOKENS`` tokens then run ``paged_attention`` on the pool (L > 1
+        only where the backend serves several query tokens); longer ones gather and run
+        ``mx.fast.scaled_dot_product_attention``. A mask array we did not make is applied
+        as given over the gathered rows."""
         if self._plan is None:
             raise RuntimeError("[PagedLayerCache] attention called before update_and_fetch")
         batch, num_heads, num_queries, head_dim = queries.shape
-        if num_queries > 1:
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        known, requested = self.model_cache._mask_window(mask)
         plan = self._plan
-        out = ops.paged_attention(
-            queries.reshape(batch, num_heads, head_dim),
-            self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-            plan.block_tables, plan.seq_lens, scale=scale, sliding_window=self.window,
-            sinks=None if sinks is None else sinks.astype(mx.float32), validate=False)
-        return out.reshape(batch, num_heads, 1, head_dim)
+        if not known:
+            keys, values = self._gather(plan)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        window = _min_window(self.window, requested)
+        if num_queries == 1 or (num_queries <= MAX_PAGED_QUERY_TOKENS and paged_multi_query_available()):
+            rows = queries.reshape(batch, 1, num_heads, head_dim) if num_queries == 1 else \
+                queries.transpose(0, 2, 1, 3)
+            out = ops.paged_attention(
+                rows,
+                self.pool.key_caches[self._index], self.pool.value_caches[self._index],
+                plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
+                sinks=sinks, validate=False)  # ops casts sinks to float32
+            return out.reshape(batch, num_heads, 1, head_dim) if num_queries == 1 else out.transpose(0, 2, 1, 3)
+        keys, values = self._gather(plan)
+        starts = [o - num_queries for o in self._offsets]
+        if batch == 1 and window is None:
+            mask = "causal"  # bottom-right aligned: query l sits at starts[0] + l
+        else:
+            mask = _causal_window_mask(starts, num_queries, keys.shape[2], window)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        if N == 1:
-            return None  # decode: paged_attention applies the window itself
-        if len(self._offsets) != 1:
-            raise ValueError("[PagedLayerCache] prefill serves one sequence at a time")
-        from mlx_lm.models.cache import create_attention_mask
+        """What mlx-lm's own cache would return (one sequence), or a per-sequence causal
+        mask [B, 1, N, T] (several). ``attention`` honours the requested window."""
+        if window_size is not None and (not isinstance(window_size, (int, np.integer)) or window_size < 1):
+            raise ValueError(f"[PagedLayerCache.make_mask] window_size must be None or an int >= 1, "
+                             f"got {window_size!r}")
+        own = self.window
+        if N == 1 and (window_size is None or (own is not None and window_size >= own)):
+            return None  # decode: paged_attention applies the layer's window itself
+        if len(self.seq_ids) == 1:
+            from mlx_lm.models.cache import create_attention_mask
 
-        return create_attention_mask(N, offset=self._offsets[0], return_array=return_array, window_size=window_size)
+            mask = create_attention_mask(N, offset=self._offsets[0], return_array=return_array,
+                                         window_size=window_size if window_size is not None else own)
+        else:
+            mask = _causal_window_mask(self._offsets, N, max(self._offsets) + N, _min_window(own, window_size))
+        self.model_cache._remember_mask(mask, window_size)
+        return mask
+
+    # ------------------------------------------------------------------ state (save/load, eval)
 
     @property
     def state(self):
-        """This layer's pool arrays (what ``mx.eval([c.state ...])`` must materialise)."""
-        arrays = []
-        for c in (self.pool.key_caches[self._index], self.pool.value_caches[self._index]):
-            arrays += list(c.arrays()) if hasattr(c, "arrays") else [c]
-        return arrays
+        """(keys, values, info): this layer's stored rows from the first position every
+        sequence still holds, [B, Hkv, T, D] for a float pool or (data, scales, biases)
+        [B, Hkv, T, *] for a quantized one (saved as stored: a reload is exact). ``info``
+        (int32) is [first, window or 0, block_size, k_bits or 0, v_bits or 0, group_size,
+        offset of each sequence...]. What mlx-lm evaluates after a prefill chunk and
+        what ``save_prompt_cache`` writes; ``from_state`` rebuilds the cache from it."""
+        first = self._first_live()
+        tables, _ = self.pool.block_tables(self.seq_ids)
+        tables = tables[:, first // self.block_size:]
+        count = max(1, max(self._offsets) - first)
+        keys, values = (_stored_rows(c, tables, count)
+                        for c in (self.pool.key_caches[self._index], self.pool.value_caches[self._index]))
+        o = self.model_cache.options
+        info = [first, self.window or 0, self.block_size, o["k_bits"] or 0, o["v_bits"] or 0, o["group_size"]]
+        return keys, values, mx.array(info + self._offsets, dtype=mx.int32)
+
+    @state.setter
+    def state(self, v):
+        keys, values, info = v
+        info = [int(x) for x in np.array(info).reshape(-1)]
+        first, window, block_size, k_bits, v_bits, group_size = info[:6]
+        meta = dict(first=first, window=window or None, block_size=block_size, k_bits=k_bits or None,
+                    v_bits=v_bits or None, group_size=group_size)
+        self._restore(keys, values, info[6:], meta)
+
+    @property
+    def meta_state(self):
+        """Nothing beyond ``state`` (which carries its own layout); newer mlx-lm saves it."""
+        return ()
+
+    @meta_state.setter
+    def meta_state(self, v):
+        pass
+
+    @classmethod
+    def from_state(cls, state, meta_state=None):
+        """A standalone cache (its own pool, one layer) holding the saved rows, which
+        continues exactly where the saved one was; mlx-lm's ``load_prompt_cache`` calls it."""
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    def _restore(self, keys, values, offsets, meta) -> None:
+        first = meta["first"]
+        sample = keys if isinstance(keys, mx.array) else keys[1]  # float rows, or the scales
+        head_dim = keys.shape[-1] if isinstance(keys, mx.array) else keys[1].shape[-1] * meta["group_size"]
+        dtype = sample.dtype
+        spec = LayerSpec(meta["window"], int(sample.shape[1]), int(head_dim), dtype)
+        model_cache = PagedModelCache([spec], block_size=meta["block_size"], k_bits=meta["k_bits"],
+                                      v_bits=meta["v_bits"], group_size=meta["group_size"])
+        refs = [model_cache._new_ref() for _ in offsets]
+        pool = model_cache.pools[0]
+        for i, (ref, total) in enumerate(zip(refs, offsets)):
+            model_cache.append(ref.seq_id, num_tokens=total)
+            if first:
+                pool.evict(ref.seq_id, window=total - first)
+            if total > first:
+                slots = pool.slots(ref.seq_id, first, total)
+                pool.key_caches[0] = _store_rows(pool.key_caches[0], slots, keys, i, total - first)
+                pool.value_caches[0] = _store_rows(pool.value_caches[0], slots, values, i, total - first)
+        PagedLayerCache.__init__(self, model_cache, 0, [r.seq_id for r in refs], offsets, refs=refs)
+
+    # ------------------------------------------------------------------ copies and batching (table operations)
+
+    def __deepcopy__(self, memo):
+        """An independent cache sharing blocks copy-on-write (a fork), like mlx-lm's copy.
+        The layers of one deep-copied prompt cache share one fork through ``memo``."""
+        key = ("kvmetal-fork", id(self.model_cache), tuple(self.seq_ids))
+        if key not in memo:
+            memo[key] = [self.model_cache._new_ref(parent=s) for s in self.seq_ids]
+        return self._view(memo[key], list(self._offsets))
+
+    def extract(self, idx: int) -> "PagedLayerCache":
+        """Sequence ``idx`` as a one-sequence cache (a fork)."""
+        seq = self.seq_ids[idx]
+        refs = self.model_cache._shared(("extract", seq), lambda: [self.model_cache._new_ref(parent=seq)])
+        return self._view(refs, [self._offsets[idx]])
+
+    @classmethod
+    def merge(cls, caches) -> "PagedLayerCache":
+        """One batched cache over the sequences of ``caches`` (forks; same pool required)."""
+        caches = list(caches)
+        model_cache = caches[0].model_cache
+        if any(c.model_cache is not model_cache for c in caches):
+            raise ValueError("[PagedLayerCache.merge] caches from different kvmetal pools cannot be merged "
+                             "without copying; make them with one use_paged_cache handle")
+        seqs = tuple(s for c in caches for s in c.seq_ids)
+        refs = model_cache._shared(("merge", seqs), lambda: [model_cache._new_ref(parent=s) for s in seqs])
+        return caches[0]._view(refs, [o for c in caches for o in c._offsets])
+
+    def extend(self, other: "PagedLayerCache") -> None:
+        """Append ``other``'s sequences to this batch (forks, so ``other`` stays valid)."""
+        if other.model_cache is not self.model_cache:
+            raise ValueError("[PagedLayerCache.extend] caches from different kvmetal pools cannot be joined")
+        seqs = tuple(other.seq_ids)
+        refs = self.model_cache._shared(("extend", seqs), lambda: [self.model_cache._new_ref(parent=s) for s in seqs])
+        self._take_refs()
+        self.seq_ids += [r.seq_id for r in refs]
+        self._refs += refs
+        self._offsets += list(other._offsets)
+        self._plan = None
+
+    def filter(self, batch_indices) -> None:
+        """Keep only these sequences (the others' blocks go back once no cache holds them)."""
+        keep = [int(i) for i in (batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        self.seq_ids = [self.seq_ids[i] for i in keep]
+        self._offsets = [self._offsets[i] for i in keep]
+        if self._refs is not None:
+            self._refs = [self._refs[i] for i in keep]
+        self._plan = None
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """BatchGenerator's padding: right padding is written, then cut by ``finalize``."""
+        if left_padding is not None and max(left_padding) > 0:
+            raise NotImplementedError("[PagedLayerCache.prepare] left padding is not supported: paged "
+                                      "sequences need no padding; pad on the right (BatchGenerator does)")
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = [int(p) for p in right_padding]
+
+    def finalize(self) -> None:
+        """Forget each sequence's right padding (truncating the sequence in the pool)."""
+        if self._right_padding is None:
+            return
+        for i, (seq, pad) in enumerate(zip(self.seq_ids, self._right_padding)):
+            target = self._offsets[i] - pad
+            if self.pool.num_tokens(seq) > target:
+                self.model_cache.truncate(seq, target)
+            self._offsets[i] = target
+        self._right_padding = None
+        self._plan = None
+
+    # ------------------------------------------------------------------ the rest of mlx-lm's protocol
 
     def is_trimmable(self) -> bool:
-        # Like mlx-lm's RotatingKVCache: a window layer is trimmable until it dropped tokens.
-        one = len(self.seq_ids) == 1
-        return one and (self.window is None or self._offsets[0] < self.window)
+        """Always: unlike mlx-lm's RotatingKVCache, a window layer keeps whole blocks and
+        can go back as far as its window stays intact (``trim`` raises past that), which
+        covers speculative decoding's rewinds."""
+        return True
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens (the first layer of a group truncates the sequence)."""
-        if not self.is_trimmable():
-            raise ValueError("[PagedLayerCache] only a one-sequence cache can be trimmed")
-        n = min(self._offsets[0], n)
-        seq = self.seq_ids[0]
-        target = self._offsets[0] - n
-        if self.pool.num_tokens(seq) > target:
-            self.pool.truncate(seq, target)
-            self.model_cache._touch(self._group)
-        self._offsets[0] = target
+        """Forget the last ``n`` tokens of every sequence (the first layer of a group
+        truncates the pool; the others follow)."""
+        n = min(min(self._offsets), int(n))
+        for i, seq in enumerate(self.seq_ids):
+            target = self._offsets[i] - n
+            if self.pool.num_tokens(seq) > target:
+                self._check_window_intact(seq, target)
+                self.pool.truncate(seq, target)
+                self.model_cache._touch(self._group)
+            self._offsets[i] = target
         return n
 
+    def _check_window_intact(self, seq, target: int) -> None:
+        """The next token after ``target`` sees the last window - 1 tokens: all still held?"""
+        if self.window is None:
+            return
+        needed = max(0, target - (self.window - 1))
+        table = self.pool.allocator.block_table(seq)
+        if any(b == HOLE for b in table[needed // self.block_size: -(-target // self.block_size)]):
+            raise ValueError(f"[PagedLayerCache.trim] cannot go back to {target} tokens: this window layer "
+                             f"already released tokens its window would need there")
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PagedLayerCache":
+        """mlx-lm's ``kv_bits`` / ``quantized_kv_start``: K and V of every layer move to
+        ``bits``. The pool is converted in place when these sequences are all it holds,
+        else they are copied into a quantized pool of their own."""
+        o = self.model_cache.options
+        if o["k_bits"] == bits and o["v_bits"] == bits and o["group_size"] == group_size:
+            return self
+        if o["k_bits"] is not None or o["v_bits"] is not None:
+            raise ValueError(f"[PagedLayerCache.to_quantized] the cache already holds K{o['k_bits']}/V{o['v_bits']} "
+                             f"rows; cannot requantize to {bits} bits")
+        model_cache = self.model_cache
+        live = set(model_cache.pools[0].allocator.sequences())
+        if live <= set(self.seq_ids):
+            model_cache.quantize(k_bits=bits, v_bits=bits, group_size=group_size)
+            return self
+        seqs = tuple(self.seq_ids)
+        refs = model_cache._shared(("quantize", seqs, bits, group_size),
+                                   lambda: _quantized_copy(model_cache, list(seqs), bits, group_size))
+        return PagedLayerCache(refs[0].model_cache, self.layer, [r.seq_id for r in refs], self._offsets, refs=refs)
+
     def size(self) -> int:
-        return self._offsets[0] if len(self._offsets) == 1 else max(self._offsets)
+        return max(self._offsets)
 
     def empty(self) -> bool:
         return all(o == 0 for o in self._offsets)
 
     @property
+    def block_size(self) -> int:
+        return self.model_cache.block_size
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of this layer's K and V pools."""
-        return sum(a.nbytes for a in self.state)
+        """Bytes of this layer's K and V in the blocks these sequences hold."""
+        blocks = {b for s in self.seq_ids for b in self.pool.allocator.block_table(s) if b != HOLE}
+        return len(blocks) * self.pool.bytes_per_block // self.pool.num_layers
+
+    # ------------------------------------------------------------------ internals
+
+    def _gather(self, plan: _Plan):
+        return ops.gather_kv_cache(self.pool.key_caches[self._index], self.pool.value_caches[self._index],
+                                   plan.block_tables, plan.seq_lens, max_len=plan.max_len, validate=False)
+
+    def _first_live(self) -> int:
+        """First token position every sequence still holds (a window layer drops blocks)."""
+        first = None
+        for seq in self.seq_ids:
+            table = self.pool.allocator.block_table(seq)
+            live = next((i for i, b in enumerate(table) if b != HOLE), len(table))
+            first = live if first is None else min(first, live)
+        return (first or 0) * self.block_size
+
+    def _view(self, refs: list, offsets: list) -> "PagedLayerCache":
+        return PagedLayerCache(self.model_cache, self.layer, [r.seq_id for r in refs], offsets, refs=refs)
+
+    def _take_refs(self) -> None:
+        if self._refs is None:
+            raise ValueError("[PagedLayerCache] this cache serves sequences an Engine owns; batch them there")
+
+    def _widen(self, batch: int) -> None:
+        """A fresh ``make_cache()`` cache meeting a batch of B prompts serves B sequences
+        (like mlx-lm's KVCache); any other mismatch says how to batch."""
+        family = {} if self._family is None else self._family
+        joining = batch in family and self._offsets == [0]  # another layer of this pass widened already
+        empty = self._offsets == [0] and self.pool.num_tokens(self.seq_ids[0]) == 0
+        if self._refs is None or not (joining or empty):
+            raise ValueError(f"[PagedLayerCache] keys hold {batch} sequences, the cache serves "
+                             f"{len(self.seq_ids)}. A fresh make_cache() cache takes a batch of prompts of one "
+                             f"length in its first forward pass; to batch sequences of different lengths or "
+                             f"histories use kvmetal's Engine or mlx-lm's BatchGenerator (which merges one "
+                             f"cache per sequence)")
+        if batch not in family:  # the first layer of the pass adds the sequences, the others join
+            family[batch] = [self.model_cache._new_ref() for _ in range(batch - 1)]
+        refs = family[batch]
+        self.seq_ids += [r.seq_id for r in refs]
+        self._refs += refs
+        self._offsets = [0] * batch
+        self._plan = None
+
+
+def _pool_arrays(cache) -> list:
+    return list(cache.arrays()) if isinstance(cache, quant.QuantizedKV) else [cache]
+
+
+def _stored_rows(cache, tables: mx.array, count: int):
+    """The rows of the blocks in ``tables`` [B, M] as stored, [B, Hkv, count, *]: a float
+    array, or (data, scales, biases) of a quantized cache."""
+    def rows(a):
+        b, m = tables.shape
+        x = a[tables]  # [B, M, Hkv, bs, X]
+        return x.transpose(0, 2, 1, 3, 4).reshape(b, a.shape[1], m * a.shape[2], a.shape[3])[:, :, :count]
+    arrays = [rows(a) for a in _pool_arrays(cache)]
+    return arrays[0] if len(arrays) == 1 else tuple(arrays)
+
+
+def _store_rows(cache, slots: np.ndarray, saved, index: int, count: int):
+    """``cache`` with sequence ``index``'s first ``count`` saved rows written at ``slots``."""
+    def store(a, rows):
+        n, h, bs, x = a.shape
+        flat = a.transpose(0, 2, 1, 3).reshape(n * bs, h, x)
+        flat[mx.array(slots.astype(np.int32))] = rows[index, :, :count].transpose(1, 0, 2).astype(a.dtype)
+        return flat.reshape(n, bs, h, x).transpose(0, 2, 1, 3)
+    parts = [saved] if isinstance(saved, mx.array) else list(saved)
+    arrays = [store(a, rows) for a, rows in zip(_pool_arrays(cache), parts)]
+    return cache.replace(*arrays) if isinstance(cache, quant.QuantizedKV) else arrays[0]
+
+
+def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, group_size: int) -> list:
+    """Refs to copies of ``seq_ids``' live rows in a new quantized PagedModelCache."""
+    options = dict(model_cache.options, k_bits=bits, v_bits=bits, group_size=group_size)
+    target = PagedModelCache(model_cache.specs, **options)
+    refs = [target._new_ref() for _ in seq_ids]
+    for src, ref in zip(seq_ids, refs):
+        total = model_cache.num_tokens(src)
+        target.append(ref.seq_id, num_tokens=total)
+        for pool, dst_pool in zip(model_cache.pools, target.pools):
+            table = pool.allocator.block_table(src)
+            first = next((i for i, b in enumerate(table) if b != HOLE), len(table)) * pool.block_size
+            if first:
+                dst_pool.evict(ref.seq_id, window=total - first)
+            if total == first:
+                continue
+            tables, _ = pool.block_tables([src])
+            lens = mx.array([total - first], dtype=mx.int32)
+            slots = mx.array(dst_pool.slots(ref.seq_id, first, total).astype(np.int32))
+            for layer in range(pool.num_layers):
+                k, v = ops.gather_kv_cache(pool.key_caches[layer], pool.value_caches[layer],
+                                           tables[:, first // pool.block_size:], lens, max_len=total - first,
+                                           validate=False)
+                dst_pool._write_trusted(layer, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2), slots)
+    return refs
+
+
+def paged_multi_query_available() -> bool:
+    """Whether the current kvmetal backend serves 2-8 query tokens per sequence
+    (``MULTI_QUERY``); otherwise short passes gather and use MLX's attention."""
+    return bool(getattr(backends.get(), "MULTI_QUERY", False))

@@ -6,13 +6,15 @@ thread runs as a fiber, threadgroups are spread over OS threads, simd
 collectives and barriers follow Metal's rules, and device accesses are bounds
 checked and counted. See docs/simulator.md.
 """
-from .errors import (CompileError, DivergentBarrierError, DivergentCollectiveError, MisalignedAccessError,
-                     OutOfBoundsError, SimError, ThreadgroupMemoryError, ThreadgroupSizeError)
+from .errors import (CompileError, DivergentBarrierError, DivergentCollectiveError, IntegerDivisionError,
+                     MisalignedAccessError, OutOfBoundsError, SimError, SimTimeoutError, ThreadgroupMemoryError,
+                     ThreadgroupSizeError)
 from .kernel import SimKernel, metal_kernel
 from .trace import BufferTraffic, KernelCall, Trace, trace
 
 __all__ = [
     "metal_kernel", "trace", "SimKernel", "Trace", "KernelCall", "BufferTraffic",
     "SimError", "CompileError", "OutOfBoundsError", "MisalignedAccessError", "DivergentBarrierError",
-    "DivergentCollectiveError", "ThreadgroupMemoryError", "ThreadgroupSizeError",
+    "DivergentCollectiveError", "ThreadgroupMemoryError", "ThreadgroupSizeError", "SimTimeoutError",
+    "IntegerDivisionError",
 ]

@@ -30,6 +30,11 @@ KERNEL_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w", "-fwrapv", "-fno-
 # no merging of identical calls from different branches.
 GCC_SITE_FLAGS = ("-fno-crossjumping", "-fno-tree-tail-merge", "-fno-code-hoisting")
 CLANG_SITE_FLAGS = ("-mllvm", "-enable-tail-merge=false")
+# Integer division or modulo by zero traps on every CPU (x86 raises SIGFPE by
+# itself, aarch64 would silently return 0): the runtime turns the trap into
+# IntegerDivisionError. No sanitizer runtime is linked.
+GCC_DIV_FLAGS = ("-fsanitize=integer-divide-by-zero", "-fsanitize-undefined-trap-on-error")
+CLANG_DIV_FLAGS = ("-fsanitize=integer-divide-by-zero", "-fsanitize-trap=integer-divide-by-zero")
 RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread")
 
 _lock = threading.Lock()
@@ -78,7 +83,8 @@ def _cpu_has_f16c() -> bool:
 def kernel_flags() -> tuple:
     cmd = compiler()
     ident = _compiler_id(tuple(cmd))
-    extra = CLANG_SITE_FLAGS if "clang" in ident.lower() else GCC_SITE_FLAGS
+    clang = "clang" in ident.lower()
+    extra = (CLANG_SITE_FLAGS + CLANG_DIV_FLAGS) if clang else (GCC_SITE_FLAGS + GCC_DIV_FLAGS)
     if platform.machine() in ("x86_64", "AMD64") and _cpu_has_f16c():
         extra += ("-mf16c",)  # inline half<->float conversions instead of libgcc calls
     if sys.platform == "darwin":

@@ -35,6 +35,16 @@ class ThreadgroupSizeError(SimError, ValueError):
     """A threadgroup has more than 1024 threads (Metal's limit)."""
 
 
+class SimTimeoutError(SimError, TimeoutError):
+    """The watchdog stopped a launch that ran past its time limit (an infinite
+    loop?), or the launch was cancelled by Ctrl-C. See kvmetal.sim.trace(timeout=...)."""
+
+
+class IntegerDivisionError(SimError, ZeroDivisionError):
+    """A kernel divided an integer by zero (or INT_MIN by -1): SIGFPE on the CPU,
+    undefined on the GPU. The message names the kernel and the thread."""
+
+
 # Error kinds reported by the runtime (runtime/abi.h, KmslErrorKind).
 BY_KIND = {
     1: OutOfBoundsError,
@@ -44,4 +54,6 @@ BY_KIND = {
     5: ThreadgroupSizeError,
     6: MisalignedAccessError,
     7: SimError,
+    8: SimTimeoutError,
+    9: IntegerDivisionError,
 }

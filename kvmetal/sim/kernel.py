@@ -156,11 +156,12 @@ class SimKernel:
             outs.append((h, dt))
             bindings.add(h, oname, oname)
 
-        traffic, tg_memory, seconds = launch.run(entry, bindings, grid=grid, threadgroup=group, seed=seed,
-                                                 strict=strict, kernel_name=self.name)
+        res = launch.run(entry, bindings, grid=grid, threadgroup=group, seed=seed, strict=strict,
+                         kernel_name=self.name, timeout=trace_mod.timeout())
         trace_mod.record(trace_mod.KernelCall(
-            name=self.name, grid=grid, threadgroup=group, buffers=traffic, threadgroup_memory=tg_memory,
-            threads=grid[0] * grid[1] * grid[2], seconds=seconds))
+            name=self.name, grid=grid, threadgroup=group, buffers=res.traffic, threadgroup_memory=res.tg_memory,
+            threads=grid[0] * grid[1] * grid[2], seconds=res.seconds, barriers=res.barriers,
+            collectives=res.collectives, math=res.math))
         return [launch.to_mx(h, dt) for h, dt in outs]
 
 

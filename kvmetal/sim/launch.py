@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import os
+import threading
 import time
 
 import mlx.core as mx
@@ -11,6 +14,13 @@ import numpy as np
 from . import build
 from .errors import BY_KIND, SimError
 from .trace import BufferTraffic
+
+NCOLLECTIVE, NMATH = 40, 24  # runtime/abi.h KMSL_NCOLLECTIVE, KMSL_NMATH
+
+
+class _Stats(ctypes.Structure):  # KmslStats
+    _fields_ = [("barriers", ctypes.c_uint64), ("collectives", ctypes.c_uint64 * NCOLLECTIVE),
+                ("math", ctypes.c_uint64 * NMATH), ("tick_budget", ctypes.c_int64)]
 
 
 class _Buf(ctypes.Structure):  # KmslBuf
@@ -23,7 +33,9 @@ class _Launch(ctypes.Structure):  # KmslLaunch
                 ("bufs", ctypes.POINTER(_Buf)), ("seed", ctypes.c_uint64), ("strict", ctypes.c_int32),
                 ("nworkers", ctypes.c_int32), ("kernel_name", ctypes.c_char_p),
                 ("loads", ctypes.POINTER(ctypes.c_uint64)), ("stores", ctypes.POINTER(ctypes.c_uint64)),
-                ("tg_memory", ctypes.c_uint64), ("err_kind", ctypes.c_int32), ("err_msg", ctypes.c_char * 1024)]
+                ("tg_memory", ctypes.c_uint64), ("err_kind", ctypes.c_int32), ("err_msg", ctypes.c_char * 1024),
+                ("load_ops", ctypes.POINTER(ctypes.c_uint64)), ("store_ops", ctypes.POINTER(ctypes.c_uint64)),
+                ("stats", _Stats), ("timeout_s", ctypes.c_double), ("cancel", ctypes.c_int32)]
 
 
 _NP_RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -104,36 +116,77 @@ class Bindings:
         self.traced.append((traced_name, touched, written, span))
 
 
-def run(entry: int, bindings: Bindings, *, grid, threadgroup, seed: int, strict: bool, kernel_name: str) -> tuple:
-    """Run one launch; returns ({name: BufferTraffic}, threadgroup bytes, seconds) or raises a SimError."""
+@dataclasses.dataclass
+class LaunchResult:
+    traffic: dict          # name -> BufferTraffic
+    tg_memory: int
+    seconds: float
+    barriers: int
+    collectives: dict      # op -> simdgroup executions (non-zero only)
+    math: dict             # function -> lane calls (non-zero only)
+
+
+@functools.lru_cache(maxsize=None)
+def _stat_names(kind: int, count: int) -> list:
+    fn = build.load_runtime().kmsl_rt_stat_name
+    fn.argtypes = [ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_char_p
+    names = []
+    for i in range(count):
+        name = fn(kind, i)
+        names.append(name.decode() if name else None)
+    return names
+
+
+def run(entry: int, bindings: Bindings, *, grid, threadgroup, seed: int, strict: bool, kernel_name: str,
+        timeout: float = 0.0) -> LaunchResult:
+    """Run one launch (in a helper thread, so Ctrl-C cancels it); raises a SimError on failure."""
     n = len(bindings.bufs)
     launch = _Launch()
     launch.grid[:] = grid
     launch.threadgroup[:] = threadgroup
     launch.nbufs = n
     buf_array = (_Buf * max(n, 1))(*bindings.bufs)
-    loads = (ctypes.c_uint64 * max(n, 1))()
-    stores = (ctypes.c_uint64 * max(n, 1))()
+    counters = [(ctypes.c_uint64 * max(n, 1))() for _ in range(4)]
+    loads, stores, load_ops, store_ops = counters
     launch.bufs = buf_array
-    launch.loads = loads
-    launch.stores = stores
+    launch.loads, launch.stores, launch.load_ops, launch.store_ops = loads, stores, load_ops, store_ops
     launch.seed = seed
     launch.strict = int(strict)
     launch.nworkers = default_workers()
+    launch.timeout_s = float(timeout)
+    launch.cancel = 0
     name = kernel_name.encode()
     launch.kernel_name = name
     fn = build.load_runtime().kmsl_rt_launch
     fn.argtypes = [ctypes.POINTER(_Launch), ctypes.c_void_p]
     fn.restype = ctypes.c_int
+    result = {}
+
+    def go():
+        result["rc"] = fn(ctypes.byref(launch), entry)  # ctypes releases the GIL for the call
+
     t0 = time.perf_counter()
-    rc = fn(ctypes.byref(launch), entry)  # ctypes releases the GIL for the call
+    worker = threading.Thread(target=go, name=f"kvmetal.sim {kernel_name}", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.25)
+    except KeyboardInterrupt:
+        launch.cancel = 1  # the runtime stops at its next loop check
+        worker.join()
+        raise
     seconds = time.perf_counter() - t0
-    if rc != 0:
+    if result.get("rc", 7) != 0:
         raise BY_KIND.get(launch.err_kind, SimError)(launch.err_msg.decode(errors="replace"))
     traffic = {}
     for k, (tname, touched, written, span) in enumerate(bindings.traced):
         if tname is not None:
             traffic[tname] = BufferTraffic(
                 loaded=int(loads[k]), stored=int(stores[k]), distinct_loaded=int(np.count_nonzero(touched[:span])),
-                distinct_stored=int(np.count_nonzero(written[:span])), size=span)
-    return traffic, int(launch.tg_memory), seconds
+                distinct_stored=int(np.count_nonzero(written[:span])), size=span, load_ops=int(load_ops[k]),
+                store_ops=int(store_ops[k]))
+    collectives = {name: int(v) for name, v in zip(_stat_names(0, NCOLLECTIVE), launch.stats.collectives)
+                   if name and v}
+    math = {name: int(v) for name, v in zip(_stat_names(1, NMATH), launch.stats.math) if name and v}
+    return LaunchResult(traffic, int(launch.tg_memory), seconds, int(launch.stats.barriers), collectives, math)

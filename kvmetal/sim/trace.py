@@ -1,11 +1,23 @@
-"""Recording simulated kernel calls: traffic counters and per-block options."""
+"""Recording simulated kernel calls: traffic and cost counters, per-block options."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 
 _state = threading.local()
+
+# Watchdog limit per launch when neither the call nor a trace block sets one.
+DEFAULT_TIMEOUT_S = 300.0
+
+# Collective ops by kind (what `KernelCall.reductions` / `.shuffles` sum).
+REDUCTIONS = ("simd_sum", "simd_product", "simd_max", "simd_min", "simd_and", "simd_or", "simd_xor",
+              "quad_sum", "quad_product", "quad_max", "quad_min", "simd_prefix_inclusive_sum",
+              "simd_prefix_exclusive_sum", "simd_prefix_inclusive_product", "simd_prefix_exclusive_product")
+SHUFFLES = ("simd_shuffle", "simd_shuffle_xor", "simd_shuffle_up", "simd_shuffle_down", "simd_shuffle_rotate_down",
+            "simd_shuffle_rotate_up", "simd_broadcast", "quad_shuffle", "quad_shuffle_xor", "quad_shuffle_up",
+            "quad_shuffle_down", "quad_broadcast", "simd_broadcast_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,11 +29,25 @@ class BufferTraffic:
     distinct_loaded: int  # distinct bytes loaded at least once
     distinct_stored: int  # distinct bytes stored at least once
     size: int             # bytes the buffer spans
+    load_ops: int = 0     # load instructions (one per access, whatever its width)
+    store_ops: int = 0    # store instructions
+
+    @property
+    def bytes_per_load(self) -> float:
+        return self.loaded / self.load_ops if self.load_ops else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelCall:
-    """One simulated kernel call."""
+    """One simulated kernel call with its cost counters.
+
+    Counting units: ``barriers`` counts each threadgroup_barrier once per
+    threadgroup that executes it; ``collectives`` counts each simd/quad
+    collective once per simdgroup execution (an instruction issue), by op name;
+    ``math`` counts transcendental calls once per lane and vector component,
+    by function (divide by 32 for simdgroup instructions at full occupancy);
+    load/store instructions are counted per lane access.
+    """
 
     name: str
     grid: tuple
@@ -30,6 +56,9 @@ class KernelCall:
     threadgroup_memory: int
     threads: int
     seconds: float         # wall time of the simulated run (excludes compilation)
+    barriers: int = 0
+    collectives: dict = dataclasses.field(default_factory=dict)  # op name -> simdgroup executions
+    math: dict = dataclasses.field(default_factory=dict)         # function name -> lane calls
 
     @property
     def loaded(self) -> int:
@@ -39,13 +68,46 @@ class KernelCall:
     def stored(self) -> int:
         return sum(b.stored for b in self.buffers.values())
 
+    @property
+    def load_ops(self) -> int:
+        return sum(b.load_ops for b in self.buffers.values())
+
+    @property
+    def threadgroups(self) -> int:
+        count = 1
+        for g, t in zip(self.grid, self.threadgroup):
+            count *= -(-g // t) if g else 0
+        return count
+
+    @property
+    def reductions(self) -> int:
+        """simd_sum-class reductions (incl. prefix scans), simdgroup executions."""
+        return sum(self.collectives.get(k, 0) for k in REDUCTIONS)
+
+    @property
+    def shuffles(self) -> int:
+        """Shuffles and broadcasts, simdgroup executions."""
+        return sum(self.collectives.get(k, 0) for k in SHUFFLES)
+
+    @property
+    def transcendentals(self) -> int:
+        """Transcendental calls, lane count (see the class doc)."""
+        return sum(self.math.values())
+
+    def bytes_per_load(self, *names: str) -> float:
+        """Bytes per load instruction over the named buffers (all buffers if none given)."""
+        bufs = [self.buffers[n] for n in names] if names else list(self.buffers.values())
+        ops = sum(b.load_ops for b in bufs)
+        return sum(b.loaded for b in bufs) / ops if ops else 0.0
+
 
 class Trace:
     """Collects every simulated call made inside ``with kvmetal.sim.trace() as t``."""
 
-    def __init__(self, strict, seed):
+    def __init__(self, strict, seed, timeout=None):
         self.strict = strict
         self.seed = seed
+        self.timeout = timeout
         self.calls: list = []
 
     def __repr__(self):
@@ -59,16 +121,22 @@ def _stack() -> list:
 
 
 @contextlib.contextmanager
-def trace(*, strict: bool | None = None, seed: int | None = None):
-    """Record simulated kernel calls; optionally set ``strict``/``seed`` for the block.
+def trace(*, strict: bool | None = None, seed: int | None = None, timeout: float | None = None):
+    """Record simulated kernel calls; optionally set ``strict``/``seed``/``timeout`` for the block.
 
+    ``timeout`` is the watchdog's limit in seconds per launch: a launch that runs
+    longer (an infinite loop) raises ``SimTimeoutError``. Default: the
+    ``KVMETAL_SIM_TIMEOUT`` environment variable, else DEFAULT_TIMEOUT_S; 0 turns it off.
     Options given to a call override the block's; inner blocks override outer ones.
     """
     if strict is not None and not isinstance(strict, bool):
         raise TypeError(f"[kvmetal.sim.trace] strict must be a bool, got {type(strict).__name__}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"[kvmetal.sim.trace] seed must be a non-negative int, got {seed!r}")
-    t = Trace(strict, seed)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise ValueError(f"[kvmetal.sim.trace] timeout must be a number of seconds >= 0, got {timeout!r}")
+    t = Trace(strict, seed, timeout)
     _stack().append(t)
     try:
         yield t
@@ -84,6 +152,15 @@ def options(strict, seed) -> tuple:
         if seed is None and t.seed is not None:
             seed = t.seed
     return bool(strict), int(seed or 0)
+
+
+def timeout() -> float:
+    """The effective watchdog limit in seconds (0: none)."""
+    for t in reversed(_stack()):
+        if t.timeout is not None:
+            return float(t.timeout)
+    env = os.environ.get("KVMETAL_SIM_TIMEOUT")
+    return float(env) if env else DEFAULT_TIMEOUT_S
 
 
 def record(call: KernelCall):

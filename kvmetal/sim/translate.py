@@ -11,7 +11,8 @@ at the MSL line that caused it:
 - every index into a threadgroup array is bounds-checked;
 - the remaining address-space keywords are removed;
 - ``0.5h`` half literals, ``v.xy`` swizzles and ``reinterpret_cast`` are mapped;
-- every barrier/collective call gets a call-site number.
+- every barrier/collective call gets a call-site number;
+- every `for`/`while` condition calls ``kmsl::tick()`` first (the watchdog's hook).
 """
 from __future__ import annotations
 
@@ -151,6 +152,62 @@ def _number_sync_calls(counter):
     return sub
 
 
+_LOOP = re.compile(r"\b(for|while)\s*\(")
+
+
+def _matching_paren(s: str, open_pos: int) -> int:
+    depth = 0
+    for j in range(open_pos, len(s)):
+        if s[j] == "(":
+            depth += 1
+        elif s[j] == ")":
+            depth -= 1
+            if depth == 0:
+                return j
+    return -1
+
+
+def _top_level_semicolons(text: str) -> list:
+    depth, out = 0, []
+    for j, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            out.append(j)
+    return out
+
+
+def _tick_loops(s: str) -> str:
+    """`for (a; c; i)` -> `for (a; kmsl::tick() && (c); i)`, `while (c)` -> `while (kmsl::tick() && (c))`:
+    a loop that never ends reaches the watchdog. Range-for loops are finite and left alone."""
+    out, i = [], 0
+    for m in _LOOP.finditer(s):
+        if m.start() < i:
+            continue
+        open_pos = m.end() - 1
+        close = _matching_paren(s, open_pos)
+        if close < 0:
+            continue
+        head = s[open_pos + 1:close]
+        if m.group(1) == "while":
+            new = f"kmsl::tick() && ({head})"
+        else:
+            semis = _top_level_semicolons(head)
+            if len(semis) != 2:
+                continue
+            cond = head[semis[0] + 1:semis[1]]
+            new_cond = f" kmsl::tick() && ({cond})" if cond.strip() else " kmsl::tick()"
+            new = head[:semis[0] + 1] + new_cond + head[semis[1]:]
+        out.append(s[i:open_pos + 1])
+        out.append(_tick_loops(new) if _LOOP.search(new) else new)
+        out.append(")")
+        i = close + 1
+    out.append(s[i:])
+    return "".join(out)
+
+
 def _swizzle(m: re.Match) -> str:
     idx = ",".join(str(_COMPONENT[c]) for c in m.group(1))
     return f".swz(kmsl::sw<{idx}>{{}})"
@@ -168,7 +225,7 @@ def translate(msl: str) -> str:
     left = _TG_LEFTOVER.search(s)
     if left:
         line = s.count("\n", 0, left.start()) + 1
-        raise UnsupportedMSL(f"unsupported threadgroup declaration (use `threadgroup T name[N];`)", line)
+        raise UnsupportedMSL("unsupported threadgroup declaration (use `threadgroup T name[N];`)", line)
     s = _check_tg_indices(s, {name: dims for name, dims in arrays.items() if dims})
     s = _ADDR_PTR.sub(_address_space, s)
     s = _ADDR_WORD.sub("", s)
@@ -176,6 +233,7 @@ def translate(msl: str) -> str:
     s = _SWIZZLE.sub(_swizzle, s)
     s = _REINTERPRET.sub("kmsl::kmsl_cast<", s)
     s = _SYNC_CALL.sub(_number_sync_calls(itertools.count()), s)
+    s = _tick_loops(s)
     return s
 
 

@@ -16,6 +16,21 @@ enum KmslErrorKind {
   KMSL_THREADGROUP_SIZE = 5,
   KMSL_MISALIGNED = 6,
   KMSL_INTERNAL = 7,
+  KMSL_TIMEOUT = 8,          // the watchdog: the launch ran past its time limit or was cancelled
+  KMSL_ARITHMETIC = 9,       // SIGFPE: integer division or modulo by zero (or INT_MIN / -1)
+};
+
+// Cost counters (what a Metal GPU would issue), per worker, summed per launch.
+// Collectives and barriers count once per simdgroup / threadgroup execution;
+// math functions count once per lane and vector component (divide by 32 for
+// simdgroup instructions at full occupancy). Names: kmsl_rt_stat_name().
+#define KMSL_NCOLLECTIVE 40
+#define KMSL_NMATH 24
+struct KmslStats {
+  uint64_t barriers;                       // threadgroup_barrier executions (per threadgroup)
+  uint64_t collectives[KMSL_NCOLLECTIVE];  // simd/quad collectives (per simdgroup), by op
+  uint64_t math[KMSL_NMATH];               // transcendental calls (per lane), by function
+  int64_t tick_budget;                     // loop iterations until the next watchdog check
 };
 
 // One device/constant buffer bound to the kernel (shape/strides buffers included).
@@ -33,6 +48,8 @@ struct KmslCounter {
   uint64_t loads;
   uint64_t stores;
   const KmslBuf* buf;
+  uint64_t load_ops;   // load instructions (one per element access, whatever its width)
+  uint64_t store_ops;
 };
 
 // Thread-position values of one Metal thread (everything MLX can pass).
@@ -74,6 +91,11 @@ struct KmslLaunch {
   uint64_t tg_memory;        // threadgroup bytes used by the last threadgroup
   int32_t err_kind;
   char err_msg[1024];
+  uint64_t* load_ops;        // [nbufs]
+  uint64_t* store_ops;       // [nbufs]
+  KmslStats stats;           // summed over workers
+  double timeout_s;          // watchdog: fail with KMSL_TIMEOUT past this wall time (<= 0: none)
+  volatile int32_t cancel;   // set by the host (Ctrl-C): fail with KMSL_TIMEOUT at the next check
 };
 
 int kmsl_rt_launch(KmslLaunch* launch, KmslEntry entry);
@@ -104,4 +126,10 @@ void kmsl_rt_barrier(const void* site, const char* op);
 void* kmsl_rt_tg_alloc(int slot, uint64_t bytes, uint64_t align, const char* name);
 [[noreturn]] void kmsl_rt_fail(int kind, const char* msg);
 const char* kmsl_rt_kernel_name(void);
+// The current worker's counters (math calls, loop ticks); set for every fiber.
+extern __thread KmslStats* kmsl_tls_stats;
+// Loop back-edges call this when tick_budget runs out: checks the watchdog.
+void kmsl_rt_tick(void);
+// kind 0: collective op names, kind 1: math function names; null past the end.
+const char* kmsl_rt_stat_name(int kind, int index);
 }

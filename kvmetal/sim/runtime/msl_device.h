@@ -46,12 +46,14 @@ template <class T> struct dref {
   KmslCounter* c;
   operator T() const {
     c->loads += sizeof(T);
+    c->load_ops++;
     __builtin_memset(c->buf->touched + off, 1, sizeof(T));
     return *p;
   }
   T get() const { return T(*this); }
   const dref& operator=(const T& v) const {
     c->stores += sizeof(T);
+    c->store_ops++;
     __builtin_memset(c->buf->written + off, 1, sizeof(T));
     *p = v;
     return *this;
@@ -104,10 +106,12 @@ template <class T> struct dptr {
   }
   void count_load(int64_t o) const {
     c->loads += sizeof(T);
+    c->load_ops++;
     __builtin_memset(c->buf->touched + o, 1, sizeof(T));
   }
   void count_store(int64_t o) const {
     c->stores += sizeof(T);
+    c->store_ops++;
     __builtin_memset(c->buf->written + o, 1, sizeof(T));
   }
 

@@ -1,6 +1,7 @@
 // kvmetal.sim: the metal::, metal::fast:: and metal::precise:: math library.
 // half and bfloat compute through float and round back, like the GPU's fast paths.
 #pragma once
+#include "abi.h"
 #include "msl_types.h"
 
 namespace kmsl {
@@ -13,10 +14,25 @@ typedef long long llong_t;
 typedef unsigned long long ullong_t;
 }  // namespace kmsl
 
+// Transcendental calls are counted per lane and component (KmslStats::math);
+// the indices follow kMathNames in rt.cpp.
+namespace kmsl {
+inline void count_math(int k) {
+  if (kmsl_tls_stats) kmsl_tls_stats->math[k]++;
+}
+// Every loop condition calls this (translate.py): the watchdog's hook.
+inline bool tick() {
+  KmslStats* s = kmsl_tls_stats;
+  if (s && __builtin_expect(--s->tick_budget <= 0, 0)) kmsl_rt_tick();
+  return true;
+}
+}  // namespace kmsl
+
 namespace metal {
 
-#define KMSL_F_UNARY(name, expr)                                                      \
-  inline float name(float x) { return expr; }                                         \
+
+#define KMSL_F_UNARY_N(name, expr, count)                                             \
+  inline float name(float x) { count; return expr; }                                  \
   inline half name(half x) { return half(name(float(x))); }                           \
   inline bfloat name(bfloat x) { return bfloat(name(float(x))); }                     \
   template <class T, int N> vec<T, N> name(const vec<T, N>& a) {                      \
@@ -24,30 +40,32 @@ namespace metal {
     for (int i = 0; i < N; i++) r.v[i] = name(a.v[i]);                                \
     return r;                                                                         \
   }
-KMSL_F_UNARY(exp, __builtin_expf(x))
-KMSL_F_UNARY(exp2, __builtin_exp2f(x))
-KMSL_F_UNARY(exp10, __builtin_powf(10.0f, x))
-KMSL_F_UNARY(expm1, __builtin_expm1f(x))
-KMSL_F_UNARY(log, __builtin_logf(x))
-KMSL_F_UNARY(log2, __builtin_log2f(x))
-KMSL_F_UNARY(log10, __builtin_log10f(x))
-KMSL_F_UNARY(log1p, __builtin_log1pf(x))
+#define KMSL_F_UNARY(name, expr) KMSL_F_UNARY_N(name, expr, (void)0)
+#define KMSL_F_TRANS(name, k, expr) KMSL_F_UNARY_N(name, expr, kmsl::count_math(k))
+KMSL_F_TRANS(exp, 0, __builtin_expf(x))
+KMSL_F_TRANS(exp2, 1, __builtin_exp2f(x))
+KMSL_F_TRANS(exp10, 2, __builtin_powf(10.0f, x))
+KMSL_F_TRANS(expm1, 3, __builtin_expm1f(x))
+KMSL_F_TRANS(log, 4, __builtin_logf(x))
+KMSL_F_TRANS(log2, 5, __builtin_log2f(x))
+KMSL_F_TRANS(log10, 6, __builtin_log10f(x))
+KMSL_F_TRANS(log1p, 7, __builtin_log1pf(x))
 KMSL_F_UNARY(sqrt, __builtin_sqrtf(x))
 KMSL_F_UNARY(rsqrt, 1.0f / __builtin_sqrtf(x))
 KMSL_F_UNARY(cbrt, __builtin_cbrtf(x))
-KMSL_F_UNARY(sin, __builtin_sinf(x))
-KMSL_F_UNARY(cos, __builtin_cosf(x))
-KMSL_F_UNARY(tan, __builtin_tanf(x))
-KMSL_F_UNARY(asin, __builtin_asinf(x))
-KMSL_F_UNARY(acos, __builtin_acosf(x))
-KMSL_F_UNARY(atan, __builtin_atanf(x))
-KMSL_F_UNARY(sinh, __builtin_sinhf(x))
-KMSL_F_UNARY(cosh, __builtin_coshf(x))
-KMSL_F_UNARY(tanh, __builtin_tanhf(x))
-KMSL_F_UNARY(asinh, __builtin_asinhf(x))
-KMSL_F_UNARY(acosh, __builtin_acoshf(x))
-KMSL_F_UNARY(atanh, __builtin_atanhf(x))
-KMSL_F_UNARY(erf, __builtin_erff(x))
+KMSL_F_TRANS(sin, 10, __builtin_sinf(x))
+KMSL_F_TRANS(cos, 11, __builtin_cosf(x))
+KMSL_F_TRANS(tan, 12, __builtin_tanf(x))
+KMSL_F_TRANS(asin, 13, __builtin_asinf(x))
+KMSL_F_TRANS(acos, 14, __builtin_acosf(x))
+KMSL_F_TRANS(atan, 15, __builtin_atanf(x))
+KMSL_F_TRANS(sinh, 17, __builtin_sinhf(x))
+KMSL_F_TRANS(cosh, 18, __builtin_coshf(x))
+KMSL_F_TRANS(tanh, 19, __builtin_tanhf(x))
+KMSL_F_TRANS(asinh, 20, __builtin_asinhf(x))
+KMSL_F_TRANS(acosh, 21, __builtin_acoshf(x))
+KMSL_F_TRANS(atanh, 22, __builtin_atanhf(x))
+KMSL_F_TRANS(erf, 23, __builtin_erff(x))
 KMSL_F_UNARY(floor, __builtin_floorf(x))
 KMSL_F_UNARY(ceil, __builtin_ceilf(x))
 KMSL_F_UNARY(round, __builtin_roundf(x))
@@ -58,6 +76,8 @@ KMSL_F_UNARY(fract, x - __builtin_floorf(x))
 KMSL_F_UNARY(saturate, x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x))
 KMSL_F_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
 #undef KMSL_F_UNARY
+#undef KMSL_F_TRANS
+#undef KMSL_F_UNARY_N
 
 #define KMSL_F_BINARY(name, expr)                                                       \
   inline float name(float x, float y) { return expr; }                                  \
@@ -73,12 +93,12 @@ KMSL_F_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
     for (int i = 0; i < N; i++) r.v[i] = name(a.v[i], b);                               \
     return r;                                                                           \
   }
-KMSL_F_BINARY(pow, __builtin_powf(x, y))
-KMSL_F_BINARY(powr, __builtin_powf(x, y))
+KMSL_F_BINARY(pow, (kmsl::count_math(8), __builtin_powf(x, y)))
+KMSL_F_BINARY(powr, (kmsl::count_math(9), __builtin_powf(x, y)))
 KMSL_F_BINARY(fmin, __builtin_fminf(x, y))
 KMSL_F_BINARY(fmax, __builtin_fmaxf(x, y))
 KMSL_F_BINARY(fmod, __builtin_fmodf(x, y))
-KMSL_F_BINARY(atan2, __builtin_atan2f(x, y))
+KMSL_F_BINARY(atan2, (kmsl::count_math(16), __builtin_atan2f(x, y)))
 KMSL_F_BINARY(copysign, __builtin_copysignf(x, y))
 KMSL_F_BINARY(fdim, __builtin_fdimf(x, y))
 KMSL_F_BINARY(step, y < x ? 0.0f : 1.0f)

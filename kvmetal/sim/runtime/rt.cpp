@@ -3,11 +3,13 @@
 // into libkmslrt.so and loaded RTLD_GLOBAL, so kernel .so files stay lean.
 #include "abi.h"
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -94,6 +96,33 @@ constexpr int kMaxSlots = 128;
 constexpr uint32_t kGuard = 256;
 constexpr uint32_t kArenaBytes = kMaxThreadgroupMemory + kMaxSlots * (kGuard + 64) + kGuard;
 
+constexpr int64_t kTickBudget = 1 << 16;  // loop iterations between watchdog checks
+
+// Counter names, indexed like KmslStats (kmsl_rt_stat_name exposes them).
+const char* const kCollectiveNames[] = {
+    "simd_sum", "simd_product", "simd_max", "simd_min", "simd_and", "simd_or", "simd_xor",
+    "quad_sum", "quad_product", "quad_max", "quad_min",
+    "simd_prefix_inclusive_sum", "simd_prefix_exclusive_sum", "simd_prefix_inclusive_product",
+    "simd_prefix_exclusive_product",
+    "simd_shuffle", "simd_shuffle_xor", "simd_shuffle_up", "simd_shuffle_down", "simd_shuffle_rotate_down",
+    "simd_shuffle_rotate_up", "simd_broadcast", "quad_shuffle", "quad_shuffle_xor", "quad_shuffle_up",
+    "quad_shuffle_down", "quad_broadcast", "simd_broadcast_first",
+    "simd_ballot", "simd_all", "simd_any", "simd_active_threads_mask", "simd_is_first", "simdgroup_barrier",
+    "other", nullptr};
+// Must match the order of the KMSL_MATH_* indices in msl_math.h.
+const char* const kMathNames[] = {
+    "exp", "exp2", "exp10", "expm1", "log", "log2", "log10", "log1p", "pow", "powr", "sin", "cos",
+    "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", nullptr};
+static_assert(sizeof(kCollectiveNames) / sizeof(kCollectiveNames[0]) <= KMSL_NCOLLECTIVE + 1, "collectives");
+static_assert(sizeof(kMathNames) / sizeof(kMathNames[0]) == KMSL_NMATH + 1, "math names");
+
+int collective_index(const char* op) {
+  int k = 0;
+  for (; kCollectiveNames[k + 1]; k++)
+    if (strcmp(kCollectiveNames[k], op) == 0) return k;
+  return k;  // "other"
+}
+
 enum FiberState { READY, AT_BARRIER, AT_COLLECTIVE, DONE };
 
 struct Fiber {  // kept small: the scheduler scans these every round
@@ -113,6 +142,7 @@ struct Shared {
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   std::mutex err_mutex;
+  std::chrono::steady_clock::time_point started;
 };
 
 struct Worker;
@@ -144,6 +174,7 @@ struct Worker {
   std::mt19937_64 rng;
   std::vector<uint32_t> order;
   bool aborted = false;
+  KmslStats stats{};
 
   ~Worker() {
     if (stacks) munmap(stacks, stacks_bytes);
@@ -243,6 +274,7 @@ struct Worker {
           fail(KMSL_DIVERGENT_COLLECTIVE, err);
           return;
         }
+        stats.collectives[collective_index(c->op)]++;
         if (c->resolve && c->resolve(&g) != 0) {
           char msg[768];
           snprintf(msg, sizeof(msg), "[%s] %s in simdgroup %u: %s", L->kernel_name, c->op, sg, err);
@@ -286,6 +318,7 @@ struct Worker {
       return;
     }
     check_guards("at a threadgroup_barrier");
+    stats.barriers++;
     for (uint32_t i = 0; i < n; i++) fibers[i].state = READY;
     n_barrier = 0;
   }
@@ -408,6 +441,8 @@ struct Worker {
   void run() {
     KmslLaunch* L = shared->launch;
     tls_worker = this;
+    kmsl_tls_stats = &stats;
+    stats.tick_budget = kTickBudget;
     uint32_t max_n = L->threadgroup[0] * L->threadgroup[1] * L->threadgroup[2];
     alloc_stacks(max_n);
     if (!stacks) {
@@ -415,7 +450,7 @@ struct Worker {
       return;
     }
     counters.resize(L->nbufs);
-    for (int b = 0; b < L->nbufs; b++) counters[b] = KmslCounter{0, 0, &L->bufs[b]};
+    for (int b = 0; b < L->nbufs; b++) counters[b] = KmslCounter{0, 0, &L->bufs[b], 0, 0};
     for (;;) {
       size_t k = shared->next.fetch_add(1);
       if (k >= shared->tg_order.size() || shared->failed.load()) break;
@@ -423,8 +458,84 @@ struct Worker {
       if (aborted) break;
     }
     tls_worker = nullptr;
+    kmsl_tls_stats = nullptr;
+  }
+
+  // The watchdog, run from loop back-edges every kTickBudget iterations.
+  void tick() {
+    stats.tick_budget = kTickBudget;
+    KmslLaunch* L = shared->launch;
+    if (shared->failed.load(std::memory_order_relaxed)) {
+      // Another worker failed: stop this fiber too instead of finishing a doomed launch.
+      Fiber* f = current;
+      aborted = true;
+      f->state = DONE;
+      kmsl_switch(&f->sp, sched_sp);
+      __builtin_trap();
+    }
+    double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - shared->started).count();
+    char msg[512];
+    if (L->cancel) {
+      snprintf(msg, sizeof(msg), "[%s] cancelled (KeyboardInterrupt) after %.1f s", L->kernel_name, elapsed);
+      kmsl_rt_fail(KMSL_TIMEOUT, msg);
+    }
+    if (L->timeout_s > 0 && elapsed > L->timeout_s) {
+      snprintf(msg, sizeof(msg),
+               "[%s] watchdog: the launch ran past its %.3g s limit (an infinite loop? thread %u of threadgroup "
+               "(%u,%u,%u)); raise it with kvmetal.sim.trace(timeout=...) or KVMETAL_SIM_TIMEOUT",
+               L->kernel_name, L->timeout_s, current ? current->index : 0u, attrs[0].threadgroup_position_in_grid[0],
+               attrs[0].threadgroup_position_in_grid[1], attrs[0].threadgroup_position_in_grid[2]);
+      kmsl_rt_fail(KMSL_TIMEOUT, msg);
+    }
   }
 };
+
+// Arithmetic traps inside a kernel fiber fail the launch with a SimError
+// instead of killing the process: SIGFPE (x86 integer division or modulo by
+// zero, INT_MIN / -1) and the SIGILL / SIGTRAP of the division-by-zero checks
+// the kernels are compiled with (build.py). The handler never returns into the
+// fiber: it switches to the scheduler (SA_NODEFER keeps the signal unblocked
+// afterwards). Outside a kernel fiber the previous action runs.
+const int kTrapSignals[] = {SIGFPE, SIGILL, SIGTRAP};
+struct sigaction previous_action[3];
+std::once_flag trap_once;
+
+void on_trap(int sig, siginfo_t* info, void* uctx) {
+  Worker* w = tls_worker;
+  if (w && w->current) {
+    char msg[512];
+    const KmslAttrs& a = w->attrs[w->current->index];
+    snprintf(msg, sizeof(msg),
+             "[%s] integer division or modulo by zero (%s) in thread %u of threadgroup (%u,%u,%u)",
+             w->shared->launch->kernel_name, sig == SIGFPE ? "SIGFPE" : sig == SIGILL ? "SIGILL trap" : "SIGTRAP",
+             a.thread_index_in_threadgroup, a.threadgroup_position_in_grid[0], a.threadgroup_position_in_grid[1],
+             a.threadgroup_position_in_grid[2]);
+    kmsl_rt_fail(KMSL_ARITHMETIC, msg);
+  }
+  int k = sig == SIGFPE ? 0 : sig == SIGILL ? 1 : 2;
+  struct sigaction& prev = previous_action[k];
+  if (prev.sa_flags & SA_SIGINFO) {
+    if (prev.sa_sigaction) prev.sa_sigaction(sig, info, uctx);
+    return;
+  }
+  if (prev.sa_handler == SIG_IGN) return;
+  if (prev.sa_handler != SIG_DFL && prev.sa_handler) {
+    prev.sa_handler(sig);
+    return;
+  }
+  sigaction(sig, &prev, nullptr);  // default: returning re-executes the fault and dies
+}
+
+void install_trap_handlers() {
+  std::call_once(trap_once, [] {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = on_trap;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    for (int k = 0; k < 3; k++) sigaction(kTrapSignals[k], &sa, &previous_action[k]);
+  });
+}
 
 void fiber_main() {
   Worker* w = tls_worker;
@@ -440,6 +551,20 @@ void yield_to_scheduler(Worker* w, Fiber* f) { kmsl_switch(&f->sp, w->sched_sp);
 }  // namespace
 
 extern "C" {
+
+__thread KmslStats* kmsl_tls_stats = nullptr;
+
+void kmsl_rt_tick(void) { tls_worker->tick(); }
+
+const char* kmsl_rt_stat_name(int kind, int index) {
+  const char* const* names = kind == 0 ? kCollectiveNames : kMathNames;
+  int n = kind == 0 ? KMSL_NCOLLECTIVE : KMSL_NMATH;
+  for (int k = 0; k < n; k++) {
+    if (!names[k]) return nullptr;
+    if (k == index) return names[k];
+  }
+  return nullptr;
+}
 
 void kmsl_rt_collective(KmslCollective* c) {
   Worker* w = tls_worker;
@@ -502,12 +627,15 @@ const char* kmsl_rt_kernel_name(void) { return tls_worker->shared->launch->kerne
 int kmsl_rt_launch(KmslLaunch* L, KmslEntry entry) {
   L->err_kind = KMSL_OK;
   L->err_msg[0] = 0;
-  for (int b = 0; b < L->nbufs; b++) L->loads[b] = L->stores[b] = 0;
+  memset(&L->stats, 0, sizeof(L->stats));
+  for (int b = 0; b < L->nbufs; b++) L->loads[b] = L->stores[b] = L->load_ops[b] = L->store_ops[b] = 0;
+  install_trap_handlers();
   for (int d = 0; d < 3; d++)
     if (L->grid[d] == 0 || L->threadgroup[d] == 0) return KMSL_OK;
   Shared shared;
   shared.launch = L;
   shared.entry = entry;
+  shared.started = std::chrono::steady_clock::now();
   uint32_t ntg = 1;
   for (int d = 0; d < 3; d++) ntg *= (L->grid[d] + L->threadgroup[d] - 1) / L->threadgroup[d];
   shared.tg_order.resize(ntg);
@@ -535,7 +663,12 @@ int kmsl_rt_launch(KmslLaunch* L, KmslEntry entry) {
     for (int b = 0; b < L->nbufs && b < (int)w->counters.size(); b++) {
       L->loads[b] += w->counters[b].loads;
       L->stores[b] += w->counters[b].stores;
+      L->load_ops[b] += w->counters[b].load_ops;
+      L->store_ops[b] += w->counters[b].store_ops;
     }
+    L->stats.barriers += w->stats.barriers;
+    for (int k = 0; k < KMSL_NCOLLECTIVE; k++) L->stats.collectives[k] += w->stats.collectives[k];
+    for (int k = 0; k < KMSL_NMATH; k++) L->stats.math[k] += w->stats.math[k];
     delete w;
   }
   return L->err_kind;

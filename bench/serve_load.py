@@ -1,0 +1,273 @@
+"""Replay one mixed chat workload against ``kvmetal serve`` and ``mlx_lm.server``, same run.
+
+    python bench/serve_load.py                     # the tiny test model, built offline
+    python bench/serve_load.py --model DIR --requests 128 --concurrency 16 --kv-memory 2GB
+
+The workload (fixed by --seed): chats that share a long system prompt, two-turn chats
+whose second turn repeats the first (prefix reuse), and plain completions, with mixed
+prompt and output lengths, all greedy. Each server runs as its own subprocess on the
+same machine and gets the same requests from ``--concurrency`` streaming clients.
+
+Reported per server: requests/s, output tokens/s, p50/p95 time to first token (TTFT)
+and time per output token (TPOT), prefix hit rate (cached prompt tokens / prompt
+tokens, from the responses' usage), and for kvmetal the peak KV bytes against the cap
+(from /metrics). --json writes the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+WORDS = ("the paged cache keeps keys and values in fixed blocks so a long prompt does not need one large buffer "
+         "servers batch many requests in one forward pass quantized keys keep eight bits what is the capital "
+         "of france write a short poem about the sea summarize the following text").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def workload(n: int, seed: int, max_tokens: int) -> list:
+    """Request bodies (without "model"/"stream"): shared-system chats, two-turn chats, completions."""
+    rng = random.Random(seed)
+    system = "You are a helpful assistant. " + sentence(rng, 120)
+    first_turns = [sentence(rng, rng.randint(10, 40)) for _ in range(max(1, n // 8))]
+    bodies = []
+    for i in range(n):
+        out = rng.randint(max_tokens // 4, max_tokens)
+        kind = i % 4
+        if kind in (0, 1):
+            question = sentence(rng, rng.randint(5, 30))
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        elif kind == 2:
+            turn = rng.choice(first_turns)
+            messages = [{"role": "user", "content": turn}, {"role": "assistant", "content": sentence(rng, 30)},
+                        {"role": "user", "content": sentence(rng, rng.randint(5, 20))}]
+        else:
+            prompt = sentence(rng, rng.randint(20, 200))
+            bodies.append({"path": "/completions", "prompt": prompt, "max_tokens": out})
+            continue
+        bodies.append({"path": "/chat/completions", "messages": messages, "max_tokens": out})
+    rng.shuffle(bodies)
+    return bodies
+
+
+def one_request(url: str, model: str, body: dict) -> dict:
+    """Stream one request; returns its timings and usage."""
+    import httpx
+
+    payload = {k: v for k, v in body.items() if k != "path"}
+    payload.update(model=model, stream=True, temperature=0.0, stream_options={"include_usage": True})
+    start = time.perf_counter()
+    first = last = None
+    usage = None
+    with httpx.stream("POST", url + body["path"], json=payload, timeout=600) as r:
+        if r.status_code != 200:
+            r.read()
+            return {"error": f"{r.status_code} {r.text[:200]}"}
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if text:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+    end = time.perf_counter()
+    usage = usage or {}
+    out = usage.get("completion_tokens", 0)
+    return {"ttft": (first or end) - start, "tpot": (last - first) / (out - 1) if first and out > 1 else None,
+            "prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": out,
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0,
+            "latency": end - start}
+
+
+def percentile(values: list, q: float):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def replay(url: str, model: str, bodies: list, concurrency: int, metrics_url: str | None = None) -> dict:
+    import httpx
+
+    peak = {"kv_used": 0, "kv_pool": 0}
+    done = threading.Event()
+
+    def poll():
+        from kvmetal.serve.metrics import parse
+
+        while not done.is_set():
+            with contextlib.suppress(httpx.HTTPError):
+                m = parse(httpx.get(metrics_url, timeout=5).text)
+                peak["kv_used"] = max(peak["kv_used"], m["kvmetal_kv_used_bytes"])
+                peak["kv_pool"] = max(peak["kv_pool"], m["kvmetal_kv_pool_bytes"])
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll) if metrics_url else None
+    if poller:
+        poller.start()
+    start = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(lambda b: one_request(url, model, b), bodies))
+    finally:
+        done.set()
+        if poller:
+            poller.join()
+    wall = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    summary = {
+        "requests": len(bodies), "errors": len(errors), "first_error": errors[0] if errors else None,
+        "wall_s": wall, "requests_per_s": len(ok) / wall,
+        "output_tokens_per_s": sum(r["completion_tokens"] for r in ok) / wall,
+        "ttft_p50_ms": 1e3 * percentile([r["ttft"] for r in ok], 0.5),
+        "ttft_p95_ms": 1e3 * percentile([r["ttft"] for r in ok], 0.95),
+        "tpot_p50_ms": _ms(percentile([r["tpot"] for r in ok], 0.5)),
+        "tpot_p95_ms": _ms(percentile([r["tpot"] for r in ok], 0.95)),
+        "prompt_tokens": prompt, "output_tokens": sum(r["completion_tokens"] for r in ok),
+        "prefix_hit_rate": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
+        "mean_latency_s": statistics.mean(r["latency"] for r in ok) if ok else None,
+    }
+    if metrics_url:
+        summary["peak_kv_used_bytes"] = peak["kv_used"]
+        summary["peak_kv_pool_bytes"] = peak["kv_pool"]
+    return summary
+
+
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
+def wait_ready(url: str, proc, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        time.sleep(0.1)
+    raise RuntimeError("server did not start")
+
+
+def run_server(name: str, command: list, port: int, model: str, bodies: list, concurrency: int, log_dir: Path,
+               metrics: bool) -> dict:
+    log = open(log_dir / f"{name}.log", "w+")
+    here = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=here,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        one_request(url + "/v1", model, {"path": "/completions", "prompt": "warm up", "max_tokens": 4})
+        result = replay(url + "/v1", model, bodies, concurrency, url + "/metrics" if metrics else None)
+        if metrics:
+            from kvmetal.serve.metrics import parse
+            import httpx
+
+            m = parse(httpx.get(url + "/metrics").text)
+            result.update(kv_cap_bytes=m["kvmetal_kv_cap_bytes"], preemptions=m["kvmetal_preemptions"],
+                          server_peak_kv_used_bytes=m["kvmetal_kv_peak_used_bytes"])
+        return result
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="mlx-lm model directory (default: build the tiny test model)")
+    parser.add_argument("--requests", type=int, default=48, help="requests to replay (default 48)")
+    parser.add_argument("--concurrency", type=int, default=8, help="clients at once (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="largest max_tokens in the mix (default 48)")
+    parser.add_argument("--kv-memory", default="2MiB", help="kvmetal serve --kv-memory (default 2MiB)")
+    parser.add_argument("--kvmetal-args", default="", help="more kvmetal serve options, e.g. '--k-bits 8 --v-bits 4'")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--skip-mlx-lm", action="store_true", help="only kvmetal serve")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = args.model
+        if model is None:
+            from kvmetal.serve.tiny import build_model_dir
+
+            model = str(build_model_dir(tmp / "tiny-llama", max_position_embeddings=8192))
+        bodies = workload(args.requests, args.seed, args.max_tokens)
+        results = {}
+        port = free_port()
+        kv_cmd = [sys.executable, "-m", "kvmetal", "serve", "--model", model, "--port", str(port),
+                  "--log-level", "WARNING", "--kv-memory", args.kv_memory, *args.kvmetal_args.split()]
+        results["kvmetal serve"] = run_server("kvmetal", kv_cmd, port, model, bodies, args.concurrency, tmp, True)
+        if not args.skip_mlx_lm:
+            port = free_port()
+            lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port),
+                      "--log-level", "WARNING"]
+            results["mlx_lm.server"] = run_server("mlx_lm", lm_cmd, port, model, bodies, args.concurrency, tmp,
+                                                  False)
+    report(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+def report(results: dict, args) -> None:
+    print(f"{args.requests} requests, {args.concurrency} concurrent, greedy, max_tokens <= {args.max_tokens}")
+    cols = ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms",
+            "prefix_hit_rate", "errors"]
+    print(f"{'server':<15}" + "".join(f"{c:>20}" for c in cols))
+    for name, r in results.items():
+        print(f"{name:<15}" + "".join(f"{_fmt(r.get(c)):>20}" for c in cols))
+    kv = results.get("kvmetal serve")
+    if kv:
+        print(f"kvmetal peak KV: {kv['server_peak_kv_used_bytes'] / 2**20:.2f} MiB used "
+              f"(pool {kv['peak_kv_pool_bytes'] / 2**20:.2f} MiB) against a cap of "
+              f"{kv['kv_cap_bytes'] / 2**20:.2f} MiB; {int(kv['preemptions'])} preemptions")
+    for name, r in results.items():
+        if r["errors"]:
+            print(f"{name}: first error: {r['first_error']}")
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+    return str(x)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

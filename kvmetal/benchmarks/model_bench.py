@@ -1,0 +1,158 @@
+"""``kvmetal bench --model DIR``: a model end to end, in the style of llama-bench.
+
+For each context length, one prompt of that many tokens (random ids, the same for every
+configuration) is prefilled and ``--gen-tokens`` tokens are generated greedily with
+mlx-lm's ``generate_step`` under four caches, all in this one process:
+
+    kvmetal f16       use_paged_cache(model)                  (the model's float dtype)
+    kvmetal K8/V4     use_paged_cache(model, k_bits=8, v_bits=4)
+    mlx-lm KVCache    mlx-lm's own cache
+    mlx-lm kv_bits=8  mlx-lm's QuantizedKVCache from the first token (quantized_kv_start=0)
+
+Reported per cell: prompt tokens/s (prefill through the first token), generation
+tokens/s (the remaining tokens), peak memory (``mx.get_peak_memory``, reset before each
+run) and the bytes the cache holds at the end.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+CONFIGS = (
+    ("kvmetal f16", dict(paged=True)),
+    ("kvmetal K8/V4", dict(paged=True, k_bits=8, v_bits=4)),
+    ("mlx-lm KVCache", dict(paged=False)),
+    ("mlx-lm kv_bits=8", dict(paged=False, kv_bits=8)),
+)
+
+
+def measure(model, prompt: list, *, gen_tokens: int, config: dict, group_size: int, backend: str,
+            block_size: int = 16) -> dict:
+    """One prefill + ``gen_tokens`` greedy tokens under one cache configuration."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..backends import use_backend
+    from ..integrations.mlx_lm import use_paged_cache
+
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    kwargs = {}
+    handle = None
+    if config["paged"]:
+        handle = use_paged_cache(model, block_size=block_size, k_bits=config.get("k_bits"),
+                                 v_bits=config.get("v_bits"),
+                                 k_group_size=group_size if config.get("k_bits") else None,
+                                 v_group_size=group_size if config.get("v_bits") else None)
+    elif config.get("kv_bits"):
+        kwargs = dict(kv_bits=config["kv_bits"], kv_group_size=group_size, quantized_kv_start=0)
+    try:
+        with use_backend(backend):
+            cache = make_prompt_cache(model)
+            tic = time.perf_counter()
+            first = None
+            count = 0
+            for token, _ in generate_step(mx.array(prompt), model, max_tokens=gen_tokens, prompt_cache=cache,
+                                          sampler=lambda logits: mx.argmax(logits, axis=-1), **kwargs):
+                mx.eval(token)
+                count += 1
+                if first is None:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            if config["paged"]:
+                kv_bytes = cache[0].model_cache.nbytes
+                kv_used = cache[0].model_cache.used_bytes
+            else:
+                kv_bytes = kv_used = sum(c.nbytes for c in cache)
+    finally:
+        if handle is not None:
+            handle.undo()
+    return {
+        "prompt_tps": len(prompt) / (first - tic),
+        "generation_tps": (count - 1) / (end - first) if count > 1 else None,
+        "generated": count,
+        "peak_memory_bytes": mx.get_peak_memory(),
+        "kv_bytes": kv_bytes,
+        "kv_used_bytes": kv_used,
+    }
+
+
+def _fmt(value, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "tps":
+        return f"{value:,.1f}"
+    return f"{value / 2**20:,.1f} MiB"
+
+
+def print_table(rows: list, *, header: str) -> None:
+    configs = [name for name, _ in CONFIGS]
+    contexts = list(dict.fromkeys(r["context"] for r in rows))
+    cell = {(r["context"], r["config"]): r for r in rows}
+    width = max(16, *(len(c) + 2 for c in configs))
+    print(header)
+    print(f"{'context':>8}  {'metric':<16}" + "".join(f"{c:>{width}}" for c in configs))
+    print("-" * (26 + width * len(configs)))
+    for context in contexts:
+        for metric, key, kind in (("prompt tok/s", "prompt_tps", "tps"), ("gen tok/s", "generation_tps", "tps"),
+                                  ("peak memory", "peak_memory_bytes", "bytes"), ("KV held", "kv_bytes", "bytes")):
+            values = [_fmt(cell.get((context, c), {}).get(key), kind) for c in configs]
+            print(f"{context:>8}  {metric:<16}" + "".join(f"{v:>{width}}" for v in values))
+    print("(kvmetal's KV held is its block pool, which grows in steps; the blocks its sequence owned are in the JSON"
+          " as kv_used_bytes)")
+
+
+def main(args, backend: str) -> int:
+    from ..budget import largest_group_size, parse_tokens, shape_from_config
+    from ..integrations.generate import UserError, resolve_model
+    from .provenance import provenance
+
+    try:
+        contexts = [parse_tokens(c.strip(), name="--contexts") for c in args.contexts.split(",") if c.strip()]
+        if not contexts:
+            raise ValueError("--contexts is empty")
+        if args.gen_tokens < 2:
+            raise ValueError(f"--gen-tokens must be >= 2, got {args.gen_tokens}")
+        path = resolve_model(args.model)
+    except (ValueError, UserError) as exc:
+        print(f"kvmetal bench: error: {exc}", file=sys.stderr)
+        return 2
+    from mlx_lm.utils import load
+
+    model, _, config = load(str(path), return_config=True)
+    shape = shape_from_config(config, name=path.name)
+    group = 64 if shape.head_dim % 64 == 0 else largest_group_size(shape.head_dim)
+    rng = np.random.default_rng(0)
+    vocab = shape.vocab_size or 1000
+    rows = []
+    for context in contexts:
+        prompt = [int(t) for t in rng.integers(0, vocab, context)]
+        for name, cfg in CONFIGS:
+            print(f"[{context} tokens] {name} ...", file=sys.stderr, flush=True)
+            try:
+                row = measure(model, prompt, gen_tokens=args.gen_tokens, config=cfg, group_size=group,
+                              backend=backend)
+            except (NotImplementedError, ValueError) as exc:
+                row = {"error": str(exc)}
+                print(f"  {name}: {exc}", file=sys.stderr)
+            rows.append({"context": context, "config": name, **row})
+    report = {"model": str(path), "family": config.get("model_type"), "backend": backend,
+              "gen_tokens": args.gen_tokens, "group_size": group, "provenance": provenance(backend), "rows": rows}
+    if args.plot:
+        from .plots import plot_model_results
+
+        plot_model_results([r for r in rows if "error" not in r], args.plot,
+                           title=f"{path.name}: {args.gen_tokens} generated tokens, backend {backend}")
+        report["plot"] = args.plot
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(rows, header=f"\n{path.name} ({config.get('model_type')}, head_dim {shape.head_dim}); "
+                                 f"{args.gen_tokens} greedy tokens after each prompt; backend {backend}; "
+                                 f"quantization group size {group}\n")
+    return 0

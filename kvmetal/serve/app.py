@@ -1,0 +1,314 @@
+"""The HTTP side: FastAPI routes over an ``EngineWorker`` (async; never runs the model).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming SSE or
+not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is an
+OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import metrics, protocol
+from .protocol import APIError
+from .worker import LoopSink
+
+log = logging.getLogger("kvmetal.serve")
+
+WAIT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+
+
+@dataclass
+class ServeState:
+    """What the routes need: the worker, the tokenizer and the server's defaults."""
+
+    worker: object  # EngineWorker
+    tokenizer: object  # mlx-lm TokenizerWrapper
+    model_id: str
+    defaults: protocol.Defaults = field(default_factory=protocol.Defaults)
+    context_limit: int | None = None  # the model's max_position_embeddings, if it says
+    chat_template_kwargs: dict = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def model_names(self) -> set:
+        return {self.model_id, Path(self.model_id).name, str(Path(self.model_id).resolve()), "default_model"}
+
+
+class TextStream:
+    """Token ids -> text pieces for one request, with stop strings held back and cut."""
+
+    def __init__(self, tokenizer, stop: list):
+        self.detokenizer = tokenizer.detokenizer
+        self.stop = stop
+        self.sent = 0  # characters already handed out
+        self.stopped = False  # a stop string was found
+
+    def add(self, token: int) -> None:
+        self.detokenizer.add_token(token)
+
+    def take(self, final: bool = False) -> str:
+        """New text that is safe to send (all of it when ``final``)."""
+        if final:
+            self.detokenizer.finalize()
+        text = self.detokenizer.text
+        if self.stop:
+            hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                end = min(hits)
+                piece, self.sent = text[self.sent:end], max(self.sent, end)
+                return piece
+        end = len(text)
+        if not final:  # hold back a tail that may be the start of a stop string
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        end = min(end, len(text) - k)
+                        break
+        end = max(end, self.sent)
+        piece, self.sent = text[self.sent:end], end
+        return piece
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(state: ServeState) -> FastAPI:
+    app = FastAPI(title="kvmetal serve", docs_url=None, redoc_url=None)
+    app.state.serve = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(APIError(str(e.detail), status=e.status_code, type_=kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, e: Exception):
+        log.exception("unexpected error")
+        return _error(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type_="server_error"))
+
+    @app.get("/health")
+    async def health():
+        if state.worker.failed or state.worker.stopping:
+            return JSONResponse({"status": "error", "detail": state.worker.failed}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_id, "object": "model", "created": state.created,
+                                            "owned_by": "kvmetal"}]}
+
+    @app.get("/metrics")
+    async def metrics_text():
+        return PlainTextResponse(metrics.render(state.worker.snapshot()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(state, request, chat=True)
+
+    return app
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+
+
+def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
+    tokenizer = state.tokenizer
+    if not req.chat:
+        return list(req.prompt) if isinstance(req.prompt, list) else list(tokenizer.encode(req.prompt))
+    messages = [{"role": m["role"], "content": m["content"]} for m in req.prompt]
+    if getattr(tokenizer, "has_chat_template", False):
+        kwargs = {**state.chat_template_kwargs, **req.chat_template_kwargs}
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+        except Exception as e:  # the template rejected the conversation (e.g. role order)
+            raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    # No template: plain "role: content" lines, ending with the assistant's turn.
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return list(tokenizer.encode(text))
+
+
+async def _generate(state: ServeState, request: Request, *, chat: bool):
+    body = await _json_body(request)
+    req = protocol.parse(body, chat=chat, defaults=state.defaults)
+    model = body.get("model")
+    if model is not None and model not in state.model_names():
+        raise APIError(f"the model '{model}' does not exist; this server serves '{state.model_id}'",
+                       status=404, param="model", type_="not_found_error", code="model_not_found")
+    worker = state.worker
+    if worker.failed:
+        raise APIError(worker.failed, status=503, type_="server_error")
+    prompt = await asyncio.to_thread(_tokenize, state, req)  # a long prompt must not stall other streams
+    if not prompt:
+        raise APIError("the prompt encodes to no tokens", param="messages" if chat else "prompt")
+    if not chat and isinstance(req.prompt, list) and max(prompt) >= len(state.tokenizer):
+        raise APIError(f"token ids must be < {len(state.tokenizer)}, the tokenizer's size", param="prompt")
+    max_tokens = protocol.check_fits(len(prompt), req, max_prompt=worker.max_prompt_tokens,
+                                     max_total=worker.max_sequence_tokens, context_limit=state.context_limit)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    loop = asyncio.get_running_loop()
+    deliveries: asyncio.Queue = asyncio.Queue()
+    sink = LoopSink(loop, deliveries)  # called on the engine thread
+    eos = frozenset(int(t) for t in getattr(state.tokenizer, "eos_token_ids", ()) or ())
+    try:
+        worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=req.sampling, stop_token_ids=eos,
+                      sink=sink)
+    except RuntimeError as e:
+        raise APIError(str(e), status=503, type_="server_error") from None
+    run = _Run(state, req, request_id, prompt, eos, deliveries)
+    # Wait for the first token before answering, so an engine-side rejection is still a 4xx.
+    try:
+        first = await run.next(request)
+    except BaseException:
+        worker.abort(request_id)
+        raise
+    if first is None:  # the client left while the request waited
+        worker.abort(request_id)
+        return JSONResponse({}, status_code=499)
+    if first.error is not None:
+        raise _as_api_error(first.error)
+    if req.stream:
+        return StreamingResponse(run.sse(first), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await run.whole(first, request)
+
+
+def _as_api_error(error: BaseException) -> APIError:
+    if isinstance(error, (ValueError, TypeError)):
+        return APIError(str(error))
+    return APIError(str(error), status=503 if "shutting down" in str(error) else 500, type_="server_error")
+
+
+class _Run:
+    """One request's deliveries turned into OpenAI responses."""
+
+    def __init__(self, state: ServeState, req, request_id: str, prompt: list, eos: frozenset, deliveries):
+        self.state, self.req, self.id, self.prompt, self.eos = state, req, request_id, prompt, eos
+        self.deliveries = deliveries
+        self.text = TextStream(state.tokenizer, req.stop)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason = None
+        self.created = int(time.time())
+
+    async def next(self, request: Request | None = None):
+        """The next delivery; None if the client disconnected first (non-streaming wait)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.deliveries.get(), WAIT_POLL_S)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    return None
+
+    def _consume(self, delivery) -> str:
+        """Apply one delivery; returns the text it makes safe to send."""
+        event = delivery.event
+        if self.completion_tokens == 0:  # as admitted first (a finished request is no longer looked up)
+            self.cached_tokens = delivery.cached_prompt_tokens
+        if event.token is not None:
+            self.completion_tokens += 1
+            if not (event.finish_reason == "stop" and event.token in self.eos):
+                self.text.add(event.token)
+        if event.finished:
+            self.finish_reason = "stop" if event.finish_reason == "stop" else "length"
+        piece = self.text.take(final=event.finished)
+        if self.text.stopped:
+            if not event.finished:
+                self.state.worker.abort(self.id)  # a stop string ended it: free its blocks now
+            self.finish_reason = "stop"
+        return piece
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt), "completion_tokens": self.completion_tokens,
+                "total_tokens": len(self.prompt) + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def _choice(self, text: str, finish_reason, *, delta: bool, first: bool = False) -> dict:
+        if not self.req.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if not delta:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish_reason}
+        content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+
+    def _envelope(self, choices: list, *, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.req.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_id,
+                "system_fingerprint": "kvmetal", "choices": choices}
+
+    async def whole(self, first, request: Request):
+        pieces, delivery = [], first
+        while True:
+            if delivery is None:  # the client went away
+                self.state.worker.abort(self.id)
+                return JSONResponse({}, status_code=499)
+            if delivery.error is not None:
+                raise _as_api_error(delivery.error)
+            pieces.append(self._consume(delivery))
+            if self.done:
+                break
+            delivery = await self.next(request)
+        body = self._envelope([self._choice("".join(pieces), self.finish_reason, delta=False)], chunk=False)
+        body["usage"] = self.usage()
+        return body
+
+    async def sse(self, first):
+        delivery, sent_first = first, False
+        try:
+            while True:
+                if delivery.error is not None:
+                    yield _sse(_as_api_error(delivery.error).body())
+                    self.finish_reason = "error"
+                    break
+                piece = self._consume(delivery)
+                if piece or not sent_first or self.done:
+                    choice = self._choice(piece, self.finish_reason, delta=True, first=not sent_first)
+                    yield _sse(self._envelope([choice], chunk=True))
+                    sent_first = True
+                if self.done:
+                    if self.req.include_usage:
+                        final = self._envelope([], chunk=True)
+                        final["usage"] = self.usage()
+                        yield _sse(final)
+                    break
+                delivery = await self.deliveries.get()
+            yield "data: [DONE]\n\n"
+        finally:
+            if not self.done:  # the client disconnected mid-stream: free its blocks
+                self.state.worker.abort(self.id)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,56 @@
+"""``/metrics``: the worker's numbers in Prometheus' text format (what vLLM serves too)."""
+from __future__ import annotations
+
+# name in the snapshot -> (metric type, help)
+METRICS = {
+    "ranks": ("gauge", "Ranks serving together under mlx.launch (KV byte figures are rank 0's)."),
+    "requests_running": ("gauge", "Requests decoding now."),
+    "requests_waiting": ("gauge", "Requests waiting for KV blocks (new or preempted)."),
+    "generated_tokens": ("counter", "Output tokens generated."),
+    "generation_tokens_per_second": ("gauge", "Output tokens per second over the last 10 s."),
+    "prompt_tokens": ("counter", "Prompt tokens admitted (recomputed ones after preemption included)."),
+    "prompt_tokens_cached": ("counter", "Prompt tokens found in the prefix cache instead of computed."),
+    "prefix_hit_rate": ("gauge", "prompt_tokens_cached / prompt_tokens."),
+    "preemptions": ("counter", "Running requests preempted (freed, recomputed later) to make room."),
+    "decode_steps": ("counter", "Batched decode steps."),
+    "kv_pool_bytes": ("gauge", "Bytes of the KV pools (allocated, used or not)."),
+    "kv_used_bytes": ("gauge", "Bytes of KV blocks owned by live requests."),
+    "kv_free_bytes": ("gauge", "Cap (or pool, without a cap) minus used bytes."),
+    "kv_cap_bytes": ("gauge", "The --kv-memory cap in bytes (-1: none, the pool grows)."),
+    "kv_peak_used_bytes": ("gauge", "Peak bytes of KV blocks owned by live requests."),
+    "kv_peak_pool_bytes": ("gauge", "Peak bytes of the KV pools."),
+    "prompt_cache_loaded_blocks": ("gauge", "Prefix blocks loaded from --prompt-cache-dir at start."),
+    "prompt_cache_saved_blocks": ("counter", "Prefix blocks written to --prompt-cache-dir."),
+    "prompt_cache_warnings": ("counter", "Prompt-cache files skipped (corrupt, mismatched) or not written."),
+}
+
+
+def render(snapshot: dict) -> str:
+    lines = []
+    for name, (kind, help_) in METRICS.items():
+        value = snapshot[name]
+        full = f"kvmetal_{name}"
+        lines += [f"# HELP {full} {help_}", f"# TYPE {full} {kind}", f"{full} {_number(value)}"]
+    full = "kvmetal_requests_finished"
+    lines += [f"# HELP {full} Finished requests by reason.", f"# TYPE {full} counter"]
+    for reason, count in sorted(snapshot["requests_finished"].items()):
+        lines.append(f'{full}{{reason="{reason}"}} {count}')
+    return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+    if value is None:
+        return "-1"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(int(value))
+
+
+def parse(text: str) -> dict:
+    """The samples of a ``render`` output as {name: value} (labels kept in the name)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out

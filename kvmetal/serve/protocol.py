@@ -1,0 +1,166 @@
+"""OpenAI request bodies -> validated generation parameters, and OpenAI-style errors.
+
+Field names and defaults follow ``mlx_lm.server`` where they overlap (``max_tokens`` or
+``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
+``stop``, ``stream``, ``stream_options``). Types are strict: ``true`` is not a number.
+Fields kvmetal cannot honour (``logprobs``, penalties, ``logit_bias``, ``n`` > 1) are
+rejected rather than silently ignored; fields it does not know are ignored, as
+OpenAI-compatible servers do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..integrations.engine import SamplingParams
+
+
+class APIError(Exception):
+    """An error the client caused or must see: becomes ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Defaults:
+    """Server-side defaults (the ``--max-tokens``, ``--temp``... flags)."""
+
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+@dataclass
+class GenerationRequest:
+    """What one HTTP request asks the engine for (before tokenization of the prompt)."""
+
+    chat: bool
+    prompt: object  # completions: str or list of token ids; chat: list of messages
+    max_tokens: int
+    max_tokens_given: bool
+    sampling: SamplingParams
+    stop: list = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _get(body: dict, name: str, check, what: str, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise APIError(f"'{name}' must be {what}, got {value!r}", param=name)
+    return value
+
+
+UNSUPPORTED = {  # field -> the value that means "off"
+    "logprobs": (None, False), "top_logprobs": (None,), "logit_bias": (None, {}),
+    "repetition_penalty": (None, 0, 0.0, 1, 1.0), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "n": (None, 1), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"}),
+}
+
+
+def parse(body, *, chat: bool, defaults: Defaults) -> GenerationRequest:
+    """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    for name, off in UNSUPPORTED.items():
+        if name in body and body[name] not in off:
+            raise APIError(f"'{name}' is not supported by kvmetal serve", param=name)
+    if chat:
+        prompt = body.get("messages")
+        if not isinstance(prompt, list) or not prompt:
+            raise APIError("'messages' must be a non-empty list of {role, content} objects", param="messages")
+        for i, m in enumerate(prompt):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+            m["content"] = _message_text(m.get("content"), i)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        ok = (isinstance(prompt, str) and prompt) or (
+            isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt))
+        if not ok:
+            raise APIError("'prompt' must be a non-empty string or a non-empty list of token ids "
+                           "(one prompt per request)", param="prompt")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _get(body, name, lambda v: _is_int(v) and v >= 1, "an integer >= 1", None)
+    given = max_tokens is not None
+    max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
+    temperature = _get(body, "temperature", lambda v: _is_number(v) and 0 <= v < float("inf"),
+                       "a number >= 0", defaults.temperature)
+    top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]", defaults.top_p)
+    top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", defaults.top_k)
+    min_p = _get(body, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]", defaults.min_p)
+    seed = _get(body, "seed", _is_int, "an integer", None)
+    stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError("'stream_options.include_usage' must be a boolean", param="stream_options")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise APIError("'stop' must be a non-empty string or a list of them", param="stop")
+    template_kwargs = _get(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(f"'model' must be a string, got {model!r}", param="model")
+    sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                              min_p=float(min_p), seed=seed)
+    return GenerationRequest(chat, prompt, max_tokens, given, sampling, stop, stream, include_usage,
+                             template_kwargs)
+
+
+def _message_text(content, i: int) -> str:
+    """A message's content as text (a string, or a list of {type: text} parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def check_fits(prompt_tokens: int, req: GenerationRequest, *, max_prompt: int | None, max_total: int | None,
+               context_limit: int | None) -> int:
+    """The max_tokens to run with; APIError(400) with the numbers when it can never fit."""
+    if max_prompt is not None and prompt_tokens > max_prompt:
+        raise APIError(f"the prompt has {prompt_tokens} tokens; the KV cache cap holds at most {max_prompt} "
+                       f"tokens of one request", param="messages" if req.chat else "prompt",
+                       code="context_length_exceeded")
+    limits = [x for x in (max_total, context_limit) if x is not None]
+    limit = min(limits) if limits else None
+    if limit is None:
+        return req.max_tokens
+    what = "the KV cache cap" if limit == max_total else "the model's context"
+    if req.max_tokens_given:
+        if prompt_tokens + req.max_tokens > limit:
+            raise APIError(f"this request needs {prompt_tokens + req.max_tokens} tokens ({prompt_tokens} in the "
+                           f"prompt, {req.max_tokens} to generate); {what} holds {limit} tokens of one request",
+                           param="max_tokens", code="context_length_exceeded")
+        return req.max_tokens
+    room = limit - prompt_tokens
+    if room < 1:
+        raise APIError(f"the prompt has {prompt_tokens} tokens; {what} holds {limit} tokens of one request, "
+                       f"leaving no room to generate", param="messages" if req.chat else "prompt",
+                       code="context_length_exceeded")
+    return min(req.max_tokens, room)

@@ -1,0 +1,219 @@
+"""Build the engine worker and the app from ``kvmetal serve`` options, and run them.
+
+The engine loop runs on the main thread and uvicorn on a second thread (MLX must stay
+on one thread; see ``worker``). SIGINT/SIGTERM stop both: HTTP first, then the engine,
+which fails what is still live with "shutting down" and closes the prefix store.
+``ServerProcess`` starts ``kvmetal serve`` as a subprocess (tests, the load script).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .memory import blocks_under_cap, format_bytes, model_pool_bytes, parse_memory
+from .protocol import Defaults
+
+log = logging.getLogger("kvmetal.serve")
+
+
+def _cache_bits(args) -> tuple:
+    """(k_bits, v_bits): ``--k-bits``/``--v-bits`` win over mlx-lm's ``--kv-bits`` (both K and V)."""
+    k_bits = args.k_bits if args.k_bits is not None else args.kv_bits
+    v_bits = args.v_bits if args.v_bits is not None else args.kv_bits
+    return k_bits, v_bits
+
+
+def build_server(args, sync=None):
+    """Load the model, size the pool, load the prefix store; returns (worker, app), ready to run.
+
+    With ``sync`` (serving across ranks) the model is loaded sharded over its group and
+    the pool takes rank 0's size; every rank calls this, in the same order."""
+    from ..integrations.engine import Engine
+    from .app import ServeState, create_app
+    from .prefix_store import PrefixStore, model_identity
+    from .worker import EngineWorker
+
+    model_dir = Path(args.model)
+    cap = parse_memory(args.kv_memory) if args.kv_memory else None
+    k_bits, v_bits = _cache_bits(args)
+    groups = {} if args.kv_group_size == 64 else {"k_group_size": args.kv_group_size,
+                                                   "v_group_size": args.kv_group_size}
+    loaded = {}
+
+    def build():
+        from mlx_lm import load
+
+        config = {"chat_template": args.chat_template} if args.chat_template else {}
+        if sync is None:
+            model, tokenizer = load(str(model_dir), tokenizer_config=config)
+        else:
+            from mlx_lm.utils import sharded_load
+
+            model, tokenizer = sharded_load(str(model_dir), tensor_group=sync.group, tokenizer_config=config or None)
+        loaded["tokenizer"] = tokenizer
+        num_blocks = None
+        options = dict(block_size=args.block_size, k_bits=k_bits, v_bits=v_bits, **groups)
+        if cap is not None:  # a cap per rank: each rank's pools hold its own kv heads
+            num_blocks = blocks_under_cap(lambda n: model_pool_bytes(model, n, **options), cap,
+                                          block_size=args.block_size)
+        if sync is not None:
+            num_blocks = sync.share_int(num_blocks)  # identical pools, identical block tables
+        loaded["num_blocks"] = num_blocks
+        engine = Engine(model, num_blocks=num_blocks, prefix_sharing=not args.no_prefix_sharing,
+                        keep_finished=False, max_prefill_tokens=args.max_prefill_tokens, **options)
+        if sync is not None:
+            engine.token_sync = sync.share_tokens
+        return engine
+
+    store_factory = None
+    if args.prompt_cache_dir:
+        def store_factory(engine):
+            return PrefixStore(args.prompt_cache_dir, model_identity(model_dir), engine.cache)
+
+    worker = EngineWorker(build, prefix_store_factory=store_factory, kv_cap_bytes=cap, sync=sync)
+    worker.setup()
+    engine = worker.engine
+    if cap is not None:
+        log.info("KV cap %s: %d blocks of %d tokens per layer-group pool, %s allocated", format_bytes(cap),
+                 loaded["num_blocks"], args.block_size, format_bytes(engine.cache.nbytes))
+    else:
+        log.info("no --kv-memory cap: the KV pool grows on demand")
+    if worker.store is not None:
+        log.info("prompt cache %s: %d blocks loaded", worker.store.root, worker.store.loaded_blocks)
+    context_limit = None
+    with contextlib.suppress(OSError, ValueError):
+        context_limit = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    template_kwargs = json.loads(args.chat_template_args) if args.chat_template_args else {}
+    defaults = Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                        min_p=args.min_p)
+    state = ServeState(worker, loaded["tokenizer"], args.model, defaults, context_limit, template_kwargs)
+    return worker, create_app(state)
+
+
+def run(args) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit status."""
+    import uvicorn
+
+    backend = contextlib.nullcontext()
+    if args.backend:
+        from ..backends import use_backend
+
+        backend = use_backend(args.backend)
+    with backend:
+        from .distributed import RankSync, init_group
+
+        group = init_group()
+        sync = None
+        if group is not None:
+            if args.prompt_cache_dir:
+                raise ValueError("--prompt-cache-dir is not supported across ranks yet")
+            sync = RankSync(group, timeout_s=args.rank_timeout)
+            log.info("rank %d of %d (pid %d)", sync.rank, sync.size, os.getpid())
+        worker, app = build_server(args, sync)
+        if sync is not None and not sync.leader:
+            return _follow(worker)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level=args.log_level.lower(), timeout_graceful_shutdown=5))
+        http_failed = []
+
+        def serve_http():
+            try:
+                server.run()
+            except BaseException as e:  # uvicorn exits (SystemExit) when it cannot bind
+                http_failed.append(e)
+            finally:
+                if not server.should_exit:  # HTTP ended on its own: nothing can reach the engine
+                    http_failed.append(RuntimeError("the HTTP server stopped"))
+                    worker.stop()
+
+        http = threading.Thread(target=serve_http, name="kvmetal-http", daemon=True)
+
+        def shutdown(signum, _frame):
+            log.info("signal %d: shutting down", signum)
+            server.should_exit = True
+            worker.stop()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, shutdown)
+        http.start()
+        try:
+            worker.serve_forever()  # returns after stop(), or if the engine loop died
+        finally:
+            server.should_exit = True
+            http.join(timeout=10)
+    if http_failed:
+        log.error("kvmetal serve: could not serve HTTP on %s:%d", args.host, args.port)
+        return 1
+    return 1 if worker.failed else 0
+
+
+def _follow(worker) -> int:
+    """Ranks other than 0: run rank 0's commands until it says stop (or a rank dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
+    worker.serve_forever()
+    return 1 if worker.failed else 0
+
+
+class ServerProcess:
+    """``kvmetal serve`` in a subprocess on ``port``; ``start()`` waits for ``/health``."""
+
+    def __init__(self, model_dir, port: int, *options, host: str = "127.0.0.1", log_path=None):
+        self.url = f"http://{host}:{port}"
+        self.command = [sys.executable, "-m", "kvmetal", "serve", "--model", str(model_dir), "--host", host,
+                        "--port", str(port), *map(str, options)]
+        self.log_path = log_path
+        self.proc = None
+        self.output = ""
+
+    def start(self, timeout: float = 120) -> "ServerProcess":
+        import httpx
+
+        import tempfile
+
+        # A file, not a pipe: nobody reads a pipe while the server runs, and a full pipe blocks it.
+        self._log = open(self.log_path, "w+") if self.log_path else tempfile.TemporaryFile("w+")
+        # Run from where this process found kvmetal: ``-m`` puts the working directory first on
+        # sys.path, and a source tree without its built extension there would shadow the install.
+        here = Path(__file__).resolve().parents[2]
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, text=True,
+                                     cwd=here, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"kvmetal serve did not start ({' '.join(self.command)}):\n{self.output[-3000:]}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, wait; returns the exit status (the output is in ``self.output``)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.seek(0)
+        self.output = self._log.read()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False

@@ -1,0 +1,312 @@
+"""The engine thread: the only thread that touches the model, the cache and MLX.
+
+HTTP handlers (async, on uvicorn's event loop in another thread) talk to it through a
+command queue (add, abort, stop) and receive their tokens through a per-request
+``sink`` callable, which the handler makes thread-safe (``loop.call_soon_threadsafe``).
+The loop steps the Engine while any request is live and waits on the queue otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+from ..integrations.engine import Engine, Event
+
+log = logging.getLogger("kvmetal.serve")
+
+
+class LoopSink:
+    """A sink that puts deliveries on an asyncio queue of ``loop``; the worker hands all of
+    one step's deliveries for a loop over in one thread-safe call (one wake-up per step,
+    not one per token)."""
+
+    def __init__(self, loop, queue_):
+        self.loop, self.queue = loop, queue_
+
+    def __call__(self, delivery) -> None:
+        _call_soon(self.loop, self.queue.put_nowait, delivery)
+
+
+def _call_soon(loop, fn, arg) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:  # the loop is closed (HTTP shut down first): nobody is waiting
+        pass
+
+
+def _put_all(items) -> None:
+    for q, delivery in items:
+        q.put_nowait(delivery)
+
+
+def deliver(pairs) -> None:
+    """Hand (sink, delivery) pairs over, batching those of LoopSinks per event loop."""
+    by_loop: dict = {}
+    for sink, delivery in pairs:
+        if isinstance(sink, LoopSink):
+            by_loop.setdefault(sink.loop, []).append((sink.queue, delivery))
+        else:
+            sink(delivery)
+    for loop, items in by_loop.items():
+        _call_soon(loop, _put_all, items)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a request's sink receives: an engine event, or an error (then nothing follows)."""
+
+    event: Event | None
+    cached_prompt_tokens: int = 0
+    error: BaseException | None = None
+
+
+class EngineWorker:
+    """Builds the Engine and runs its loop on the thread that calls ``serve_forever``.
+
+    That thread should be the main thread: MLX 0.32 may abort the process at exit once
+    a secondary thread has evaluated arrays (ml-explore/mlx#3126), so the HTTP server
+    runs on a secondary thread instead and never touches MLX; it reads the metrics
+    the engine thread publishes.
+
+    Args:
+        build: returns the Engine (model loading included); called by ``setup``.
+        prefix_store_factory: optional, called with the engine; returns a ``PrefixStore``
+            whose segments are loaded before serving starts.
+        kv_cap_bytes: the ``--kv-memory`` cap (None: the pool grows), for metrics.
+        sync: a ``distributed.RankSync`` when serving across ranks: rank 0's commands
+            and sampled tokens are shared with every rank each iteration.
+    """
+
+    def __init__(self, build, *, prefix_store_factory=None, kv_cap_bytes: int | None = None, sync=None):
+        self._build = build
+        self.sync = sync
+        self._pending_sinks: dict = {}  # sinks of "add" commands taken off the queue, not yet applied
+        self._store_factory = prefix_store_factory
+        self.kv_cap_bytes = kv_cap_bytes
+        self.engine: Engine | None = None
+        self.store = None
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict = {}
+        self._stopping = False
+        self.failed: str | None = None  # why the engine loop died, if it did
+        self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self._recent: deque = deque()  # (time, generated tokens) over the last 10 s
+        self._published: dict = {}
+        self.max_prompt_tokens: int | None = None
+        self.max_sequence_tokens: int | None = None
+
+    # ------------------------------------------------------------------ control (any thread)
+
+    def submit(self, request_id, prompt: list, *, max_tokens: int, sampling, stop_token_ids, sink) -> None:
+        if self._stopping or self.failed:
+            raise RuntimeError(self.failed or "the server is shutting down")
+        self._commands.put(("add", request_id, dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
+                                                    stop_token_ids=stop_token_ids), sink))
+
+    def abort(self, request_id) -> None:
+        self._commands.put(("abort", request_id, None, None))
+
+    def stop(self) -> None:
+        """Ask ``serve_forever`` to return (safe from signal handlers and other threads)."""
+        self._stopping = True
+        self._commands.put(("stop", None, None, None))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def snapshot(self) -> dict:
+        """The numbers the engine thread published last (for ``/metrics``)."""
+        return dict(self._published)
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def setup(self) -> None:
+        """Build the engine, load the prefix store, publish the first metrics."""
+        self.engine = self._build()
+        self.max_prompt_tokens = self.engine.max_prompt_tokens
+        self.max_sequence_tokens = self.engine.max_sequence_tokens
+        if self._store_factory is not None:
+            self.store = self._store_factory(self.engine)
+            self.engine.on_finish = self._record_prefix
+            self.store.load()
+        self._publish()
+
+    def serve_forever(self) -> None:
+        """Step the engine until ``stop()``; then fail what is left, close the store and the engine."""
+        try:
+            self._loop()
+        except BaseException as e:
+            self.failed = f"the engine loop died: {type(e).__name__}: {e}"
+            if self.sync is not None:
+                self.failed += f" (rank {self.sync.rank} of {self.sync.size}: another rank has probably died)"
+            log.error("%s\n%s", self.failed, traceback.format_exc())
+            self._fail_all(RuntimeError(self.failed))
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self._stopping = True
+            if self.store is not None:
+                self.store.close()
+            self.engine.close()
+            self._fail_pending_commands()
+            self._publish()
+
+    def _loop(self) -> None:
+        engine, sync = self.engine, self.sync
+        while True:
+            commands = []
+            if sync is None or sync.leader:
+                commands = self._collect(wait=not engine.has_work())
+            if sync is not None:
+                commands = sync.share_commands(commands)  # rank 0's list, on every rank
+            for command in commands:
+                if command[0] == "stop":
+                    self._fail_all(RuntimeError("the server is shutting down"))
+                    return
+                self._apply(command)
+            if engine.has_work():
+                self._step()
+            self._publish()
+
+    def _collect(self, wait: bool) -> list:
+        """Drain the queue into JSON-able commands (sinks stay here, by request id).
+
+        Idle, wait up to 0.5 s for the first one, so that signal handlers run promptly
+        (and, across ranks, rank 0 sends a heartbeat that often)."""
+        from .distributed import encode_add
+
+        commands = []
+        try:
+            item = self._commands.get(timeout=0.5) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return commands
+        while True:
+            kind, request_id, kwargs, sink = item
+            if kind == "add":
+                self._pending_sinks[request_id] = sink
+                commands.append(encode_add(request_id, kwargs))
+            else:
+                commands.append([kind, request_id])
+            if kind == "stop":
+                return commands
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command) -> None:
+        from .distributed import decode_add
+
+        kind, request_id = command[0], command[1]
+        engine = self.engine
+        if kind == "add":
+            sink = self._pending_sinks.pop(request_id, None)  # None on ranks other than 0
+            try:
+                engine.add_request(request_id=request_id, **decode_add(command[2]))
+            except (ValueError, TypeError) as e:
+                if sink is not None:
+                    sink(Delivery(None, error=e))
+                return
+            if sink is not None:
+                self._sinks[request_id] = sink
+        elif kind == "abort":
+            if engine.abort(request_id):
+                self.finished["abort"] += 1
+            self._sinks.pop(request_id, None)
+
+    def _step(self) -> None:
+        engine = self.engine
+        try:
+            events = engine.step()
+        except Exception as e:  # keep serving: drop what was live, report it to its clients
+            log.error("engine step failed: %s\n%s", e, traceback.format_exc())
+            self._fail_all(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+            return
+        now = time.monotonic()
+        generated = 0
+        out = []
+        for event in events:
+            request = engine.requests.get(event.request_id)
+            sink = self._sinks.get(event.request_id)
+            if event.token is not None:
+                generated += 1
+            if event.finished:
+                self._sinks.pop(event.request_id, None)
+                self.finished[event.finish_reason] = self.finished.get(event.finish_reason, 0) + 1
+            if sink is not None:
+                cached = request.cached_prompt_tokens if request is not None else 0
+                out.append((sink, Delivery(event, cached)))
+        deliver(out)
+        self._recent.append((now, generated))
+        while self._recent and now - self._recent[0][0] > 10:
+            self._recent.popleft()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine may be the thing that broke
+                pass
+            self.finished["error"] += 1
+            sink(Delivery(None, error=error))
+        self._sinks.clear()
+
+    def _fail_pending_commands(self) -> None:
+        """Requests submitted while the loop was ending get an error instead of silence."""
+        error = RuntimeError(self.failed or "the server is shutting down")
+        for sink in self._pending_sinks.values():
+            sink(Delivery(None, error=error))
+        self._pending_sinks.clear()
+        while True:
+            try:
+                kind, _, _, sink = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                sink(Delivery(None, error=error))
+
+    def _record_prefix(self, request) -> None:
+        seq = request.request_id
+        held = self.engine.cache.num_tokens(seq)
+        try:
+            self.store.record(seq, request.tokens[:held])
+        except Exception as e:  # persisting is best effort; serving goes on
+            log.warning("prompt cache: could not save a prefix (%s)", e)
+
+    def _publish(self) -> None:
+        """Compute the metrics here, on the engine thread, and publish them as one dict."""
+        engine, cache = self.engine, self.engine.cache
+        pool_bytes, used_bytes = cache.nbytes, cache.used_bytes
+        recent = self._recent
+        span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
+        rate = sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+        prompt_total = engine.prompt_tokens_cached + engine.prompt_tokens_computed
+        previous = self._published
+        store = self.store
+        self._published = {
+            "ranks": self.sync.size if self.sync is not None else 1,
+            "requests_running": len(engine.running),
+            "requests_waiting": len(engine.waiting),
+            "requests_finished": dict(self.finished),
+            "generated_tokens": engine.generated_tokens,
+            "generation_tokens_per_second": rate,
+            "prompt_tokens": prompt_total,
+            "prompt_tokens_cached": engine.prompt_tokens_cached,
+            "prefix_hit_rate": engine.prompt_tokens_cached / prompt_total if prompt_total else 0.0,
+            "preemptions": engine.preemptions,
+            "decode_steps": engine.decode_steps,
+            "kv_pool_bytes": pool_bytes,
+            "kv_used_bytes": used_bytes,
+            "kv_free_bytes": (self.kv_cap_bytes if self.kv_cap_bytes is not None else pool_bytes) - used_bytes,
+            "kv_cap_bytes": self.kv_cap_bytes,
+            "kv_peak_used_bytes": max(previous.get("kv_peak_used_bytes", 0), used_bytes, cache.peak_used_bytes),
+            "kv_peak_pool_bytes": max(previous.get("kv_peak_pool_bytes", 0), pool_bytes),
+            "prompt_cache_loaded_blocks": store.loaded_blocks if store is not None else 0,
+            "prompt_cache_saved_blocks": store.saved_blocks if store is not None else 0,
+            "prompt_cache_warnings": store.warnings if store is not None else 0,
+        }

@@ -1,0 +1,394 @@
+"""``kvmetal serve`` with the official ``openai`` client against a real model directory.
+
+The model is a random-weight llama (head_dim 64) saved with mlx-lm's utilities, with a
+byte-level BPE tokenizer trained offline and a chat template. Servers run on free
+127.0.0.1 ports; every test stops what it starts.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from kvmetal.serve import metrics  # noqa: E402
+from kvmetal.integrations import tiny_models  # noqa: E402
+from kvmetal.serve.memory import blocks_under_cap, model_pool_bytes, parse_memory  # noqa: E402
+from kvmetal.serve.server import ServerProcess  # noqa: E402
+from kvmetal.serve.tiny import build_model_dir  # noqa: E402
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 64 * 4  # layers * (K, V) * kv heads * block tokens * head_dim * float32
+CAP_BLOCKS = 12
+SYSTEM = ("You are a helpful assistant. Answer the question briefly and say when you do not know. "
+          "The paged cache keeps keys and values in fixed blocks.")
+QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.",
+             "Summarize the following text in one sentence.", "Why are blocks shared?",
+             "What happens when the pool runs out?", "How many bits do values keep?",
+             "Servers batch many requests.", "Say something about Lyon.", "Quantized keys keep eight bits.",
+             "A block table maps every sequence."]
+
+
+_LAYOUT_MODEL = []
+
+
+def kv_layout_model():
+    """A model with the served model's KV layout (2 layers, 2 kv heads, head_dim 64, float32)."""
+    if not _LAYOUT_MODEL:
+        _LAYOUT_MODEL.append(tiny_models.build("llama"))
+    return _LAYOUT_MODEL[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def serve(model_dir, *extra) -> ServerProcess:
+    """``kvmetal serve`` in its own process (the engine runs on that process' main thread)."""
+    server = ServerProcess(model_dir, free_port(), "--log-level", "WARNING", *extra).start()
+    server.model = str(model_dir)
+    return server
+
+
+def stop(server) -> None:
+    status = server.stop()
+    assert status == 0, server.output
+
+
+@pytest.fixture(scope="module")
+def capped(model_dir):
+    """A server whose KV cap holds CAP_BLOCKS blocks in all: concurrent requests must wait and preempt."""
+    server = serve(model_dir, "--kv-memory", f"{CAP_BLOCKS * BLOCK_BYTES}B")
+    yield server
+    stop(server)
+
+
+def client(server) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def read_metrics(server) -> dict:
+    return metrics.parse(httpx.get(server.url + "/metrics").text)
+
+
+def wait_idle(server, timeout=20) -> dict:
+    """Metrics once nothing runs and no KV block is owned (aborts are applied at the next step)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(server)
+        if m["kvmetal_requests_running"] == 0 and m["kvmetal_kv_used_bytes"] == 0:
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)
+
+
+def chat(server, question, **kw):
+    kw.setdefault("max_tokens", 24)
+    return client(server).chat.completions.create(
+        model=server.model, messages=[{"role": "system", "content": SYSTEM},
+                                                {"role": "user", "content": question}], **kw)
+
+
+def mlx_lm_greedy_text(model_dir, prompt_ids, max_tokens):
+    """mlx-lm's own generation (its own KVCache, no kvmetal) of the same prompt."""
+    from mlx_lm import load, stream_generate
+
+    model, tokenizer = load(str(model_dir))
+    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens))
+    return text
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def test_kv_memory_parsing_and_pool_size():
+    assert parse_memory("8GB") == 8 * 10**9 and parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("1.5 GiB") == int(1.5 * 2**30) and parse_memory("393216B") == 393216
+    assert 0 < parse_memory("0.25") < parse_memory("0.5")
+    for bad in ("", "8 parsecs", "-1GB", "0", "GB"):
+        with pytest.raises(ValueError, match=r"kv-memory"):
+            parse_memory(bad)
+    measure = {bits: (lambda n, b=bits: model_pool_bytes(kv_layout_model(), n, block_size=16, k_bits=b, v_bits=b))
+               for bits in (None, 8, 4)}
+    assert measure[None](2) - measure[None](1) == BLOCK_BYTES
+    for cap, bits in ((10 * BLOCK_BYTES + 5, None), (10 * BLOCK_BYTES, 8), (3 * BLOCK_BYTES, 4)):
+        n = blocks_under_cap(measure[bits], cap, block_size=16)
+        assert measure[bits](n) <= cap < measure[bits](n + 1)  # the whole pool under the cap, no block left out
+    assert blocks_under_cap(measure[8], 10 * BLOCK_BYTES, block_size=16) > 30  # K8 is smaller than float32
+    with pytest.raises(ValueError, match=r"hold no block"):
+        blocks_under_cap(measure[None], BLOCK_BYTES - 1, block_size=16)
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+def test_openai_client_completions_and_chat_streaming_and_not(capped, model_dir):
+    c = client(capped)
+    model = str(model_dir)
+    assert [m.id for m in c.models.list().data] == [model]
+    assert httpx.get(capped.url + "/health").json() == {"status": "ok"}
+
+    prompt = "The paged cache keeps keys and values"
+    whole = c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+    streamed = list(c.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert whole.choices[0].text == "".join(ch.choices[0].text for ch in streamed)
+    assert whole.choices[0].finish_reason == streamed[-1].choices[0].finish_reason
+    assert whole.usage.completion_tokens <= 12 and whole.usage.prompt_tokens > 5
+    from mlx_lm import load
+
+    _, tokenizer = load(str(model_dir))
+    ids = tokenizer.encode(prompt)
+    assert whole.choices[0].text == mlx_lm_greedy_text(model_dir, ids, 12), "greedy output differs from mlx-lm"
+
+    answer = chat(capped, QUESTIONS[0])
+    stream = list(chat(capped, QUESTIONS[0], stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert answer.choices[0].message.content == "".join(ch.choices[0].delta.content or "" for ch in stream
+                                                        if ch.choices)
+    assert stream[-1].usage.completion_tokens == answer.usage.completion_tokens
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert answer.usage.prompt_tokens == len(chat_ids)  # the tokenizer's chat template was applied
+    assert answer.choices[0].message.content == mlx_lm_greedy_text(model_dir, chat_ids, 24)
+
+
+def test_seeded_sampling_is_reproducible(capped):
+    a = chat(capped, QUESTIONS[1], temperature=0.9, top_p=0.95, seed=7).choices[0].message.content
+    b = chat(capped, QUESTIONS[1], temperature=0.9, top_p=0.95, seed=7).choices[0].message.content
+    others = {chat(capped, QUESTIONS[1], temperature=0.9, top_p=0.95, seed=s).choices[0].message.content
+              for s in (8, 9, 10)}
+    assert a == b and others - {a}
+
+
+def test_concurrent_clients_match_alone_and_kv_stays_under_the_cap(capped):
+    # 10 clients at once in a pool of 12 blocks: requests wait and running ones are preempted.
+    cap = CAP_BLOCKS * BLOCK_BYTES
+    jobs = [dict(question=q, max_tokens=16 + 4 * (i % 4), **({"temperature": 0.8, "seed": i} if i % 3 == 0 else {}))
+            for i, q in enumerate(QUESTIONS)]
+    run = lambda job: chat(capped, job["question"], **{k: v for k, v in job.items() if k != "question"})  # noqa
+    alone = [run(job).choices[0].message.content for job in jobs]
+    before = wait_idle(capped)
+    samples, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            samples.append(read_metrics(capped))
+            time.sleep(0.005)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            together = [r.choices[0].message.content for r in pool.map(run, jobs)]
+    finally:
+        done.set()
+        poller.join()
+    after = wait_idle(capped)
+    assert together == alone
+    assert after["kvmetal_preemptions"] > before["kvmetal_preemptions"], "the cap was meant to force preemption"
+    assert max(s["kvmetal_requests_waiting"] for s in samples) > 0
+    assert max(s["kvmetal_kv_used_bytes"] for s in samples) > 0
+    assert all(s["kvmetal_kv_used_bytes"] <= cap and s["kvmetal_kv_pool_bytes"] <= cap for s in samples)
+    assert after["kvmetal_kv_peak_used_bytes"] <= cap and after["kvmetal_kv_cap_bytes"] == cap
+    assert after["kvmetal_ranks"] == 1
+    # the shared system prompt was found in the prefix cache
+    assert after["kvmetal_prompt_tokens_cached"] > before["kvmetal_prompt_tokens_cached"]
+
+
+def test_the_next_turn_of_a_chat_reuses_the_blocks_of_the_last(capped):
+    c = client(capped)
+    turn = [{"role": "user", "content": "Tell me about the paged cache and how blocks are shared between requests."}]
+    first = c.chat.completions.create(model=capped.model, messages=turn, max_tokens=40)
+    turn += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And quantized keys?"}]
+    second = c.chat.completions.create(model=capped.model, messages=turn, max_tokens=8)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # at least the first turn's full prompt blocks come from the cache, not the model
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16) > 0
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, model_dir):
+    post = lambda path, body: httpx.post(capped.url + path, content=body,  # noqa: E731
+                                         headers={"content-type": "application/json"})
+    cases = [
+        ("/v1/completions", b"{not json", 400, None),
+        ("/v1/completions", b"[1, 2]", 400, None),
+        ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": -3}), 400, "max_tokens"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": True}), 400, "max_tokens"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 10**12}), 400, "max_tokens"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), 400, "temperature"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "stop": 5}), 400, "stop"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "logprobs": 3}), 400, "logprobs"),
+        ("/v1/completions", json.dumps({"prompt": ""}), 400, "prompt"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "model": "gpt-9"}), 404, "model"),
+        ("/v1/chat/completions", json.dumps({"messages": "hello"}), 400, "messages"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 3}]}), 400, "messages"),
+        ("/v1/nothing", b"{}", 404, None),
+    ]
+    for path, body, status, param in cases:
+        r = post(path, body)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["message"] and error["type"] and error["param"] == param, (body, error)
+    # A prompt that can never fit under the cap: 400 with the numbers.
+    too_long = "The paged cache keeps keys and values in fixed blocks. " * 40
+    usable = blocks_under_cap(lambda n: model_pool_bytes(kv_layout_model(), n, block_size=16),
+                              CAP_BLOCKS * BLOCK_BYTES, block_size=16)
+    with pytest.raises(openai.BadRequestError, match=r"the prompt has \d+ tokens; the KV cache cap holds at most "
+                                                     rf"{usable * 16} tokens"):
+        client(capped).completions.create(model=str(model_dir), prompt=too_long, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match=r"this request needs \d+ tokens \(\d+ in the prompt, 500 to "
+                                                     r"generate\)"):
+        client(capped).completions.create(model=str(model_dir), prompt="hello", max_tokens=500)
+    # still serving, and nothing leaked
+    assert chat(capped, QUESTIONS[2], max_tokens=4).choices[0].finish_reason in ("length", "stop")
+    wait_idle(capped)
+
+
+def test_stop_strings_cut_the_text(capped, model_dir):
+    full = chat(capped, QUESTIONS[3], max_tokens=20).choices[0].message.content
+    assert len(full) > 4
+    stop = full[2:4]
+    cut = chat(capped, QUESTIONS[3], max_tokens=20, stop=[stop])
+    assert cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = list(chat(capped, QUESTIONS[3], max_tokens=20, stop=[stop], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:full.index(stop)]  # never streamed past
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_idle(capped)  # the stop string aborted the request: its blocks come back
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(capped, model_dir):
+    before = wait_idle(capped)
+    body = {"model": str(model_dir), "prompt": SYSTEM, "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", capped.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    deadline = time.monotonic() + 20
+    while True:
+        m = read_metrics(capped)
+        if m['kvmetal_requests_finished{reason="abort"}'] > before['kvmetal_requests_finished{reason="abort"}']:
+            break
+        assert time.monotonic() < deadline, "the disconnected request was never aborted"
+        time.sleep(0.02)
+    assert m["kvmetal_requests_running"] == 0 and m["kvmetal_kv_used_bytes"] == 0
+    assert m["kvmetal_generated_tokens"] - before["kvmetal_generated_tokens"] < 100
+
+
+def test_restart_with_prompt_cache_dir_gives_prefix_hits(model_dir, tmp_path):
+    store = tmp_path / "prefixes"
+    question = QUESTIONS[4]
+    first = serve(model_dir, "--prompt-cache-dir", store)
+    try:
+        cold = chat(first, question)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        stop(first)
+    [sub] = [p for p in store.iterdir() if p.is_dir()]
+    assert (sub / "index.json").is_file() and list(sub.glob("seg-*.safetensors"))
+    second = serve(model_dir, "--prompt-cache-dir", store)
+    try:
+        warm = chat(second, question)
+        m = wait_idle(second)
+    finally:
+        stop(second)
+    assert m["kvmetal_prompt_cache_loaded_blocks"] >= 2 and m["kvmetal_prompt_cache_warnings"] == 0
+    hit = warm.usage.prompt_tokens_details.cached_tokens
+    assert hit >= 16 * ((cold.usage.prompt_tokens - 1) // 16) and hit > 0
+    assert m["kvmetal_prompt_tokens_cached"] == hit
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_corrupt_or_mismatched_prompt_cache_files_are_ignored(model_dir, tmp_path):
+    store = tmp_path / "prefixes"
+    first = serve(model_dir, "--prompt-cache-dir", store)
+    try:
+        cold = chat(first, QUESTIONS[5])
+        chat(first, QUESTIONS[6])
+    finally:
+        stop(first)
+    [sub] = [p for p in store.iterdir() if p.is_dir()]
+    segments = sorted(sub.glob("seg-*.safetensors"))
+    index = json.loads((sub / "index.json").read_text())
+    assert len(index["entries"]) >= 2
+    # Damage: one file truncated, another entry's tokens changed.
+    segments[0].write_bytes(segments[0].read_bytes()[:100])
+    key = next(k for k in index["entries"] if f"seg-{k}.safetensors" != segments[0].name)
+    index["entries"][key]["tokens"][0] += 1
+    (sub / "index.json").write_text(json.dumps(index))
+    second = serve(model_dir, "--prompt-cache-dir", store, "--log-level", "INFO")
+    try:
+        assert read_metrics(second)["kvmetal_prompt_cache_warnings"] >= 2
+        assert chat(second, QUESTIONS[5]).choices[0].message.content == cold.choices[0].message.content
+    finally:
+        stop(second)
+    assert "skipped" in second.output
+    # An index written for another cache format is not loaded at all.
+    index = json.loads((sub / "index.json").read_text())
+    index["fingerprint"]["cache"]["block_size"] = 32
+    (sub / "index.json").write_text(json.dumps(index))
+    third = serve(model_dir, "--prompt-cache-dir", store, "--log-level", "INFO")
+    try:
+        m = read_metrics(third)
+        assert m["kvmetal_prompt_cache_loaded_blocks"] == 0 and m["kvmetal_prompt_cache_warnings"] == 1
+        assert chat(third, QUESTIONS[5]).choices[0].message.content == cold.choices[0].message.content
+    finally:
+        stop(third)
+    assert "another model or cache format" in third.output
+
+
+def test_kv_bits_flags_quantize_the_pool_under_the_same_cap(model_dir):
+    # mlx-lm's --kv-bits sets both; kvmetal's --v-bits overrides V: K8/V4 blocks fit ~4x more tokens.
+    cap = CAP_BLOCKS * BLOCK_BYTES
+    server = serve(model_dir, "--kv-bits", "8", "--v-bits", "4", "--kv-memory", f"{cap}B")
+    try:
+        long_prompt = "The paged cache keeps keys and values in fixed blocks. " * 20
+        r = client(server).completions.create(model=server.model, prompt=long_prompt, max_tokens=8)
+        m = read_metrics(server)
+    finally:
+        stop(server)
+    assert r.usage.prompt_tokens > CAP_BLOCKS * 16  # more than a float32 pool under this cap holds
+    assert r.usage.completion_tokens > 0
+    assert m["kvmetal_kv_pool_bytes"] <= cap and m["kvmetal_kv_peak_used_bytes"] <= cap
+
+
+def test_cli_rejects_bad_options(model_dir, tmp_path, capsys):
+    from kvmetal.serve.cli import main
+
+    assert main(["--model", str(tmp_path)]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    assert main(["--model", str(model_dir), "--kv-memory", "lots"]) == 2
+    assert "kv-memory" in capsys.readouterr().err
+    from kvmetal.serve.cli import group_sizes_supported
+
+    if not group_sizes_supported():  # then only the default group size can be served
+        assert main(["--model", str(model_dir), "--kv-group-size", "32"]) == 2
+        assert "kv-group-size" in capsys.readouterr().err
+    server = ServerProcess(model_dir, free_port(), "--kv-memory", "100B")
+    with pytest.raises(RuntimeError, match=r"did not start"):
+        server.start()
+    assert "hold no block" in server.output and server.proc.returncode == 2
+    with socket.socket() as taken:  # a port in use: exit with an error, not an engine serving nobody
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = ServerProcess(model_dir, taken.getsockname()[1])
+        with pytest.raises(RuntimeError, match=r"did not start"):
+            server.start(timeout=60)
+    assert server.proc.returncode == 1 and "could not serve HTTP" in server.output
