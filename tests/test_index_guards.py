@@ -26,7 +26,7 @@ from kvmetal import reference
 from kvcases import assert_close, paged_case
 
 HERE = Path(__file__).resolve().parent
-BACKENDS = ["cpu"]  # the metal kernels' guards are tested with the simulator in test_metal*.py
+BACKENDS = kv.available_backends()  # cpu and sim here; metal too on a Mac
 
 FAR = 10**6
 I64_WRAPS_TO_5 = 2**32 + 5  # an int32 cast would turn it into 5
