@@ -240,7 +240,7 @@ def _check_tables(op: str, block_tables, seq_lens, *, num_blocks: int, block_siz
             _fail(op, f"query holds {min_len} tokens per sequence but seq_lens[{s}] = {n}: the query "
                       f"tokens are the last {min_len} cached positions, so each sequence needs that many")
         _fail(op, f"seq_lens[{s}] = {n} exceeds its block table capacity "
-                  f"({tables.shape[1]} blocks x {block_size} = {capacity})")
+                  f"(block_tables has {tables.shape[1]} blocks per row x {block_size} = {capacity})")
     used = np.arange(tables.shape[1])[None, :] < (-(-lens // block_size))[:, None]
     bad = used & ((tables < 0) | (tables >= num_blocks))
     if bad.any():
