@@ -17,16 +17,34 @@ constexpr int kItemsPerThread = 8;       // enough items to balance uneven ones 
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 struct TokenRange {
   int lo = 0, hi = 0;  // [lo, hi)
   bool empty() const { return hi <= lo; }
 };
 
-// The tokens the query may see: all of them, or the last `sliding_window`.
+// Cached tokens of sequence s. A paged length is clamped to what its block
+// table holds: a guard, so no length makes the kernel read past the table.
+int cached_len(const AttentionParams& p, int s) {
+  if (!p.paged) return p.contiguous_len;
+  const int64_t capacity = p.max_blocks * p.block_size;
+  return static_cast<int>(std::clamp<int64_t>(p.seq_lens[s], 0, capacity));
+}
+
+// The tokens query row l (of L) sees: t <= p_l = len - L + l, and with a
+// sliding window w only t > p_l - w. Empty when p_l < 0.
+TokenRange row_range(const AttentionParams& p, int len, int l) {
+  const int64_t hi = static_cast<int64_t>(len) - p.query_len + l + 1;
+  const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, hi - p.sliding_window) : 0;
+  return {static_cast<int>(lo), static_cast<int>(std::max<int64_t>(hi, 0))};
+}
+
+// The tokens any query row of sequence s may see: out-of-window blocks are
+// never visited.
 TokenRange live_range(const AttentionParams& p, int s) {
-  const int len = p.paged ? p.seq_lens[s] : p.contiguous_len;
-  const int lo = p.sliding_window > 0 ? std::max(0, len - p.sliding_window) : 0;
-  return {lo, len};
+  const int len = cached_len(p, s);
+  return {row_range(p, len, 0).lo, len};
 }
 
 // Tokens are split in whole tiles so each tile is read by one item only;
@@ -35,29 +53,36 @@ int tile_rows(const AttentionParams& p) { return p.paged ? p.block_size : kMaxTi
 
 TokenRange split_range(const AttentionParams& p, TokenRange live, int split, int splits) {
   const int unit = tile_rows(p);
-  const int first = live.lo / unit;
-  const int n_units = ceil_div(live.hi, unit) - first;
-  const int per = ceil_div(n_units, splits);
-  const int a = (first + std::min(n_units, split * per)) * unit;
-  const int b = (first + std::min(n_units, (split + 1) * per)) * unit;
-  return {std::max(a, live.lo), std::min(b, live.hi)};
+  const int64_t first = live.lo / unit;
+  const int64_t n_units = ceil_div(live.hi, unit) - first;
+  const int64_t per = ceil_div(n_units, splits);
+  const int64_t a = (first + std::min(n_units, split * per)) * unit;
+  const int64_t b = (first + std::min(n_units, (split + 1) * per)) * unit;
+  return {static_cast<int>(std::max<int64_t>(a, live.lo)), static_cast<int>(std::min<int64_t>(b, live.hi))};
 }
 
-// Partials of one item: m[G], l[G], acc[G][D] (float32).
+// Tiles in a live range: the most splits that can all get work.
+int tile_count(const AttentionParams& p, TokenRange live) {
+  if (live.empty()) return 0;
+  return ceil_div(live.hi, tile_rows(p)) - live.lo / tile_rows(p);
+}
+
+// Partials of one (sequence, kv head, split): m[R], l[R], acc[R][D] (float32)
+// for its R = L * G query rows, row j = l * G + g.
 struct PartialLayout {
-  int G, D;
-  int64_t floats_per_item() const { return static_cast<int64_t>(G) * (D + 2); }
+  int R, D;
+  int64_t floats_per_item() const { return static_cast<int64_t>(R) * (D + 2); }
 };
 
 struct Scratch {
   std::vector<float> q, k_tile, v_tile, scores, corr, ones;
-  void fit(int query_rows, int G, int D) {
-    ones.assign(G, 1.f);
+  void fit(int query_rows, int R, int D) {
+    ones.assign(R, 1.f);
     q.resize(static_cast<size_t>(query_rows) * D);
     k_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
     v_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
-    scores.resize(static_cast<size_t>(G) * kMaxTileRows);
-    corr.resize(G);
+    scores.resize(static_cast<size_t>(R) * kMaxTileRows);
+    corr.resize(R);
   }
 };
 
@@ -123,197 +148,300 @@ class Prefetcher {
   const char* next_ = nullptr;
 };
 
-// One work item: kv heads [kvh0, kvh1) of sequence s over `range`. The item
-// walks the range tile by tile and, for each tile, every kv head of its
-// chunk, so consecutive reads are the adjacent (block, head) tiles of one
-// block: long sequential runs that the hardware prefetcher follows, where one
-// head at a time would jump between scattered 4-8 KiB pieces.
-// Partials of (s, kvh, split) go to partial(kvh).
-template <typename PartialAt>
-void attend_item(const AttentionParams& p, const KVView& k, const KVView& v, const TileKernels& tk, int s, int kvh0,
-                 int kvh1, TokenRange range, PartialAt partial) {
-  const int G = p.num_heads / p.num_kv_heads;
-  const int D = p.head_dim;
-  const int HC = kvh1 - kvh0;
-  for (int kvh = kvh0; kvh < kvh1; ++kvh) {
-    float* part = partial(kvh);
-    std::fill(part, part + G, -std::numeric_limits<float>::infinity());
-    std::fill(part + G, part + 2 * G + static_cast<int64_t>(G) * D, 0.f);
-  }
-  if (range.empty()) return;
+// A run of rows [row0, row0 + n) of one (outer, kv head): one block of a
+// paged cache, or up to a tile of a contiguous one. A block id outside
+// [0, num_blocks) makes the segment padding: masked, never read.
+struct Segment {
+  int64_t outer = 0;
+  int row0 = 0, n = 0;
+  bool valid = true;
+};
+constexpr int kMaxSegments = kMaxTileRows / 8;
 
-  thread_local Scratch sc;
-  sc.fit(HC * G, G, D);
+// Up to kMaxTileRows consecutive tokens from `first`, as segments. One softmax
+// step (and one accumulator rescale) serves the whole tile.
+struct Tile {
+  int first = 0, rows = 0, count = 0;
+  bool has_padding = false;
+  Segment seg[kMaxSegments];
+};
 
-  // The chunk's query rows, pre-scaled: scores come out already times `scale`.
-  for (int j = 0; j < HC * G; ++j) {
-    const int64_t row = (static_cast<int64_t>(s) * p.num_heads + kvh0 * G + j) * D;
-    for (int d = 0; d < D; ++d) sc.q[static_cast<int64_t>(j) * D + d] = load_as_f32(p.query, row + d, p.q_kind) * p.scale;
-  }
+constexpr int kPieceRows = 4;      // K is scored 4 rows at a time, a prefetch step after each
+constexpr int kPrefetchAhead = 3;  // units (tile, kv head) between a prefetch and its use
+// Widening float16/bfloat16 in registers repeats the conversion for every 4
+// query rows; past 8 rows a scratch copy converted once is cheaper.
+constexpr int kMaxRowsInPlace = 8;
 
-  // A tile is up to kMaxTileRows consecutive tokens, made of segments: runs
-  // of rows [row0, row0 + n) of one (outer, kvh), i.e. one block of a paged
-  // cache. One softmax step (and one accumulator rescale) serves the whole
-  // tile. Rows the kernels can read in place (float32; float16/bfloat16 where
-  // the CPU widens them in registers) are used where they are, segment by segment;
-  // other rows are converted (or dequantized) once into a scratch tile.
-  struct Segment {
-    int64_t outer;
-    int row0, n;
-  };
-  constexpr int kMaxSegments = kMaxTileRows / 8;
-  auto segment_at = [&](int t) {
-    if (p.paged) {
-      const int row0 = t % p.block_size;
-      return Segment{p.block_tables[static_cast<int64_t>(s) * p.max_blocks + t / p.block_size], row0,
-                     std::min(p.block_size - row0, range.hi - t)};
+// One work item: kv heads [kvh0, kvh1) of sequence s over the token range
+// `range`. The item walks the range tile by tile and, for each tile, every kv
+// head of its chunk, so consecutive reads are the adjacent (block, head) tiles
+// of one block: long sequential runs that the hardware prefetcher follows,
+// where one head at a time would jump between scattered 4-8 KiB pieces.
+//
+// Per (tile, kv head) unit: score K (in place, or converted once into
+// scratch), softcap, mask, online-softmax update, accumulate V.
+class ItemWalker {
+ public:
+  ItemWalker(const AttentionParams& p, const KVView& k, const KVView& v, const TileKernels& tk, int s, int kvh0,
+             int kvh1, TokenRange range)
+      : p_(p), k_(k), v_(v), tk_(tk), s_(s), kvh0_(kvh0), kvh1_(kvh1), range_(range),
+        G_(p.num_heads / p.num_kv_heads), R_(G_ * p.query_len), D_(p.head_dim), len_(cached_len(p, s)),
+        first_hi_(row_range(p, len_, 0).hi), last_lo_(row_range(p, len_, p.query_len - 1).lo),
+        k_in_place_(in_place(k)), v_in_place_(in_place(v)),
+        k_half_scores_(k.kind == FloatKind::f16 ? tk.scores_f16 : tk.scores_bf16),
+        v_half_accumulate_(v.kind == FloatKind::f16 ? tk.accumulate_f16 : tk.accumulate_bf16),
+        sc_(scratch()) {}
+
+  // Partials of kv head kvh go to partial(kvh) (PartialLayout).
+  template <typename PartialAt>
+  void run(PartialAt partial) {
+    for (int kvh = kvh0_; kvh < kvh1_; ++kvh) reset_state(partial(kvh));
+    if (range_.empty()) return;
+    sc_.fit((kvh1_ - kvh0_) * R_, R_, D_);
+    load_queries();
+    Tile cur = tile_at(range_.lo), next;
+    for (;;) {
+      const bool more = cur.first + cur.rows < range_.hi;
+      if (more) next = tile_at(cur.first + cur.rows);
+      pieces_ = (cur.rows + kPieceRows - 1) / kPieceRows + cur.count;  // K pieces, then V segments
+      for (int kvh = kvh0_; kvh < kvh1_; ++kvh) {
+        // Queue the unit kPrefetchAhead units on (this tile's heads, then the
+        // next tile's): one unit ahead left the loads waiting on memory.
+        const int A = std::min(kPrefetchAhead, kvh1_ - kvh0_);
+        if (kvh + A < kvh1_) queue_prefetch(&cur, kvh + A);
+        else queue_prefetch(more ? &next : nullptr, kvh0_ + (kvh + A - kvh1_));
+        step(cur, kvh, partial(kvh));
+      }
+      if (!more) return;
+      cur = next;
     }
-    return Segment{s, t, std::min(kMaxTileRows - t % kMaxTileRows, range.hi - t)};
-  };
-  // Fills segs for the tile starting at token t; returns the segment count.
-  auto tile_at = [&](int t, Segment* segs, int* rows) {
-    int count = 0;
-    *rows = 0;
+  }
+
+ private:
+  static Scratch& scratch() {
+    thread_local Scratch sc;
+    return sc;
+  }
+
+  // Rows read where they are: float32, and float16/bfloat16 widened in registers.
+  bool in_place(const KVView& view) const {
+    if (view.quantized) return false;
+    const bool widen = view.kind == FloatKind::f16 ? tk_.scores_f16 != nullptr : tk_.scores_bf16 != nullptr;
+    return view.kind == FloatKind::f32 || (widen && R_ <= kMaxRowsInPlace);
+  }
+
+  // m = -inf, l = 0, acc = 0: the state of a row that has seen nothing.
+  void reset_state(float* part) const {
+    std::fill(part, part + R_, kNegInf);
+    std::fill(part + R_, part + 2 * R_ + static_cast<int64_t>(R_) * D_, 0.f);
+  }
+
+  // The chunk's query rows, pre-scaled (scores come out already times
+  // `scale`): kv head c of the chunk, then token l, then head g of its group.
+  void load_queries() {
+    const int rows = (kvh1_ - kvh0_) * R_;
+    for (int j = 0; j < rows; ++j) {
+      const int c = j / R_, l = j % R_ / G_, g = j % G_;
+      const int64_t src = p_.row_offset(s_, l, (kvh0_ + c) * G_ + g);
+      float* dst = sc_.q.data() + static_cast<int64_t>(j) * D_;
+      for (int d = 0; d < D_; ++d) dst[d] = load_as_f32(p_.query, src + d, p_.q_kind) * p_.scale;
+    }
+  }
+
+  Segment segment_at(int t) const {
+    if (!p_.paged) return Segment{s_, t, std::min(kMaxTileRows - t % kMaxTileRows, range_.hi - t), true};
+    const int64_t block = p_.block_tables[static_cast<int64_t>(s_) * p_.max_blocks + t / p_.block_size];
+    const int row0 = t % p_.block_size;
+    return Segment{block, row0, std::min(p_.block_size - row0, range_.hi - t), block >= 0 && block < p_.num_blocks};
+  }
+
+  Tile tile_at(int t) const {
+    Tile tile;
+    tile.first = t;
     do {
-      segs[count] = segment_at(t + *rows);
-      *rows += segs[count++].n;
-    } while (p.paged && count < kMaxSegments && t + *rows < range.hi && *rows + p.block_size <= kMaxTileRows);
-    return count;
-  };
-  // Widening float16/bfloat16 in registers repeats the conversion for every 4
-  // query heads; past 8 heads a scratch copy converted once is cheaper.
-  auto half_scores = [&](const KVView& view) { return view.kind == FloatKind::f16 ? tk.scores_f16 : tk.scores_bf16; };
-  auto half_accumulate = [&](const KVView& view) {
-    return view.kind == FloatKind::f16 ? tk.accumulate_f16 : tk.accumulate_bf16;
-  };
-  auto in_place = [&](const KVView& view) {
-    return !view.quantized && (view.kind == FloatKind::f32 || (half_scores(view) && G <= 8));
-  };
-  const bool k_in_place = in_place(k), v_in_place = in_place(v);
-  const auto k_half_scores = half_scores(k);
-  const auto v_half_accumulate = half_accumulate(v);
-  // A converted tile: all segments into scratch, rows D floats apart.
-  auto convert = [&](const KVView& view, int kvh, const Segment* segs, int count, float* scratch) {
-    int64_t stride;
-    for (int i = 0, off = 0; i < count; off += segs[i++].n)
-      view.tile(segs[i].outer, kvh, segs[i].row0, segs[i].n, scratch + static_cast<int64_t>(off) * D, &stride, tk);
-    return static_cast<const float*>(scratch);
-  };
-  constexpr int kPieceRows = 4;  // K is scored 4 rows at a time, a prefetch step after each
-  constexpr int kPrefetchAhead = 3;  // units (tile, kv head) between a prefetch and its use
-  Prefetcher prefetcher;
+      Segment& sg = tile.seg[tile.count++];
+      sg = segment_at(t + tile.rows);
+      tile.rows += sg.n;
+      tile.has_padding |= !sg.valid;
+    } while (p_.paged && tile.count < kMaxSegments && t + tile.rows < range_.hi &&
+             tile.rows + p_.block_size <= kMaxTileRows);
+    return tile;
+  }
 
-  Segment cur[kMaxSegments], next[kMaxSegments];
-  int cur_rows;
-  int cur_count = tile_at(range.lo, cur, &cur_rows);
-  for (int t = range.lo; t < range.hi;) {
-    const int n = cur_rows;
-    t += n;
-    int next_rows = 0, next_count = 0;
-    if (t < range.hi) next_count = tile_at(t, next, &next_rows);
+  void queue_prefetch(const Tile* tile, int head) {
+    prefetcher_.reset();
+    if (!tile) return;
+    // All of the unit's K first: it is read first.
+    for (int i = 0; i < tile->count; ++i)
+      if (tile->seg[i].valid) prefetcher_.add(k_, tile->seg[i].outer, head, tile->seg[i].row0, tile->seg[i].n);
+    for (int i = 0; i < tile->count; ++i)
+      if (tile->seg[i].valid) prefetcher_.add(v_, tile->seg[i].outer, head, tile->seg[i].row0, tile->seg[i].n);
+  }
 
-    for (int kvh = kvh0; kvh < kvh1; ++kvh) {
-      float* part = partial(kvh);
-      float* m = part;
-      float* l = part + G;
-      float* acc = part + 2 * G;
-      const float* q = sc.q.data() + static_cast<int64_t>(kvh - kvh0) * G * D;
+  void step(const Tile& tile, int kvh, float* part) {
+    float* m = part;
+    float* l = part + R_;
+    float* acc = part + 2 * R_;
+    float* scores = sc_.scores.data();
+    score(tile, kvh, sc_.q.data() + static_cast<int64_t>(kvh - kvh0_) * R_ * D_, scores);
+    if (p_.has_softcap) apply_softcap(scores, tile.rows);
+    mask(tile, scores);
+    // Online softmax: new running max, rescale factors, probabilities.
+    tk_.softmax_update(scores, R_, tile.rows, m, l, sc_.corr.data());
+    accumulate(tile, kvh, scores, acc);
+  }
 
-      // Queue the unit kPrefetchAhead units on (this tile's heads, then the
-      // next tile's): one unit ahead left the loads waiting on memory.
-      prefetcher.reset();
-      const int A = std::min(kPrefetchAhead, kvh1 - kvh0);
-      const Segment* ahead = kvh + A < kvh1 ? cur : next;
-      const int ahead_count = kvh + A < kvh1 ? cur_count : next_count;
-      const int ahead_head = kvh + A < kvh1 ? kvh + A : kvh0 + (kvh + A - kvh1);
-      // All of the unit's K first: it is read first.
-      for (int i = 0; i < ahead_count; ++i) prefetcher.add(k, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
-      for (int i = 0; i < ahead_count; ++i) prefetcher.add(v, ahead[i].outer, ahead_head, ahead[i].row0, ahead[i].n);
-      const int pieces = (n + kPieceRows - 1) / kPieceRows + cur_count;  // K pieces, then V segments
-
-      float* scores = sc.scores.data();
-      for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
-        const Segment& sg = cur[i];
-        // Other rows: the whole segment converted in one call, then scored
-        // from scratch piece by piece like the rows read in place.
-        const float* k_rows = nullptr;
-        int64_t k_stride = D;
-        if (!k_in_place) k_rows = k.tile(sg.outer, kvh, sg.row0, sg.n, sc.k_tile.data(), &k_stride, tk);
-        for (int r = 0; r < sg.n; r += kPieceRows) {
-          const int pn = std::min(kPieceRows, sg.n - r);
-          if (!k_in_place) {
-            tk.scores(q, G, k_rows + r * k_stride, k_stride, pn, D, scores + off + r);
-          } else if (k.kind == FloatKind::f32) {
-            tk.scores(q, G, k.f32_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
-          } else {
-            k_half_scores(q, G, k.u16_row(sg.outer, kvh, sg.row0 + r), k.stride[2], pn, D, scores + off + r);
-          }
-          prefetcher.step(pieces);
+  // scores[j * kMaxTileRows + r] = q_j . k_r for the tile's rows; padding
+  // segments are left to mask().
+  void score(const Tile& tile, int kvh, const float* q, float* scores) {
+    for (int i = 0, off = 0; i < tile.count; off += tile.seg[i++].n) {
+      const Segment& sg = tile.seg[i];
+      if (!sg.valid) continue;
+      // Rows not read in place: the whole segment converted in one call, then
+      // scored from scratch piece by piece like the rows read in place.
+      const float* k_rows = nullptr;
+      int64_t k_stride = D_;
+      if (!k_in_place_) k_rows = k_.tile(sg.outer, kvh, sg.row0, sg.n, sc_.k_tile.data(), &k_stride, tk_);
+      for (int r = 0; r < sg.n; r += kPieceRows) {
+        const int pn = std::min(kPieceRows, sg.n - r);
+        float* out = scores + off + r;
+        if (!k_in_place_) {
+          tk_.scores(q, R_, k_rows + r * k_stride, k_stride, pn, D_, out);
+        } else if (k_.kind == FloatKind::f32) {
+          tk_.scores(q, R_, k_.f32_row(sg.outer, kvh, sg.row0 + r), k_.stride[2], pn, D_, out);
+        } else {
+          k_half_scores_(q, R_, k_.u16_row(sg.outer, kvh, sg.row0 + r), k_.stride[2], pn, D_, out);
         }
-      }
-      if (p.has_softcap) {
-        for (int g = 0; g < G; ++g)
-          for (int r = 0; r < n; ++r) {
-            float& x = scores[g * kMaxTileRows + r];
-            x = p.softcap * std::tanh(x / p.softcap);
-          }
-      }
-      // Online softmax: new running max, rescale factors, probabilities.
-      tk.softmax_update(scores, G, n, m, l, sc.corr.data());
-
-      if (v_in_place) {
-        // The first segment rescales the accumulators; the others add on top.
-        for (int i = 0, off = 0; i < cur_count; off += cur[i++].n) {
-          const Segment& sg = cur[i];
-          const float* corr = i == 0 ? sc.corr.data() : sc.ones.data();
-          if (v.kind == FloatKind::f32)
-            tk.accumulate(scores + off, corr, G, v.f32_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
-          else
-            v_half_accumulate(scores + off, corr, G, v.u16_row(sg.outer, kvh, sg.row0), v.stride[2], sg.n, D, acc);
-          prefetcher.step(pieces);
-        }
-      } else {
-        const float* v_rows = convert(v, kvh, cur, cur_count, sc.v_tile.data());
-        for (int i = 0; i < cur_count; ++i) prefetcher.step(pieces);
-        tk.accumulate(scores, sc.corr.data(), G, v_rows, D, n, D, acc);
+        prefetcher_.step(pieces_);
       }
     }
-
-    std::copy(next, next + next_count, cur);
-    cur_count = next_count;
-    cur_rows = next_rows;
   }
-}
 
-// Merge the splits of one (sequence, query head); sinks join the denominator.
-void reduce_head(const AttentionParams& p, const TileKernels& tk, const float* partials, const PartialLayout& lay,
-                 int splits, int s, int h, float* tmp) {
-  const int G = lay.G;
+  void apply_softcap(float* scores, int n) const {
+    for (int j = 0; j < R_; ++j)
+      for (int r = 0; r < n; ++r) {
+        float& x = scores[j * kMaxTileRows + r];
+        x = p_.softcap * std::tanh(x / p_.softcap);
+      }
+  }
+
+  // -inf where a query row must not look: padding segments, and tokens
+  // outside the row's causal range (and window). With one query token only
+  // padding is masked: its range is the item's whole range.
+  void mask(const Tile& tile, float* scores) const {
+    const int n = tile.rows;
+    if (tile.has_padding) {
+      for (int i = 0, off = 0; i < tile.count; off += tile.seg[i++].n)
+        if (!tile.seg[i].valid)
+          for (int j = 0; j < R_; ++j) std::fill_n(scores + j * kMaxTileRows + off, tile.seg[i].n, kNegInf);
+    }
+    if (tile.first + n <= first_hi_ && tile.first >= last_lo_) return;  // every row sees the whole tile
+    for (int l = 0; l < p_.query_len; ++l) {
+      const TokenRange seen = row_range(p_, len_, l);
+      const int a = std::clamp(seen.lo - tile.first, 0, n);
+      const int b = std::max(a, std::clamp(seen.hi - tile.first, 0, n));
+      for (int g = 0; g < G_; ++g) {
+        float* row = scores + (l * G_ + g) * kMaxTileRows;
+        std::fill(row, row + a, kNegInf);
+        std::fill(row + b, row + n, kNegInf);
+      }
+    }
+  }
+
+  // acc = acc * corr + p . V over the tile.
+  void accumulate(const Tile& tile, int kvh, const float* p, float* acc) {
+    const float* corr = sc_.corr.data();
+    if (!v_in_place_) {
+      const float* v_rows = convert_v(tile, kvh);
+      for (int i = 0; i < tile.count; ++i) prefetcher_.step(pieces_);
+      tk_.accumulate(p, corr, R_, v_rows, D_, tile.rows, D_, acc);
+      return;
+    }
+    // The first segment read rescales the accumulators; the others add on top.
+    bool rescaled = false;
+    for (int i = 0, off = 0; i < tile.count; off += tile.seg[i++].n) {
+      const Segment& sg = tile.seg[i];
+      if (sg.valid) {
+        const float* c = rescaled ? sc_.ones.data() : corr;
+        if (v_.kind == FloatKind::f32)
+          tk_.accumulate(p + off, c, R_, v_.f32_row(sg.outer, kvh, sg.row0), v_.stride[2], sg.n, D_, acc);
+        else
+          v_half_accumulate_(p + off, c, R_, v_.u16_row(sg.outer, kvh, sg.row0), v_.stride[2], sg.n, D_, acc);
+        rescaled = true;
+      }
+      prefetcher_.step(pieces_);
+    }
+    if (!rescaled)  // a tile of padding only
+      for (int j = 0; j < R_; ++j)
+        for (int d = 0; d < D_; ++d) acc[static_cast<int64_t>(j) * D_ + d] *= corr[j];
+  }
+
+  // The tile's V rows as float32 in scratch, rows D apart (zeros for padding).
+  const float* convert_v(const Tile& tile, int kvh) {
+    float* scratch = sc_.v_tile.data();
+    int64_t stride;
+    for (int i = 0, off = 0; i < tile.count; off += tile.seg[i++].n) {
+      const Segment& sg = tile.seg[i];
+      float* dst = scratch + static_cast<int64_t>(off) * D_;
+      if (!sg.valid) {
+        std::fill_n(dst, static_cast<int64_t>(sg.n) * D_, 0.f);
+        continue;
+      }
+      const float* rows = v_.tile(sg.outer, kvh, sg.row0, sg.n, dst, &stride, tk_);
+      if (rows != dst)  // float32 rows come back in place: copy them next to the others
+        for (int r = 0; r < sg.n; ++r) std::copy_n(rows + r * stride, D_, dst + static_cast<int64_t>(r) * D_);
+    }
+    return scratch;
+  }
+
+  const AttentionParams& p_;
+  const KVView& k_;
+  const KVView& v_;
+  const TileKernels& tk_;
+  const int s_, kvh0_, kvh1_;
+  const TokenRange range_;
+  const int G_, R_, D_;
+  const int len_;
+  const int first_hi_;  // every query row sees all of [last_lo_, first_hi_)
+  const int last_lo_;
+  const bool k_in_place_, v_in_place_;
+  decltype(TileKernels::scores_f16) k_half_scores_;
+  decltype(TileKernels::accumulate_f16) v_half_accumulate_;
+  Scratch& sc_;
+  Prefetcher prefetcher_;
+  int pieces_ = 1;
+};
+
+// Merge the splits of query row (s, l, h); sinks join the denominator.
+void reduce_row(const AttentionParams& p, const TileKernels& tk, const float* partials, const PartialLayout& lay,
+                int splits, int s, int l, int h, float* tmp) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int R = lay.R;
   const int D = lay.D;
   const int kvh = h / G;
-  const int g = h % G;
+  const int j = l * G + h % G;
   const int64_t first_item = (static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits;
   auto item = [&](int i) { return partials + (first_item + i) * lay.floats_per_item(); };
 
-  float M = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < splits; ++i) M = std::max(M, item(i)[g]);
+  float M = kNegInf;
+  for (int i = 0; i < splits; ++i) M = std::max(M, item(i)[j]);
   if (p.sinks) M = std::max(M, p.sinks[h]);
 
   std::fill(tmp, tmp + D, 0.f);
   float L = 0.f;
   for (int i = 0; i < splits; ++i) {
     const float* part = item(i);
-    if (part[G + g] == 0.f) continue;  // empty split
-    const float w = std::exp(part[g] - M);
-    L += part[G + g] * w;
-    const float* acc = part + 2 * G + static_cast<int64_t>(g) * D;
+    if (part[R + j] == 0.f) continue;  // a split that saw nothing
+    const float w = std::exp(part[j] - M);
+    L += part[R + j] * w;
+    const float* acc = part + 2 * R + static_cast<int64_t>(j) * D;
     for (int d = 0; d < D; ++d) tmp[d] += acc[d] * w;
   }
   if (p.sinks) L += std::exp(p.sinks[h] - M);
-  const float inv = L > 0.f ? 1.f / L : 0.f;
+  const float inv = L > 0.f ? 1.f / L : 0.f;  // a row that saw nothing outputs zeros
   for (int d = 0; d < D; ++d) tmp[d] *= inv;
 
-  const int64_t row = (static_cast<int64_t>(s) * p.num_heads + h) * D;
+  const int64_t row = p.row_offset(s, l, h);
   switch (p.q_kind) {
     case FloatKind::f32:
       std::copy(tmp, tmp + D, reinterpret_cast<float*>(p.out) + row);
@@ -327,44 +455,45 @@ void reduce_head(const AttentionParams& p, const TileKernels& tk, const float* p
   }
 }
 
-
 // How the work is cut: `splits` token ranges per sequence, and kv heads in
 // chunks of `heads_per_item`. Whole sequences' heads per item read the cache
-// most sequentially; chunks shrink only when that leaves too few items.
-struct Grid {
+// most sequentially; chunks shrink only when that leaves too few items. A
+// requested split count is capped at the tiles of the longest range (more
+// splits would be empty, and an absurd count must not size the partials).
+struct WorkPlan {
   int splits = 1;
   int heads_per_item = 1;
 };
 
-Grid plan(const AttentionParams& p) {
-  int max_tokens = 0;
+WorkPlan plan(const AttentionParams& p) {
+  int max_tokens = 0, max_tiles = 1;
   for (int s = 0; s < p.num_seqs; ++s) {
-    TokenRange r = live_range(p, s);
+    const TokenRange r = live_range(p, s);
     max_tokens = std::max(max_tokens, r.hi - r.lo);
+    max_tiles = std::max(max_tiles, tile_count(p, r));
   }
   const int64_t target = static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads();
   const int cap = std::max(1, max_tokens / kMinTokensPerSplit);
-  Grid g;
-  g.heads_per_item = p.num_kv_heads;
+  WorkPlan w;
+  w.heads_per_item = p.num_kv_heads;
   for (;;) {
-    const int64_t base = static_cast<int64_t>(p.num_seqs) * (p.num_kv_heads / g.heads_per_item);
-    g.splits = p.num_splits > 0 ? p.num_splits : std::max(1, std::min(ceil_div(target, base), cap));
-    if (base * g.splits >= target || g.heads_per_item % 2) return g;
-    g.heads_per_item /= 2;
+    const int64_t base = static_cast<int64_t>(p.num_seqs) * (p.num_kv_heads / w.heads_per_item);
+    w.splits = p.num_splits > 0 ? std::min(p.num_splits, max_tiles)
+                                : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(target, base), cap)));
+    if (base * w.splits >= target || w.heads_per_item % 2) return w;
+    w.heads_per_item /= 2;
   }
 }
 
 }  // namespace
 
-int resolve_num_splits(const AttentionParams& p) { return p.num_seqs ? plan(p).splits : 1; }
-
 void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v) {
-  if (p.num_seqs == 0 || p.num_heads == 0 || p.head_dim == 0) return;  // empty output
+  if (p.num_seqs == 0 || p.query_len == 0 || p.num_heads == 0 || p.head_dim == 0) return;  // empty output
   const TileKernels& tk = tile_kernels(p.head_dim);
-  const Grid grid = plan(p);
-  const int splits = grid.splits;
-  const int chunks = p.num_kv_heads / grid.heads_per_item;
-  const PartialLayout lay{p.num_heads / p.num_kv_heads, p.head_dim};
+  const WorkPlan work = plan(p);
+  const int splits = work.splits;
+  const int chunks = p.num_kv_heads / work.heads_per_item;
+  const PartialLayout lay{p.num_heads / p.num_kv_heads * p.query_len, p.head_dim};
   // Partials of (s, kvh, split), whatever the chunking.
   std::vector<float> partials(static_cast<size_t>(p.num_seqs) * p.num_kv_heads * splits * lay.floats_per_item());
 
@@ -375,18 +504,18 @@ void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v
     const int chunk = static_cast<int>(item / splits % chunks);
     const int s = static_cast<int>(item / splits / chunks);
     const TokenRange range = split_range(p, live_range(p, s), split, splits);
-    const int kvh0 = chunk * grid.heads_per_item;
+    const int kvh0 = chunk * work.heads_per_item;
     auto partial = [&](int kvh) {
       return partials.data() + ((static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits + split) * lay.floats_per_item();
     };
-    attend_item(p, k, v, tk, s, kvh0, kvh0 + grid.heads_per_item, range, partial);
+    ItemWalker(p, k, v, tk, s, kvh0, kvh0 + work.heads_per_item, range).run(partial);
   });
 
   pool.parallel_for(p.num_seqs, [&](int64_t s) {
     std::vector<float> tmp(p.head_dim);
-    for (int h = 0; h < p.num_heads; ++h) {
-      reduce_head(p, tk, partials.data(), lay, splits, static_cast<int>(s), h, tmp.data());
-    }
+    for (int l = 0; l < p.query_len; ++l)
+      for (int h = 0; h < p.num_heads; ++h)
+        reduce_row(p, tk, partials.data(), lay, splits, static_cast<int>(s), l, h, tmp.data());
   });
 }
 

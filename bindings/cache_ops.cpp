@@ -14,14 +14,17 @@ void gather_kv(const GatherParams& p, const KVView& cache) {
   ThreadPool::instance().parallel_for(static_cast<int64_t>(p.num_seqs) * p.num_kv_heads, [&](int64_t item) {
     const int s = static_cast<int>(item / p.num_kv_heads);
     const int h = static_cast<int>(item % p.num_kv_heads);
-    const int len = std::min(p.seq_lens[s], p.max_len);
+    const int64_t capacity = std::min<int64_t>(p.max_len, p.max_blocks * p.block_size);
+    const int len = static_cast<int>(std::clamp<int64_t>(p.seq_lens[s], 0, capacity));
     char* out = p.out + item * p.max_len * D * out_size;
     std::vector<float> row(cache.quantized ? D : 0);
     for (int t = 0; t < len; ++t) {
       const int64_t block = p.block_tables[static_cast<int64_t>(s) * p.max_blocks + t / p.block_size];
       const int r = t % p.block_size;
       char* dst = out + static_cast<int64_t>(t) * D * out_size;
-      if (cache.quantized) {
+      if (block < 0 || block >= p.num_blocks) {  // padding
+        std::memset(dst, 0, static_cast<size_t>(D) * out_size);
+      } else if (cache.quantized) {
         int64_t stride;
         cache.tile(block, h, r, 1, row.data(), &stride, tk);
         for (int d = 0; d < D; ++d) store_from_f32(dst, d, row[d], p.out_kind);
@@ -42,7 +45,7 @@ void write_rows(const char* rows, FloatKind rows_kind, int num_tokens, int num_k
   const int groups = target.part == CachePart::float_rows ? 0 : D / target.fmt.group_size;
   auto write_token = [&](int64_t i) {
     const int64_t slot = slots[i];
-    if (slot < 0) return;  // padding
+    if (slot < 0 || slot / block_size >= target.num_blocks) return;  // padding, or past the cache
     const int64_t block = slot / block_size;
     const int64_t r = slot % block_size;
     std::vector<float> x(D), scales(groups), biases(groups);
@@ -84,15 +87,19 @@ void write_rows(const char* rows, FloatKind rows_kind, int num_tokens, int num_k
   }
 }
 
-void copy_blocks(char* data, int64_t block_bytes, const std::vector<int64_t>& src, const std::vector<int64_t>& dst) {
+void copy_blocks(char* data, int64_t num_blocks, int64_t block_bytes, const std::vector<int64_t>& src,
+                 const std::vector<int64_t>& dst) {
+  auto in_range = [&](size_t i) { return src[i] >= 0 && src[i] < num_blocks && dst[i] >= 0 && dst[i] < num_blocks; };
   // Every copy reads the cache as it was before the call (a block that is both
   // a destination and a later source gives its old contents), so sources are
   // staged first.
   std::vector<char> staged(src.size() * static_cast<size_t>(block_bytes));
   for (size_t i = 0; i < src.size(); ++i)
-    std::memcpy(staged.data() + i * block_bytes, data + src[i] * block_bytes, static_cast<size_t>(block_bytes));
+    if (in_range(i))
+      std::memcpy(staged.data() + i * block_bytes, data + src[i] * block_bytes, static_cast<size_t>(block_bytes));
   for (size_t i = 0; i < dst.size(); ++i)
-    std::memcpy(data + dst[i] * block_bytes, staged.data() + i * block_bytes, static_cast<size_t>(block_bytes));
+    if (in_range(i))
+      std::memcpy(data + dst[i] * block_bytes, staged.data() + i * block_bytes, static_cast<size_t>(block_bytes));
 }
 
 }  // namespace kvmetal

@@ -1,5 +1,7 @@
 #include "primitives.h"
 
+#include <algorithm>
+#include <climits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -23,13 +25,16 @@ std::vector<char>& new_slot(Storage& st) {
 }
 
 // int32 row-major view (block tables, seq_lens): the array itself when it is one.
+// Wider values saturate, so one that does not fit stays out of range (and the
+// kernels' guards treat it as padding) instead of wrapping onto a valid index.
 const int32_t* int32_data(const Tensor& t, Storage& st) {
   if (t.dtype == mx::int32) return reinterpret_cast<const int32_t*>(row_major(t, new_slot(st)).ptr);
   std::vector<int64_t> v = read_indices(t);
   auto& buf = new_slot(st);
   buf.resize(v.size() * sizeof(int32_t));
   int32_t* out = reinterpret_cast<int32_t*>(buf.data());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = static_cast<int32_t>(v[i]);
+  for (size_t i = 0; i < v.size(); ++i)
+    out[i] = static_cast<int32_t>(std::clamp<int64_t>(v[i], INT32_MIN, INT32_MAX));
   return out;
 }
 
@@ -106,7 +111,10 @@ mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
 
 std::string shape_str(const mx::Shape& s) {
   std::string out = "(";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(s[i]);
+  }
   return out + ")";
 }
 
@@ -115,13 +123,18 @@ void check_float(const mx::array& a, const char* op, const char* name) {
     fail(op, std::string(name) + " must be float16, bfloat16 or float32");
 }
 
-// Checks that keep the kernels in bounds when called directly from C++/Python
-// (kvmetal.ops has already checked everything user-facing).
+// Memory-safety guards only: the shapes and dtypes the kernels index by, for
+// callers that reach kvmetal._ext directly. kvmetal.ops is the one validation
+// layer for users (errors naming the argument); index values are guarded in
+// the kernels themselves.
 int check_cache(const std::vector<mx::array>& c, QuantSpec q, const char* op, const char* name) {
   if (static_cast<int>(c.size()) != q.num_arrays())
     fail(op, std::string(name) + ": expected " + std::to_string(q.num_arrays()) + " array(s)");
-  for (auto& a : c)
+  for (auto& a : c) {
     if (a.ndim() != 4) fail(op, std::string(name) + " arrays must have rank 4, got " + shape_str(a.shape()));
+    for (int d = 0; d < 3; ++d)
+      if (a.shape(d) != c[0].shape(d)) fail(op, std::string(name) + " arrays must share their first three dims");
+  }
   if (q.bits == 0) {
     check_float(c[0], op, name);
     return c[0].shape(3);
@@ -173,8 +186,11 @@ void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
     p.query = qm.ptr;
     p.q_kind = float_kind(qm.dtype, "kvmetal");
     p.out = out_ptr;
+    // Paged queries are [S, L, H, D] (or [S, H, D]: L = 1), contiguous ones [B, H, L, D].
+    const bool rank4 = q.shape.size() == 4;
     p.num_seqs = static_cast<int>(q.shape[0]);
-    p.num_heads = static_cast<int>(q.shape[1]);
+    p.query_len = paged ? (rank4 ? static_cast<int>(q.shape[1]) : 1) : static_cast<int>(q.shape[2]);
+    p.num_heads = static_cast<int>(paged ? q.shape[q.shape.size() - 2] : q.shape[1]);
     p.head_dim = static_cast<int>(q.shape.back());
     p.num_kv_heads = static_cast<int>(kt[0].shape[1]);
     p.scale = opts.scale;
@@ -185,6 +201,7 @@ void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
     p.paged = paged;
     if (paged) {
       p.block_size = static_cast<int>(kt[0].shape[2]);
+      p.num_blocks = std::min(kt[0].shape[0], vt[0].shape[0]);  // ops checks they match
       p.block_tables = int32_data(bt, st);
       p.max_blocks = bt.shape[1];
       p.seq_lens = int32_data(sl, st);
@@ -212,13 +229,16 @@ static mx::array attention_op(const char* op, bool paged, const mx::array& query
                               const mx::array* block_tables, const mx::array* seq_lens, AttentionOptions opts,
                               const std::optional<mx::array>& sinks) {
   check_float(query, op, "query");
-  const int qrank = paged ? 3 : 4;
-  if (static_cast<int>(query.ndim()) != qrank) fail(op, "query must have rank " + std::to_string(qrank) + ", got " + shape_str(query.shape()));
+  const int qrank = static_cast<int>(query.ndim());
+  if (paged ? (qrank != 3 && qrank != 4) : qrank != 4)
+    fail(op, std::string("query must have rank ") + (paged ? "3 or 4 ([S, H, D] or [S, L, H, D])" : "4 ([B, H, L, D])") +
+                 ", got " + shape_str(query.shape()));
   const int D = query.shape(-1);
   if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
     fail(op, "key/value head_dim must equal the query's " + std::to_string(D));
   const int hkv = k[0].shape(1);
-  if (v[0].shape(1) != hkv || hkv == 0 || query.shape(1) % hkv)
+  const int num_heads = paged ? query.shape(-2) : query.shape(1);
+  if (v[0].shape(1) != hkv || hkv == 0 || num_heads % hkv)
     fail(op, "num_heads must be a multiple of num_kv_heads");
   std::vector<mx::array> inputs{query};
   inputs.insert(inputs.end(), k.begin(), k.end());
@@ -232,10 +252,9 @@ static mx::array attention_op(const char* op, bool paged, const mx::array& query
   } else {
     if (k[0].shape(0) != query.shape(0) || v[0].shape(0) != query.shape(0) || k[0].shape(2) != v[0].shape(2))
       fail(op, "keys/values must be [B, Hkv, T, D] matching the query");
-    if (query.shape(2) != 1) fail(op, "query must be [B, H, 1, D] (one decode token)");
   }
   if (sinks) {
-    if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(query.shape(1)))
+    if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(num_heads))
       fail(op, "sinks must be float32 [num_heads]");
     inputs.push_back(*sinks);
   }
@@ -278,6 +297,7 @@ void GatherKVPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vect
     p.head_dim = cache.D;
     p.max_len = max_len;
     p.block_size = static_cast<int>(ct[0].shape[2]);
+    p.num_blocks = ct[0].shape[0];
     p.block_tables = int32_data(bt, st);
     p.max_blocks = bt.shape[1];
     p.seq_lens = int32_data(sl, st);
@@ -344,6 +364,7 @@ void CacheWritePrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::ve
       if (part != 0) t.kind = float_kind(target.dtype, "reshape_and_cache");
       t.fmt = QuantFormat{q.bits, q.group_size, t.kind};
     }
+    t.num_blocks = target.shape[0];
     write_rows(r.ptr, float_kind(r.dtype, "reshape_and_cache"), static_cast<int>(r.shape[0]),
                static_cast<int>(r.shape[1]), static_cast<int>(r.shape[2]), read_indices(slots),
                static_cast<int>(target.shape[2]), t);
@@ -393,7 +414,8 @@ void CopyBlocksPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::ve
   enc.set_output_array(out);
   enc.dispatch([src, dst, in, target, shared]() {
     if (!shared) copy_strided(in, target.ptr);
-    copy_blocks(target.ptr, target.strides[0] * target.itemsize, read_indices(src), read_indices(dst));
+    copy_blocks(target.ptr, target.shape[0], target.strides[0] * target.itemsize, read_indices(src),
+                read_indices(dst));
   });
 }
 

@@ -67,9 +67,6 @@ const TileKernels& best_tile_kernels();
 // tests use it to check every implementation the CPU can run. False if unknown.
 bool cap_tile_level(const std::string& name);
 
-// Always available; also used by tests to cross-check the SIMD version.
-const TileKernels& portable_tile_kernels();
-
 #if defined(__x86_64__) || defined(_M_X64)
 // Defined in tile_math_avx2.cpp; only call when the CPU has avx2, fma and f16c.
 const TileKernels& avx2_tile_kernels();

@@ -248,13 +248,15 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
     __m256 mx = _mm256_loadu_ps(sg);
     for (int r = 8; r < n8; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + r));
     const float m_new = m[g] > hmax(mx) ? m[g] : hmax(mx);
-    corr[g] = m[g] - m_new;
+    // A row that has seen only masked (-inf) scores keeps m = -inf: exps are
+    // then taken against 0 (all 0) instead of -inf - -inf = NaN.
+    corr[g] = m[g] - (m_new == -__builtin_inff() ? 0.f : m_new);
     m[g] = m_new;
   }
   exp_inplace(corr, G);
   for (int g = 0; g < G; ++g) {
     float* sg = scores + g * kMaxTileRows;
-    const __m256 mn = _mm256_set1_ps(m[g]);
+    const __m256 mn = _mm256_set1_ps(m[g] == -__builtin_inff() ? 0.f : m[g]);
     __m256 sum = _mm256_setzero_ps();
     for (int r = 0; r < n8; r += 8) {
       __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + r), mn));

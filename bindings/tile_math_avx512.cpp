@@ -238,13 +238,15 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
     if (m1) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(neg_inf, m1, sg + 16));
     const float tile_max = _mm512_reduce_max_ps(mx);
     const float m_new = m[g] > tile_max ? m[g] : tile_max;
-    corr[g] = m[g] - m_new;
+    // A row that has seen only masked (-inf) scores keeps m = -inf: exps are
+    // then taken against 0 (all 0) instead of -inf - -inf = NaN.
+    corr[g] = m[g] - (m_new == -__builtin_inff() ? 0.f : m_new);
     m[g] = m_new;
   }
   exp_inplace(corr, G);
   for (int g = 0; g < G; ++g) {
     float* sg = scores + g * kMaxTileRows;
-    const __m512 mn = _mm512_set1_ps(m[g]);
+    const __m512 mn = _mm512_set1_ps(m[g] == -__builtin_inff() ? 0.f : m[g]);
     __m512 e = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, m0, sg), mn)));
     _mm512_mask_storeu_ps(sg, m0, e);
     __m512 sum = e;

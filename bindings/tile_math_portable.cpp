@@ -73,11 +73,14 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
     float tile_max = sg[0];
     for (int r = 1; r < n; ++r) tile_max = std::max(tile_max, sg[r]);
     const float m_new = std::max(m[g], tile_max);
-    corr[g] = std::exp(m[g] - m_new);  // exp(-inf) = 0 on the first tile
+    // A row that has seen only masked (-inf) scores keeps m = -inf: exps are
+    // then taken against 0 (all 0) instead of -inf - -inf = NaN.
+    const float ref = m_new == -INFINITY ? 0.f : m_new;
+    corr[g] = std::exp(m[g] - ref);  // exp(-inf) = 0 on the first tile
     m[g] = m_new;
     float sum = 0.f;
     for (int r = 0; r < n; ++r) {
-      sg[r] = std::exp(sg[r] - m_new);
+      sg[r] = std::exp(sg[r] - ref);
       sum += sg[r];
     }
     l[g] = l[g] * corr[g] + sum;
@@ -106,8 +109,6 @@ Level cpu_level() {
 std::atomic<int> g_level_cap{static_cast<int>(Level::avx512)};
 
 }  // namespace
-
-const TileKernels& portable_tile_kernels() { return kPortable; }
 
 bool cap_tile_level(const std::string& name) {
   Level cap;

@@ -9,7 +9,11 @@ Dimension glossary used in shapes below:
 
 A cache is a float ``mx.array`` [N, Hkv, bs, D] or a :class:`kvmetal.quant.QuantizedKV`
 standing for one. Value checks (block ids, slots, lengths) read the index arrays on the
-host; ``validate=False`` skips them for callers that build their own tables.
+host, before any cast; ``validate=False`` skips only them, for callers that build their
+own tables. Even then nothing can crash or touch memory outside the caches: int64
+indices are cast to int32 saturating (a value that does not fit stays out of range
+instead of wrapping onto a valid one), and the kernels treat an out-of-range slot as a
+skipped row and an out-of-range block id or length as padding.
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 INDEX_DTYPES = (mx.int32, mx.int64)
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+# The float32 range a scale or softcap must fall in: a value outside it would reach the
+# kernels as 0 (softcap 0 means "off"), a denormal (flushed to 0 on GPUs) or inf.
+FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -50,9 +58,45 @@ def _check_array(op: str, name: str, x, *, ndim: int, dtypes, what: str):
 
 
 def _check_index(op: str, name: str, x, *, ndim: int, what: str) -> mx.array:
-    """Integer index arrays: int32 or int64 accepted, handed to backends as int32."""
+    """Integer index arrays: int32 or int64 accepted (values are checked before any cast)."""
     _check_array(op, name, x, ndim=ndim, dtypes=INDEX_DTYPES, what=what)
-    return x if x.dtype == mx.int32 else x.astype(mx.int32)
+    return x
+
+
+def _as_int32(x: mx.array) -> mx.array:
+    """int32 for the backends. int64 saturates: 2**32 + 5 becomes INT32_MAX (out of range,
+    so a kernel skips it) instead of wrapping to 5, and a large negative value stays negative."""
+    if x.dtype == mx.int32:
+        return x
+    return mx.clip(x, INT32_MIN, INT32_MAX).astype(mx.int32)
+
+
+def _check_validate(op: str, validate):
+    if not isinstance(validate, (bool, np.bool_)):
+        _fail(op, f"validate must be True or False, got {validate!r}", TypeError)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _float32_positive(op: str, name: str, value) -> float:
+    """A positive finite float that float32 holds as a normal number (else an error naming it)."""
+    what = f"{name} must be None or a positive finite float"
+    if not _is_real(value):
+        _fail(op, f"{what}, got {value!r}", TypeError)
+    if not math.isfinite(value) or value <= 0:
+        _fail(op, f"{what}, got {value!r}")
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        with np.errstate(over="ignore"):
+            reached = float(np.float32(value))
+        _fail(op, f"{what} representable in float32 (between {FLOAT32_TINY:.3g} and {FLOAT32_MAX:.3g}): "
+                  f"{value!r} would reach the kernels as {reached!r}")
+    return float(value)
 
 
 def _check_quantized(op: str, name: str, q: QuantizedKV, ndim: int, what: str):
@@ -78,7 +122,9 @@ def _check_quantized(op: str, name: str, q: QuantizedKV, ndim: int, what: str):
 
 
 def _check_kv_pair(op: str, key_cache, value_cache, *, what: str, paged: bool) -> tuple:
-    """Checks a K/V pair (float or quantized, independently); returns the logical shape."""
+    """Checks a K/V pair (float or quantized, independently); returns the logical shape.
+
+    A paged cache needs at least one block; every cache needs at least one kv head."""
     for name, cache in (("key_cache" if paged else "keys", key_cache),
                         ("value_cache" if paged else "values", value_cache)):
         if isinstance(cache, QuantizedKV):
@@ -93,6 +139,10 @@ def _check_kv_pair(op: str, key_cache, value_cache, *, what: str, paged: bool) -
         if key_cache.dtype != value_cache.dtype:
             _fail(op, f"{kname} and {vname} must have the same dtype, got "
                       f"{_dtype_name(key_cache.dtype)} and {_dtype_name(value_cache.dtype)}", TypeError)
+    if kshape[1] == 0:
+        _fail(op, f"{kname} must have at least one kv head, got shape {kshape}")
+    if paged and kshape[0] == 0:
+        _fail(op, f"{kname} must have at least one block, got shape {kshape}")
     head_dim = kshape[3]
     if head_dim not in SUPPORTED_HEAD_DIMS:
         _fail(op, f"head_dim {head_dim} of {kname} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
@@ -102,6 +152,8 @@ def _check_kv_pair(op: str, key_cache, value_cache, *, what: str, paged: bool) -
 
 
 def _check_query_heads(op: str, num_heads: int, num_kv_heads: int):
+    if num_heads == 0:
+        _fail(op, "query must have at least one head, got 0")
     if num_heads % num_kv_heads:
         _fail(op, f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
 
@@ -132,29 +184,40 @@ def _multi_query(op: str, name: str, query, *, axis: int):
     return lambda q, *args, **kw: fn(q[:, 0], *args, **kw)[:, None]
 
 
+def _int_option(op: str, name: str, value, *, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value) or value < minimum:
+        _fail(op, f"{name} must be None or an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _sliding_window(op: str, sliding_window, *, max_tokens: int) -> int | None:
+    """A checked window; one of at least ``max_tokens`` (the table's capacity) hides nothing
+    and is passed on as None."""
+    sliding_window = _int_option(op, "sliding_window", sliding_window, minimum=1)
+    return None if sliding_window is None or sliding_window >= max_tokens else sliding_window
+
+
 def _attention_options(op: str, *, head_dim: int, num_heads: int, scale, softcap, sinks,
-                       num_splits, sliding_window=None) -> dict:
-    if scale is None:
-        scale = head_dim ** -0.5
-    elif not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
-        _fail(op, f"scale must be a positive finite float, got {scale!r}",
-              TypeError if not isinstance(scale, numbers.Real) else ValueError)
-    if softcap is not None and (not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) or softcap <= 0):
-        _fail(op, f"softcap must be None or a positive finite float, got {softcap!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, numbers.Integral) or sliding_window < 1):
-        _fail(op, f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if num_splits is not None and (not isinstance(num_splits, numbers.Integral) or num_splits < 1):
-        _fail(op, f"num_splits must be None or an int >= 1, got {num_splits!r}")
+                       num_splits, max_splits: int) -> dict:
+    """Checked options for the backends.
+
+    ``num_splits`` above ``max_splits`` (one split per token the cache can hold: more
+    splits would be empty on any backend) is clamped to it, so an absurd count cannot
+    size the partials beyond a small multiple of the cache. Backends may use fewer."""
+    scale = head_dim ** -0.5 if scale is None else _float32_positive(op, "scale", scale)
+    if softcap is not None:
+        softcap = _float32_positive(op, "softcap", softcap)
+    num_splits = _int_option(op, "num_splits", num_splits, minimum=1)
+    if num_splits is not None:
+        num_splits = min(num_splits, max(1, max_splits))
     if sinks is not None:
         _check_array(op, "sinks", sinks, ndim=1, dtypes=FLOAT_DTYPES, what="[H]")
         if sinks.shape[0] != num_heads:
             _fail(op, f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
         sinks = sinks.astype(mx.float32)
-    options = dict(scale=float(scale), softcap=None if softcap is None else float(softcap),
-                   sinks=sinks, num_splits=None if num_splits is None else int(num_splits))
-    if op == "paged_attention":
-        options["sliding_window"] = None if sliding_window is None else int(sliding_window)
-    return options
+    return dict(scale=float(scale), softcap=softcap, sinks=sinks, num_splits=num_splits)
 
 
 def _host(x: mx.array) -> np.ndarray:
@@ -163,25 +226,26 @@ def _host(x: mx.array) -> np.ndarray:
 
 def _check_tables(op: str, block_tables, seq_lens, *, num_blocks: int, block_size: int, validate: bool,
                   min_len: int = 1):
-    """Block ids of every used block in range, min_len <= seq_len <= table capacity."""
+    """Block ids of every used block in range, min_len <= seq_len <= table capacity (on the
+    caller's values, int64 included, before any cast)."""
     if not validate:
         return
-    tables, lens = _host(block_tables), _host(seq_lens)
+    tables, lens = _host(block_tables), _host(seq_lens).astype(np.int64)
     capacity = tables.shape[1] * block_size
-    for s, n in enumerate(lens):
+    for s in np.flatnonzero((lens < max(1, min_len)) | (lens > capacity))[:1]:
+        n = lens[s]
         if n < 1:
             _fail(op, f"seq_lens[{s}] = {n}: every sequence needs at least one cached token")
         if n < min_len:
             _fail(op, f"query holds {min_len} tokens per sequence but seq_lens[{s}] = {n}: the query "
                       f"tokens are the last {min_len} cached positions, so each sequence needs that many")
-        if n > capacity:
-            _fail(op, f"seq_lens[{s}] = {n} exceeds its block table capacity "
-                      f"({tables.shape[1]} blocks x {block_size} = {capacity})")
-        used = tables[s, : -(-int(n) // block_size)]
-        bad = (used < 0) | (used >= num_blocks)
-        if bad.any():
-            j = int(np.argmax(bad))
-            _fail(op, f"block_tables[{s}, {j}] = {used[j]} is out of range [0, {num_blocks})")
+        _fail(op, f"seq_lens[{s}] = {n} exceeds its block table capacity "
+                  f"(block_tables has {tables.shape[1]} blocks per row x {block_size} = {capacity})")
+    used = np.arange(tables.shape[1])[None, :] < (-(-lens // block_size))[:, None]
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        s, j = (int(i) for i in np.argwhere(bad)[0])
+        _fail(op, f"block_tables[{s}, {j}] = {tables[s, j]} is out of range [0, {num_blocks})")
 
 
 # ----------------------------------------------------------------------------- ops
@@ -194,14 +258,18 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache, value_cache, sl
         key, value: [T, Hkv, D] new rows, any float dtype.
         key_cache, value_cache: [N, Hkv, bs, D] float caches or QuantizedKV.
         slot_mapping: int32/int64 [T]; row t goes to slot ``block * bs + offset``;
-            a negative slot skips the row (padding). With ``validate=False`` the caller
-            vouches for the slots: in range, distinct, and at least one non-negative.
+            a negative slot skips the row (padding). ``validate=True`` checks every slot
+            (int64 ones before the cast) and rejects a slot written twice. With
+            ``validate=False`` the caller vouches for the slots; a slot out of range is
+            then skipped by the kernel, never written; a slot given twice gets unspecified
+            contents (one of the rows, or a mix of them).
     Returns:
         (key_cache, value_cache): the updated caches. The write is in place when the
         caller holds no other reference to the cache arrays (MLX buffer donation), so
         rebind the results: ``kc, vc = kv.reshape_and_cache(k, v, kc, vc, slots)``.
     """
     op = "reshape_and_cache"
+    _check_validate(op, validate)
     num_blocks, num_kv_heads, block_size, head_dim = _check_kv_pair(op, key_cache, value_cache,
                                                                     what="[N, Hkv, bs, D]", paged=True)
     for name, rows in (("key", key), ("value", value)):
@@ -225,7 +293,9 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache, value_cache, sl
             _fail(op, "slot_mapping writes the same slot twice; each slot takes one token")
         if live.size == 0:  # all padding: nothing to write
             return key_cache, value_cache
-    return backends.get().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    if key.shape[0] == 0:
+        return key_cache, value_cache
+    return backends.get().reshape_and_cache(key, value, key_cache, value_cache, _as_int32(slot_mapping))
 
 
 def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.array, seq_lens: mx.array,
@@ -239,17 +309,23 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
             the last L cached positions of each sequence (already written), each attending
             causally: row ``l`` sits at position ``seq_len - L + l``.
         key_cache, value_cache: [N, Hkv, bs, D] float caches or QuantizedKV.
-        block_tables: int32 [S, M]; entries past a sequence's last used block are never read.
-        seq_lens: int32 [S]; cached tokens per sequence, the current token included.
-        scale: score scale, default ``D ** -0.5``.
-        softcap: scores become ``softcap * tanh(s / softcap)``.
+        block_tables: int32/int64 [S, M]; entries past a sequence's last used block are never read.
+        seq_lens: int32/int64 [S]; cached tokens per sequence, the current token included.
+        scale: score scale, default ``D ** -0.5``; must be a normal float32 number.
+        softcap: scores become ``softcap * tanh(s / softcap)``; must be a normal float32 number.
         sliding_window: a query sees only the last ``sliding_window`` tokens.
         sinks: float [H], one logit per query head joining the softmax denominator.
-        num_splits: KV splits per (sequence, kv head); None lets the backend choose.
+        num_splits: KV splits per (sequence, kv head); None lets the backend choose. A count
+            above one split per token of the table (M * bs) is clamped to that (more would be
+            empty); a backend may use fewer (the cpu one, one per tile of up to 32 tokens).
+        validate: check block ids and lengths on the host (before any cast). With
+            ``validate=False`` the kernels treat a block id outside [0, N) as padding (its
+            tokens are not attended) and clamp a length to [0, M * bs].
     Returns:
         The query's shape ([S, H, D] or [S, L, H, D]) in the query's dtype.
     """
     op = "paged_attention"
+    _check_validate(op, validate)
     num_blocks, num_kv_heads, block_size, head_dim = _check_kv_pair(op, key_cache, value_cache,
                                                                     what="[N, Hkv, bs, D]", paged=True)
     if isinstance(query, mx.array) and query.ndim not in (3, 4):
@@ -267,13 +343,17 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
     if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
         _fail(op, f"block_tables {tuple(block_tables.shape)} and seq_lens {tuple(seq_lens.shape)} "
                   f"must have one row per query sequence ({num_seqs})")
+    max_blocks = block_tables.shape[1]
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
-                                 sinks=sinks, num_splits=num_splits, sliding_window=sliding_window)
+                                 sinks=sinks, num_splits=num_splits, max_splits=max_blocks * block_size)
+    options["sliding_window"] = _sliding_window(op, sliding_window, max_tokens=max_blocks * block_size)
     _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=validate,
                   min_len=num_rows)
+    if num_seqs == 0:
+        return mx.zeros(query.shape, query.dtype)
     rows = query if query.ndim == 4 else query[:, None]
-    out = _multi_query(op, "paged_attention", rows, axis=1)(rows, key_cache, value_cache, block_tables,
-                                                              seq_lens, **options)
+    out = _multi_query(op, "paged_attention", rows, axis=1)(rows, key_cache, value_cache, _as_int32(block_tables),
+                                                              _as_int32(seq_lens), **options)
     return out if query.ndim == 4 else out[:, 0]
 
 
@@ -284,9 +364,11 @@ def gather_kv_cache(key_cache, value_cache, block_tables: mx.array, seq_lens: mx
     Returns:
         (keys, values): [S, Hkv, max_len, D] in the cache's float dtype (a quantized cache
         is dequantized). ``max_len`` defaults to ``M * bs``; rows past ``seq_len`` are zero
-        and tokens past ``max_len`` are not returned.
+        and tokens past ``max_len`` are not returned. ``validate`` as in :func:`paged_attention`;
+        with ``validate=False`` rows of an out-of-range block id come back as zeros.
     """
     op = "gather_kv_cache"
+    _check_validate(op, validate)
     num_blocks, _, block_size, _ = _check_kv_pair(op, key_cache, value_cache, what="[N, Hkv, bs, D]", paged=True)
     block_tables = _check_index(op, "block_tables", block_tables, ndim=2, what="[S, M]")
     seq_lens = _check_index(op, "seq_lens", seq_lens, ndim=1, what="[S]")
@@ -295,10 +377,11 @@ def gather_kv_cache(key_cache, value_cache, block_tables: mx.array, seq_lens: mx
                   f"got {seq_lens.shape[0]}")
     if max_len is None:
         max_len = block_tables.shape[1] * block_size
-    elif not isinstance(max_len, numbers.Integral) or max_len < 1:
-        _fail(op, f"max_len must be None or an int >= 1, got {max_len!r}")
+    elif not _is_int(max_len) or not 1 <= max_len <= INT32_MAX:
+        _fail(op, f"max_len must be None or an int in [1, {INT32_MAX}], got {max_len!r}")
     _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=validate)
-    return backends.get().gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, max_len=int(max_len))
+    return backends.get().gather_kv_cache(key_cache, value_cache, _as_int32(block_tables), _as_int32(seq_lens),
+                                          max_len=int(max_len))
 
 
 def decode_attention(query: mx.array, keys, values, *, scale: float | None = None,
@@ -310,6 +393,9 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
         query: [B, H, L, D] float, 1 <= L <= 8; row ``l`` sees keys ``t <= T - L + l`` (the
             bottom-right-aligned causal mask of ``mask="causal"``).
         keys, values: [B, Hkv, T, D] float (strided views are read in place) or QuantizedKV.
+        scale, softcap, sinks: as in :func:`paged_attention`.
+        num_splits: KV splits per (batch entry, kv head); None lets the backend choose. A
+            count above T is clamped to T (more splits would be empty).
     Returns:
         [B, H, L, D] in the query's dtype.
     """
@@ -327,7 +413,10 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
                   f"the last L positions of keys, so L <= T")
     _check_query_heads(op, query.shape[1], num_kv_heads)
     options = _attention_options(op, head_dim=head_dim, num_heads=query.shape[1], scale=scale,
-                                 softcap=softcap, sinks=sinks, num_splits=num_splits)
+                                 softcap=softcap, sinks=sinks, num_splits=num_splits,
+                                 max_splits=num_tokens)
+    if batch == 0:
+        return mx.zeros(query.shape, query.dtype)
     return _multi_query(op, "decode_attention", query, axis=2)(query, keys, values, **options)
 
 
@@ -335,9 +424,12 @@ def copy_blocks(key_cache, value_cache, src: mx.array, dst: mx.array, *, validat
     """Copy whole blocks (every kv head): block ``src[i]`` -> block ``dst[i]``.
 
     Every copy reads the caches as they were before the call; ``dst`` entries must be
-    distinct and must not also appear in ``src``.
+    distinct and must not also appear in ``src``. ``validate=True`` checks that (and the
+    range of every id, int64 ones before the cast); with ``validate=False`` a pair with an
+    id outside [0, N) is skipped by the kernel.
     """
     op = "copy_blocks"
+    _check_validate(op, validate)
     num_blocks = _check_kv_pair(op, key_cache, value_cache, what="[N, Hkv, bs, D]", paged=True)[0]
     src = _check_index(op, "src", src, ndim=1, what="[n]")
     dst = _check_index(op, "dst", dst, ndim=1, what="[n]")
@@ -354,4 +446,6 @@ def copy_blocks(key_cache, value_cache, src: mx.array, dst: mx.array, *, validat
             _fail(op, "dst names the same block twice")
         if np.intersect1d(s, d).size:
             _fail(op, "a block appears in both src and dst")
-    return backends.get().copy_blocks(key_cache, value_cache, src, dst)
+    if src.shape[0] == 0:
+        return key_cache, value_cache
+    return backends.get().copy_blocks(key_cache, value_cache, _as_int32(src), _as_int32(dst))

@@ -129,6 +129,11 @@ def row_nbytes(head_dim: int, *, bits: int, group_size: int, scale_bytes: int = 
 
 def quantize(x: mx.array, *, bits: int = DEFAULT_K_BITS, group_size: int = DEFAULT_GROUP_SIZE) -> QuantizedKV:
     """Quantize a float cache (any leading axes, head_dim last) with ``mx.quantize``."""
+    if not isinstance(x, mx.array):
+        raise TypeError(f"[quantize] x must be an mx.array, got {type(x).__name__}")
+    if x.dtype not in SCALE_DTYPES or x.ndim < 1:
+        raise TypeError(f"[quantize] x must be a float16, bfloat16 or float32 array with head_dim last, "
+                        f"got {x.dtype} of shape {tuple(x.shape)}")
     check_layout(x.shape[-1], bits=bits, group_size=group_size, op="quantize")
     lead = x.shape[:-1]
     d = x.shape[-1]
@@ -138,6 +143,8 @@ def quantize(x: mx.array, *, bits: int = DEFAULT_K_BITS, group_size: int = DEFAU
 
 def dequantize(q: QuantizedKV) -> mx.array:
     """The float cache a QuantizedKV stands for (``mx.dequantize`` row by row)."""
+    if not isinstance(q, QuantizedKV):
+        raise TypeError(f"[dequantize] q must be a QuantizedKV, got {type(q).__name__}")
     lead = q.data.shape[:-1]
     flat = lambda a: a.reshape(-1, a.shape[-1])
     out = mx.dequantize(flat(q.data), flat(q.scales), flat(q.biases), group_size=q.group_size, bits=q.bits)

@@ -13,9 +13,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import functools
+
+import kvmetal as kv
 from kvmetal import _ext, ops, quant, reference
-from kvmetal.backends import cpu
 from kvcases import DTYPES, assert_close, free_slots, paged_case
+
+
+class cpu:
+    """The cpu backend, reached through ops: the backend trusts ops to have resolved every
+    default (scale, sinks dtype, max_len), so tests call it the way ops does. validate=False
+    keeps host reads out of mx.compile traces."""
+    paged_attention = staticmethod(functools.partial(kv.paged_attention, validate=False))
+    gather_kv_cache = staticmethod(functools.partial(kv.gather_kv_cache, validate=False))
+    decode_attention = staticmethod(kv.decode_attention)
+    reshape_and_cache = staticmethod(functools.partial(kv.reshape_and_cache, validate=False))
+    copy_blocks = staticmethod(functools.partial(kv.copy_blocks, validate=False))
 
 # Every tile-kernel implementation this CPU can run (narrower ones are forced
 # with cap_simd_level, so an AVX-512 machine also checks the AVX2 and portable code).
@@ -26,7 +39,8 @@ SIMD_LEVELS = _LEVELS[: _LEVELS.index(_ext.simd_level()) + 1]
 @pytest.fixture(autouse=True)
 def _restore_globals():
     threads = _ext.num_threads()
-    yield
+    with kv.use_backend("cpu"):
+        yield
     _ext.cap_simd_level("avx512")
     _ext.set_num_threads(threads)
 
@@ -373,8 +387,8 @@ def test_extension_rejects_bad_shapes():
     kc = mx.zeros((4, 2, 16, 64))
     tables = mx.zeros((1, 2), dtype=mx.int32)
     lens = mx.array([3], dtype=mx.int32)
-    with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3"):
-        _ext.paged_attention(q[None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3 or 4"):
+        _ext.paged_attention(q[None, None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
     with pytest.raises(ValueError, match=r"\[paged_attention\] num_heads must be a multiple"):
         _ext.paged_attention(mx.zeros((1, 3, 64)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
     with pytest.raises(ValueError, match=r"\[paged_attention\] key/value head_dim"):

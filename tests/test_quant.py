@@ -303,3 +303,14 @@ def test_backend_cache_writes_are_bit_exact_with_quantize_rows(backend, dtype, b
         np.testing.assert_array_equal(by_slot(cache.data), data)
         np.testing.assert_array_equal(by_slot(cache.scales), scales)
         np.testing.assert_array_equal(by_slot(cache.biases), biases)
+
+
+def test_quantize_and_dequantize_reject_what_they_cannot_read():
+    with pytest.raises(TypeError, match=r"\[quantize\] x must be an mx.array"):
+        quant.quantize(np.zeros((2, 64), np.float32))
+    with pytest.raises(TypeError, match=r"\[quantize\] x must be a float16, bfloat16 or float32 array"):
+        quant.quantize(mx.zeros((2, 64), dtype=mx.int32))
+    with pytest.raises(TypeError, match=r"\[quantize\] x must be a float16"):
+        quant.quantize(mx.array(1.0))
+    with pytest.raises(TypeError, match=r"\[dequantize\] q must be a QuantizedKV"):
+        quant.dequantize(mx.zeros((2, 64)))

@@ -8,6 +8,8 @@ A cache is either a float ``mx.array`` or a :class:`kvmetal.quant.QuantizedKV`.
 The primitives take a cache as a list of arrays plus ``bits`` (0 for a float
 cache; else ``[data, scales, biases]`` with ``bits`` and ``group_size``), so
 this module unpacks containers on the way in and rebuilds them on the way out.
+It trusts ``kvmetal.ops``, which has checked and normalised every argument (scale
+resolved, sinks float32, ints in range): no re-checks or defaults here.
 
 In-place updates: ``reshape_and_cache`` and ``copy_blocks`` write into the
 input cache's buffer when MLX may donate it, i.e. when nothing else holds the
@@ -21,16 +23,18 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvmetal import _ext
-from kvmetal.quant import SUPPORTED_BITS, QuantizedKV
+from kvmetal.quant import QuantizedKV
 
 __all__ = ["reshape_and_cache", "paged_attention", "gather_kv_cache", "decode_attention", "copy_blocks"]
 
+# Paged queries [S, L, H, D] and decode queries [B, H, L, D], 1 <= L <= 8 (see ops).
+MULTI_QUERY = True
 
-def _unpack(cache, op: str):
-    """(arrays, bits, group_size) of a float or quantized cache."""
+
+def _unpack(cache):
+    """(arrays, bits, group_size) of a float or quantized cache (every bit width of
+    kvmetal.quant runs here; ops has checked the format)."""
     if isinstance(cache, QuantizedKV):
-        if cache.bits not in SUPPORTED_BITS:
-            raise NotImplementedError(f"[{op}] cpu backend: {cache.bits}-bit caches are not supported")
         return list(cache.arrays()), cache.bits, cache.group_size
     return [cache], 0, 0
 
@@ -39,16 +43,6 @@ def _repack(template, arrays):
     if isinstance(template, QuantizedKV):
         return template.replace(*arrays)
     return arrays[0]
-
-
-def _sinks(sinks):
-    if sinks is None:
-        return None
-    return sinks if sinks.dtype == mx.float32 else sinks.astype(mx.float32)
-
-
-def _scale(scale, head_dim):
-    return float(head_dim ** -0.5 if scale is None else scale)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
@@ -61,52 +55,44 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
 
 
 def _write(rows, cache, slot_mapping):
-    arrays, bits, group = _unpack(cache, "reshape_and_cache")
+    arrays, bits, group = _unpack(cache)
     return _repack(cache, _ext.cache_write(rows, arrays, bits, group, slot_mapping))
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, softcap=None,
-                    sliding_window=None, sinks=None, num_splits=None):
-    """Decode attention over a paged cache: query ``[S, H, D]`` -> ``[S, H, D]``."""
-    k, k_bits, k_group = _unpack(key_cache, "paged_attention")
-    v, v_bits, v_group = _unpack(value_cache, "paged_attention")
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale, softcap, sliding_window,
+                    sinks, num_splits):
+    """Attention of the last L tokens per sequence over a paged cache: query ``[S, L, H, D]`` -> ``[S, L, H, D]``."""
+    k, k_bits, k_group = _unpack(key_cache)
+    v, v_bits, v_group = _unpack(value_cache)
     return _ext.paged_attention(
         query, k, k_bits, k_group, v, v_bits, v_group, block_tables, seq_lens,
-        scale=_scale(scale, query.shape[-1]),
-        softcap=None if softcap is None else float(softcap),
-        sliding_window=int(sliding_window or 0),
-        sinks=_sinks(sinks),
-        num_splits=int(num_splits or 0),
+        scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks, num_splits=num_splits or 0,
     )
 
 
-def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len=None):
+def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len):
     """Both caches gathered to ``[S, Hkv, max_len, D]`` (dequantized), zero past ``seq_len``."""
-    if max_len is None:
-        max_len = block_tables.shape[1] * key_cache.shape[2]
     out = []
     for cache in (key_cache, value_cache):
-        arrays, bits, group = _unpack(cache, "gather_kv_cache")
-        out.append(_ext.gather_kv(arrays, bits, group, block_tables, seq_lens, max_len=int(max_len)))
+        arrays, bits, group = _unpack(cache)
+        out.append(_ext.gather_kv(arrays, bits, group, block_tables, seq_lens, max_len=max_len))
     return tuple(out)
 
 
-def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None, num_splits=None):
-    """Decode attention over contiguous ``[B, Hkv, T, D]`` keys/values (read in place, strides honoured)."""
-    k, k_bits, k_group = _unpack(keys, "decode_attention")
-    v, v_bits, v_group = _unpack(values, "decode_attention")
+def decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits):
+    """Query ``[B, H, L, D]`` over contiguous ``[B, Hkv, T, D]`` keys/values (read in place, strides
+    honoured), bottom-right causal: row l sees keys t <= T - L + l."""
+    k, k_bits, k_group = _unpack(keys)
+    v, v_bits, v_group = _unpack(values)
     return _ext.decode_attention(
         query, k, k_bits, k_group, v, v_bits, v_group,
-        scale=_scale(scale, query.shape[-1]),
-        softcap=None if softcap is None else float(softcap),
-        sinks=_sinks(sinks),
-        num_splits=int(num_splits or 0),
+        scale=scale, softcap=softcap, sinks=sinks, num_splits=num_splits or 0,
     )
 
 
 def copy_blocks(key_cache, value_cache, src, dst):
     """Copy block ``src[i]`` to ``dst[i]`` (all heads) in both caches; every copy reads the caches as they were before the call."""
-    k, _, _ = _unpack(key_cache, "copy_blocks")
-    v, _, _ = _unpack(value_cache, "copy_blocks")
+    k, _, _ = _unpack(key_cache)
+    v, _, _ = _unpack(value_cache)
     out = _ext.copy_blocks(k + v, src, dst)
     return _repack(key_cache, out[:len(k)]), _repack(value_cache, out[len(k):])
