@@ -94,7 +94,7 @@ def test_aarch64_context_switch_under_qemu(tmp_path):
     (tmp_path / "main.cpp").write_text(HARNESS)
     exe = tmp_path / "arm_test"
     subprocess.run([cross, "-std=c++17", "-O2", "-static", "-pthread", "-w", f"-I{build.RUNTIME_DIR}",
-                    *build.GCC_SITE_FLAGS, str(tmp_path / "main.cpp"), str(tmp_path / "kernel.cpp"),
+                    *build.GCC_SITE_FLAGS, *build.RUNTIME_DEFINES, str(tmp_path / "main.cpp"), str(tmp_path / "kernel.cpp"),
                     str(build.RUNTIME_DIR / "rt.cpp"), "-o", str(exe)], check=True)
     run = subprocess.run([qemu, str(exe)], capture_output=True, text=True, check=True)
     got = np.array([float(v) for v in run.stdout.split()], np.float32)

@@ -37,8 +37,8 @@ CLANG_SITE_FLAGS = ("-mllvm", "-enable-tail-merge=false")
 GCC_DIV_FLAGS = ("-fsanitize=integer-divide-by-zero", "-fsanitize-undefined-trap-on-error")
 CLANG_DIV_FLAGS = ("-fsanitize=integer-divide-by-zero", "-fsanitize-trap=integer-divide-by-zero")
 # Metal's threadgroup memory limit comes from kvmetal/chips.py, its one definition.
-RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread",
-                 f"-DKMSL_MAX_THREADGROUP_MEMORY={THREADGROUP_MEMORY_LIMIT}")
+RUNTIME_DEFINES = (f"-DKMSL_MAX_THREADGROUP_MEMORY={THREADGROUP_MEMORY_LIMIT}",)
+RUNTIME_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-pthread", *RUNTIME_DEFINES)
 
 _lock = threading.Lock()
 _loaded: dict = {}          # kernel cache key -> loaded kernel library
