@@ -69,12 +69,12 @@ int main() {
   static uint8_t t0[n * 4], t1[n * 4], w0[n * 4], w1[n * 4];
   for (int i = 0; i < n; i++) in[i] = float(i % 7);
   KmslBuf bufs[2] = {{(char*)in, n * 4, 0, "inp", t0, w0}, {(char*)out, n * 4, 0, "out", t1, w1}};
-  uint64_t loads[2], stores[2];
+  uint64_t loads[2], stores[2], load_ops[2], store_ops[2];
   KmslLaunch L{};
   L.grid[0] = n; L.grid[1] = L.grid[2] = 1;
   L.threadgroup[0] = 64; L.threadgroup[1] = L.threadgroup[2] = 1;
   L.nbufs = 2; L.bufs = bufs; L.seed = 5; L.strict = 1; L.nworkers = 2; L.kernel_name = "portable";
-  L.loads = loads; L.stores = stores;
+  L.loads = loads; L.stores = stores; L.load_ops = load_ops; L.store_ops = store_ops;
   if (kmsl_rt_launch(&L, kmsl_entry)) { printf("error: %s\n", L.err_msg); return 1; }
   for (int i = 0; i < n; i++) printf("%.9g\n", out[i]);
   return 0;
