@@ -26,7 +26,7 @@ def traffic_rows(progress) -> list:
         ("paged_attention K8/V4", dict(num_kv_heads=2, gqa=4, k_bits=8, v_bits=4)),
     ]
     for name, kwargs in cases:
-        progress(f"sim traffic {name}")
+        progress(f"  measuring sim traffic of {name} ...")
         figures = traffic.paged_costs(1024, head_dim=64, **kwargs)
         note = (f"{SIM_LABEL}: loaded {figures['loaded_bytes']:,} B from K/V = "
                 f"{figures['loaded_over_live']:.3f}x the live rows' bytes")
@@ -60,7 +60,7 @@ def cost_rows(progress, tokens: int = 8192) -> list:
     for name, fn, kwargs in BENCH_CASES:
         if fn is traffic.mlx_sdpa_vector_costs and not traffic.mlx_sdpa_path().exists():
             continue  # this MLX wheel ships no Metal headers
-        progress(f"sim costs {name}")
+        progress(f"  measuring sim costs of {name} ...")
         fig = fn(tokens, **kwargs)
         note = "sim costs (no timing): " + ", ".join(f"{label} {fmt.format(fig[key])}" for label, key, fmt in COLUMNS)
         rows.append({"name": f"{name} T={tokens} D=128", "backend": "sim", "seconds": None,
