@@ -388,11 +388,14 @@ def test_extension_rejects_bad_shapes():
     tables = mx.zeros((1, 2), dtype=mx.int32)
     lens = mx.array([3], dtype=mx.int32)
     with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3 or 4"):
-        _ext.paged_attention(q[None, None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+        _ext.paged_attention(q[None, None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0,
+                             min_tokens_per_split=1)
     with pytest.raises(ValueError, match=r"\[paged_attention\] num_heads must be a multiple"):
-        _ext.paged_attention(mx.zeros((1, 3, 64)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+        _ext.paged_attention(mx.zeros((1, 3, 64)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0,
+                             min_tokens_per_split=1)
     with pytest.raises(ValueError, match=r"\[paged_attention\] key/value head_dim"):
-        _ext.paged_attention(mx.zeros((1, 4, 32)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+        _ext.paged_attention(mx.zeros((1, 4, 32)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0,
+                             min_tokens_per_split=1)
     with pytest.raises(ValueError, match=r"\[reshape_and_cache\] slot_mapping"):
         _ext.cache_write(mx.zeros((2, 2, 64)), [kc], 0, 0, mx.zeros((3,), dtype=mx.int32))
     with pytest.raises(ValueError, match=r"\[cap_simd_level\]"):
