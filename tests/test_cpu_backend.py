@@ -71,6 +71,21 @@ def test_every_simd_level_matches_oracle(level, dtype, head_dim):
         assert_close(_paged(case, **opts), _paged_ref(case, **opts), dtype)
 
 
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("gqa", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "k8v4"])
+def test_every_simd_level_every_head_block(level, gqa, kind):
+    # The x86 kernels run the query heads of a kv head in blocks of 4 plus one
+    # block of 1-3 (tile_math_x86.h): every block count, on every level, with tile
+    # tails (lengths not a multiple of the tile or of the register width).
+    _ext.cap_simd_level(level)
+    dtype = mx.float16 if kind == "k8v4" else getattr(mx, kind)
+    bits = dict(k_bits=8, v_bits=4) if kind == "k8v4" else {}
+    case = paged_case([3, 37, 64], num_heads=2 * gqa, num_kv_heads=2, head_dim=128, block_size=16, dtype=dtype,
+                      seed=gqa, **bits)
+    assert_close(_paged(case, num_splits=2), _paged_ref(case), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 1), (32, 2), (48, 3), (64, 4), (7, 1)])
 def test_gqa_factors_and_mqa(num_heads, num_kv_heads, dtype):
