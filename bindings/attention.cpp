@@ -11,9 +11,8 @@
 namespace kvmetal {
 namespace {
 
-constexpr int kMinTokensPerSplit = 256;  // below this a split costs more than it saves
-constexpr int kItemsPerThread = 8;       // enough items to balance uneven ones (and
-                                         // threads that the OS pauses)
+constexpr int kItemsPerThread = 8;  // enough items to balance uneven ones (and
+                                    // threads that the OS pauses)
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
@@ -473,7 +472,7 @@ WorkPlan plan(const AttentionParams& p) {
     max_tiles = std::max(max_tiles, tile_count(p, r));
   }
   const int64_t target = static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads();
-  const int cap = std::max(1, max_tokens / kMinTokensPerSplit);
+  const int cap = std::max(1, max_tokens / std::max(1, p.min_tokens_per_split));
   WorkPlan w;
   w.heads_per_item = p.num_kv_heads;
   for (;;) {

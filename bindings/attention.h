@@ -39,6 +39,7 @@ struct AttentionParams {
   float softcap = 0.f;
   int sliding_window = 0;  // 0: none; else a query row sees only its last w tokens
   int num_splits = 0;      // 0: pick a count that keeps every core busy
+  int min_tokens_per_split = 1;  // with num_splits 0: no split of fewer tokens (from Python)
 
   // Where each sequence's tokens are.
   bool paged = false;

@@ -6,11 +6,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "float_kind.h"
 #include "mlx/types/half_types.h"
 
 namespace kvmetal {
-
-enum class FloatKind { f32, f16, bf16 };
 
 inline float f16_to_f32(uint16_t bits) {
   mlx::core::float16_t h;

@@ -59,7 +59,7 @@ struct KVView {
       tk.dequant_rows(reinterpret_cast<const uint32_t*>(data) + offset(stride, outer, head, row0), stride[2],
                       scales + float_kind_size(fmt.scale_kind) * offset(scale_stride, outer, head, row0),
                       scale_stride[2], biases + float_kind_size(fmt.scale_kind) * offset(bias_stride, outer, head, row0),
-                      bias_stride[2], static_cast<int>(fmt.scale_kind), fmt.bits, fmt.group_size, n, D, scratch);
+                      bias_stride[2], fmt.scale_kind, fmt.bits, fmt.group_size, n, D, scratch);
       *row_stride = D;
       return scratch;
     }

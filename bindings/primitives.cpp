@@ -198,6 +198,7 @@ void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
     p.softcap = opts.softcap.value_or(0.f);
     p.sliding_window = opts.sliding_window;
     p.num_splits = opts.num_splits;
+    p.min_tokens_per_split = opts.min_tokens_per_split;
     p.paged = paged;
     if (paged) {
       p.block_size = static_cast<int>(kt[0].shape[2]);

@@ -33,9 +33,10 @@ struct AttentionOptions {
   std::optional<float> softcap;
   int sliding_window = 0;  // paged only; 0 = none
   int num_splits = 0;      // 0 = auto
+  int min_tokens_per_split = 1;  // auto splits: none shorter (MIN_TOKENS_PER_SPLIT, kvmetal/backends)
   bool operator==(const AttentionOptions& o) const {
     return scale == o.scale && softcap == o.softcap && sliding_window == o.sliding_window &&
-           num_splits == o.num_splits;
+           num_splits == o.num_splits && min_tokens_per_split == o.min_tokens_per_split;
   }
 };
 

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <string>
 
+#include "float_kind.h"
+
 namespace kvmetal {
 
 constexpr int kMaxTileRows = 32;
@@ -38,10 +40,9 @@ struct TileKernels {
   void (*softmax_update)(float* scores, int G, int n, float* m, float* l, float* corr);
   // Dequantize n rows of an MLX-affine cache (bits 2, 4 or 8 only; null when
   // the implementation has none; group_size 32, 64 or 128):
-  // dst[r * D + d] = scale * q + bias.
-  // scale_kind: 0 float32, 1 float16, 2 bfloat16 (scales and biases).
+  // dst[r * D + d] = scale * q + bias; scale_kind is the dtype of scales and biases.
   void (*dequant_rows)(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
-                       const void* biases, int64_t bias_stride, int scale_kind, int bits, int group_size, int n,
+                       const void* biases, int64_t bias_stride, FloatKind scale_kind, int bits, int group_size, int n,
                        int D, float* dst);
   // As scores / accumulate, on float16 rows (raw bits) read in place and
   // widened in registers (null when the implementation has none).

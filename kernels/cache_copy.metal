@@ -23,7 +23,7 @@ const int num_blocks = p.num_blocks;
 const int seq = seq_head / num_kv_heads;
 const int kvh = seq_head % num_kv_heads;
 
-typedef typename RowsSelect<BITS, GS, D, TE, decltype(cache_data), decltype(cache_scales)>::type RowsT;
+typedef typename RowsSelect<BITS, GS, D, decltype(cache_data), decltype(cache_scales)>::type RowsT;
 typedef PagedRowIndex<BS, RowShape<BITS, GS, D>::WIDTH, RowShape<BITS, GS, D>::GROUPS,
                       decltype(block_tables)> IndexT;
 const RowsT rows = {cache_data, cache_scales, cache_biases};

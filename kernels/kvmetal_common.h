@@ -106,8 +106,9 @@ struct PagedRowIndex {
   }
 };
 
-// Float rows: data TE [..., D]; scales/biases are unused placeholders.
-template <int BITS, int GS, int D, typename TE, typename PD, typename PS>
+// Float rows: data [..., D] of the cache's float type (PD's element type);
+// scales/biases are unused placeholders.
+template <int BITS, int GS, int D, typename PD, typename PS>
 struct FloatRows {
   static constant constexpr const int TASKS = D / 4;
   static constant constexpr const int TASK_ELEMS = 4;
@@ -128,8 +129,9 @@ struct FloatRows {
   }
 };
 
-// Quantized rows: data uint32 [..., D * BITS / 32], scales/biases TE [..., D / GS].
-template <int BITS, int GS, int D, typename TE, typename PD, typename PS>
+// Quantized rows: data uint32 [..., D * BITS / 32], scales/biases [..., D / GS]
+// of the cache's float type (PS's element type).
+template <int BITS, int GS, int D, typename PD, typename PS>
 struct QuantRows {
   static constant constexpr const int TASKS = D / GS;
   static constant constexpr const int TASK_ELEMS = GS;
@@ -147,13 +149,13 @@ struct QuantRows {
 };
 
 // BITS == 0 selects the float cache, any other value the quantized one.
-template <int BITS, int GS, int D, typename TE, typename PD, typename PS>
+template <int BITS, int GS, int D, typename PD, typename PS>
 struct RowsSelect {
-  typedef QuantRows<BITS, GS, D, TE, PD, PS> type;
+  typedef QuantRows<BITS, GS, D, PD, PS> type;
 };
-template <int GS, int D, typename TE, typename PD, typename PS>
-struct RowsSelect<0, GS, D, TE, PD, PS> {
-  typedef FloatRows<0, GS, D, TE, PD, PS> type;
+template <int GS, int D, typename PD, typename PS>
+struct RowsSelect<0, GS, D, PD, PS> {
+  typedef FloatRows<0, GS, D, PD, PS> type;
 };
 
 // Row width (elements of the data array) and groups per row of a cache.

@@ -37,7 +37,6 @@ import numpy as np
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 DEFAULT_K_BITS = 8
-DEFAULT_V_BITS = 4
 DEFAULT_GROUP_SIZE = 64
 SCALE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -152,62 +151,17 @@ def dequantize(q: QuantizedKV) -> mx.array:
 
 
 def empty_like_layout(shape: tuple, *, bits: int, group_size: int, dtype=mx.float16) -> QuantizedKV:
-    """A zero-filled quantized cache with logical float ``shape`` (head_dim last)."""
+    """A zero-filled quantized cache with logical float ``shape`` (head_dim last) whose
+    scales and biases have ``dtype`` (the dtype it dequantizes to)."""
     *lead, d = shape
     check_layout(d, bits=bits, group_size=group_size, op="quantize")
     return QuantizedKV(
-        mx.zeros((*lead, d * bits // 32), dtype=mx.uint32),
+        mx.zeros((*lead, packed_words(d, bits)), dtype=mx.uint32),
         mx.zeros((*lead, d // group_size), dtype=dtype),
         mx.zeros((*lead, d // group_size), dtype=dtype),
         bits,
         group_size,
     )
-
-
-def make_paged_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, *,
-                     dtype=mx.float16, bits: int | None = None, group_size: int = DEFAULT_GROUP_SIZE,
-                     fill: float = 0.0):
-    """An empty paged cache ``[num_blocks, num_kv_heads, block_size, head_dim]``.
-
-    ``bits=None`` gives a float array of ``dtype``; otherwise a :class:`QuantizedKV`
-    whose scales and biases have ``dtype`` (the dtype it dequantizes to). Every
-    slot reads as ``fill``: tests pass ``fill=float("nan")`` so that a kernel
-    reading a slot no sequence owns fails loudly (a quantized slot decodes to
-    ``fill * 0 + fill``).
-    """
-    op = "make_paged_cache"
-    for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads),
-                        ("block_size", block_size), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"[{op}] {name} must be an int, got {type(value).__name__}")
-        if value <= 0:
-            raise ValueError(f"[{op}] {name} must be positive, got {value}")
-    if dtype not in SCALE_DTYPES:
-        raise TypeError(f"[{op}] dtype must be one of float16, bfloat16, float32, got {dtype}")
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    if bits is None:
-        return mx.full(shape, fill, dtype=dtype)
-    check_layout(head_dim, bits=bits, group_size=group_size, op=op)
-    groups = (*shape[:-1], head_dim // group_size)
-    return QuantizedKV(
-        mx.zeros((*shape[:-1], packed_words(head_dim, bits)), dtype=mx.uint32),
-        mx.full(groups, fill, dtype=dtype),
-        mx.full(groups, fill, dtype=dtype),
-        int(bits),
-        int(group_size),
-    )
-
-
-def make_paged_kv_caches(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, *,
-                         dtype=mx.float16, k_bits: int | None = None, v_bits: int | None = None,
-                         k_group_size: int = DEFAULT_GROUP_SIZE, v_group_size: int = DEFAULT_GROUP_SIZE,
-                         fill: float = 0.0) -> tuple:
-    """``(key_cache, value_cache)``: K and V each float (bits None) or quantized at its own bits."""
-    key_cache = make_paged_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
-                                 bits=k_bits, group_size=k_group_size, fill=fill)
-    value_cache = make_paged_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
-                                   bits=v_bits, group_size=v_group_size, fill=fill)
-    return key_cache, value_cache
 
 
 # ----------------------------------------------------------------------------- NumPy references

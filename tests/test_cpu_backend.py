@@ -71,6 +71,21 @@ def test_every_simd_level_matches_oracle(level, dtype, head_dim):
         assert_close(_paged(case, **opts), _paged_ref(case, **opts), dtype)
 
 
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("gqa", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16", "k8v4"])
+def test_every_simd_level_every_head_block(level, gqa, kind):
+    # The x86 kernels run the query heads of a kv head in blocks of 4 plus one
+    # block of 1-3 (tile_math_x86.h): every block count, on every level, with tile
+    # tails (lengths not a multiple of the tile or of the register width).
+    _ext.cap_simd_level(level)
+    dtype = mx.float16 if kind == "k8v4" else getattr(mx, kind)
+    bits = dict(k_bits=8, v_bits=4) if kind == "k8v4" else {}
+    case = paged_case([3, 37, 64], num_heads=2 * gqa, num_kv_heads=2, head_dim=128, block_size=16, dtype=dtype,
+                      seed=gqa, **bits)
+    assert_close(_paged(case, num_splits=2), _paged_ref(case), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 8), (16, 1), (32, 2), (48, 3), (64, 4), (7, 1)])
 def test_gqa_factors_and_mqa(num_heads, num_kv_heads, dtype):
@@ -388,11 +403,14 @@ def test_extension_rejects_bad_shapes():
     tables = mx.zeros((1, 2), dtype=mx.int32)
     lens = mx.array([3], dtype=mx.int32)
     with pytest.raises(ValueError, match=r"\[paged_attention\] query must have rank 3 or 4"):
-        _ext.paged_attention(q[None, None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+        _ext.paged_attention(q[None, None], [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0,
+                             min_tokens_per_split=1)
     with pytest.raises(ValueError, match=r"\[paged_attention\] num_heads must be a multiple"):
-        _ext.paged_attention(mx.zeros((1, 3, 64)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+        _ext.paged_attention(mx.zeros((1, 3, 64)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0,
+                             min_tokens_per_split=1)
     with pytest.raises(ValueError, match=r"\[paged_attention\] key/value head_dim"):
-        _ext.paged_attention(mx.zeros((1, 4, 32)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0)
+        _ext.paged_attention(mx.zeros((1, 4, 32)), [kc], 0, 0, [kc], 0, 0, tables, lens, scale=1.0,
+                             min_tokens_per_split=1)
     with pytest.raises(ValueError, match=r"\[reshape_and_cache\] slot_mapping"):
         _ext.cache_write(mx.zeros((2, 2, 64)), [kc], 0, 0, mx.zeros((3,), dtype=mx.int32))
     with pytest.raises(ValueError, match=r"\[cap_simd_level\]"):

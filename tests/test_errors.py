@@ -142,7 +142,7 @@ def test_bad_quantized_cache(case):
 def test_bad_call_leaves_cache_untouched(case):
     before = np.array(case.key_cache)
     rows = mx.ones((2, 2, 64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"\[reshape_and_cache\] slot_mapping\[1\] = 1000000 is out of range"):
         kv.reshape_and_cache(rows, rows, case.key_cache, case.value_cache, mx.array([0, 10**6]))
     np.testing.assert_array_equal(np.isnan(np.array(case.key_cache)), np.isnan(before))
     np.testing.assert_array_equal(np.nan_to_num(np.array(case.key_cache)), np.nan_to_num(before))

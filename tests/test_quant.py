@@ -1,4 +1,4 @@
-"""The quantized KV format: NumPy references against MLX, cache factories, validation."""
+"""The quantized KV format: NumPy references against MLX, the empty-cache factory, validation."""
 import itertools
 
 import mlx.core as mx
@@ -15,8 +15,6 @@ from kvmetal.quant import (
     QuantizedKV,
     check_layout,
     dequantize_reference,
-    make_paged_cache,
-    make_paged_kv_caches,
     pack_codes,
     quantize_rows,
     unpack_codes,
@@ -195,65 +193,34 @@ def test_reference_oracle_uses_the_hand_unpacker():
 
 # ----------------------------------------------------------------------------- cache factories
 
-def test_make_paged_cache_float():
-    c = make_paged_cache(6, 2, 16, 128, dtype=mx.bfloat16)
-    assert isinstance(c, mx.array) and c.shape == (6, 2, 16, 128) and c.dtype == mx.bfloat16
-    assert float(mx.abs(c).max()) == 0.0
-
-
 @pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 64), (3, 32), (6, 128), (5, 32), (2, 128)])
-def test_make_paged_cache_quantized(bits, group_size):
-    c = make_paged_cache(6, 2, 16, 128, dtype=mx.float16, bits=bits, group_size=group_size)
+def test_empty_like_layout(bits, group_size):
+    c = quant.empty_like_layout((6, 2, 16, 128), bits=bits, group_size=group_size, dtype=mx.bfloat16)
     assert isinstance(c, QuantizedKV)
-    assert c.shape == (6, 2, 16, 128) and c.head_dim == 128 and c.dtype == mx.float16
+    assert c.shape == (6, 2, 16, 128) and c.head_dim == 128 and c.dtype == mx.bfloat16
     assert c.data.shape == (6, 2, 16, 128 * bits // 32) and c.data.dtype == mx.uint32
     assert c.scales.shape == c.biases.shape == (6, 2, 16, 128 // group_size)
     assert c.nbytes == 6 * 2 * 16 * quant.row_nbytes(128, bits=bits, group_size=group_size, scale_bytes=2)
     assert float(mx.abs(quant.dequantize(c)).max()) == 0.0
 
 
-def test_make_paged_cache_nan_fill_poisons_every_slot():
-    c = make_paged_cache(3, 1, 8, 64, bits=4, fill=float("nan"))
-    assert np.isnan(dequantize_reference(c)).all()
-    assert np.isnan(np.array(quant.dequantize(c).astype(mx.float32))).all()
-    f = make_paged_cache(3, 1, 8, 64, fill=float("nan"))
-    assert np.isnan(np.array(f.astype(mx.float32))).all()
-
-
-def test_make_paged_kv_caches_mixes_kinds():
-    k, v = make_paged_kv_caches(4, 2, 16, 128, k_bits=8, v_bits=4)
-    assert (k.bits, v.bits) == (8, 4) and k.group_size == v.group_size == 64
-    k, v = make_paged_kv_caches(4, 2, 16, 64, k_bits=8, v_bits=None, dtype=mx.float32)
-    assert isinstance(k, QuantizedKV) and isinstance(v, mx.array) and v.dtype == mx.float32
-    # a cache written by mx.quantize matches the factory's layout
+def test_empty_like_layout_matches_quantize():
     x = mx.random.normal((4, 2, 16, 128), key=mx.random.key(0)).astype(mx.float16)
     q = quant.quantize(x, bits=4, group_size=64)
-    e = make_paged_cache(4, 2, 16, 128, bits=4)
+    e = quant.empty_like_layout(x.shape, bits=4, group_size=64)
     assert [a.shape for a in q.arrays()] == [a.shape for a in e.arrays()]
     assert [a.dtype for a in q.arrays()] == [a.dtype for a in e.arrays()]
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(bits=7), ValueError, r"\[make_paged_cache\] bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"),
-    (dict(bits=4, group_size=48), ValueError, r"\[make_paged_cache\] group_size must be one of"),
-    (dict(bits="4"), TypeError, r"\[make_paged_cache\] bits must be an int"),
-    (dict(dtype=mx.int32), TypeError, r"\[make_paged_cache\] dtype must be one of"),
+@pytest.mark.parametrize("shape,kwargs,error,match", [
+    ((4, 128), dict(bits=7, group_size=64), ValueError, r"\[quantize\] bits must be one of \(2, 3, 4, 5, 6, 8\), got 7"),
+    ((4, 128), dict(bits=4, group_size=48), ValueError, r"\[quantize\] group_size must be one of"),
+    ((4, 128), dict(bits="4", group_size=64), TypeError, r"\[quantize\] bits must be an int"),
+    ((4, 96), dict(bits=8, group_size=64), ValueError, r"\[quantize\] head_dim 96 is not a multiple of group_size 64"),
 ])
-def test_make_paged_cache_rejects_bad_options(kwargs, error, match):
+def test_empty_like_layout_rejects_bad_layouts(shape, kwargs, error, match):
     with pytest.raises(error, match=match):
-        make_paged_cache(4, 2, 16, 128, **kwargs)
-
-
-def test_make_paged_cache_rejects_bad_shapes():
-    with pytest.raises(ValueError, match=r"\[make_paged_cache\] num_blocks must be positive, got 0"):
-        make_paged_cache(0, 2, 16, 128)
-    with pytest.raises(TypeError, match=r"\[make_paged_cache\] block_size must be an int"):
-        make_paged_cache(4, 2, 16.0, 128)
-    with pytest.raises(ValueError, match=r"\[make_paged_cache\] head_dim 96 is not a multiple of group_size 64"):
-        make_paged_cache(4, 2, 16, 96, bits=8)
-    # 96 works with group 32, float works anywhere
-    assert make_paged_cache(4, 2, 16, 96, bits=8, group_size=32).head_dim == 96
-    assert make_paged_cache(4, 2, 16, 80).shape[-1] == 80
+        quant.empty_like_layout(shape, **kwargs)
 
 
 def test_check_layout_messages():
@@ -291,8 +258,8 @@ def test_backend_cache_writes_are_bit_exact_with_quantize_rows(backend, dtype, b
     T, H, D, bs, N = 20, 2, 128, 16, 4
     key = (mx.random.normal((T, H, D), key=mx.random.key(bits)) * 3).astype(dtype)
     value = mx.random.normal((T, H, D), key=mx.random.key(bits + 50)).astype(dtype)
-    kc, vc = make_paged_kv_caches(N, H, bs, D, dtype=dtype, k_bits=bits, v_bits=bits,
-                                  k_group_size=group_size, v_group_size=group_size)
+    kc, vc = (quant.empty_like_layout((N, H, bs, D), bits=bits, group_size=group_size, dtype=dtype)
+              for _ in range(2))
     slots = np.random.default_rng(bits).permutation(N * bs)[:T]
     with kv.use_backend(backend):
         kc, vc = kv.reshape_and_cache(key, value, kc, vc, mx.array(slots, dtype=mx.int32))

@@ -48,6 +48,11 @@ import mlx.core as mx
 
 BACKENDS = ("metal", "cpu", "sim")
 
+# Split-KV heuristics of every backend: an automatic split count leaves no split
+# with fewer tokens than this (below it a split's partials and merge cost more
+# than the parallelism it buys). The CPU backend passes it to the C++ planner.
+MIN_TOKENS_PER_SPLIT = 256
+
 _state = threading.local()
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvmetal import _ext
+from kvmetal.backends import MIN_TOKENS_PER_SPLIT
 from kvmetal.quant import QuantizedKV
 
 __all__ = ["reshape_and_cache", "paged_attention", "gather_kv_cache", "decode_attention", "copy_blocks"]
@@ -67,6 +68,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     return _ext.paged_attention(
         query, k, k_bits, k_group, v, v_bits, v_group, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks, num_splits=num_splits or 0,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
     )
 
 
@@ -87,6 +89,7 @@ def decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits):
     return _ext.decode_attention(
         query, k, k_bits, k_group, v, v_bits, v_group,
         scale=scale, softcap=softcap, sinks=sinks, num_splits=num_splits or 0,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
     )
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import chips
 from ..quant import QuantizedKV
+from . import MIN_TOKENS_PER_SPLIT
 
 # ----------------------------------------------------------------------------- tuning
 
@@ -43,7 +44,6 @@ CORE_THREADGROUP_MEMORY = 64 * 1024
 CORE_THREADS = 2048
 CORE_MAX_THREADGROUPS = 16
 FALLBACK_GPU_CORES = 10             # base M-series GPU; used where Metal reports nothing
-MIN_TOKENS_PER_SPLIT = 256          # below this a split costs more than it saves
 MAX_SPLITS = 64
 
 DTYPE_TAGS = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32", mx.uint32: "u32", mx.int32: "i32"}

@@ -1,0 +1,297 @@
+// What the AVX2 and AVX-512 tile kernels share, written once over a register
+// set V: a struct that tile_math_avx2.cpp and tile_math_avx512.cpp each define
+// for their width, holding
+//   - the float ops of KVMETAL_X86_REGISTER_OPS (Reg, kLanes, set1, load, fmadd ...);
+//   - load_half, store_half, round, zero_below, hsum, and kMaxColumnRegs (the
+//     widest column block of accumulate);
+//   - the micro-kernels, which differ between widths on purpose:
+//     scores_heads<NH, T>, dequant_group<BITS, GS>, exp_inplace, and the
+//     softmax row passes tile_max and exp_sum.
+// make_tile_kernels<V>(name) builds the TileKernels table from them.
+//
+// Include this only from those two files. Everything here is in an anonymous
+// namespace: each file compiles it with its own -m flags, and under LTO a
+// symbol with external linkage defined in both could resolve to the AVX-512
+// copy for the AVX2 path too (SIGILL on a CPU without AVX-512).
+#pragma once
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "tile_math_x86.h is for the AVX2 / AVX-512 translation units (-mavx2 -mfma -mf16c)"
+#endif
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <iterator>
+#include <type_traits>
+
+#include "tile_math.h"
+
+// The register ops whose intrinsics differ between the widths only in their
+// _mm256 / _mm512 prefix and __m256 / __m512 type; a register set expands this
+// with W = 256 or 512. The 16-bit loads and stores use the register set's
+// load_half / store_half (kLanes 16-bit values: half a register).
+#define KVMETAL_X86_REGISTER_OPS(W)                                                         \
+  using Reg = __m##W;                                                                       \
+  static constexpr int kLanes = W / 32;                                                     \
+  static Reg set1(float x) { return _mm##W##_set1_ps(x); }                                  \
+  static Reg load(const float* p) { return _mm##W##_loadu_ps(p); }                          \
+  static void store(float* p, Reg x) { _mm##W##_storeu_ps(p, x); }                          \
+  static Reg add(Reg a, Reg b) { return _mm##W##_add_ps(a, b); }                            \
+  static Reg mul(Reg a, Reg b) { return _mm##W##_mul_ps(a, b); }                            \
+  static Reg min(Reg a, Reg b) { return _mm##W##_min_ps(a, b); }                            \
+  static Reg max(Reg a, Reg b) { return _mm##W##_max_ps(a, b); }                            \
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm##W##_fmadd_ps(a, b, c); }              \
+  static Reg fnmadd(Reg a, Reg b, Reg c) { return _mm##W##_fnmadd_ps(a, b, c); }            \
+  /* kLanes float16 (raw bits) or bfloat16 values, widened; kLanes float16 values, narrowed. */ \
+  static Reg load(const uint16_t* p) { return _mm##W##_cvtph_ps(load_half(p)); }             \
+  static Reg load(const Bf16* p) {                                                          \
+    return _mm##W##_castsi##W##_ps(_mm##W##_slli_epi32(_mm##W##_cvtepu16_epi32(load_half(p)), 16)); \
+  }                                                                                         \
+  static void store_f16(uint16_t* p, Reg x) {                                               \
+    store_half(p, _mm##W##_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));      \
+  }                                                                                         \
+  /* 2^n for whole numbers n in the normal exponent range, built in the exponent bits. */  \
+  static Reg exp2i(Reg n) {                                                                 \
+    const auto e = _mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127));   \
+    return _mm##W##_castsi##W##_ps(_mm##W##_slli_epi32(e, 23));                             \
+  }
+
+namespace kvmetal {
+namespace {
+
+// bfloat16 raw bits, a distinct type so the templated kernels pick the
+// bfloat16 widening load.
+struct Bf16 {
+  uint16_t bits;
+};
+
+// Entry i of a quantized cache's scales or biases, as float32.
+inline float scale_at(const void* base, int64_t i, FloatKind kind) {
+  if (kind == FloatKind::f32) return static_cast<const float*>(base)[i];
+  const uint16_t bits = static_cast<const uint16_t*>(base)[i];
+  if (kind == FloatKind::f16) return _cvtsh_ss(bits);
+  return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(bits) << 16)));
+}
+
+// One tile of quantized rows: packed words and their scales and biases.
+struct QuantTile {
+  const uint32_t* words;
+  int64_t word_stride;
+  const void* scales;
+  int64_t scale_stride;
+  const void* biases;
+  int64_t bias_stride;
+  FloatKind scale_kind;
+};
+
+// exp(x) to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in a high part
+// exact in float32 and a low part), a degree-6 polynomial for exp(r), and 2^n
+// built in the exponent bits. Inputs below kExpMin flush to 0 (the softmax
+// only ever feeds x <= 0); NaN stays NaN.
+constexpr float kExpMin = -87.3f;
+constexpr float kExpMax = 88.3f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+// Horner coefficients of (exp(r) - 1 - r) / r^2, highest degree first.
+constexpr float kExpPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                              4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+template <typename V>
+inline typename V::Reg exp_approx(typename V::Reg x) {
+  using Reg = typename V::Reg;
+  const Reg lo = V::set1(kExpMin);
+  const Reg in = x;
+  // Operand order keeps a NaN input NaN (min/max return the second operand).
+  x = V::max(lo, V::min(V::set1(kExpMax), x));
+  const Reg n = V::round(V::mul(x, V::set1(kLog2e)));
+  Reg r = V::fnmadd(n, V::set1(kLn2Hi), x);
+  r = V::fnmadd(n, V::set1(kLn2Lo), r);
+  Reg y = V::set1(kExpPoly[0]);
+  for (size_t i = 1; i < std::size(kExpPoly); ++i) y = V::fmadd(y, r, V::set1(kExpPoly[i]));
+  y = V::fmadd(y, V::mul(r, r), V::add(r, V::set1(1.f)));
+  return V::zero_below(in, lo, V::mul(y, V::exp2i(n)));
+}
+
+// dst[r * D + d] = float(src[r * stride + d]); T is uint16_t (float16 bits) or Bf16.
+template <typename V, typename T>
+void rows_to_f32(const uint16_t* src, int64_t stride, int n, int D, float* dst) {
+  const T* s = reinterpret_cast<const T*>(src);
+  for (int r = 0; r < n; ++r)
+    for (int d = 0; d < D; d += V::kLanes) V::store(dst + r * D + d, V::load(s + r * stride + d));
+}
+
+template <typename V>
+void to_f16(const float* src, int n, uint16_t* dst) {
+  int i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) V::store_f16(dst + i, V::load(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Calls f(std::integral_constant<int, NH>{}, g) over the G query heads in
+// blocks of NH = 4 and one block of the 1-3 left over: a compile-time head
+// count lets the micro-kernels keep their accumulators in registers.
+template <typename F>
+inline void over_head_blocks(int G, F&& f) {
+  int g = 0;
+  for (; g + 4 <= G; g += 4) f(std::integral_constant<int, 4>{}, g);
+  switch (G - g) {
+    case 3: f(std::integral_constant<int, 3>{}, g); break;
+    case 2: f(std::integral_constant<int, 2>{}, g); break;
+    case 1: f(std::integral_constant<int, 1>{}, g); break;
+    default: break;
+  }
+}
+
+// Scores of NH heads against rows [r0, n) of the tile, one row at a time (the
+// rows a micro-kernel's row blocking leaves over).
+template <typename V, int NH, typename T>
+void scores_rows(const float* q, const T* k, int64_t stride, int r0, int n, int D, float* out) {
+  for (int r = r0; r < n; ++r) {
+    typename V::Reg acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = V::set1(0.f);
+    for (int d = 0; d < D; d += V::kLanes) {
+      const auto kr = V::load(k + r * stride + d);
+      for (int h = 0; h < NH; ++h) acc[h] = V::fmadd(V::load(q + h * D + d), kr, acc[h]);
+    }
+    for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = V::hsum(acc[h]);
+  }
+}
+
+template <typename V, typename T>
+void scores_t(const float* q, int G, const T* k, int64_t stride, int n, int D, float* out) {
+  over_head_blocks(G, [&](auto nh, int g) {
+    V::template scores_heads<decltype(nh)::value, T>(q + g * D, k, stride, n, D, out + g * kMaxTileRows);
+  });
+}
+
+// NH heads' accumulators for W registers of columns stay in registers while
+// the tile's rows stream through.
+template <typename V, int NH, int W, typename T>
+void accumulate_cols(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, int d,
+                     float* acc) {
+  constexpr int L = V::kLanes;
+  typename V::Reg a[NH][W];
+  for (int h = 0; h < NH; ++h) {
+    const auto c = V::set1(corr[h]);
+    for (int w = 0; w < W; ++w) a[h][w] = V::mul(V::load(acc + h * D + d + L * w), c);
+  }
+  for (int r = 0; r < n; ++r) {
+    typename V::Reg x[W];
+    for (int w = 0; w < W; ++w) x[w] = V::load(v + r * stride + d + L * w);
+    for (int h = 0; h < NH; ++h) {
+      const auto ph = V::set1(p[h * kMaxTileRows + r]);
+      for (int w = 0; w < W; ++w) a[h][w] = V::fmadd(ph, x[w], a[h][w]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int w = 0; w < W; ++w) V::store(acc + h * D + d + L * w, a[h][w]);
+}
+
+// Column blocks as wide as the register file allows (V::kMaxColumnRegs), then narrower ones.
+template <typename V, int NH, typename T>
+void accumulate_heads(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, float* acc) {
+  constexpr int L = V::kLanes;
+  int d = 0;
+  if constexpr (V::kMaxColumnRegs >= 4)
+    for (; d + 4 * L <= D; d += 4 * L) accumulate_cols<V, NH, 4, T>(p, corr, v, stride, n, D, d, acc);
+  for (; d + 2 * L <= D; d += 2 * L) accumulate_cols<V, NH, 2, T>(p, corr, v, stride, n, D, d, acc);
+  for (; d < D; d += L) accumulate_cols<V, NH, 1, T>(p, corr, v, stride, n, D, d, acc);
+}
+
+template <typename V, typename T>
+void accumulate_t(const float* p, const float* corr, int G, const T* v, int64_t stride, int n, int D, float* acc) {
+  over_head_blocks(G, [&](auto nh, int g) {
+    accumulate_heads<V, decltype(nh)::value, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
+  });
+}
+
+// One online-softmax step (see TileKernels::softmax_update). V::tile_max and
+// V::exp_sum are the vectorized row passes; the G rescale factors share one
+// exp call.
+template <typename V>
+void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr) {
+  for (int g = 0; g < G; ++g) {
+    const float tile_max = V::tile_max(scores + g * kMaxTileRows, n);
+    const float m_new = m[g] > tile_max ? m[g] : tile_max;
+    // A row that has seen only masked (-inf) scores keeps m = -inf: exps are
+    // then taken against 0 (all 0) instead of -inf - -inf = NaN.
+    corr[g] = m[g] - (m_new == -__builtin_inff() ? 0.f : m_new);
+    m[g] = m_new;
+  }
+  V::exp_inplace(corr, G);
+  for (int g = 0; g < G; ++g) {
+    const float sum = V::exp_sum(scores + g * kMaxTileRows, n, m[g] == -__builtin_inff() ? 0.f : m[g]);
+    l[g] = l[g] * corr[g] + sum;
+  }
+}
+
+template <typename V>
+void scores_bf16(const float* q, int G, const uint16_t* k, int64_t stride, int n, int D, float* out) {
+  scores_t<V>(q, G, reinterpret_cast<const Bf16*>(k), stride, n, D, out);
+}
+
+template <typename V>
+void accumulate_bf16(const float* p, const float* corr, int G, const uint16_t* v, int64_t stride, int n, int D,
+                     float* acc) {
+  accumulate_t<V>(p, corr, G, reinterpret_cast<const Bf16*>(v), stride, n, D, acc);
+}
+
+// n rows of a tile, group by group: V::dequant_group<BITS, GS>(words, scale,
+// bias, out) writes one group's GS values.
+template <typename V, int BITS, int GS>
+void dequant_rows_t(const QuantTile& t, int n, int D, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const uint32_t* w = t.words + r * t.word_stride;
+    float* o = dst + static_cast<int64_t>(r) * D;
+    for (int g = 0; g < D / GS; ++g, w += GS * BITS / 32, o += GS) {
+      const float scale = scale_at(t.scales, r * t.scale_stride + g, t.scale_kind);
+      const float bias = scale_at(t.biases, r * t.bias_stride + g, t.scale_kind);
+      V::template dequant_group<BITS, GS>(w, scale, bias, o);
+    }
+  }
+}
+
+// Bit width and group size become template arguments, so each group's steps
+// unroll into straight-line code.
+template <typename V, int BITS>
+void dequant_rows_bits(const QuantTile& tile, int group_size, int n, int D, float* dst) {
+  switch (group_size) {
+    case 32: dequant_rows_t<V, BITS, 32>(tile, n, D, dst); break;
+    case 64: dequant_rows_t<V, BITS, 64>(tile, n, D, dst); break;
+    default: dequant_rows_t<V, BITS, 128>(tile, n, D, dst); break;
+  }
+}
+
+template <typename V>
+void dequant_rows(const uint32_t* words, int64_t word_stride, const void* scales, int64_t scale_stride,
+                  const void* biases, int64_t bias_stride, FloatKind scale_kind, int bits, int group_size, int n,
+                  int D, float* dst) {
+  const QuantTile tile{words, word_stride, scales, scale_stride, biases, bias_stride, scale_kind};
+  switch (bits) {
+    case 8: dequant_rows_bits<V, 8>(tile, group_size, n, D, dst); break;
+    case 4: dequant_rows_bits<V, 4>(tile, group_size, n, D, dst); break;
+    default: dequant_rows_bits<V, 2>(tile, group_size, n, D, dst); break;
+  }
+}
+
+template <typename V>
+constexpr TileKernels make_tile_kernels(const char* name) {
+  return TileKernels{name,
+                     rows_to_f32<V, uint16_t>,
+                     rows_to_f32<V, Bf16>,
+                     scores_t<V, float>,
+                     accumulate_t<V, float>,
+                     V::exp_inplace,
+                     softmax_update<V>,
+                     dequant_rows<V>,
+                     scores_t<V, uint16_t>,
+                     accumulate_t<V, uint16_t>,
+                     scores_bf16<V>,
+                     accumulate_bf16<V>,
+                     to_f16<V>};
+}
+
+}  // namespace
+}  // namespace kvmetal
