@@ -64,6 +64,9 @@ def _token_count(op: str, tokens, num_tokens) -> tuple:
         bad = next((t for t in tokens if not _is_int(t)), None)
         if bad is not None:
             raise TypeError(f"[{op}] tokens must be int token ids, got {bad!r}")
+        bad = next((t for t in tokens if t < 0), None)
+        if bad is not None:
+            raise ValueError(f"[{op}] tokens must be token ids >= 0, got {bad!r}")
         return [int(t) for t in tokens], len(tokens)
     return None, _check_int(op, "num_tokens", num_tokens)
 
@@ -447,6 +450,8 @@ class PagedKVCache:
             _check_int("PagedKVCache", name, value, 1)
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"[PagedKVCache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
+        if head_dim not in ops.SUPPORTED_HEAD_DIMS:  # the attention kernels serve these only
+            raise ValueError(f"[PagedKVCache] head_dim must be one of {ops.SUPPORTED_HEAD_DIMS}, got {head_dim!r}")
         if dtype not in ops.FLOAT_DTYPES:
             raise TypeError(f"[PagedKVCache] dtype must be one of float16, bfloat16, float32, got {dtype}")
         for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):

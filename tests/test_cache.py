@@ -279,3 +279,15 @@ def test_quantize_converts_the_pool_in_place_like_mx_quantize():
     cache.quantize(k_bits=8, v_bits=4)  # idempotent
     with pytest.raises(ValueError, match=r"k_bits: the pool already holds 8-bit rows"):
         cache.quantize(k_bits=4, v_bits=4)
+
+
+def test_negative_token_ids_and_unsupported_head_dims_are_refused():
+    with pytest.raises(ValueError, match=r"\[PagedKVCache\] head_dim must be one of .* got 65"):
+        kv.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=65, num_blocks=8, block_size=8)
+    cache = kv.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=64, num_blocks=8, block_size=8)
+    with pytest.raises(ValueError, match=r"\[add\] tokens must be token ids >= 0, got -1"):
+        cache.add_sequence("a", [3, -1, 2])
+    cache.add_sequence("a", [3, 1, 2])
+    with pytest.raises(ValueError, match=r"\[append\] tokens must be token ids >= 0, got -7"):
+        cache.append("a", [-7])
+    assert cache.num_tokens("a") == 3
