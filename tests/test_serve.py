@@ -490,8 +490,8 @@ def test_logprobs_are_the_models_log_softmax_streamed_or_not(capped, model_dir):
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
     streamed = list(c.completions.create(model=capped.model, prompt=text, max_tokens=8, temperature=0, logprobs=2,
                                          stream=True))
-    assert sum((ch.choices[0].logprobs.token_logprobs for ch in streamed if ch.choices[0].logprobs), []) \
-        == pytest.approx(lp.token_logprobs, abs=1e-5)
+    chunks = [ch.choices[0].logprobs.token_logprobs for ch in streamed if ch.choices[0].logprobs]
+    assert [v for chunk in chunks for v in chunk] == pytest.approx(lp.token_logprobs, abs=1e-5)
     plain = c.completions.create(model=capped.model, prompt=text, max_tokens=8, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].text == whole.choices[0].text
 

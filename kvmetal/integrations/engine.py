@@ -26,6 +26,7 @@ token's log-probability (and the top alternatives) under those processed logits.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -125,10 +126,19 @@ class SamplingParams:
 def _check_number(name: str, value, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"[SamplingParams] {name} must be a number, got {value!r}")
-    if value != value or abs(value) == float("inf") or not low <= value <= high:
-        bound = (f"in [{low}, {high}]" if high != float("inf") else f">= {low} and finite") if low != -float("inf") \
-            else "finite"
+    if not (_finite(value) and low <= value <= high):
+        if math.isinf(low):
+            bound = "finite"
+        else:
+            bound = f">= {low} and finite" if math.isinf(high) else f"in [{low}, {high}]"
         raise ValueError(f"[SamplingParams] {name} must be {bound}, got {value!r}")
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _token_id(name: str, value) -> int:

@@ -84,7 +84,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (mlx_lm.server allows 11)
 
 
 def _is_finite(v) -> bool:
-    return _is_number(v) and math.isfinite(v)
+    try:
+        return _is_number(v) and math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -168,8 +171,8 @@ def parse(body, *, chat: bool, defaults: Defaults) -> GenerationRequest:
     max_tokens = _get(body, name, lambda v: _is_int(v) and v >= 1, "an integer >= 1", None)
     given = max_tokens is not None
     max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
-    temperature = _get(body, "temperature", lambda v: _is_number(v) and 0 <= v < float("inf"),
-                       "a number >= 0", defaults.temperature)
+    temperature = _get(body, "temperature", lambda v: _is_finite(v) and v >= 0, "a finite number >= 0",
+                       defaults.temperature)
     top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]", defaults.top_p)
     top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", defaults.top_k)
     min_p = _get(body, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]", defaults.min_p)
