@@ -262,6 +262,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         assert r.status_code == status, (body, r.text)
         error = r.json()["error"]
         assert error["message"] and error["type"] and error["param"] == param, (body, error)
+    r = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}))
+    assert "one choice per request" in r.json()["error"]["message"]
     # A logit bias on a token the model does not have: the engine's check, named.
     r = post("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"100000": 1}}))
     assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text

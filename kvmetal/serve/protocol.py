@@ -76,9 +76,13 @@ def _get(body: dict, name: str, check, what: str, default):
     return value
 
 
-UNSUPPORTED = {  # field -> the values that mean "off"
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "adapters": (None,),
+UNSUPPORTED = {  # field -> (the values that mean "off", why it is refused)
+    "n": ((None, 1), "one choice per request; send n requests (with different seeds) instead"),
+    "best_of": ((None, 1), "one choice per request"),
+    "echo": ((None, False), "the prompt is not echoed"),
+    "suffix": ((None, ""), "no insertion after a suffix"),
+    "response_format": ((None, {"type": "text"}), "no constrained (JSON) decoding"),
+    "adapters": ((None,), "the served model is fixed at start"),
 }
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (mlx_lm.server allows 11)
 
@@ -145,9 +149,9 @@ def parse(body, *, chat: bool, defaults: Defaults) -> GenerationRequest:
     """Validate a /v1/completions (``chat=False``) or /v1/chat/completions body."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    for name, off in UNSUPPORTED.items():
+    for name, (off, why) in UNSUPPORTED.items():
         if name in body and body[name] not in off:
-            raise APIError(f"'{name}' is not supported by kvmetal serve", param=name)
+            raise APIError(f"'{name}' = {body[name]!r} is not supported by kvmetal serve: {why}", param=name)
     if chat:
         prompt = body.get("messages")
         if not isinstance(prompt, list) or not prompt:
