@@ -303,3 +303,75 @@ def test_a_rejected_engine_leaves_the_model_unpatched():
     with Engine(model) as engine:  # a later patch of the same model works
         engine.close()  # closing twice (here and on exit) undoes once
     assert "make_cache" not in vars(model)
+
+
+def test_each_request_applies_its_own_logits_processors_and_reports_real_logprobs():
+    # Penalised, biased and plain greedy requests decode in one batch, through preemption;
+    # each must match mlx-lm's generate_step with the same processors alone.
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model = tiny_models.build("llama")
+    prompts = [list(range(i, i + 12 + 5 * i)) for i in range(4)]
+    settings = [dict(repetition_penalty=1.6, repetition_context_size=6),
+                dict(presence_penalty=0.8, frequency_penalty=0.4, frequency_context_size=0),
+                dict(logit_bias={7: 2.5, 300: -1.0}),
+                {}]
+    expected = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=16,
+                                                   sampler=lambda lp: mx.argmax(lp, -1),
+                                                   logits_processors=make_logits_processors(**s))]
+                for p, s in zip(prompts, settings)]
+    assert len({tuple(e) for e in expected}) == len(expected)
+    with Engine(model, num_blocks=5) as engine:  # tight: preempts and recomputes
+        ids = [engine.add_request(p, max_tokens=16, sampling=SamplingParams(**s), logprobs=3)
+               for p, s in zip(prompts, settings)]
+        events = []
+        while engine.has_work():
+            events += engine.step()
+        assert engine.preemptions > 0
+        assert [engine.requests[i].output for i in ids] == expected
+    # logprobs: the processed logits' log-softmax, recomputed here in float64 without the cache
+    for rid, prompt, s in zip(ids, prompts, settings):
+        mine = [e for e in events if e.request_id == rid]
+        output = [e.token for e in mine]
+        logits = model(mx.array(prompt + output)[None])[:, len(prompt) - 1:-1]
+        processors = make_logits_processors(**s)
+        for k, event in enumerate(mine):
+            row = logits[:, k]
+            for processor in processors:
+                row = processor(mx.array(prompt + output[:k]), row)
+            row = np.array(row[0], dtype=np.float64)
+            row = row - row.max() - np.log(np.exp(row - row.max()).sum())
+            top = np.argsort(-row)[:3]
+            assert event.logprobs.logprob == pytest.approx(row[event.token], abs=1e-4)
+            assert [t for t, _ in event.logprobs.top] == list(top) and top[0] == event.token
+            assert [v for _, v in event.logprobs.top] == pytest.approx(list(row[top]), abs=1e-4)
+
+
+def test_sampling_params_validate_and_survive_json():
+    import dataclasses
+    import json
+
+    from kvmetal.serve.distributed import decode_add, encode_add
+
+    params = SamplingParams(temperature=0.5, seed=3, logit_bias={"5": 1, 2: -0.5}, presence_penalty=-0.5,
+                            xtc_probability=0.3, xtc_special_tokens=[4])
+    assert params.logit_bias == ((2, -0.5), (5, 1.0)) and params.xtc_special_tokens == (4,)
+    command = json.loads(json.dumps(encode_add("r", dict(prompt=[1, 2], max_tokens=3, sampling=params,
+                                                         stop_token_ids={9}, logprobs=2))))
+    decoded = decode_add(command[2])
+    assert decoded["sampling"] == params and decoded["logprobs"] == 2
+    assert dataclasses.asdict(decoded["sampling"]) == dataclasses.asdict(params)
+    for bad, error, match in ((dict(repetition_penalty=-1), ValueError, "repetition_penalty"),
+                              (dict(frequency_penalty=float("nan")), ValueError, "frequency_penalty"),
+                              (dict(presence_context_size=1.5), TypeError, "presence_context_size"),
+                              (dict(logit_bias={"a": 1}), ValueError, "logit_bias"),
+                              (dict(logit_bias={1: "x"}), TypeError, "logit_bias"),
+                              (dict(xtc_threshold=0.7), ValueError, "xtc_threshold")):
+        with pytest.raises(error, match=match):
+            SamplingParams(**bad)
+    model = tiny_models.build("llama")
+    with Engine(model) as engine:
+        with pytest.raises(ValueError, match=r"logit_bias token ids must be < 512"):
+            engine.add_request([1], max_tokens=1, sampling=SamplingParams(logit_bias={512: 1.0}))
+        with pytest.raises(ValueError, match=r"logprobs"):
+            engine.add_request([1], max_tokens=1, logprobs=True)

@@ -233,7 +233,24 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 10**12}), 400, "max_tokens"),
         ("/v1/completions", json.dumps({"prompt": "hi", "temperature": "hot"}), 400, "temperature"),
         ("/v1/completions", json.dumps({"prompt": "hi", "stop": 5}), 400, "stop"),
-        ("/v1/completions", json.dumps({"prompt": "hi", "logprobs": 3}), 400, "logprobs"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "logprobs": 50}), 400, "logprobs"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "top_logprobs": "3"}), 400, "top_logprobs"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"x": 1}}), 400, "logit_bias"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": [1]}), 400, "logit_bias"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "repetition_penalty": -1}), 400, "repetition_penalty"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "presence_penalty": "x"}), 400, "presence_penalty"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "frequency_context_size": 1.5}), 400,
+         "frequency_context_size"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "xtc_threshold": 0.9}), 400, "xtc_threshold"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n"),
+        ("/v1/completions", json.dumps({"prompt": ["hi", "there"]}), 400, "prompt"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "echo": True}), 400, "echo"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}), 400,
+         "logprobs"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": "x"}), 400,
+         "tools"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                             "role_mapping": {"user": 1}}), 400, "role_mapping"),
         ("/v1/completions", json.dumps({"prompt": ""}), 400, "prompt"),
         ("/v1/completions", json.dumps({"prompt": "hi", "model": "gpt-9"}), 404, "model"),
         ("/v1/chat/completions", json.dumps({"messages": "hello"}), 400, "messages"),
@@ -245,6 +262,14 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         assert r.status_code == status, (body, r.text)
         error = r.json()["error"]
         assert error["message"] and error["type"] and error["param"] == param, (body, error)
+    r = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}))
+    assert "one choice per request" in r.json()["error"]["message"]
+    # A logit bias on a token the model does not have: the engine's check, named.
+    r = post("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"100000": 1}}))
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text
+    # Fields mlx_lm.server ignores are ignored here too.
+    r = post("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "num_draft_tokens": 3, "whatever": 1}))
+    assert r.status_code == 200, r.text
     # A prompt that can never fit under the cap: 400 with the numbers.
     too_long = "The paged cache keeps keys and values in fixed blocks. " * 40
     usable = blocks_under_cap(lambda n: model_pool_bytes(kv_layout_model(), n, block_size=16),
@@ -392,3 +417,175 @@ def test_cli_rejects_bad_options(model_dir, tmp_path, capsys):
         with pytest.raises(RuntimeError, match=r"did not start"):
             server.start(timeout=60)
     assert server.proc.returncode == 1 and "could not serve HTTP" in server.output
+
+
+# ---------------------------------------------------------------------------- mlx_lm.server's extra fields
+
+
+_REFERENCE = {}
+
+
+def reference(model_dir):
+    """mlx-lm's own model and tokenizer for the served directory (loaded once)."""
+    if not _REFERENCE:
+        from mlx_lm import load
+
+        _REFERENCE["pair"] = load(str(model_dir))
+    return _REFERENCE["pair"]
+
+
+def log_softmax_rows(model_dir, prompt_ids, output_ids):
+    """float64 log-softmax of the model's logits at every output position (one full forward
+    pass, no cache): row i is the distribution output_ids[i] was picked from."""
+    import mlx.core as mx
+    import numpy as np
+
+    model, _ = reference(model_dir)
+    logits = model(mx.array(prompt_ids + output_ids)[None])[0, len(prompt_ids) - 1:-1]
+    logits = np.array(logits.astype(mx.float32), dtype=np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+
+
+def test_logprobs_are_the_models_log_softmax_streamed_or_not(capped, model_dir):
+    import numpy as np
+
+    c = client(capped)
+    _, tokenizer = reference(model_dir)
+    messages = [{"role": "user", "content": QUESTIONS[7]}]
+    answer = c.chat.completions.create(model=capped.model, messages=messages, max_tokens=8, logprobs=True,
+                                       top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    ids = [e.model_extra["id"] for e in content]  # mlx_lm.server's token ids ride along
+    assert len(ids) == answer.usage.completion_tokens - (answer.choices[0].finish_reason == "stop")
+    assert "".join(e.token for e in content) == answer.choices[0].message.content
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    rows = log_softmax_rows(model_dir, prompt, ids)
+    for entry, token, row in zip(content, ids, rows):
+        assert token == int(row.argmax())  # greedy picked the most likely token
+        assert entry.logprob == pytest.approx(row[token], abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+        top = np.argsort(-row)[:3]
+        assert [t.model_extra["id"] for t in entry.top_logprobs] == list(top)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(list(row[top]), abs=1e-4)
+    chunks = list(c.chat.completions.create(model=capped.model, messages=messages, max_tokens=8, logprobs=True,
+                                            top_logprobs=3, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # (the second request finds the prompt in the prefix cache: the same numbers up to rounding)
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+    # Completions: logprobs is the number of alternatives (OpenAI's legacy shape).
+    text = "The paged cache keeps keys and values"
+    whole = c.completions.create(model=capped.model, prompt=text, max_tokens=8, temperature=0, logprobs=2)
+    lp = whole.choices[0].logprobs
+    prompt = tokenizer.encode(text)
+    ids = []
+    for _ in range(len(lp.tokens)):  # greedy, step by step, from the test's own log-softmax
+        ids.append(int(log_softmax_rows(model_dir, prompt, ids + [0])[-1].argmax()))
+    rows = log_softmax_rows(model_dir, prompt, ids)
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs == pytest.approx([row[t] for row, t in zip(rows, ids)], abs=1e-4)
+    for top, row in zip(lp.top_logprobs, rows):
+        best = np.argsort(-row)[:2]
+        assert top == pytest.approx({tokenizer.decode([int(t)]): row[t] for t in best}, abs=1e-4)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    streamed = list(c.completions.create(model=capped.model, prompt=text, max_tokens=8, temperature=0, logprobs=2,
+                                         stream=True))
+    chunks = [ch.choices[0].logprobs.token_logprobs for ch in streamed if ch.choices[0].logprobs]
+    assert [v for chunk in chunks for v in chunk] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    plain = c.completions.create(model=capped.model, prompt=text, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == whole.choices[0].text
+
+
+def test_penalties_and_logit_bias_match_mlx_lm_processors(capped, model_dir):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tokenizer = reference(model_dir)
+    c = client(capped)
+    text = "The waves come in, the waves go out"
+    prompt = tokenizer.encode(text)
+    bias_token = tokenizer.encode(" gulls")[0]
+    settings = [
+        dict(repetition_penalty=1.5, repetition_context_size=8),
+        dict(presence_penalty=1.0, frequency_penalty=0.5, frequency_context_size=0),
+        dict(logit_bias={bias_token: 4.0}, presence_penalty=0.3),
+    ]
+
+    def served(extra):
+        body = {k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in extra.items()}
+        return c.completions.create(model=capped.model, prompt=text, max_tokens=16, temperature=0,
+                                    extra_body=body).choices[0].text
+
+    def expected(extra):
+        processors = make_logits_processors(**extra)
+        return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=16,
+                                                       logits_processors=processors))
+
+    plain = served({})
+    with ThreadPoolExecutor(len(settings)) as pool:  # batched together: each applies its own processors
+        together = list(pool.map(served, settings))
+    for extra, got in zip(settings, together):
+        assert got == expected(extra), extra
+        assert got != plain, f"{extra} changed nothing"
+    assert tokenizer.decode([bias_token]) in together[2]
+
+
+def test_seeded_xtc_and_penalties_are_reproducible_whatever_the_batch(capped):
+    kw = dict(temperature=1.0, seed=11, max_tokens=20,
+              extra_body={"xtc_probability": 0.8, "xtc_threshold": 0.02, "repetition_penalty": 1.2})
+    alone = chat(capped, QUESTIONS[8], **kw).choices[0].message.content
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda q: chat(capped, q, **kw).choices[0].message.content,
+                             [QUESTIONS[8], QUESTIONS[9], QUESTIONS[8], QUESTIONS[2]]))
+    assert runs[0] == runs[2] == alone
+    no_xtc = chat(capped, QUESTIONS[8], temperature=1.0, seed=11, max_tokens=20,
+                  extra_body={"repetition_penalty": 1.2}).choices[0].message.content
+    assert no_xtc != alone  # XTC cut something
+
+
+def test_tools_and_template_kwargs_reach_the_chat_template(capped, model_dir):
+    from kvmetal.serve import protocol
+    from kvmetal.serve.app import ServeState, _tokenize
+
+    class Template:
+        has_chat_template = True
+
+        def apply_chat_template(self, messages, **kwargs):
+            self.seen = (messages, kwargs)
+            return [1, 2, 3]
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Rain?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                       "function": {"name": "weather",
+                                                                                    "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    body = {"messages": [dict(m) for m in messages], "tools": tools,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    req = protocol.parse(body, chat=True, defaults=protocol.Defaults())
+    tokenizer = Template()
+    state = ServeState(worker=None, tokenizer=tokenizer, model_id="m", chat_template_kwargs={"enable_thinking": True,
+                                                                                              "x": 1})
+    assert _tokenize(state, req) == [1, 2, 3]
+    seen_messages, kwargs = tokenizer.seen
+    assert seen_messages == messages
+    assert kwargs["tools"] == tools and kwargs["enable_thinking"] is False and kwargs["x"] == 1
+
+    class NoTemplate:
+        has_chat_template = False
+
+        def encode(self, text):
+            self.text = text
+            return [5]
+
+    mapping = {"user": "U: ", "assistant": "A: ", "stop": "\n"}
+    req = protocol.parse({"messages": [{"role": "user", "content": "hi"}], "role_mapping": mapping}, chat=True,
+                         defaults=protocol.Defaults())
+    plain = NoTemplate()
+    assert _tokenize(ServeState(worker=None, tokenizer=plain, model_id="m"), req) == [5]
+    assert plain.text == "U: hi\nA:"  # mlx_lm.server's format, trailing space stripped
+    # The real server takes tools (its template ignores them) instead of rejecting the request.
+    r = client(capped).chat.completions.create(model=capped.model, messages=messages[:1], tools=tools, max_tokens=3)
+    assert r.choices[0].finish_reason in ("stop", "length")

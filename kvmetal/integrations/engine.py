@@ -17,12 +17,16 @@ not grow even with the whole pool to itself finishes early with reason ``"length
 an empty pool is rejected by ``add_request``.
 
 Sampling is per request (``SamplingParams``): greedy, or temperature / top-p / top-k /
-min-p with the request's own random key, so a seeded request gives the same tokens
-whatever it is batched with and however often it is preempted.
+min-p / XTC with the request's own random key, so a seeded request gives the same tokens
+whatever it is batched with and however often it is preempted. A request's logits
+processors (mlx-lm's repetition / presence / frequency penalties and logit bias) run on
+its own row of the batch's logits, over its own tokens; ``logprobs`` reports the chosen
+token's log-probability (and the top alternatives) under those processed logits.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,35 +53,110 @@ class RequestTooLarge(ValueError):
 class SamplingParams:
     """How one request picks its tokens (mlx-lm's names and meanings).
 
-    temperature 0 is greedy; top_p 1 / top_k 0 / min_p 0 switch that filter off;
-    seed makes sampling reproducible (None draws one)."""
+    temperature 0 is greedy; top_p 1 / top_k 0 / min_p 0 / xtc_probability 0 switch that
+    filter off; seed makes sampling reproducible (None draws one). The penalties and
+    ``logit_bias`` ({token id: added logit}) are mlx-lm's logits processors
+    (``make_logits_processors``), applied before greedy or sampled picks; a penalty of 0
+    is off, and each looks at the last ``*_context_size`` tokens (prompt included; 0: all
+    of them, as in mlx-lm). ``xtc_special_tokens`` are never cut by XTC."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    logit_bias: tuple = ()  # ((token id, bias), ...); a dict is accepted and normalized
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple = ()
 
     def __post_init__(self):
-        checks = (("temperature", self.temperature, 0.0, None), ("top_p", self.top_p, 0.0, 1.0),
-                  ("min_p", self.min_p, 0.0, 1.0))
+        inf = float("inf")
+        checks = (("temperature", self.temperature, 0.0, inf), ("top_p", self.top_p, 0.0, 1.0),
+                  ("min_p", self.min_p, 0.0, 1.0), ("repetition_penalty", self.repetition_penalty, 0.0, inf),
+                  ("presence_penalty", self.presence_penalty, -inf, inf),
+                  ("frequency_penalty", self.frequency_penalty, -inf, inf),
+                  ("xtc_probability", self.xtc_probability, 0.0, 1.0), ("xtc_threshold", self.xtc_threshold, 0.0, 0.5))
         for name, value, low, high in checks:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"[SamplingParams] {name} must be a number, got {value!r}")
-            if not (value >= low and (high is None or value <= high)) or value != value or value == float("inf"):
-                bound = f"in [{low}, {high}]" if high is not None else f">= {low} and finite"
-                raise ValueError(f"[SamplingParams] {name} must be {bound}, got {value!r}")
-        for name, value in (("top_k", self.top_k), ("seed", self.seed)):
+            _check_number(name, value, low, high)
+        for name in ("top_k", "seed", "repetition_context_size", "presence_context_size", "frequency_context_size"):
+            value = getattr(self, name)
             if value is None and name == "seed":
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"[SamplingParams] {name} must be an int, got {value!r}")
-        if self.top_k < 0:
-            raise ValueError(f"[SamplingParams] top_k must be >= 0, got {self.top_k!r}")
+            if name != "seed" and value < 0:
+                raise ValueError(f"[SamplingParams] {name} must be >= 0, got {value!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((_token_id("logit_bias", t), b) for t, b in bias))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"[SamplingParams] logit_bias must map token ids to numbers: {e}") from None
+        for _, b in bias:
+            _check_number("logit_bias value", b, -inf, inf)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+        object.__setattr__(self, "xtc_special_tokens",
+                           tuple(_token_id("xtc_special_tokens", t) for t in self.xtc_special_tokens))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def logits_processors(self) -> tuple:
+        """(mlx-lm's processors for these settings, how many trailing tokens they read:
+        None for all of them)."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        processors = make_logits_processors(
+            dict(self.logit_bias) or None, self.repetition_penalty, self.repetition_context_size,
+            self.presence_penalty, self.presence_context_size, self.frequency_penalty, self.frequency_context_size)
+        sizes = [size for penalty, size in ((self.repetition_penalty, self.repetition_context_size),
+                                            (self.presence_penalty, self.presence_context_size),
+                                            (self.frequency_penalty, self.frequency_context_size)) if penalty != 0]
+        history = None if 0 in sizes else max(sizes, default=1)  # mlx-lm's tokens[-0:] is every token
+        return processors, history
+
+
+def _check_number(name: str, value, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"[SamplingParams] {name} must be a number, got {value!r}")
+    if not (_finite(value) and low <= value <= high):
+        if math.isinf(low):
+            bound = "finite"
+        else:
+            bound = f">= {low} and finite" if math.isinf(high) else f"in [{low}, {high}]"
+        raise ValueError(f"[SamplingParams] {name} must be {bound}, got {value!r}")
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _token_id(name: str, value) -> int:
+    """A token id from an int or a decimal string (JSON object keys are strings)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} token ids must be ints >= 0, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the ``top`` most likely tokens
+    (``((token id, logprob), ...)``, most likely first), under the processed logits."""
+
+    logprob: float
+    top: tuple = ()
 
 
 @dataclass
@@ -91,6 +170,14 @@ class Request:
     stop_token_ids: frozenset = frozenset()
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     key: mx.array | None = None  # this request's random state (sampling with temperature)
+    logprobs: int | None = None  # report logprobs with this many top alternatives (None: none)
+    processors: tuple = ()  # mlx-lm logits processors: (tokens, logits [1, V]) -> logits
+    history: int | None = None  # trailing tokens the processors read (None: all)
+
+    @property
+    def plain(self) -> bool:
+        """Picked by the engine's batch sampler, nothing else to compute."""
+        return self.sampling is None and self.logprobs is None
 
     @property
     def finished(self) -> bool:
@@ -110,6 +197,7 @@ class Event:
     token: int | None
     finished: bool
     finish_reason: str | None = None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 def greedy(logits: mx.array) -> mx.array:
@@ -203,9 +291,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, *, max_tokens: int, request_id=None, sampling: SamplingParams | None = None,
-                    stop_token_ids=()):
+                    stop_token_ids=(), logprobs: int | None = None):
         """Queue a prompt (token ids); it joins the batch at the next ``step()``.
 
+        ``logprobs``: every event of this request carries ``TokenLogprobs`` with this
+        many top alternatives (0: only the chosen token's); None: none.
         Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
         empty pool; a request that outgrows the pool later finishes with "length"."""
         self._check_open("add_request")
@@ -222,6 +312,14 @@ class Engine:
         _check_count("max_tokens", max_tokens)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"[Engine.add_request] sampling must be a SamplingParams or None, got {sampling!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"[Engine.add_request] logprobs must be an int >= 0 or None, got {logprobs!r}")
+        if sampling is not None and vocab is not None:
+            for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                              ("xtc_special_tokens", sampling.xtc_special_tokens)):
+                if any(t >= vocab for t in ids):
+                    raise ValueError(f"[Engine.add_request] {name} token ids must be < {vocab} (the vocabulary), "
+                                     f"got {max(ids)}")
         limit = self.max_prompt_tokens
         if limit is not None and len(prompt) > limit:
             raise RequestTooLarge(
@@ -235,7 +333,10 @@ class Engine:
         elif request_id in self.requests:
             raise ValueError(f"[Engine.add_request] request id {request_id!r} is already in use")
         request = Request(request_id, prompt, max_tokens, sampling=sampling,
-                          stop_token_ids=frozenset(int(t) for t in stop_token_ids))
+                          stop_token_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs)
+        if sampling is not None:
+            processors, request.history = sampling.logits_processors()
+            request.processors = tuple(processors)
         if sampling is not None and not sampling.greedy:
             seed = random.getrandbits(63) if sampling.seed is None else sampling.seed
             request.key = mx.random.key(seed)
@@ -315,8 +416,8 @@ class Engine:
             computed += len(tokens) - start
             caches = self.cache.layer_caches([request.request_id], [start])
             logits = self.model(mx.array(tokens[start:])[None], cache=caches)
-            token = self._sample([request], logits[:, -1, :])[0]
-            events.append(self._emit(request, token))
+            [token], [logprobs] = self._sample([request], logits[:, -1, :])
+            events.append(self._emit(request, token, logprobs))
             if not request.finished:
                 self.running.append(request)
         return events
@@ -353,31 +454,47 @@ class Engine:
         offsets = [len(r.tokens) - 1 for r in self.running]
         inputs = mx.array([[r.output[-1]] for r in self.running])
         logits = self.model(inputs, cache=self.cache.layer_caches(ids, offsets))
-        tokens = self._sample(self.running, logits[:, -1, :])
+        tokens, logprobs = self._sample(self.running, logits[:, -1, :])
         self.decode_steps += 1
-        events += [self._emit(r, t) for r, t in zip(self.running, tokens)]
+        events += [self._emit(r, t, lp) for r, t, lp in zip(self.running, tokens, logprobs)]
         self.running = [r for r in self.running if not r.finished]
         return events
 
-    def _sample(self, requests: list, logits: mx.array) -> list:
-        """One token per row of ``logits`` [S, V], each by its request's sampling."""
-        tokens = self._pick(requests, logits)
-        return tokens if self.token_sync is None else self.token_sync(tokens)
+    def _sample(self, requests: list, logits: mx.array) -> tuple:
+        """One token per row of ``logits`` [S, V], each by its request's sampling, and
+        each request's ``TokenLogprobs`` (None where it asked for none)."""
+        tokens, rows = self._pick(requests, logits)
+        if self.token_sync is not None:
+            tokens = self.token_sync(tokens)  # logprobs then describe rank 0's tokens
+        return tokens, _token_logprobs(requests, rows, tokens)
 
-    def _pick(self, requests: list, logits: mx.array) -> list:
-        if all(r.sampling is None for r in requests):
-            return [int(t) for t in self.sampler(logits).tolist()]
-        picks = []
-        argmax = mx.argmax(logits, axis=-1)
+    def _pick(self, requests: list, logits: mx.array) -> tuple:
+        """(token ids, {row: log-softmax of the processed row} for requests wanting logprobs)."""
+        if all(r.plain for r in requests):
+            return [int(t) for t in self.sampler(logits).tolist()], {}
+        picks, rows = [], {}
+        argmax = None
         for i, r in enumerate(requests):
+            row = logits[i:i + 1]
+            if r.processors:  # this request's own penalties, on its own row
+                history = mx.array(r.tokens if r.history is None else r.tokens[-r.history:])
+                for processor in r.processors:
+                    row = processor(history, row)
             if r.sampling is None:
-                picks.append(self.sampler(logits[i:i + 1])[0])
-            elif r.sampling.greedy:
+                picks.append(self.sampler(row)[0])
+            elif r.sampling.greedy and not r.processors:
+                argmax = mx.argmax(logits, axis=-1) if argmax is None else argmax
                 picks.append(argmax[i])
+            elif r.sampling.greedy:
+                picks.append(mx.argmax(row[0]))
             else:
                 r.key, key = mx.random.split(r.key)
-                picks.append(_sample_row(logits[i], r.sampling, key))
-        return [int(t) for t in mx.stack(picks).tolist()]
+                picks.append(_sample_row(row[0], r.sampling, key))
+            if r.logprobs is not None:
+                rows[i] = _log_softmax(row[0])
+        picks = mx.stack(picks)
+        mx.eval(picks, *rows.values())
+        return [int(t) for t in picks.tolist()], rows
 
     def _append(self, request: Request) -> None:
         token = request.output[-1]
@@ -392,7 +509,7 @@ class Engine:
         self.waiting.appendleft(request)
         self.preemptions += 1
 
-    def _emit(self, request: Request, token: int) -> Event:
+    def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None = None) -> Event:
         request.output.append(token)
         self.generated_tokens += 1
         reason = None
@@ -401,17 +518,18 @@ class Engine:
         elif len(request.output) >= request.max_tokens:
             reason = "length"
         if reason is None:
-            return Event(request.request_id, token, False)
+            return Event(request.request_id, token, False, logprobs=logprobs)
         if self.on_finish is not None:
             self.on_finish(request)
         self.cache.free(request.request_id)  # blocks go back right away
-        return self._finish(request, reason, token)
+        return self._finish(request, reason, token, logprobs)
 
-    def _finish(self, request: Request, reason: str, token: int | None = None) -> Event:
+    def _finish(self, request: Request, reason: str, token: int | None = None,
+                logprobs: TokenLogprobs | None = None) -> Event:
         request.finish_reason = reason
         if not self.keep_finished:
             self.requests.pop(request.request_id, None)
-        return Event(request.request_id, token, True, reason)
+        return Event(request.request_id, token, True, reason, logprobs)
 
     @property
     def peak_nbytes(self) -> int:
@@ -441,8 +559,31 @@ class _Outgrown(Exception):
         self.request = request
 
 
+def _log_softmax(row: mx.array) -> mx.array:
+    row = row.astype(mx.float32)  # reported numbers: no float16 rounding
+    return row - mx.logsumexp(row, axis=-1, keepdims=True)
+
+
+def _token_logprobs(requests: list, rows: dict, tokens: list) -> list:
+    """Each request's ``TokenLogprobs`` for its chosen token (rows are evaluated)."""
+    out = [None] * len(requests)
+    if not rows:
+        return out
+    wanted = {}
+    for i, row in rows.items():
+        n = min(requests[i].logprobs, row.shape[-1])
+        top = mx.argpartition(-row, kth=n - 1)[:n] if n else mx.array([], dtype=mx.uint32)
+        wanted[i] = (row[tokens[i]], top, row[top])
+    mx.eval(wanted)
+    for i, (chosen, top, values) in wanted.items():
+        pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
+        out[i] = TokenLogprobs(float(chosen.item()), tuple((int(t), float(v)) for t, v in pairs))
+    return out
+
+
 def _sample_row(logits: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:
-    """Sample one token from ``logits`` [V] with mlx-lm's filters and an explicit key."""
+    """Sample one token from ``logits`` [V] with mlx-lm's filters (in mlx-lm's order) and an
+    explicit key."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]
@@ -450,6 +591,24 @@ def _sample_row(logits: mx.array, sampling: SamplingParams, key: mx.array) -> mx
         logprobs = apply_top_p(logprobs, sampling.top_p)
     if sampling.min_p > 0:
         logprobs = apply_min_p(logprobs, sampling.min_p)
+    if sampling.xtc_probability > 0:
+        key, xtc_key = mx.random.split(key)
+        logprobs = _apply_xtc(logprobs, sampling, xtc_key)
     if 0 < sampling.top_k < logprobs.shape[-1]:
         logprobs = apply_top_k(logprobs, sampling.top_k)
     return mx.random.categorical(logprobs * (1 / sampling.temperature), key=key)[0]
+
+
+def _apply_xtc(logprobs: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:
+    """XTC ("exclude top choices"), as mlx-lm's ``apply_xtc`` but drawing from ``key``: with
+    probability ``xtc_probability``, every token above ``xtc_threshold`` except the least
+    likely of them is removed (special tokens never are)."""
+    probs = mx.softmax(logprobs, axis=-1)
+    least_above = mx.min(mx.where(probs > sampling.xtc_threshold, probs, mx.inf), axis=-1, keepdims=True)
+    cut = probs > least_above
+    if sampling.xtc_special_tokens:
+        keep = mx.zeros((probs.shape[-1],), dtype=mx.bool_)
+        keep[mx.array(sampling.xtc_special_tokens)] = True
+        cut = cut & ~keep
+    apply = mx.random.uniform(key=key) <= sampling.xtc_probability
+    return mx.where(apply & cut, -mx.inf, logprobs)

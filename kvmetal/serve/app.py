@@ -7,6 +7,7 @@ OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import metrics, protocol
+from .logprobs import Entry, LogprobsFormatter
 from .protocol import APIError
 from .worker import LoopSink
 
@@ -52,8 +54,11 @@ class TextStream:
         self.sent = 0  # characters already handed out
         self.stopped = False  # a stop string was found
 
-    def add(self, token: int) -> None:
+    def add(self, token: int) -> int:
+        """Add a token; returns where its text starts (characters of the output so far)."""
+        offset = len(self.detokenizer.text)
         self.detokenizer.add_token(token)
+        return offset
 
     def take(self, final: bool = False) -> str:
         """New text that is safe to send (all of it when ``final``)."""
@@ -140,9 +145,11 @@ def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
     tokenizer = state.tokenizer
     if not req.chat:
         return list(req.prompt) if isinstance(req.prompt, list) else list(tokenizer.encode(req.prompt))
-    messages = [{"role": m["role"], "content": m["content"]} for m in req.prompt]
+    messages = [dict(m) for m in req.prompt]  # tool calls and tool results go to the template as sent
     if getattr(tokenizer, "has_chat_template", False):
         kwargs = {**state.chat_template_kwargs, **req.chat_template_kwargs}
+        if req.tools:
+            kwargs["tools"] = req.tools
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
         except Exception as e:  # the template rejected the conversation (e.g. role order)
@@ -150,9 +157,23 @@ def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-    # No template: plain "role: content" lines, ending with the assistant's turn.
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(_plain_chat(messages, req.role_mapping)))
+
+
+def _plain_chat(messages: list, role_mapping: dict | None) -> str:
+    """The prompt of a tokenizer without a chat template. With ``role_mapping``, mlx_lm.server's
+    format (each message as role prefix + content + "stop", then the assistant prefix,
+    trailing whitespace stripped); without, "role: content" lines."""
+    if role_mapping is None:
+        return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant: "
+    stop = role_mapping.get("stop", "")
+    text = "".join(f"{role_mapping.get(m['role'], '')}{m.get('content') or ''}{stop}" for m in messages)
+    return (text + role_mapping.get("assistant", "")).rstrip()
+
+
+def _xtc_special_tokens(tokenizer) -> tuple:
+    """What mlx_lm.server keeps out of XTC's cut: the newline and the end tokens."""
+    return tuple(tokenizer.encode("\n")) + tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
 
 
 async def _generate(state: ServeState, request: Request, *, chat: bool):
@@ -177,9 +198,12 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     deliveries: asyncio.Queue = asyncio.Queue()
     sink = LoopSink(loop, deliveries)  # called on the engine thread
     eos = frozenset(int(t) for t in getattr(state.tokenizer, "eos_token_ids", ()) or ())
+    sampling = req.sampling
+    if sampling.xtc_probability > 0:
+        sampling = dataclasses.replace(sampling, xtc_special_tokens=_xtc_special_tokens(state.tokenizer))
     try:
-        worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=req.sampling, stop_token_ids=eos,
-                      sink=sink)
+        worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=sampling, stop_token_ids=eos,
+                      sink=sink, logprobs=req.logprobs)
     except RuntimeError as e:
         raise APIError(str(e), status=503, type_="server_error") from None
     run = _Run(state, req, request_id, prompt, eos, deliveries)
@@ -217,6 +241,9 @@ class _Run:
         self.cached_tokens = 0
         self.finish_reason = None
         self.created = int(time.time())
+        self.logprobs = None if req.logprobs is None else LogprobsFormatter(state.tokenizer, chat=req.chat,
+                                                                            top=req.logprobs)
+        self.entries: list = []  # logprob entries not yet sent
 
     async def next(self, request: Request | None = None):
         """The next delivery; None if the client disconnected first (non-streaming wait)."""
@@ -234,8 +261,10 @@ class _Run:
             self.cached_tokens = delivery.cached_prompt_tokens
         if event.token is not None:
             self.completion_tokens += 1
-            if not (event.finish_reason == "stop" and event.token in self.eos):
-                self.text.add(event.token)
+            if not (event.finish_reason == "stop" and event.token in self.eos):  # the end token is no text
+                offset = self.text.add(event.token)
+                if self.logprobs is not None and event.logprobs is not None:
+                    self.entries.append(Entry(event.token, event.logprobs.logprob, event.logprobs.top, offset))
         if event.finished:
             self.finish_reason = "stop" if event.finish_reason == "stop" else "length"
         piece = self.text.take(final=event.finished)
@@ -254,14 +283,23 @@ class _Run:
                 "total_tokens": len(self.prompt) + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
+    def _take_logprobs(self, *, delta: bool):
+        """The logprobs object for the entries not sent yet (None when not asked for; in a
+        stream chunk, also when there are none)."""
+        if self.logprobs is None or (delta and not self.entries):
+            return None
+        entries, self.entries = self.entries, []
+        return self.logprobs.format(entries)
+
     def _choice(self, text: str, finish_reason, *, delta: bool, first: bool = False) -> dict:
+        logprobs = self._take_logprobs(delta=delta)
         if not self.req.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if not delta:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish_reason}
         content = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _envelope(self, choices: list, *, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.req.chat else "text_completion"

@@ -108,9 +108,12 @@ def encode_add(request_id, kwargs: dict) -> list:
     sampling = kwargs["sampling"]
     return ["add", request_id, {"prompt": [int(t) for t in kwargs["prompt"]], "max_tokens": kwargs["max_tokens"],
                                 "sampling": None if sampling is None else dataclasses.asdict(sampling),
-                                "stop_token_ids": sorted(int(t) for t in kwargs["stop_token_ids"])}]
+                                "stop_token_ids": sorted(int(t) for t in kwargs["stop_token_ids"]),
+                                "logprobs": kwargs.get("logprobs")}]
 
 
 def decode_add(kwargs: dict) -> dict:
+    """The add_request arguments; SamplingParams turns JSON's lists (logit_bias pairs,
+    special tokens) back into its tuples."""
     sampling = kwargs["sampling"]
     return dict(kwargs, sampling=None if sampling is None else SamplingParams(**sampling))

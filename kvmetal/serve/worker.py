@@ -101,11 +101,12 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ control (any thread)
 
-    def submit(self, request_id, prompt: list, *, max_tokens: int, sampling, stop_token_ids, sink) -> None:
+    def submit(self, request_id, prompt: list, *, max_tokens: int, sampling, stop_token_ids, sink,
+               logprobs: int | None = None) -> None:
         if self._stopping or self.failed:
             raise RuntimeError(self.failed or "the server is shutting down")
         self._commands.put(("add", request_id, dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
-                                                    stop_token_ids=stop_token_ids), sink))
+                                                    stop_token_ids=stop_token_ids, logprobs=logprobs), sink))
 
     def abort(self, request_id) -> None:
         self._commands.put(("abort", request_id, None, None))
