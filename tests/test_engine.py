@@ -375,3 +375,18 @@ def test_sampling_params_validate_and_survive_json():
             engine.add_request([1], max_tokens=1, sampling=SamplingParams(logit_bias={512: 1.0}))
         with pytest.raises(ValueError, match=r"logprobs"):
             engine.add_request([1], max_tokens=1, logprobs=True)
+
+
+def test_prompts_as_arrays_are_token_ids_and_text_is_refused():
+    model = tiny_models.build("llama")
+    with Engine(model) as engine:
+        a = engine.add_request(mx.array([5, 6, 7]), max_tokens=3)
+        b = engine.add_request(np.array([5, 6, 7]), max_tokens=3)
+        c = engine.add_request([5, 6, 7], max_tokens=3)
+        while engine.has_work():
+            engine.step()
+        assert engine.requests[a].output == engine.requests[b].output == engine.requests[c].output
+        with pytest.raises(TypeError, match=r"prompt must be a sequence of token ids"):
+            engine.add_request("hello", max_tokens=3)
+        with pytest.raises(ValueError, match=r"prompt must be 1-D token ids"):
+            engine.add_request(mx.array([[5, 6]]), max_tokens=3)

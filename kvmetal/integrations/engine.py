@@ -299,6 +299,13 @@ class Engine:
         Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
         empty pool; a request that outgrows the pool later finishes with "length"."""
         self._check_open("add_request")
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+            raise TypeError(f"[Engine.add_request] prompt must be a sequence of token ids (tokenize text "
+                            f"first), got {type(prompt).__name__}")
+        if isinstance(prompt, (mx.array, np.ndarray)):  # a 1-D array of ids, as mlx-lm passes prompts
+            if prompt.ndim != 1:
+                raise ValueError(f"[Engine.add_request] prompt must be 1-D token ids, got shape {tuple(prompt.shape)}")
+            prompt = np.array(prompt).tolist()
         prompt = list(prompt)
         if not prompt:
             raise ValueError("[Engine.add_request] prompt must hold at least one token")
