@@ -166,24 +166,6 @@ def _check_query_rows(op: str, num_rows: int):
         _fail(op, f"query must hold 1 to {MAX_QUERY_TOKENS} tokens per sequence, got {num_rows}")
 
 
-def _multi_query(op: str, name: str, query, *, axis: int):
-    """The backend's op for a query with L rows on ``axis``.
-
-    Backends that declare ``MULTI_QUERY`` take the L axis as is; the others only serve
-    L = 1 in the one-token layout (query squeezed on the way in, output expanded back).
-    """
-    backend = backends.get()
-    fn = getattr(backend, name)
-    if getattr(backend, "MULTI_QUERY", False):
-        return fn
-    if query.shape[axis] != 1:
-        raise NotImplementedError(f"[{op}] the {backends.current_backend()} backend serves one query "
-                                  f"token per sequence; got {query.shape[axis]}")
-    if axis == 2:  # decode_attention's one-token layout is [B, H, 1, D] already
-        return fn
-    return lambda q, *args, **kw: fn(q[:, 0], *args, **kw)[:, None]
-
-
 def _int_option(op: str, name: str, value, *, minimum: int) -> int | None:
     if value is None:
         return None
@@ -352,8 +334,8 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
     if num_seqs == 0:
         return mx.zeros(query.shape, query.dtype)
     rows = query if query.ndim == 4 else query[:, None]
-    out = _multi_query(op, "paged_attention", rows, axis=1)(rows, key_cache, value_cache, _as_int32(block_tables),
-                                                              _as_int32(seq_lens), **options)
+    out = backends.get().paged_attention(rows, key_cache, value_cache, _as_int32(block_tables),
+                                         _as_int32(seq_lens), **options)
     return out if query.ndim == 4 else out[:, 0]
 
 
@@ -417,7 +399,7 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
                                  max_splits=num_tokens)
     if batch == 0:
         return mx.zeros(query.shape, query.dtype)
-    return _multi_query(op, "decode_attention", query, axis=2)(query, keys, values, **options)
+    return backends.get().decode_attention(query, keys, values, **options)
 
 
 def copy_blocks(key_cache, value_cache, src: mx.array, dst: mx.array, *, validate: bool = True):

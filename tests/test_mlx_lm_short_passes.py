@@ -1,10 +1,7 @@
 """Forward passes of 2-8 new tokens (speculative verification, short chunks) through
-``paged_attention`` with a [S, L, H, D] query (issue 9 item 2, mlx-lm side).
-
-The drop-in routes them to the pool when the current backend declares ``MULTI_QUERY``
-and gathers + runs MLX's attention otherwise. Both routes must give mlx-lm's own
-greedy tokens. Until a native backend serves L > 1, the routed path runs on a test
-backend whose multi-token attention is kvmetal's float64 oracle.
+``paged_attention`` with a [S, L, H, D] query (issue 9 item 2, mlx-lm side): the
+drop-in reads the pool in place instead of gathering, and must give mlx-lm's own
+greedy tokens.
 """
 from __future__ import annotations
 
@@ -19,47 +16,28 @@ from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E4
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 import kvmetal.backends  # noqa: E402
-from kvmetal import reference  # noqa: E402
 from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.integrations.mlx_lm import SUPPORTED_FAMILIES, use_paged_cache  # noqa: E402
-from kvmetal.integrations.model_cache import paged_multi_query_available  # noqa: E402
 
 PROMPT = list(range(3, 40))
 GREEDY = lambda lp: mx.argmax(lp, axis=-1)  # noqa: E731
 
 
 @pytest.fixture
-def multi_query_backend(monkeypatch):
-    """The cpu backend plus MULTI_QUERY, with L > 1 served by the float64 oracle; counts calls."""
-    cpu = kvmetal.backends.get("cpu")
+def counting_backend(monkeypatch):
+    """The current backend, with the query rows of every paged_attention call recorded."""
+    real = kvmetal.backends.get()
     calls = {"rows": []}
 
-    def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, **kw):
+    def paged_attention(query, *args, **kw):
         calls["rows"].append(query.shape[1])
-        if query.shape[1] == 1:
-            return cpu.paged_attention(query[:, 0], key_cache, value_cache, block_tables, seq_lens, **kw)[:, None]
-        kw.pop("num_splits", None)
-        out = reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, **kw)
-        return mx.array(out.astype(np.float32)).astype(query.dtype)
+        return real.paged_attention(query, *args, **kw)
 
-    fake = types.SimpleNamespace(MULTI_QUERY=True, paged_attention=paged_attention,
-                                 **{n: getattr(cpu, n) for n in ("reshape_and_cache", "gather_kv_cache",
+    fake = types.SimpleNamespace(paged_attention=paged_attention,
+                                 **{n: getattr(real, n) for n in ("reshape_and_cache", "gather_kv_cache",
                                                                   "decode_attention", "copy_blocks")})
     monkeypatch.setattr(kvmetal.backends, "get", lambda name=None: fake)
     return calls
-
-
-@pytest.fixture
-def single_query_backend(monkeypatch):
-    """The cpu backend without MULTI_QUERY, whatever the real one declares: the gather route."""
-    cpu = kvmetal.backends.get("cpu")
-    fake = types.SimpleNamespace(**{n: getattr(cpu, n) for n in ("reshape_and_cache", "gather_kv_cache",
-                                                                  "paged_attention", "decode_attention",
-                                                                  "copy_blocks")})
-    if getattr(cpu, "MULTI_QUERY", False):
-        one = cpu.paged_attention
-        fake.paged_attention = lambda q, *a, **kw: one(q[:, None], *a, **kw)[:, 0]
-    monkeypatch.setattr(kvmetal.backends, "get", lambda name=None: fake)
 
 
 def greedy(model, steps=20, **kwargs):
@@ -72,29 +50,18 @@ def speculative(model, draft, steps=20, num_draft=3):
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
-def test_speculative_decoding_on_the_paged_cache_matches_plain_greedy(family, multi_query_backend):
+def test_speculative_decoding_on_the_paged_cache_matches_plain_greedy(family, counting_backend):
     model = tiny_models.build(family, seed=1)
     draft = tiny_models.build(family, seed=7)
     expected = greedy(model)
     with use_paged_cache(model), use_paged_cache(draft):
-        assert paged_multi_query_available()
         got = speculative(model, draft)
     assert got == expected
-    assert 4 in multi_query_backend["rows"]  # verification passes (3 drafts + 1) ran on the pool
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_speculative_decoding_without_multi_query_gathers_and_matches(family, single_query_backend):
-    assert not paged_multi_query_available()
-    model = tiny_models.build(family, seed=1)
-    draft = tiny_models.build(family, seed=7)
-    expected = greedy(model)
-    with use_paged_cache(model), use_paged_cache(draft):
-        assert speculative(model, draft) == expected
+    assert 4 in counting_backend["rows"]  # verification passes (3 drafts + 1) ran on the pool
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
-def test_short_chunks_through_the_pool_match_mlx_lm(family, multi_query_backend):
+def test_short_chunks_through_the_pool_match_mlx_lm(family, counting_backend):
     # Chunks of 1..8 tokens (short prefill steps) and a batch of two sequences.
     model = tiny_models.build(family)
     chunks = [PROMPT[:5], PROMPT[5:13], PROMPT[13:14], PROMPT[14:21], PROMPT[21:29], PROMPT[29:37]]
@@ -111,7 +78,7 @@ def test_short_chunks_through_the_pool_match_mlx_lm(family, multi_query_backend)
         got = run(make_prompt_cache(model))
     for g, e in zip(got, expected):
         np.testing.assert_allclose(np.array(g), np.array(e), rtol=2e-4, atol=2e-4)
-    assert sorted(set(multi_query_backend["rows"])) == [1, 5, 7, 8]
+    assert sorted(set(counting_backend["rows"])) == [1, 5, 7, 8]
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)

@@ -16,7 +16,7 @@ Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
     paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
                     scale: float, softcap: float | None, sliding_window: int | None,
                     sinks: mx.array | None, num_splits: int | None)
-        query [S, L, H, D] (MULTI_QUERY backends; else [S, H, D], L = 1);
+        query [S, L, H, D], 1 <= L <= 8 (ops reshapes a one-token [S, H, D] query);
         block_tables int32 [S, max_blocks]; seq_lens int32 [S] (>= 1)
         sinks float32 [H] or None -> out in the query's shape and dtype
         query row l sits at position seq_len - L + l and sees t <= that position
@@ -27,12 +27,9 @@ Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
            (QuantizedKV.dtype for a quantized cache); rows past seq_len are zero
 
     decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits)
-        query [B, H, L, D] (L = 1 unless MULTI_QUERY); keys, values [B, Hkv, T, D]
+        query [B, H, L, D], 1 <= L <= 8; keys, values [B, Hkv, T, D]
         (may be strided views); row l sees keys t <= T - L + l
         -> out [B, H, L, D] in query dtype
-
-    A backend that sets ``MULTI_QUERY = True`` serves 1 <= L <= 8 query rows per
-    sequence; ops hands the others L = 1 only.
 
     copy_blocks(key_cache, value_cache, src, dst)
         src, dst int32 [n]: block src[i] is copied to block dst[i] (all heads)

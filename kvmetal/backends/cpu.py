@@ -28,9 +28,6 @@ from kvmetal.quant import QuantizedKV
 
 __all__ = ["reshape_and_cache", "paged_attention", "gather_kv_cache", "decode_attention", "copy_blocks"]
 
-# Paged queries [S, L, H, D] and decode queries [B, H, L, D], 1 <= L <= 8 (see ops).
-MULTI_QUERY = True
-
 
 def _unpack(cache):
     """(arrays, bits, group_size) of a float or quantized cache (every bit width of

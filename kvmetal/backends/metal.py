@@ -429,8 +429,6 @@ def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, write=No
 class KernelBackend:
     """The five contract functions over SPECS, with kernels made by ``make_kernel``."""
 
-    MULTI_QUERY = True  # serves 1 <= L <= 8 query rows per sequence (kvmetal.ops)
-
     def __init__(self, name: str, make_kernel: Callable, *, call_options: Callable | None = None):
         self.name = name
         self._make_kernel = make_kernel

@@ -9,7 +9,7 @@ Two patches, both undone on exit: ``model.make_cache`` returns kvmetal caches (m
 ``generate_step`` pick them up unchanged), and the name ``scaled_dot_product_attention``
 in the model's module is wrapped so that a layer holding a kvmetal cache attends through
 kvmetal: ``paged_attention`` for decode and passes of up to 8 tokens (speculative
-verification, short chunks; L > 1 where the backend declares ``MULTI_QUERY``), gather +
+verification, short chunks), gather +
 ``mx.fast.scaled_dot_product_attention`` for longer prefill. Any other cache goes to
 mlx-lm's own function untouched.
 

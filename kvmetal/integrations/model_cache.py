@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .. import backends, ops, quant
+from .. import ops, quant
 from ..cache import HOLE, KVCacheFull, PagedKVCache
 
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
@@ -399,7 +399,7 @@ class PagedLayerCache:
         """Write the new rows ([B, Hkv, L, D]) into the pool.
 
         Returns the new rows themselves when ``attention`` will read the pool directly
-        (L == 1, or L <= 8 on a multi-query backend), else the layer's keys/values
+        (L <= 8), else the layer's keys/values
         [B, Hkv, T, D] gathered from the pool (lazily: only run if something reads them)."""
         batch, num_kv_heads, num_new, head_dim = keys.shape
         if batch != len(self.seq_ids):
@@ -409,7 +409,7 @@ class PagedLayerCache:
         self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        if num_new == 1 or (num_new <= MAX_PAGED_QUERY_TOKENS and paged_multi_query_available()):
+        if num_new <= MAX_PAGED_QUERY_TOKENS:
             return keys, values  # attention reads the pool itself
         return self._gather(plan)
 
@@ -419,8 +419,7 @@ class PagedLayerCache:
 
         A mask from our own ``make_mask`` (or None / "causal") means causal attention,
         within the layer's window and any window the model asked for. Passes of up to
-        ``MAX_PAGED_QUERY_TOKENS`` tokens then run ``paged_attention`` on the pool (L > 1
-        only where the backend serves several query tokens); longer ones gather and run
+        ``MAX_PAGED_QUERY_TOKENS`` tokens then run ``paged_attention`` on the pool; longer ones gather and run
         ``mx.fast.scaled_dot_product_attention``. A mask array we did not make is applied
         as given over the gathered rows."""
         if self._plan is None:
@@ -432,15 +431,13 @@ class PagedLayerCache:
             keys, values = self._gather(plan)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
-        if num_queries == 1 or (num_queries <= MAX_PAGED_QUERY_TOKENS and paged_multi_query_available()):
-            rows = queries.reshape(batch, 1, num_heads, head_dim) if num_queries == 1 else \
-                queries.transpose(0, 2, 1, 3)
+        if num_queries <= MAX_PAGED_QUERY_TOKENS:
             out = ops.paged_attention(
-                rows,
+                queries.transpose(0, 2, 1, 3),  # [B, L, H, D]
                 self.pool.key_caches[self._index], self.pool.value_caches[self._index],
                 plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
                 sinks=sinks, validate=False)  # ops casts sinks to float32
-            return out.reshape(batch, num_heads, 1, head_dim) if num_queries == 1 else out.transpose(0, 2, 1, 3)
+            return out.transpose(0, 2, 1, 3)
         keys, values = self._gather(plan)
         starts = [o - num_queries for o in self._offsets]
         if batch == 1 and window is None:
@@ -764,9 +761,3 @@ def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, grou
                                            validate=False)
                 dst_pool._write_trusted(layer, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2), slots)
     return refs
-
-
-def paged_multi_query_available() -> bool:
-    """Whether the current kvmetal backend serves 2-8 query tokens per sequence
-    (``MULTI_QUERY``); otherwise short passes gather and use MLX's attention."""
-    return bool(getattr(backends.get(), "MULTI_QUERY", False))
