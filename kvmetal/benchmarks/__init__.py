@@ -125,7 +125,7 @@ def _attach_fractions(result: dict, read_gbps: float, chip, progress) -> float:
                           f"was cache-resident or the timing noisy; no fraction reported")
     if chip is not None:
         result["chip"] = chip.device_name
-        result["fraction_of_peak"] = min(gbps / chip.bandwidth_gbs, 1.0) if gbps <= chip.bandwidth_gbs else None
+        result["fraction_of_peak"] = gbps / chip.bandwidth_gbs if gbps <= chip.bandwidth_gbs else None
     return read_gbps
 
 

@@ -174,7 +174,13 @@ def run(entry: int, bindings: Bindings, *, grid, threadgroup, seed: int, strict:
             worker.join(0.25)
     except KeyboardInterrupt:
         launch.cancel = 1  # the runtime stops at its next loop check
-        worker.join()
+        # Wait for it even through more Ctrl-C: the native launch still writes into
+        # buffers this frame owns, so leaving early could free them under it.
+        while worker.is_alive():
+            try:
+                worker.join()
+            except KeyboardInterrupt:
+                pass
         raise
     seconds = time.perf_counter() - t0
     if result.get("rc", 7) != 0:

@@ -20,6 +20,11 @@ SHUFFLES = ("simd_shuffle", "simd_shuffle_xor", "simd_shuffle_up", "simd_shuffle
             "quad_shuffle_down", "quad_broadcast", "simd_broadcast_first")
 
 
+def _per_load(loaded: int, load_ops: int) -> float:
+    """Bytes per load instruction (0 when nothing was loaded)."""
+    return loaded / load_ops if load_ops else 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class BufferTraffic:
     """Bytes one kernel call moved through one device buffer."""
@@ -34,7 +39,7 @@ class BufferTraffic:
 
     @property
     def bytes_per_load(self) -> float:
-        return self.loaded / self.load_ops if self.load_ops else 0.0
+        return _per_load(self.loaded, self.load_ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +74,6 @@ class KernelCall:
         return sum(b.stored for b in self.buffers.values())
 
     @property
-    def load_ops(self) -> int:
-        return sum(b.load_ops for b in self.buffers.values())
-
-    @property
     def threadgroups(self) -> int:
         count = 1
         for g, t in zip(self.grid, self.threadgroup):
@@ -97,8 +98,7 @@ class KernelCall:
     def bytes_per_load(self, *names: str) -> float:
         """Bytes per load instruction over the named buffers (all buffers if none given)."""
         bufs = [self.buffers[n] for n in names] if names else list(self.buffers.values())
-        ops = sum(b.load_ops for b in bufs)
-        return sum(b.loaded for b in bufs) / ops if ops else 0.0
+        return _per_load(sum(b.loaded for b in bufs), sum(b.load_ops for b in bufs))
 
 
 class Trace:

@@ -83,12 +83,13 @@ def _threadgroup_decl(counter):
     return sub
 
 
-def _matching_bracket(s: str, open_pos: int) -> int:
+def _matching(s: str, open_pos: int, open_ch: str = "[", close_ch: str = "]") -> int:
+    """Index of the bracket closing the one at ``open_pos`` (-1 if unbalanced)."""
     depth = 0
     for j in range(open_pos, len(s)):
-        if s[j] == "[":
+        if s[j] == open_ch:
             depth += 1
-        elif s[j] == "]":
+        elif s[j] == close_ch:
             depth -= 1
             if depth == 0:
                 return j
@@ -117,7 +118,7 @@ def _check_tg_indices(s: str, arrays: dict) -> str:
         out.append(s[i:m.end() - 1])
         pos, dims = m.end() - 1, arrays[name]
         for k, extent in enumerate(dims):
-            close = _matching_bracket(s, pos)
+            close = _matching(s, pos)
             if close < 0:
                 break
             inner = _check_tg_indices(s[pos + 1:close], arrays)
@@ -155,18 +156,6 @@ def _number_sync_calls(counter):
 _LOOP = re.compile(r"\b(for|while)\s*\(")
 
 
-def _matching_paren(s: str, open_pos: int) -> int:
-    depth = 0
-    for j in range(open_pos, len(s)):
-        if s[j] == "(":
-            depth += 1
-        elif s[j] == ")":
-            depth -= 1
-            if depth == 0:
-                return j
-    return -1
-
-
 def _top_level_semicolons(text: str) -> list:
     depth, out = 0, []
     for j, ch in enumerate(text):
@@ -187,7 +176,7 @@ def _tick_loops(s: str) -> str:
         if m.start() < i:
             continue
         open_pos = m.end() - 1
-        close = _matching_paren(s, open_pos)
+        close = _matching(s, open_pos, "(", ")")
         if close < 0:
             continue
         head = s[open_pos + 1:close]
