@@ -47,20 +47,18 @@ inline void kv_quantize_group(PI src, PW words, PS scale_out, PS bias_out) {
 }
 
 //@kernel cache_rows_convert
-// Inputs:  new_rows [T, Hkv, D] (any float dtype); src_token int32 [T] (the token
-//          whose row lands in output row t: padding tokens repeat a real one)
+// Inputs:  new_rows [T, Hkv, D] (any float dtype); output row t is input row t
 // Outputs: rows_out [T, Hkv, D] TC
 // Grid:    threads (D / 4, Hkv, T); threadgroup (D / 4, 1, 1).
 const int chunk = int(thread_position_in_grid.x);
 const int kvh = int(thread_position_in_grid.y);
 const int tok = int(thread_position_in_grid.z);
 const int num_kv_heads = int(threads_per_grid.y);
-const size_t src = (size_t(src_token[tok]) * num_kv_heads + kvh) * D + chunk * 4;
-const size_t dst = (size_t(tok) * num_kv_heads + kvh) * D + chunk * 4;
-kv_store4<TC>(rows_out + dst, kv_load4(new_rows + src));
+const size_t row = (size_t(tok) * num_kv_heads + kvh) * D + chunk * 4;
+kv_store4<TC>(rows_out + row, kv_load4(new_rows + row));
 
 //@kernel cache_rows_quantize
-// Inputs:  new_rows [T, Hkv, D] (any float dtype); src_token int32 [T] (as above)
+// Inputs:  new_rows [T, Hkv, D] (any float dtype); output row t is input row t
 // Outputs: words_out uint32 [T, Hkv, D * BITS / 32]; scales_out, biases_out
 //          [T, Hkv, D / GS] TC. Each row's scales come from that row alone.
 // Grid:    threads (D / GS, Hkv, T), one group each; threadgroup (D / GS, 1, 1).
@@ -68,9 +66,8 @@ const int group = int(thread_position_in_grid.x);
 const int kvh = int(thread_position_in_grid.y);
 const int tok = int(thread_position_in_grid.z);
 const int num_kv_heads = int(threads_per_grid.y);
-const size_t src_row = size_t(src_token[tok]) * num_kv_heads + kvh;
-const size_t dst_row = size_t(tok) * num_kv_heads + kvh;
-kv_quantize_group<BITS, GS, TC>(new_rows + src_row * D + group * GS,
-                            words_out + dst_row * (D * BITS / 32) + group * (GS * BITS / 32),
-                            scales_out + dst_row * (D / GS) + group,
-                            biases_out + dst_row * (D / GS) + group);
+const size_t row = size_t(tok) * num_kv_heads + kvh;
+kv_quantize_group<BITS, GS, TC>(new_rows + row * D + group * GS,
+                            words_out + row * (D * BITS / 32) + group * (GS * BITS / 32),
+                            scales_out + row * (D / GS) + group,
+                            biases_out + row * (D / GS) + group);

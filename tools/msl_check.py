@@ -128,10 +128,10 @@ for dtype, D, bs, kq, vq, L in [(mx.float16, 128, 16, None, None, 1), (mx.bfloat
         return backend.gather_kv_cache(rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:]), bt, sl, max_len=40)
     trace(gather, bt, sl, *parts(kk), *parts(vv))
     rows = mx.zeros((3, Hkv, D), dtype=mx.float32)
-    src, idx = mx.array([0, 0, 2], dtype=mx.int32), mx.arange(3 * Hkv, dtype=mx.int32)
-    def write(rows, src, idx, *arrs):
-        return backend._write_rows(rows, rebuild(kk, arrs), src, idx)
-    trace(write, rows, src, idx, *parts(kk))
+    idx, keep = mx.arange(3 * Hkv, dtype=mx.int32), mx.ones((3 * Hkv,), dtype=mx.bool_)
+    def write(rows, idx, keep, *arrs):
+        return backend._write_rows(rows, rebuild(kk, arrs), idx, keep)
+    trace(write, rows, idx, keep, *parts(kk))
     def copy(s, d, *arrs):
         return backend._copy(rebuild(kk, arrs), s, d)
     trace(copy, mx.array([1, 2], dtype=mx.int32), mx.array([3, 4], dtype=mx.int32), *parts(kk))

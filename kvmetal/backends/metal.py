@@ -301,11 +301,11 @@ SPECS = {
                    _PARTIALS + ("sinks", "params"), ("out",), ("TQ", "D", "HAS_SINKS"),
                    lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
                    math_mode=ATTENTION_MATH_MODE),
-        KernelSpec("cache_rows_convert", "cache_write", ("new_rows", "src_token"), ("rows_out",),
+        KernelSpec("cache_rows_convert", "cache_write", ("new_rows",), ("rows_out",),
                    ("TC", "D"),
                    lambda *, tokens, num_kv_heads, head_dim: Geometry(
                        grid=(head_dim // 4, num_kv_heads, tokens), threadgroup=(head_dim // 4, 1, 1))),
-        KernelSpec("cache_rows_quantize", "cache_write", ("new_rows", "src_token"),
+        KernelSpec("cache_rows_quantize", "cache_write", ("new_rows",),
                    ("words_out", "scales_out", "biases_out"), ("TC", "D", "BITS", "GS"),
                    lambda *, tokens, num_kv_heads, groups: Geometry(
                        grid=(groups, num_kv_heads, tokens), threadgroup=(groups, 1, 1))),
@@ -399,7 +399,7 @@ def _placeholder(dtype):
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 
 
-def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, write=None) -> mx.array:
+def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, write: mx.array) -> mx.array:
     """``array`` viewed as [rows, width] with ``rows`` written at ``row_index``.
 
     MLX scatters: they run in place (buffer donation) when ``array`` has no other
@@ -413,9 +413,6 @@ def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, write=No
     width = array.shape[-1]
     flat = array.reshape(-1, width)
     new = rows.reshape(-1, width)
-    if write is None:
-        flat[row_index] = new
-        return flat.reshape(array.shape)
     bits = _BITS[array.dtype.size]
     keep = mx.where(write, 0, 1).astype(bits)[:, None]
     words = flat.view(bits)
@@ -480,27 +477,26 @@ class KernelBackend:
             return key_cache, value_cache
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         # Index guard: a slot outside [0, N * BS) (negative = padding, or validate=False
-        # misuse) writes nothing. Such tokens aim at row 0 with a no-op write, so the
-        # scatter needs no host sync and no mask (see _scatter_rows).
+        # misuse) writes nothing. Such tokens aim at row 0 with their write masked off
+        # (``write`` false, see _scatter_rows), so the scatter needs no host sync.
         valid = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
         slots = mx.where(valid, slot_mapping, 0)
         block, offset = slots // block_size, slots % block_size
         heads = mx.arange(num_kv_heads, dtype=mx.int32)
         row_index = ((block[:, None] * num_kv_heads + heads[None, :]) * block_size + offset[:, None]).reshape(-1)
         write = mx.broadcast_to(valid[:, None], (num_tokens, num_kv_heads)).reshape(-1)
-        src_token = mx.arange(num_tokens, dtype=mx.int32)
-        return (self._write_rows(key, key_cache, src_token, row_index, write),
-                self._write_rows(value, value_cache, src_token, row_index, write))
+        return (self._write_rows(key, key_cache, row_index, write),
+                self._write_rows(value, value_cache, row_index, write))
 
-    def _write_rows(self, rows, cache, src_token, row_index, keep=None):
+    def _write_rows(self, rows, cache, row_index, write):
         num_tokens, num_kv_heads, head_dim = rows.shape
         if not isinstance(cache, QuantizedKV):
             template = dict(TC=cache.dtype, D=head_dim)
             geometry = SPECS["cache_rows_convert"].geometry(tokens=num_tokens, num_kv_heads=num_kv_heads,
                                                             head_dim=head_dim)
             (converted,) = self.launch("cache_rows_convert", template, geometry, [rows.shape], [cache.dtype],
-                                       new_rows=rows, src_token=src_token)
-            return _scatter_rows(cache, row_index, converted, keep)
+                                       new_rows=rows)
+            return _scatter_rows(cache, row_index, converted, write)
         groups = head_dim // cache.group_size
         template = dict(TC=cache.dtype, D=head_dim, BITS=cache.bits, GS=cache.group_size)
         geometry = SPECS["cache_rows_quantize"].geometry(tokens=num_tokens, num_kv_heads=num_kv_heads,
@@ -509,10 +505,10 @@ class KernelBackend:
             "cache_rows_quantize", template, geometry,
             [(num_tokens, num_kv_heads, head_dim * cache.bits // 32), (num_tokens, num_kv_heads, groups),
              (num_tokens, num_kv_heads, groups)],
-            [mx.uint32, cache.dtype, cache.dtype], new_rows=rows, src_token=src_token)
-        return cache.replace(_scatter_rows(cache.data, row_index, words, keep),
-                             _scatter_rows(cache.scales, row_index, scales, keep),
-                             _scatter_rows(cache.biases, row_index, biases, keep))
+            [mx.uint32, cache.dtype, cache.dtype], new_rows=rows)
+        return cache.replace(_scatter_rows(cache.data, row_index, words, write),
+                             _scatter_rows(cache.scales, row_index, scales, write),
+                             _scatter_rows(cache.biases, row_index, biases, write))
 
     def copy_blocks(self, key_cache, value_cache, src, dst):
         return self._copy(key_cache, src, dst), self._copy(value_cache, src, dst)
