@@ -222,6 +222,17 @@ def test_the_next_turn_of_a_chat_reuses_the_blocks_of_the_last(capped):
     assert second.usage.prompt_tokens_details.cached_tokens >= 16 * (first.usage.prompt_tokens // 16) > 0
 
 
+def test_cached_tokens_are_reported_when_the_first_token_ends_the_request(capped):
+    # regression: the engine forgets a finished request, so a one-token request reported 0 cached
+    c = client(capped)
+    prompt = "The paged cache shares whole blocks of a prompt prefix between requests that start alike, " * 2
+    first = c.completions.create(model=capped.model, prompt=prompt, max_tokens=4)
+    assert first.usage.prompt_tokens >= 32
+    again = c.completions.create(model=capped.model, prompt=prompt, max_tokens=1)
+    assert again.usage.completion_tokens == 1
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, model_dir):
     post = lambda path, body: httpx.post(capped.url + path, content=body,  # noqa: E731
                                          headers={"content-type": "application/json"})

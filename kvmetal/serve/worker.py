@@ -91,6 +91,7 @@ class EngineWorker:
         self.store = None
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict = {}
+        self._requests: dict = {}  # the Request of each sink (the engine forgets finished ones)
         self._stopping = False
         self.failed: str | None = None  # why the engine loop died, if it did
         self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
@@ -215,10 +216,12 @@ class EngineWorker:
                 return
             if sink is not None:
                 self._sinks[request_id] = sink
+                self._requests[request_id] = engine.requests[request_id]
         elif kind == "abort":
             if engine.abort(request_id):
                 self.finished["abort"] += 1
             self._sinks.pop(request_id, None)
+            self._requests.pop(request_id, None)
 
     def _step(self) -> None:
         engine = self.engine
@@ -232,12 +235,13 @@ class EngineWorker:
         generated = 0
         out = []
         for event in events:
-            request = engine.requests.get(event.request_id)
             sink = self._sinks.get(event.request_id)
+            request = self._requests.get(event.request_id)
             if event.token is not None:
                 generated += 1
             if event.finished:
                 self._sinks.pop(event.request_id, None)
+                self._requests.pop(event.request_id, None)
                 self.finished[event.finish_reason] = self.finished.get(event.finish_reason, 0) + 1
             if sink is not None:
                 cached = request.cached_prompt_tokens if request is not None else 0
@@ -256,6 +260,7 @@ class EngineWorker:
             self.finished["error"] += 1
             sink(Delivery(None, error=error))
         self._sinks.clear()
+        self._requests.clear()
 
     def _fail_pending_commands(self) -> None:
         """Requests submitted while the loop was ending get an error instead of silence."""
