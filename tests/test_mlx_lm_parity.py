@@ -181,3 +181,12 @@ def test_reference_caches_are_mlx_lm_kinds():
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
     assert kinds == {"KVCache", "RotatingKVCache"}
     assert isinstance(make_prompt_cache(tiny_models.build("llama"))[0], KVCache)
+
+
+def test_different_k_and_v_group_sizes_are_refused_before_patching():
+    model = tiny_models.build("llama")
+    with pytest.raises(NotImplementedError, match=r"k_group_size 32 and v_group_size 64 differ"):
+        use_paged_cache(model, k_bits=8, v_bits=8, k_group_size=32, v_group_size=64)
+    assert "make_cache" not in vars(model)
+    with use_paged_cache(model, k_bits=8, v_bits=8, k_group_size=32, v_group_size=32):
+        pass

@@ -22,7 +22,6 @@ WORKLOADS = {
     "mixed": dict(requests=32, prompt=(16, 2048), output=(16, 512), shared_prefix=0),
 }
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-EPSILON = {mx.float32: 2.0 ** -23, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}  # spacing just above 1.0
 NEAR_TIE_STEPS = 16  # margins within this many rounding steps are ties that summation order can flip
 
 
@@ -140,7 +139,7 @@ def divergences(model, prompts: list, ours: list, theirs: list) -> list:
         mx.eval(top2)
         first, second = float(top2[1]), float(top2[0])
         # one rounding step of the logits' dtype at the top logit's magnitude
-        ulp = EPSILON[raw.dtype] * 2.0 ** np.floor(np.log2(max(abs(first), 1e-30)))
+        ulp = mx.finfo(raw.dtype).eps * 2.0 ** np.floor(np.log2(max(abs(first), 1e-30)))
         found.append({"request": i, "step": step, "kvmetal_token": a[step] if step < len(a) else None,
                       "mlx_lm_token": b[step] if step < len(b) else None, "top2_margin": first - second,
                       "margin_in_rounding_steps": (first - second) / ulp,

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from ..cache import KVCacheFull
+from ..cache import KVCacheFull, _is_int
 from .mlx_lm import use_paged_cache
 
 
@@ -145,7 +145,7 @@ def _token_id(name: str, value) -> int:
     """A token id from an int or a decimal string (JSON object keys are strings)."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not _is_int(value) or value < 0:
         raise ValueError(f"{name} token ids must be ints >= 0, got {value!r}")
     return int(value)
 
@@ -188,6 +188,11 @@ class Request:
         """Prompt and output so far: what a preempted request is recomputed from."""
         return self.prompt + self.output
 
+    @property
+    def num_tokens(self) -> int:
+        """``len(self.tokens)`` without building the list (read every decode step)."""
+        return len(self.prompt) + len(self.output)
+
 
 @dataclass(frozen=True)
 class Event:
@@ -204,9 +209,9 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
-def _check_count(name: str, value) -> int:
+def _check_count(op: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"[Engine.add_request] {name} must be an int >= 1, got {value!r}")
+        raise ValueError(f"[{op}] {name} must be an int >= 1, got {value!r}")
     return value
 
 
@@ -236,7 +241,7 @@ class Engine:
                  k_group_size: int | None = None, v_group_size: int | None = None):
         self.model = model
         if max_prefill_tokens is not None:  # checked before the model is patched: a bad value leaks nothing
-            _check_count("max_prefill_tokens", max_prefill_tokens)
+            _check_count("Engine", "max_prefill_tokens", max_prefill_tokens)
         groups = {k: v for k, v in (("k_group_size", k_group_size), ("v_group_size", v_group_size)) if v is not None}
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
                                       v_bits=v_bits, **groups)
@@ -284,10 +289,6 @@ class Engine:
             return None
         return min(p.allocator.num_blocks for p in full) * self.block_size
 
-    def _fits_alone(self, num_tokens: int) -> bool:
-        limit = self.max_sequence_tokens
-        return limit is None or num_tokens <= limit
-
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, *, max_tokens: int, request_id=None, sampling: SamplingParams | None = None,
@@ -311,12 +312,11 @@ class Engine:
             raise ValueError("[Engine.add_request] prompt must hold at least one token")
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
         for t in prompt:
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0 or (
-                    vocab is not None and t >= vocab):
+            if not _is_int(t) or t < 0 or (vocab is not None and t >= vocab):
                 bound = f" and < {vocab} (the vocabulary)" if vocab is not None else ""
                 raise ValueError(f"[Engine.add_request] prompt token ids must be ints >= 0{bound}, got {t!r}")
         prompt = [int(t) for t in prompt]
-        _check_count("max_tokens", max_tokens)
+        _check_count("Engine.add_request", "max_tokens", max_tokens)
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise TypeError(f"[Engine.add_request] sampling must be a SamplingParams or None, got {sampling!r}")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
@@ -433,11 +433,12 @@ class Engine:
         # Room for one more token per running request. One that could not grow even with
         # the pool to itself ends ("length"); otherwise preempt the newest until all fit.
         events = []
+        limit = self.max_sequence_tokens  # fixed within a step
         while True:
             appended = []
             try:
                 for request in self.running:
-                    if not self._fits_alone(len(request.tokens)):
+                    if limit is not None and request.num_tokens > limit:
                         raise _Outgrown(request)
                     self._append(request)
                     appended.append(request)
@@ -458,7 +459,7 @@ class Engine:
                 if not self.running:
                     return events
         ids = [r.request_id for r in self.running]
-        offsets = [len(r.tokens) - 1 for r in self.running]
+        offsets = [r.num_tokens - 1 for r in self.running]
         inputs = mx.array([[r.output[-1]] for r in self.running])
         logits = self.model(inputs, cache=self.cache.layer_caches(ids, offsets))
         tokens, logprobs = self._sample(self.running, logits[:, -1, :])

@@ -26,7 +26,7 @@ import threading
 import mlx.core as mx
 
 from .. import ops, quant
-from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache
+from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, _one_group_size
 
 # model families whose attention we have checked token for token against mlx-lm
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss")
@@ -232,6 +232,7 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
         if group is not None and group not in quant.SUPPORTED_GROUP_SIZES:
             raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_GROUP_SIZES}, "
                              f"got {group!r}")
+    _one_group_size(None, k_group_size, v_group_size)  # one pool, one group size: refuse a mismatch now
     _register_for_load_prompt_cache()
     return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
                             k_group_size=k_group_size, v_group_size=v_group_size)
