@@ -54,7 +54,7 @@ NB_MODULE(_ext, m) {
       "query"_a, "k"_a, "k_bits"_a, "k_group"_a, "v"_a, "v_bits"_a, "v_group"_a, "block_tables"_a, "seq_lens"_a,
       nb::kw_only(), "scale"_a, "softcap"_a = nb::none(), "sliding_window"_a = 0, "sinks"_a = nb::none(),
       "num_splits"_a = 0, "min_tokens_per_split"_a,
-      "Split-KV decode attention over a paged cache. query [S, H, D] -> [S, H, D].");
+      "Split-KV decode attention over a paged cache. query [S, L, H, D] (or [S, H, D]) -> the query's shape.");
 
   m.def(
       "decode_attention",

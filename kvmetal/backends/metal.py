@@ -556,10 +556,7 @@ class KernelBackend:
 
     def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, *, scale, softcap,
                         sliding_window, sinks, num_splits):
-        """query [S, L, H, D] -> [S, L, H, D] (a 3-D query [S, H, D] is served as L = 1)."""
-        squeeze = query.ndim == 3
-        if squeeze:
-            query = query[:, None]
+        """query [S, L, H, D] -> [S, L, H, D] (ops passes a one-token [S, H, D] query as L = 1)."""
         num_seqs, query_len, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         max_blocks = block_tables.shape[1]
@@ -581,8 +578,7 @@ class KernelBackend:
                                *self._partial_outputs(rows, splits, head_dim),
                                query=mx.contiguous(query), **kv_buffers, block_tables=block_tables,
                                seq_lens=seq_lens, params=params)
-        out = self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
-        return out[:, 0] if squeeze else out
+        return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
 
     def decode_attention(self, query, keys, values, *, scale, softcap, sinks, num_splits):
         """query [B, H, L, D] -> [B, H, L, D]; keys/values [B, Hkv, T, D] read in place (any view)."""
