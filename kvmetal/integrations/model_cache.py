@@ -675,12 +675,7 @@ class PagedLayerCache:
 
     def _first_live(self) -> int:
         """First token position every sequence still holds (a window layer drops blocks)."""
-        first = None
-        for seq in self.seq_ids:
-            table = self.pool.allocator.block_table(seq)
-            live = next((i for i, b in enumerate(table) if b != HOLE), len(table))
-            first = live if first is None else min(first, live)
-        return (first or 0) * self.block_size
+        return min((_first_live_token(self.pool, seq) for seq in self.seq_ids), default=0)
 
     def _view(self, refs: list, offsets: list) -> "PagedLayerCache":
         return PagedLayerCache(self.model_cache, self.layer, [r.seq_id for r in refs], offsets, refs=refs)
@@ -737,6 +732,12 @@ def _store_rows(cache, slots: np.ndarray, saved, index: int, count: int):
     return cache.replace(*arrays) if isinstance(cache, quant.QuantizedKV) else arrays[0]
 
 
+def _first_live_token(pool: PagedKVCache, seq_id) -> int:
+    """Position of the first token ``seq_id`` still holds in ``pool`` (evicted blocks are HOLE)."""
+    table = pool.allocator.block_table(seq_id)
+    return next((i for i, b in enumerate(table) if b != HOLE), len(table)) * pool.block_size
+
+
 def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, group_size: int) -> list:
     """Refs to copies of ``seq_ids``' live rows in a new quantized PagedModelCache."""
     options = dict(model_cache.options, k_bits=bits, v_bits=bits, group_size=group_size)
@@ -746,8 +747,7 @@ def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, grou
         total = model_cache.num_tokens(src)
         target.append(ref.seq_id, num_tokens=total)
         for pool, dst_pool in zip(model_cache.pools, target.pools):
-            table = pool.allocator.block_table(src)
-            first = next((i for i, b in enumerate(table) if b != HOLE), len(table)) * pool.block_size
+            first = _first_live_token(pool, src)
             if first:
                 dst_pool.evict(ref.seq_id, window=total - first)
             if total == first:
