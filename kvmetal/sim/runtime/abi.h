@@ -26,6 +26,15 @@ enum KmslErrorKind {
 // simdgroup instructions at full occupancy). Names: kmsl_rt_stat_name().
 #define KMSL_NCOLLECTIVE 40
 #define KMSL_NMATH 24
+// The counted transcendental functions, in counter-index order: one list for the
+// indices (msl_math.h counts KMSL_MATH_<name>) and the names (rt.cpp).
+#define KMSL_MATH_FUNCS(X)                                                                  \
+  X(exp) X(exp2) X(exp10) X(expm1) X(log) X(log2) X(log10) X(log1p) X(pow) X(powr) X(sin)    \
+  X(cos) X(tan) X(asin) X(acos) X(atan) X(atan2) X(sinh) X(cosh) X(tanh) X(asinh) X(acosh)   \
+  X(atanh) X(erf)
+#define KMSL_MATH_ENUM_ENTRY(name) KMSL_MATH_##name,
+enum KmslMathIndex { KMSL_MATH_FUNCS(KMSL_MATH_ENUM_ENTRY) KMSL_MATH_COUNT };
+#undef KMSL_MATH_ENUM_ENTRY
 struct KmslStats {
   uint64_t barriers;                       // threadgroup_barrier executions (per threadgroup)
   uint64_t collectives[KMSL_NCOLLECTIVE];  // simd/quad collectives (per simdgroup), by op

@@ -112,12 +112,11 @@ const char* const kCollectiveNames[] = {
     "quad_shuffle_down", "quad_broadcast", "simd_broadcast_first",
     "simd_ballot", "simd_all", "simd_any", "simd_active_threads_mask", "simd_is_first", "simdgroup_barrier",
     "other", nullptr};
-// Must match the order of the KMSL_MATH_* indices in msl_math.h.
-const char* const kMathNames[] = {
-    "exp", "exp2", "exp10", "expm1", "log", "log2", "log10", "log1p", "pow", "powr", "sin", "cos",
-    "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "erf", nullptr};
+#define KMSL_MATH_NAME(name) #name,
+const char* const kMathNames[] = {KMSL_MATH_FUNCS(KMSL_MATH_NAME) nullptr};  // by KMSL_MATH_<name>
+#undef KMSL_MATH_NAME
 static_assert(sizeof(kCollectiveNames) / sizeof(kCollectiveNames[0]) <= KMSL_NCOLLECTIVE + 1, "collectives");
-static_assert(sizeof(kMathNames) / sizeof(kMathNames[0]) == KMSL_NMATH + 1, "math names");
+static_assert(KMSL_MATH_COUNT == KMSL_NMATH, "one counter per function in KMSL_MATH_FUNCS");
 
 int collective_index(const char* op) {
   int k = 0;
