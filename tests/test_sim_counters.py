@@ -43,6 +43,15 @@ def test_collectives_count_once_per_simdgroup_by_kind():
     assert call.reductions == 2 * simdgroups and call.shuffles == 3 * simdgroups
 
 
+def test_a_vote_counts_once_per_simdgroup():
+    src = """
+    float x = inp[thread_position_in_grid.x];
+    out[thread_position_in_grid.x] = float(simd_all(x > 0.0f)) + 2.0f * float(simd_any(x > 1.0f));
+    """
+    call = _traced(src, [mx.ones(128)], (128,), grid=(128, 1, 1), threadgroup=(64, 1, 1), names=["inp"])
+    assert call.collectives == {"simd_all": 4, "simd_any": 4}
+
+
 def test_transcendentals_count_per_lane_and_component():
     src = """
     uint i = thread_position_in_grid.x;

@@ -104,6 +104,14 @@ inline int resolve_ballot(KmslGroup* g) {
     if (active(g, l)) out_of<uint64_t>(g, l) = mask;
   return 0;
 }
+inline int resolve_all(KmslGroup* g) {  // every active lane's b is true
+  uint64_t mask = 0;
+  for (int l = 0; l < 32; l++)
+    if (active(g, l) && in_of<bool>(g, l)) mask |= 1ull << l;
+  for (int l = 0; l < 32; l++)
+    if (active(g, l)) out_of<bool>(g, l) = mask == uint64_t(g->active);
+  return 0;
+}
 inline int resolve_active_mask(KmslGroup* g) {
   for (int l = 0; l < 32; l++)
     if (active(g, l)) out_of<uint64_t>(g, l) = g->active;
@@ -201,9 +209,7 @@ inline simd_vote simd_ballot(kmsl::site_t s, bool b) {
 }
 [[gnu::noinline]] inline simd_vote simd_ballot(bool b) { return simd_ballot(KMSL_SITE, b); }
 inline bool simd_all(kmsl::site_t s, bool b) {
-  uint64_t m = kmsl::collective<uint64_t>(s.p, "simd_all", &kmsl::resolve_ballot, b, 0);
-  uint64_t a = kmsl::collective<uint64_t>(s.p, "simd_all", &kmsl::resolve_active_mask, b, 0);
-  return m == a;
+  return kmsl::collective<bool>(s.p, "simd_all", &kmsl::resolve_all, b, 0);
 }
 [[gnu::noinline]] inline bool simd_all(bool b) { return simd_all(KMSL_SITE, b); }
 inline bool simd_any(kmsl::site_t s, bool b) {
