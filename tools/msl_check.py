@@ -133,7 +133,7 @@ for dtype, D, bs, kq, vq, L in [(mx.float16, 128, 16, None, None, 1), (mx.bfloat
         return backend._write_rows(rows, rebuild(kk, arrs), idx, keep)
     trace(write, rows, idx, keep, *parts(kk))
     def copy(s, d, *arrs):
-        return backend._copy(rebuild(kk, arrs), s, d)
+        return backend.copy_blocks(rebuild(kk, arrs), rebuild(kk, arrs), s, d)[0]
     trace(copy, mx.array([1, 2], dtype=mx.int32), mx.array([3, 4], dtype=mx.int32), *parts(kk))
 """
 

@@ -511,19 +511,21 @@ class KernelBackend:
                              _scatter_rows(cache.biases, row_index, biases, write))
 
     def copy_blocks(self, key_cache, value_cache, src, dst):
-        return self._copy(key_cache, src, dst), self._copy(value_cache, src, dst)
-
-    def _copy(self, cache, src, dst):
-        if isinstance(cache, QuantizedKV):
-            return cache.replace(*(self._copy(part, src, dst) for part in cache.arrays()))
         if src.shape[0] == 0:
-            return cache
+            return key_cache, value_cache
         # Index guard: a pair with src or dst outside [0, N) (validate=False misuse)
         # copies nothing: it reads block 0 and writes it nowhere (a masked write).
-        num_blocks = cache.shape[0]
+        # K and V have the same N (ops checks); src, dst are int32 (the contract).
+        num_blocks = key_cache.shape[0]
         valid = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
-        src = mx.where(valid, src, 0).astype(mx.int32)
-        dst = mx.where(valid, dst, 0).astype(mx.int32)
+        src = mx.where(valid, src, 0)
+        dst = mx.where(valid, dst, 0)
+        return self._copy(key_cache, src, dst, valid), self._copy(value_cache, src, dst, valid)
+
+    def _copy(self, cache, src, dst, valid):
+        """``cache`` with block ``src[i]`` copied to ``dst[i]`` where ``valid[i]`` (ids already guarded)."""
+        if isinstance(cache, QuantizedKV):
+            return cache.replace(*(self._copy(part, src, dst, valid) for part in cache.arrays()))
         blocks = cache.reshape(cache.shape[0], -1)
         width = blocks.shape[1]
         geometry = SPECS["copy_blocks_gather"].geometry(width=width, count=src.shape[0])
