@@ -300,13 +300,43 @@ def test_stop_strings_cut_the_text(capped, model_dir):
     full = chat(capped, QUESTIONS[3], max_tokens=20).choices[0].message.content
     assert len(full) > 4
     stop = full[2:4]
+    before = wait_idle(capped)
     cut = chat(capped, QUESTIONS[3], max_tokens=20, stop=[stop])
     assert cut.choices[0].message.content == full[:full.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     chunks = list(chat(capped, QUESTIONS[3], max_tokens=20, stop=[stop], stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:full.index(stop)]  # never streamed past
     assert chunks[-1].choices[0].finish_reason == "stop"
-    wait_idle(capped)  # the stop string aborted the request: its blocks come back
+    after = wait_idle(capped)  # the stop string aborted the request: its blocks come back
+    abort = 'kvmetal_requests_finished{reason="abort"}'
+    assert after[abort] == before[abort]  # a stop string is no client abort (see the in-process test below)
+
+
+def test_a_stop_string_finish_is_counted_as_stop_and_saves_its_prefix(tmp_path):
+    # regression: the stop-string abort was counted as reason="abort" and skipped the prefix store.
+    # In-process and stepped by hand: over HTTP the tiny model often ends before the abort lands.
+    from kvmetal.integrations.engine import Engine
+    from kvmetal.serve.prefix_store import PrefixStore
+    from kvmetal.serve.worker import EngineWorker
+
+    worker = EngineWorker(lambda: Engine(kv_layout_model(), block_size=16, keep_finished=False),
+                          prefix_store_factory=lambda e: PrefixStore(tmp_path, {"model": "tiny"}, e.cache))
+    worker.setup()
+    got = []
+    worker.submit("r", list(range(1, 41)), max_tokens=30, sampling=None, stop_token_ids=(), sink=got.append)
+    for command in worker._collect(wait=False):
+        worker._apply(command)
+    for _ in range(4):
+        worker._step()
+    assert got and all(d.error is None and not d.event.finished for d in got)
+    worker.abort("r", reason="stop")
+    for command in worker._collect(wait=False):
+        worker._apply(command)
+    assert worker.finished["stop"] == 1 and worker.finished["abort"] == 0
+    assert worker.store.saved_blocks >= 2 and worker.engine.cache.used_bytes == 0
+    worker.stop()
+    worker.serve_forever()
+    assert worker.snapshot()["requests_finished"]["stop"] == 1
 
 
 def test_client_disconnect_mid_stream_frees_its_blocks(capped, model_dir):

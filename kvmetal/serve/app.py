@@ -270,7 +270,7 @@ class _Run:
         piece = self.text.take(final=event.finished)
         if self.text.stopped:
             if not event.finished:
-                self.state.worker.abort(self.id)  # a stop string ended it: free its blocks now
+                self.state.worker.abort(self.id, reason="stop")  # a stop string ended it: free its blocks now
             self.finish_reason = "stop"
         return piece
 

@@ -109,8 +109,10 @@ class EngineWorker:
         self._commands.put(("add", request_id, dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
                                                     stop_token_ids=stop_token_ids, logprobs=logprobs), sink))
 
-    def abort(self, request_id) -> None:
-        self._commands.put(("abort", request_id, None, None))
+    def abort(self, request_id, reason: str = "abort") -> None:
+        """Drop a live request. ``reason`` is what it is counted as: "abort" (the client
+        left), or "stop" (a stop string ended it: its prefix is recorded as for any finish)."""
+        self._commands.put(("abort", request_id, reason, None))
 
     def stop(self) -> None:
         """Ask ``serve_forever`` to return (safe from signal handlers and other threads)."""
@@ -192,6 +194,8 @@ class EngineWorker:
             if kind == "add":
                 self._pending_sinks[request_id] = sink
                 commands.append(encode_add(request_id, kwargs))
+            elif kind == "abort":
+                commands.append([kind, request_id, kwargs])  # kwargs: the reason
             else:
                 commands.append([kind, request_id])
             if kind == "stop":
@@ -218,8 +222,13 @@ class EngineWorker:
                 self._sinks[request_id] = sink
                 self._requests[request_id] = engine.requests[request_id]
         elif kind == "abort":
+            reason = command[2] if len(command) > 2 else "abort"
+            request = engine.requests.get(request_id)
+            if (reason == "stop" and self.store is not None and request is not None and not request.finished
+                    and request in engine.running):
+                self._record_prefix(request)  # as Engine.on_finish would for a normal finish
             if engine.abort(request_id):
-                self.finished["abort"] += 1
+                self.finished[reason] = self.finished.get(reason, 0) + 1
             self._sinks.pop(request_id, None)
             self._requests.pop(request_id, None)
 
