@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import chips
-from ..quant import QuantizedKV
+from ..quant import QuantizedKV, packed_words
 from . import MIN_TOKENS_PER_SPLIT
 
 # ----------------------------------------------------------------------------- tuning
@@ -185,9 +185,8 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
 def layout_for(query, keys, values, *, paged: bool) -> AttentionLayout:
     """The layout the backend picks for a 4-D query ([S, L, H, D] paged, [B, H, L, D] contiguous)."""
     def fmt(cache):
-        if isinstance(cache, QuantizedKV):
-            return cache.bits, cache.group_size, cache.scales.dtype.size
-        return 0, 32, cache.dtype.size
+        *_, dtype, bits, group_size = _cache_parts(cache)
+        return bits, group_size, dtype.size
 
     kbits, kgs, ksize = fmt(keys)
     vbits, vgs, vsize = fmt(values)
@@ -503,7 +502,7 @@ class KernelBackend:
                                                          groups=groups)
         words, scales, biases = self.launch(
             "cache_rows_quantize", template, geometry,
-            [(num_tokens, num_kv_heads, head_dim * cache.bits // 32), (num_tokens, num_kv_heads, groups),
+            [(num_tokens, num_kv_heads, packed_words(head_dim, cache.bits)), (num_tokens, num_kv_heads, groups),
              (num_tokens, num_kv_heads, groups)],
             [mx.uint32, cache.dtype, cache.dtype], new_rows=rows)
         return cache.replace(_scatter_rows(cache.data, row_index, words, write),
