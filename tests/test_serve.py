@@ -630,3 +630,18 @@ def test_tools_and_template_kwargs_reach_the_chat_template(capped, model_dir):
     # The real server takes tools (its template ignores them) instead of rejecting the request.
     r = client(capped).chat.completions.create(model=capped.model, messages=messages[:1], tools=tools, max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bench_summary_survives_a_run_where_every_request_failed(monkeypatch):
+    # regression: 1e3 * percentile(...) crashed on None when no request succeeded
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    serve_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_load)
+    monkeypatch.setattr(serve_load, "one_request", lambda url, model, body: {"error": "503 down"})
+    summary = serve_load.replay("http://127.0.0.1:9", "m", [{"path": "/completions"}] * 3, 2)
+    assert summary["errors"] == 3 and summary["first_error"] == "503 down"
+    assert summary["ttft_p50_ms"] is None and summary["ttft_p95_ms"] is None and summary["tpot_p50_ms"] is None
