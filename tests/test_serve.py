@@ -369,6 +369,9 @@ def test_restart_with_prompt_cache_dir_gives_prefix_hits(model_dir, tmp_path):
         stop(first)
     [sub] = [p for p in store.iterdir() if p.is_dir()]
     assert (sub / "index.json").is_file() and list(sub.glob("seg-*.safetensors"))
+    # the index stays small: the chain's tokens live in the segment files
+    entries = json.loads((sub / "index.json").read_text())["entries"]
+    assert entries and all(set(e) == {"start", "end"} for e in entries.values())
     second = serve(model_dir, "--prompt-cache-dir", store)
     try:
         warm = chat(second, question)
@@ -394,11 +397,14 @@ def test_corrupt_or_mismatched_prompt_cache_files_are_ignored(model_dir, tmp_pat
     segments = sorted(sub.glob("seg-*.safetensors"))
     index = json.loads((sub / "index.json").read_text())
     assert len(index["entries"]) >= 2
-    # Damage: one file truncated, another entry's tokens changed.
+    # Damage: one file truncated, another segment's tokens changed.
     segments[0].write_bytes(segments[0].read_bytes()[:100])
     key = next(k for k in index["entries"] if f"seg-{k}.safetensors" != segments[0].name)
-    index["entries"][key]["tokens"][0] += 1
-    (sub / "index.json").write_text(json.dumps(index))
+    import mlx.core as mx
+
+    arrays = dict(mx.load(str(sub / f"seg-{key}.safetensors")))
+    arrays["tokens"] = arrays["tokens"] + (mx.arange(arrays["tokens"].size) == 0).astype(mx.int32)
+    mx.save_safetensors(str(sub / f"seg-{key}.safetensors"), arrays)
     second = serve(model_dir, "--prompt-cache-dir", store, "--log-level", "INFO")
     try:
         assert read_metrics(second)["kvmetal_prompt_cache_warnings"] >= 2
@@ -418,6 +424,24 @@ def test_corrupt_or_mismatched_prompt_cache_files_are_ignored(model_dir, tmp_pat
     finally:
         stop(third)
     assert "another model or cache format" in third.output
+
+
+def test_a_prompt_cache_of_an_older_store_format_is_ignored_with_a_warning(tmp_path, caplog):
+    from kvmetal.integrations.engine import Engine
+    from kvmetal.serve import prefix_store
+    from kvmetal.serve.prefix_store import PrefixStore
+
+    engine = Engine(kv_layout_model(), block_size=16, keep_finished=False)
+    store = PrefixStore(tmp_path, {"model": "tiny"}, engine.cache)
+    old = tmp_path / "0123456789abcdef"
+    old.mkdir()
+    fingerprint = dict(store.fingerprint, store_format=prefix_store.STORE_FORMAT - 1)
+    (old / "index.json").write_text(json.dumps({"fingerprint": fingerprint, "entries": {
+        "ab" * 16: {"tokens": list(range(16)), "start": 0, "end": 1}}}))
+    with caplog.at_level("WARNING", logger="kvmetal.serve"):
+        assert store.load() == 0
+    assert "store format" in caplog.text and store.entries == {} and store.warnings == 0
+    engine.close()
 
 
 def test_kv_bits_flags_quantize_the_pool_under_the_same_cap(model_dir):

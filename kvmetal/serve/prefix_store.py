@@ -2,17 +2,19 @@
 
 Layout of the directory::
 
-    DIR/<fingerprint>/index.json          format, fingerprint, one entry per segment
+    DIR/<fingerprint>/index.json          fingerprint, one {start, end} entry per segment
     DIR/<fingerprint>/seg-<hash>.safetensors
 
-A *segment* is a run of full blocks ``[start, end)`` of one token chain; its entry
-holds the chain's token ids up to ``end`` and is keyed by the chain hash of its last
-block. The fingerprint covers the model (config, weight file names, sizes and sampled
+A *segment* is a run of full blocks ``[start, end)`` of one token chain; its file holds
+the blocks' K/V arrays and the chain's token ids up to ``end`` (``tokens``, int32), and
+it is keyed by the chain hash of its last block. The index entries stay small (no
+tokens), so rewriting the index when a request finishes costs little. The fingerprint covers the model (config, weight file names, sizes and sampled
 bytes) and the cache format (block size, K/V bits, layer groups), so a server never
 loads blocks written by another model or format: the subdirectory differs, and the
 fingerprint inside ``index.json`` is checked again. A corrupt index, a missing or
 unreadable segment, a token chain that does not match its key, or arrays of the wrong
-shape or dtype are skipped with a warning, never loaded.
+shape or dtype are skipped with a warning, never loaded. A directory written with
+another ``STORE_FORMAT`` has another fingerprint, so it is never read (a warning says so).
 
 Writing: when a request finishes, the engine thread slices its full, un-evicted
 blocks that are not on disk yet (one small gather per layer), saves them as one
@@ -37,7 +39,7 @@ from .. import quant
 
 log = logging.getLogger("kvmetal.serve")
 
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: the chain's tokens live in the segment file, not in index.json
 _SAMPLE = 1 << 20  # bytes read from each end of a weight file for the fingerprint
 
 
@@ -133,13 +135,30 @@ class PrefixStore:
             return {}
         return entries
 
+    def _note_other_formats(self) -> None:
+        """Warn about directories this model wrote with another STORE_FORMAT (they are not read)."""
+        same = {k: v for k, v in self.fingerprint.items() if k != "store_format"}
+        for path in self.root.parent.glob("*/index.json"):
+            if path.parent == self.root:
+                continue
+            try:
+                fingerprint = json.loads(path.read_text()).get("fingerprint")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if (isinstance(fingerprint, dict) and fingerprint.get("store_format") != STORE_FORMAT
+                    and {k: v for k, v in fingerprint.items() if k != "store_format"} == same):
+                log.warning("prompt cache %s: written with store format %r, not %d; ignored",
+                            path.parent, fingerprint.get("store_format"), STORE_FORMAT)
+
     def load(self) -> int:
         """Load every valid segment into the pool's prefix cache; returns the blocks loaded."""
+        self._note_other_formats()
         entries = self._read_index()
         ordered = sorted(entries.items(), key=lambda kv: kv[1].get("end", 0) if isinstance(kv[1], dict) else 0)
+        self.known = set()
         for key, entry in ordered:
             try:
-                loaded = self._load_entry(key, entry)
+                loaded, hashes = self._load_entry(key, entry)
             except _Skip as e:
                 self._warn(f"segment {key[:12]}: {e}; skipped")
                 continue
@@ -149,39 +168,42 @@ class PrefixStore:
             if loaded is None:
                 self._warn("the KV pool is full; the remaining segments stay on disk")
                 break
-            self.entries[key] = entry
+            self.entries[key] = {"start": entry["start"], "end": entry["end"]}
             self.loaded_blocks += loaded
-        self.known = set()
-        for entry in self.entries.values():
-            self.known.update(chain_hashes(entry["tokens"], self.block_size))
+            self.known.update(hashes)
         return self.loaded_blocks
 
-    def _load_entry(self, key: str, entry) -> int | None:
+    def _load_entry(self, key: str, entry) -> tuple:
+        """(blocks loaded, or None when the pool is full; the chain hashes of the segment's tokens)."""
         bs = self.block_size
         if not isinstance(entry, dict):
             raise _Skip("entry is not an object")
-        tokens, start, end = entry.get("tokens"), entry.get("start"), entry.get("end")
-        if (not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
-                or not isinstance(start, int) or not isinstance(end, int) or not 0 <= start < end
-                or len(tokens) != end * bs):
+        start, end = entry.get("start"), entry.get("end")
+        if (not isinstance(start, int) or isinstance(start, bool) or not isinstance(end, int)
+                or isinstance(end, bool) or not 0 <= start < end):
             raise _Skip("entry fields are malformed")
-        hashes = chain_hashes(tokens, bs)
-        if hashes[-1] != key:
-            raise _Skip("its tokens do not match its chain hash")
         path = self.root / f"seg-{key}.safetensors"
         if not path.is_file():
             raise _Skip("its file is missing")
         arrays = mx.load(str(path))
+        stored = arrays.get("tokens")
+        if stored is None or tuple(stored.shape) != (end * bs,) or stored.dtype != mx.int32:
+            found = None if stored is None else f"{tuple(stored.shape)} {stored.dtype}"
+            raise _Skip(f"its token array is {found}, expected ({end * bs},) int32")
+        tokens = stored.tolist()
+        hashes = chain_hashes(tokens, bs)
+        if hashes[-1] != key:
+            raise _Skip("its tokens do not match its chain hash")
         pools = self.model_cache.pools
         probe = tokens + [0]  # one extra token so that every full block may be shared
         have = min(p.allocator.cached_prefix(probe) for p in pools)
         if have >= end * bs:
-            return 0  # already in the pool
+            return 0, hashes  # already in the pool
         if have < start * bs:
             raise _Skip("the segment before it was not loaded")
         self._check_arrays(arrays, end - start)
         if not all(p.allocator.can_add(probe) for p in pools):
-            return None
+            return None, hashes
         seq = ("kvmetal-prefix-store", key)
         cached = self.model_cache.add_sequence(seq, probe)
         first = cached // bs
@@ -195,7 +217,7 @@ class PrefixStore:
                 mx.eval(pool.arrays())
         finally:
             self.model_cache.free(seq)
-        return end - first
+        return end - first, hashes
 
     def _check_arrays(self, arrays: dict, num_blocks: int) -> None:
         for g, pool in enumerate(self.model_cache.pools):
@@ -239,7 +261,8 @@ class PrefixStore:
                 for kind, caches in (("k", pool.key_caches), ("v", pool.value_caches)):
                     for j, source in enumerate(_layer_arrays(caches[layer])):
                         arrays[f"g{g}.l{layer}.{kind}.{j}"] = source[ids]
-        entry = {"tokens": [int(t) for t in tokens[: end * bs]], "start": start, "end": end}
+        arrays["tokens"] = mx.array(np.asarray(tokens[: end * bs], dtype=np.int32))
+        entry = {"start": start, "end": end}
         key = hashes[end - 1]
         try:
             mx.save_safetensors(str(self.root / f"seg-{key}.safetensors"), arrays)
