@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .. import quant
+from ..integrations.model_cache import _pool_arrays
 
 log = logging.getLogger("kvmetal.serve")
 
@@ -85,8 +85,14 @@ def cache_format(model_cache) -> dict:
     return {"block_size": model_cache.block_size, "groups": groups}
 
 
-def _layer_arrays(cache) -> list:
-    return list(cache.arrays()) if isinstance(cache, quant.QuantizedKV) else [cache]
+def _named_arrays(pools):
+    """(group, name, array) for every K/V array of every layer of ``pools``, named as a
+    segment file stores it (``g<group>.l<layer>.<k|v>.<part>``)."""
+    for g, pool in enumerate(pools):
+        for layer in range(pool.num_layers):
+            for kind, caches in (("k", pool.key_caches), ("v", pool.value_caches)):
+                for j, array in enumerate(_pool_arrays(caches[layer])):
+                    yield g, f"g{g}.l{layer}.{kind}.{j}", array
 
 
 class PrefixStore:
@@ -208,28 +214,21 @@ class PrefixStore:
         cached = self.model_cache.add_sequence(seq, probe)
         first = cached // bs
         try:
-            for g, pool in enumerate(pools):
-                ids = mx.array(pool.allocator.block_table(seq)[first:end], dtype=mx.int32)
-                for layer in range(pool.num_layers):
-                    for kind, caches in (("k", pool.key_caches), ("v", pool.value_caches)):
-                        for j, target in enumerate(_layer_arrays(caches[layer])):
-                            target[ids] = arrays[f"g{g}.l{layer}.{kind}.{j}"][first - start:]
-                mx.eval(pool.arrays())
+            ids = [mx.array(pool.allocator.block_table(seq)[first:end], dtype=mx.int32) for pool in pools]
+            for g, name, target in _named_arrays(pools):
+                target[ids[g]] = arrays[name][first - start:]
+            mx.eval([pool.arrays() for pool in pools])
         finally:
             self.model_cache.free(seq)
         return end - first, hashes
 
     def _check_arrays(self, arrays: dict, num_blocks: int) -> None:
-        for g, pool in enumerate(self.model_cache.pools):
-            for layer in range(pool.num_layers):
-                for kind, caches in (("k", pool.key_caches), ("v", pool.value_caches)):
-                    for j, target in enumerate(_layer_arrays(caches[layer])):
-                        name = f"g{g}.l{layer}.{kind}.{j}"
-                        got = arrays.get(name)
-                        want = (num_blocks, *target.shape[1:])
-                        if got is None or tuple(got.shape) != want or got.dtype != target.dtype:
-                            found = None if got is None else f"{tuple(got.shape)} {got.dtype}"
-                            raise _Skip(f"array {name} is {found}, expected {want} {target.dtype}")
+        for _, name, target in _named_arrays(self.model_cache.pools):
+            got = arrays.get(name)
+            want = (num_blocks, *target.shape[1:])
+            if got is None or tuple(got.shape) != want or got.dtype != target.dtype:
+                found = None if got is None else f"{tuple(got.shape)} {got.dtype}"
+                raise _Skip(f"array {name} is {found}, expected {want} {target.dtype}")
 
     # ------------------------------------------------------------------ saving
 
@@ -254,13 +253,8 @@ class PrefixStore:
             start += 1
         if start == end:
             return
-        arrays = {}
-        for g, (pool, table) in enumerate(zip(pools, tables)):
-            ids = mx.array(table[start:end], dtype=mx.int32)
-            for layer in range(pool.num_layers):
-                for kind, caches in (("k", pool.key_caches), ("v", pool.value_caches)):
-                    for j, source in enumerate(_layer_arrays(caches[layer])):
-                        arrays[f"g{g}.l{layer}.{kind}.{j}"] = source[ids]
+        ids = [mx.array(table[start:end], dtype=mx.int32) for table in tables]
+        arrays = {name: source[ids[g]] for g, name, source in _named_arrays(pools)}
         arrays["tokens"] = mx.array(np.asarray(tokens[: end * bs], dtype=np.int32))
         entry = {"start": start, "end": end}
         key = hashes[end - 1]
