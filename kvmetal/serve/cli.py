@@ -70,29 +70,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="logging level (default INFO)")
 
 
-def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``serve`` on an argparse subparsers object; its handler is ``run_serve``."""
-    parser = subparsers.add_parser("serve", help=DESCRIPTION, description=FULL_DESCRIPTION)
-    _configure(parser)
-    parser.set_defaults(func=run_serve)
-    return parser
-
-
-def group_sizes_supported() -> bool:
-    """Whether ``use_paged_cache`` takes quantization group sizes."""
-    import inspect
-
-    from ..integrations.mlx_lm import use_paged_cache
-
-    return "k_group_size" in inspect.signature(use_paged_cache).parameters
-
-
 def check_args(args) -> str | None:
     """A one-line problem with the options, or None."""
     if not (Path(args.model) / "config.json").is_file():
         return f"--model {args.model!r} is not a model directory (no config.json)"
-    if args.kv_group_size != 64 and not group_sizes_supported():
-        return "--kv-group-size: this kvmetal's paged pool quantizes in groups of 64"
     if args.chat_template_args:
         try:
             if not isinstance(json.loads(args.chat_template_args), dict):

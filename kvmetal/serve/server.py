@@ -44,8 +44,7 @@ def build_server(args, sync=None):
     model_dir = Path(args.model)
     cap = parse_memory(args.kv_memory) if args.kv_memory else None
     k_bits, v_bits = _cache_bits(args)
-    groups = {} if args.kv_group_size == 64 else {"k_group_size": args.kv_group_size,
-                                                   "v_group_size": args.kv_group_size}
+    groups = {"k_group_size": args.kv_group_size, "v_group_size": args.kv_group_size}
     loaded = {}
 
     def build():
