@@ -11,21 +11,17 @@ same machine and gets the same requests from ``--concurrency`` streaming clients
 Reported per server: requests/s, output tokens/s, p50/p95 time to first token (TTFT)
 and time per output token (TPOT), prefix hit rate (cached prompt tokens / prompt
 tokens, from the responses' usage), and for kvmetal the peak KV bytes against the cap
-(from /metrics). --json writes the numbers.
+(the server's own peak gauges, from /metrics at the end). --json writes the numbers.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -111,33 +107,10 @@ def percentile(values: list, q: float):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def replay(url: str, model: str, bodies: list, concurrency: int, metrics_url: str | None = None) -> dict:
-    import httpx
-
-    peak = {"kv_used": 0, "kv_pool": 0}
-    done = threading.Event()
-
-    def poll():
-        from kvmetal.serve.metrics import parse
-
-        while not done.is_set():
-            with contextlib.suppress(httpx.HTTPError):
-                m = parse(httpx.get(metrics_url, timeout=5).text)
-                peak["kv_used"] = max(peak["kv_used"], m["kvmetal_kv_used_bytes"])
-                peak["kv_pool"] = max(peak["kv_pool"], m["kvmetal_kv_pool_bytes"])
-            time.sleep(0.01)
-
-    poller = threading.Thread(target=poll) if metrics_url else None
-    if poller:
-        poller.start()
+def replay(url: str, model: str, bodies: list, concurrency: int) -> dict:
     start = time.perf_counter()
-    try:
-        with ThreadPoolExecutor(concurrency) as pool:
-            results = list(pool.map(lambda b: one_request(url, model, b), bodies))
-    finally:
-        done.set()
-        if poller:
-            poller.join()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda b: one_request(url, model, b), bodies))
     wall = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
@@ -154,9 +127,6 @@ def replay(url: str, model: str, bodies: list, concurrency: int, metrics_url: st
         "prefix_hit_rate": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
         "mean_latency_s": statistics.mean(r["latency"] for r in ok) if ok else None,
     }
-    if metrics_url:
-        summary["peak_kv_used_bytes"] = peak["kv_used"]
-        summary["peak_kv_pool_bytes"] = peak["kv_pool"]
     return summary
 
 
@@ -164,46 +134,24 @@ def _ms(x):
     return None if x is None else 1e3 * x
 
 
-def wait_ready(url: str, proc, timeout: float = 300) -> None:
-    import httpx
+def run_server(server, model: str, bodies: list, concurrency: int, metrics: bool) -> dict:
+    """Start ``server`` (a ``ServerProcess``; it waits for /health), warm it up, replay, stop it.
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                return
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        time.sleep(0.1)
-    raise RuntimeError("server did not start")
-
-
-def run_server(name: str, command: list, port: int, model: str, bodies: list, concurrency: int, log_dir: Path,
-               metrics: bool) -> dict:
-    log = open(log_dir / f"{name}.log", "w+")
-    here = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=here,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
-        one_request(url + "/v1", model, {"path": "/completions", "prompt": "warm up", "max_tokens": 4})
-        result = replay(url + "/v1", model, bodies, concurrency, url + "/metrics" if metrics else None)
+    With ``metrics`` (kvmetal serve), the peak KV bytes come from the server's own peak
+    gauges in one scrape at the end (they include the 4-token warm-up request)."""
+    with server:
+        one_request(server.url + "/v1", model, {"path": "/completions", "prompt": "warm up", "max_tokens": 4})
+        result = replay(server.url + "/v1", model, bodies, concurrency)
         if metrics:
-            from kvmetal.serve.metrics import parse
             import httpx
 
-            m = parse(httpx.get(url + "/metrics").text)
+            from kvmetal.serve.metrics import parse
+
+            m = parse(httpx.get(server.url + "/metrics").text)
             result.update(kv_cap_bytes=m["kvmetal_kv_cap_bytes"], preemptions=m["kvmetal_preemptions"],
-                          server_peak_kv_used_bytes=m["kvmetal_kv_peak_used_bytes"])
+                          peak_kv_used_bytes=m["kvmetal_kv_peak_used_bytes"],
+                          peak_kv_pool_bytes=m["kvmetal_kv_peak_pool_bytes"])
         return result
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def main(argv=None) -> int:
@@ -226,18 +174,19 @@ def main(argv=None) -> int:
             from kvmetal.serve.tiny import build_model_dir
 
             model = str(build_model_dir(tmp / "tiny-llama", max_position_embeddings=8192))
+        from kvmetal.serve.server import ServerProcess
+
         bodies = workload(args.requests, args.seed, args.max_tokens)
         results = {}
-        port = free_port()
-        kv_cmd = [sys.executable, "-m", "kvmetal", "serve", "--model", model, "--port", str(port),
-                  "--log-level", "WARNING", "--kv-memory", args.kv_memory, *args.kvmetal_args.split()]
-        results["kvmetal serve"] = run_server("kvmetal", kv_cmd, port, model, bodies, args.concurrency, tmp, True)
+        kvmetal = ServerProcess(model, free_port(), "--log-level", "WARNING", "--kv-memory", args.kv_memory,
+                                *args.kvmetal_args.split(), log_path=tmp / "kvmetal.log", start_timeout=300)
+        results["kvmetal serve"] = run_server(kvmetal, model, bodies, args.concurrency, True)
         if not args.skip_mlx_lm:
             port = free_port()
-            lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port),
-                      "--log-level", "WARNING"]
-            results["mlx_lm.server"] = run_server("mlx_lm", lm_cmd, port, model, bodies, args.concurrency, tmp,
-                                                  False)
+            lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
+                      "--port", str(port), "--log-level", "WARNING"]
+            mlx_lm = ServerProcess(model, port, command=lm_cmd, log_path=tmp / "mlx_lm.log", start_timeout=300)
+            results["mlx_lm.server"] = run_server(mlx_lm, model, bodies, args.concurrency, False)
     report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
@@ -253,7 +202,7 @@ def report(results: dict, args) -> None:
         print(f"{name:<15}" + "".join(f"{_fmt(r.get(c)):>20}" for c in cols))
     kv = results.get("kvmetal serve")
     if kv:
-        print(f"kvmetal peak KV: {kv['server_peak_kv_used_bytes'] / 2**20:.2f} MiB used "
+        print(f"kvmetal peak KV: {kv['peak_kv_used_bytes'] / 2**20:.2f} MiB used "
               f"(pool {kv['peak_kv_pool_bytes'] / 2**20:.2f} MiB) against a cap of "
               f"{kv['kv_cap_bytes'] / 2**20:.2f} MiB; {int(kv['preemptions'])} preemptions")
     for name, r in results.items():

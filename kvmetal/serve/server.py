@@ -163,17 +163,24 @@ def _follow(worker) -> int:
 
 
 class ServerProcess:
-    """``kvmetal serve`` in a subprocess on ``port``; ``start()`` waits for ``/health``."""
+    """``kvmetal serve`` in a subprocess on ``port``; ``start()`` waits for ``/health``.
 
-    def __init__(self, model_dir, port: int, *options, host: str = "127.0.0.1", log_path=None):
+    ``command``: run this instead (``model_dir`` and ``options`` are then unused); it must
+    serve on ``host``:``port`` and answer ``GET /health`` (``mlx_lm.server`` does).
+    ``start_timeout``: the default wait of ``start()`` (and of ``with``)."""
+
+    def __init__(self, model_dir, port: int, *options, host: str = "127.0.0.1", log_path=None,
+                 command: list | None = None, start_timeout: float = 120):
         self.url = f"http://{host}:{port}"
-        self.command = [sys.executable, "-m", "kvmetal", "serve", "--model", str(model_dir), "--host", host,
-                        "--port", str(port), *map(str, options)]
+        self.command = list(command) if command is not None else [
+            sys.executable, "-m", "kvmetal", "serve", "--model", str(model_dir), "--host", host,
+            "--port", str(port), *map(str, options)]
+        self.start_timeout = start_timeout
         self.log_path = log_path
         self.proc = None
         self.output = ""
 
-    def start(self, timeout: float = 120) -> "ServerProcess":
+    def start(self, timeout: float | None = None) -> "ServerProcess":
         import httpx
 
         import tempfile
@@ -185,14 +192,14 @@ class ServerProcess:
         here = Path(__file__).resolve().parents[2]
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT, text=True,
                                      cwd=here, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (self.start_timeout if timeout is None else timeout)
         while True:
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return self
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"kvmetal serve did not start ({' '.join(self.command)}):\n{self.output[-3000:]}")
+                raise RuntimeError(f"the server did not start ({' '.join(self.command)}):\n{self.output[-3000:]}")
             time.sleep(0.05)
 
     def stop(self, timeout: float = 60) -> int:
