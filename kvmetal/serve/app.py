@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -41,8 +42,21 @@ class ServeState:
     chat_template_kwargs: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def model_names(self) -> set:
-        return {self.model_id, Path(self.model_id).name, str(Path(self.model_id).resolve()), "default_model"}
+    # Computed once, on first use (a test's stand-in tokenizer may lack what they need).
+    @functools.cached_property
+    def model_names(self) -> frozenset:
+        """The names a request's "model" may give."""
+        return frozenset({self.model_id, Path(self.model_id).name, str(Path(self.model_id).resolve()),
+                          "default_model"})
+
+    @functools.cached_property
+    def eos_ids(self) -> frozenset:
+        return frozenset(int(t) for t in getattr(self.tokenizer, "eos_token_ids", ()) or ())
+
+    @functools.cached_property
+    def xtc_special_tokens(self) -> tuple:
+        """What mlx_lm.server keeps out of XTC's cut: the newline and the end tokens."""
+        return tuple(self.tokenizer.encode("\n")) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
 
 class TextStream:
@@ -171,16 +185,11 @@ def _plain_chat(messages: list, role_mapping: dict | None) -> str:
     return (text + role_mapping.get("assistant", "")).rstrip()
 
 
-def _xtc_special_tokens(tokenizer) -> tuple:
-    """What mlx_lm.server keeps out of XTC's cut: the newline and the end tokens."""
-    return tuple(tokenizer.encode("\n")) + tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
-
-
 async def _generate(state: ServeState, request: Request, *, chat: bool):
     body = await _json_body(request)
     req = protocol.parse(body, chat=chat, defaults=state.defaults)
     model = body.get("model")
-    if model is not None and model not in state.model_names():
+    if model is not None and model not in state.model_names:
         raise APIError(f"the model '{model}' does not exist; this server serves '{state.model_id}'",
                        status=404, param="model", type_="not_found_error", code="model_not_found")
     worker = state.worker
@@ -197,10 +206,10 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     loop = asyncio.get_running_loop()
     deliveries: asyncio.Queue = asyncio.Queue()
     sink = LoopSink(loop, deliveries)  # called on the engine thread
-    eos = frozenset(int(t) for t in getattr(state.tokenizer, "eos_token_ids", ()) or ())
+    eos = state.eos_ids
     sampling = req.sampling
     if sampling.xtc_probability > 0:
-        sampling = dataclasses.replace(sampling, xtc_special_tokens=_xtc_special_tokens(state.tokenizer))
+        sampling = dataclasses.replace(sampling, xtc_special_tokens=state.xtc_special_tokens)
     try:
         worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=sampling, stop_token_ids=eos,
                       sink=sink, logprobs=req.logprobs)

@@ -96,6 +96,7 @@ class EngineWorker:
         self.failed: str | None = None  # why the engine loop died, if it did
         self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self._recent: deque = deque()  # (time, generated tokens) over the last 10 s
+        self._recent_tokens = 0  # the sum of the generated tokens in _recent
         self._published: dict = {}
         self.max_prompt_tokens: int | None = None
         self.max_sequence_tokens: int | None = None
@@ -257,8 +258,9 @@ class EngineWorker:
                 out.append((sink, Delivery(event, cached)))
         deliver(out)
         self._recent.append((now, generated))
+        self._recent_tokens += generated
         while self._recent and now - self._recent[0][0] > 10:
-            self._recent.popleft()
+            self._recent_tokens -= self._recent.popleft()[1]
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id, sink in list(self._sinks.items()):
@@ -299,9 +301,8 @@ class EngineWorker:
         pool_bytes, used_bytes = cache.nbytes, cache.used_bytes
         recent = self._recent
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
-        rate = sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+        rate = (self._recent_tokens - recent[0][1]) / span if span > 0 else 0.0  # tokens after the first entry
         prompt_total = engine.prompt_tokens_cached + engine.prompt_tokens_computed
-        previous = self._published
         store = self.store
         self._published = {
             "ranks": self.sync.size if self.sync is not None else 1,
@@ -319,8 +320,8 @@ class EngineWorker:
             "kv_used_bytes": used_bytes,
             "kv_free_bytes": (self.kv_cap_bytes if self.kv_cap_bytes is not None else pool_bytes) - used_bytes,
             "kv_cap_bytes": self.kv_cap_bytes,
-            "kv_peak_used_bytes": max(previous.get("kv_peak_used_bytes", 0), used_bytes, cache.peak_used_bytes),
-            "kv_peak_pool_bytes": max(previous.get("kv_peak_pool_bytes", 0), pool_bytes),
+            "kv_peak_used_bytes": engine.peak_used_bytes,
+            "kv_peak_pool_bytes": engine.peak_nbytes,
             "prompt_cache_loaded_blocks": store.loaded_blocks if store is not None else 0,
             "prompt_cache_saved_blocks": store.saved_blocks if store is not None else 0,
             "prompt_cache_warnings": store.warnings if store is not None else 0,
