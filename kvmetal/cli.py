@@ -11,6 +11,7 @@ COMMANDS = {
     "serve": ("kvmetal.serve.cli", "an OpenAI-compatible HTTP server over the paged cache"),
     "demo": ("kvmetal.integrations.demo", "continuous batching over a paged cache on a small random model"),
     "generate": ("kvmetal.integrations.generate", "mlx-lm generate with the paged cache (model directory or Hugging Face repo id)"),
+    "selfcheck": ("kvmetal.selfcheck", "compile every kernel, check every op against the oracle, time decode: one report"),
 }
 
 # optional dependency -> the kvmetal extra that installs it

@@ -1,0 +1,191 @@
+"""The kernel specialisation families ``kvmetal selfcheck`` compiles, and the kernel
+calls that build every specialisation of one family.
+
+A family is one point of the kernels' template space (float dtype, head_dim, block
+size, K/V formats, query rows) at GQA 4. Tracing it runs all five kernel paths of the
+metal backend (paged attention with every option on, contiguous decode, gather, cache
+write, copy_blocks), which builds every kernel the backend has for that point: the
+partials kernels, the reduce kernel with and without sinks, the convert or quantize
+write kernel, the gather kernel and the copy kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .. import quant
+
+DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
+_DTYPE_TAGS = {**{v: k for k, v in DTYPES.items()}, "float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+# The trace shape every family runs at (tools/msl_check.py's): S sequences, H query
+# heads over Hkv kv heads (GQA 4), N cache blocks, M blocks per table row.
+NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, NUM_BLOCKS, MAX_BLOCKS = 2, 8, 2, 16, 4
+SEQ_LENS = (5, 9)  # raised to L where a family has more query rows (ops requires seq_len >= L)
+
+# The specialisations tools/msl_check.py traces today (its _DUMP_SCRIPT list):
+# dtype, head_dim, block size, K format, V format ((bits, group size) or None), L.
+_MSL_CHECK_TRACES = (
+    dict(dtype="f16", head_dim=128, block_size=16, k_quant=None, v_quant=None, query_len=1),
+    dict(dtype="bf16", head_dim=80, block_size=8, k_quant=None, v_quant=None, query_len=3),
+    dict(dtype="f32", head_dim=256, block_size=32, k_quant=None, v_quant=None, query_len=8),
+    dict(dtype="f16", head_dim=128, block_size=16, k_quant=(8, 64), v_quant=(4, 64), query_len=1),
+    dict(dtype="f16", head_dim=128, block_size=16, k_quant=(8, 64), v_quant=(4, 64), query_len=4),
+    dict(dtype="bf16", head_dim=96, block_size=32, k_quant=(3, 32), v_quant=(6, 32), query_len=2),
+    dict(dtype="f16", head_dim=64, block_size=8, k_quant=(5, 32), v_quant=None, query_len=5),
+)
+
+
+def _fmt(q) -> str:
+    return "float" if q is None else f"{q[0]}bit/g{q[1]}"
+
+
+@dataclass(frozen=True)
+class Family:
+    dtype: str                   # "f16" | "bf16" | "f32"
+    head_dim: int
+    block_size: int
+    k_quant: tuple | None        # (bits, group_size); None: a float cache
+    v_quant: tuple | None
+    query_len: int
+    gqa: int = NUM_HEADS // NUM_KV_HEADS
+    num_kv_heads: int = NUM_KV_HEADS
+    tokens: int | None = None    # contiguous decode: T of the K/V views (default block_size - 1)
+    op: str | None = None        # trace only this op's kernels; None: all five
+
+    @property
+    def name(self) -> str:
+        name = (f"{self.dtype} D{self.head_dim} bs{self.block_size} L{self.query_len} G{self.gqa} "
+                f"K {_fmt(self.k_quant)} V {_fmt(self.v_quant)}")
+        if self.num_kv_heads != NUM_KV_HEADS:
+            name += f" Hkv{self.num_kv_heads}"
+        name += f" T{self.tokens}" if self.tokens is not None else ""
+        return name if self.op is None else f"{self.op}: {name}"
+
+    def paths(self, seed: int = 0) -> list:
+        """(op name, thunk) pairs that build this family's kernels (see kernel_paths)."""
+        return kernel_paths(self, seed)
+
+    @property
+    def mx_dtype(self):
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_params(cls, p) -> "Family":
+        """A Family from a mapping or an object with the same fields; dtype may be an
+        ``mx.Dtype`` or its tag, a format a (bits, group_size) pair or None. Extra
+        fields are ignored, so a richer description of a family also converts."""
+        get = (lambda k, d=None: p.get(k, d)) if isinstance(p, dict) else (lambda k, d=None: getattr(p, k, d))
+        dtype = get("dtype")
+        dtype = _DTYPE_TAGS.get(dtype, dtype)
+        fmt = lambda q: None if q is None else (int(q[0]), int(q[1]))
+        return cls(dtype=str(dtype), head_dim=int(get("head_dim")), block_size=int(get("block_size")),
+                   k_quant=fmt(get("k_quant")), v_quant=fmt(get("v_quant")), query_len=int(get("query_len")),
+                   gqa=int(get("gqa", NUM_HEADS // NUM_KV_HEADS)),
+                   num_kv_heads=int(get("num_kv_heads", NUM_KV_HEADS)),
+                   tokens=None if get("tokens") is None else int(get("tokens")), op=get("op"))
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "head_dim": self.head_dim, "block_size": self.block_size,
+                "k_quant": list(self.k_quant) if self.k_quant else None,
+                "v_quant": list(self.v_quant) if self.v_quant else None,
+                "query_len": self.query_len, "gqa": self.gqa, "num_kv_heads": self.num_kv_heads,
+                "tokens": self.tokens, "op": self.op}
+
+
+class OpFamily:
+    """A family given as one op-level configuration (with ``.op`` and ``.name``) and a
+    function ``build_inputs(config, seed) -> (kvmetal op, args, kwargs)`` that makes
+    its inputs: the form of a list derived from the kernels' specialisation parameters."""
+
+    def __init__(self, config, build_inputs):
+        self.config = config
+        self._build_inputs = build_inputs
+
+    @property
+    def name(self) -> str:
+        return str(self.config.name)
+
+    def as_dict(self) -> dict:
+        fields = getattr(self.config, "__dataclass_fields__", {})
+        plain = lambda v: list(v) if isinstance(v, tuple) else v
+        out = {k: plain(getattr(self.config, k)) for k in fields
+               if isinstance(getattr(self.config, k), (str, int, float, bool, tuple, type(None)))}
+        return {"name": self.name, **out}
+
+    def paths(self, seed: int = 0) -> list:
+        fn, args, kwargs = self._build_inputs(self.config, seed)
+        return [(self.config.op, lambda: fn(*args, **kwargs))]
+
+
+def specialisation_families() -> list:
+    """THE adapter: every family selfcheck compiles.
+
+    Today: the list tools/msl_check.py traces, each family running all five kernel
+    paths. When the clang check derives its list from the kernels' specialisation
+    parameters (kvmetal/backends/specialisations.py), the body becomes
+    ``return [OpFamily(f, family_inputs) for f in derived()]`` with
+    ``from ..backends.specialisations import family_inputs, specialisation_families as derived``."""
+    return [Family.from_params(p) for p in _MSL_CHECK_TRACES]
+
+
+# ----------------------------------------------------------------------------- tracing one family
+
+def _random(rng, shape, dtype) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def _maybe_quantize(x: mx.array, fmt):
+    return x if fmt is None else quant.quantize(x, bits=fmt[0], group_size=fmt[1])
+
+
+def flat_arrays(x) -> list:
+    """The mx.arrays of an array, a QuantizedKV or a (nested) tuple of them (for mx.eval)."""
+    if isinstance(x, quant.QuantizedKV):
+        return list(x.arrays())
+    if isinstance(x, (tuple, list)):
+        return [a for item in x for a in flat_arrays(item)]
+    return [x]
+
+
+def kernel_paths(family: Family, seed: int = 0) -> list:
+    """(op name, thunk) for the five kernel paths of one family. Each thunk calls a
+    public op of ``kvmetal.ops`` (which dispatches to the current backend) and
+    returns what it computed."""
+    from .. import ops
+
+    rng = np.random.default_rng(seed)
+    dtype, d, bs = family.mx_dtype, family.head_dim, family.block_size
+    hkv = family.num_kv_heads
+    heads = hkv * family.gqa
+    tokens = max(family.block_size - 1, family.query_len) if family.tokens is None else family.tokens
+    shape = (NUM_BLOCKS, hkv, bs, d)
+    kc = _maybe_quantize(_random(rng, shape, dtype), family.k_quant)
+    vc = _maybe_quantize(_random(rng, shape, dtype), family.v_quant)
+    tables = mx.array(rng.permutation(NUM_BLOCKS)[: NUM_SEQS * MAX_BLOCKS].reshape(NUM_SEQS, MAX_BLOCKS)
+                      .astype(np.int32))
+    lens = mx.array(np.array([max(n, family.query_len) for n in SEQ_LENS], np.int32))
+    query = _random(rng, (NUM_SEQS, family.query_len, heads, d), dtype)
+    rows = _random(rng, (3, hkv, d), mx.float32)
+
+    def view(fmt):  # contiguous keys/values [S, Hkv, T, D]: an offset view of a longer array, as models pass
+        base = _maybe_quantize(_random(rng, (NUM_SEQS, hkv, tokens + 1, d), dtype), fmt)
+        if isinstance(base, quant.QuantizedKV):
+            return base.replace(*(x[:, :, 1:] for x in base.arrays()))
+        return base[:, :, 1:]
+
+    keys, values = view(family.k_quant), view(family.v_quant)
+    mx.eval(*flat_arrays((kc, vc, keys, values)), tables, lens, query, rows)
+    paths = {
+        "paged_attention": lambda: ops.paged_attention(query, kc, vc, tables, lens, scale=0.1, softcap=30.0,
+                                                       sliding_window=7, sinks=mx.zeros((heads,)), num_splits=3),
+        "decode_attention": lambda: ops.decode_attention(query.transpose(0, 2, 1, 3), keys, values, scale=0.1),
+        "gather_kv_cache": lambda: ops.gather_kv_cache(kc, vc, tables, lens),
+        "reshape_and_cache": lambda: ops.reshape_and_cache(rows, rows, kc, vc,
+                                                           mx.array(np.array([0, bs + 1, -1], np.int32))),
+        "copy_blocks": lambda: ops.copy_blocks(kc, vc, mx.array([1, 2], dtype=mx.int32),
+                                               mx.array([3, 4], dtype=mx.int32)),
+    }
+    return [(op, fn) for op, fn in paths.items() if family.op in (None, op)]
