@@ -374,10 +374,13 @@ class OpResult:
     worst_budget: float | None = None
     worst_case: str | None = None
     failures: list = field(default_factory=list)
+    query_lens: set = field(default_factory=set)   # attention ops: the L (query rows) checked
 
     def add(self, case: dict, error: float, budget: float, *, is_sweep: bool):
         self.cases += 1
         self.sweep_cases += is_sweep
+        if "L" in case:
+            self.query_lens.add(case["L"])
         ratio = (0.0 if error == 0 else math.inf) if budget == EXACT else error / budget
         if ratio >= self.worst_ratio or self.worst_case is None:
             self.worst_ratio, self.worst_error, self.worst_budget = ratio, error, budget
@@ -393,7 +396,7 @@ class OpResult:
         return {"op": self.op, "cases": self.cases, "sweep_cases": self.sweep_cases,
                 "worst_error": finite(self.worst_error), "budget": self.worst_budget,
                 "worst_ratio": finite(self.worst_ratio), "worst_case": self.worst_case,
-                "ok": not self.failures, "failures": self.failures}
+                "query_lens": sorted(self.query_lens), "ok": not self.failures, "failures": self.failures}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,225 @@
+"""``kvmetal selfcheck``: the report's schema, per-specialisation isolation, the
+families it compiles, and its command line.
+
+On Linux the selfcheck runs on the simulator (quick); on a Mac the same test runs it
+on the GPU."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import kvmetal.selfcheck as selfcheck
+from kvmetal import cli
+from kvmetal.backends import metal
+from kvmetal.selfcheck import compiling, correctness, families, report
+
+ROOT = Path(__file__).resolve().parent.parent
+ON_MAC = mx.metal.is_available()
+CORE_OPS = {"paged_attention", "decode_attention", "reshape_and_cache", "gather_kv_cache", "copy_blocks"}
+
+
+def _run_cli(argv) -> tuple:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("selfcheck") / "report.json"
+    code, out, err = _run_cli(["selfcheck", "--quick", "--json", str(path)])
+    return code, out, err, json.loads(path.read_text())
+
+
+def test_quick_report_schema(quick_run):
+    code, out, err, rep = quick_run
+    assert code == 0, out[-4000:] + err[-4000:]
+    assert rep["schema"] == report.SCHEMA and rep["ok"] is True and rep["failures"] == []
+    assert rep["quick"] is True and rep["backend"] == ("metal" if ON_MAC else "sim")
+    prov = rep["provenance"]
+    for key in ("chip", "gpu", "macos", "mlx", "kvmetal", "git_revision", "math_mode", "versions", "machine"):
+        assert key in prov, key
+    assert prov["mlx"] == mx.__version__
+    # The math mode is what the compile stage handed to metal_kernel, per kernel.
+    assert set(prov["math_mode"]) == set(metal.SPECS)
+    assert set(prov["math_mode"].values()) <= {"safe", "relaxed", "fast"}
+
+    comp = rep["compile"]
+    fams = families.specialisation_families()
+    assert [f["name"] for f in comp["families"]] == [f.name for f in fams]
+    for fam in comp["families"]:
+        assert fam["paths"] == {op: "ok" for op in CORE_OPS}, fam
+        assert fam["failed"] == []
+    names = [s["name"] for s in comp["specialisations"]]
+    assert len(names) == len(set(names)) >= len(fams) * 2
+    assert {s["kernel"] for s in comp["specialisations"]} == set(metal.SPECS)
+    assert all(s["status"] == "ok" and s["error"] is None and s["seconds"] >= 0 for s in comp["specialisations"])
+    assert comp["failed"] == 0 and comp["path_errors"] == []
+
+    corr = rep["correct"]
+    ops = {o["op"]: o for o in corr["ops"]}
+    assert CORE_OPS <= set(ops)
+    for op in ops.values():
+        assert op["ok"] and op["failures"] == [] and op["cases"] >= 2, op
+        assert isinstance(op["worst_error"], float) and op["worst_error"] <= op["budget"], op
+    assert ops["paged_attention"]["sweep_cases"] > 0 and ops["decode_attention"]["sweep_cases"] > 0
+    assert corr["sweep"]["cases"] == selfcheck.QUICK_SWEEP == sum(o["sweep_cases"] for o in ops.values())
+    assert corr["cases"] == sum(o["cases"] for o in ops.values())
+    # Paged decode was checked at every query length 1..8.
+    assert ops["paged_attention"]["query_lens"] == list(range(1, 9))
+    for skipped in corr["skipped_ops"]:
+        assert skipped["op"] in correctness.OPTIONAL_OPS and skipped["reason"]
+
+    fast = rep["fast"]
+    if ON_MAC:
+        assert fast["skipped"] is None and len(fast["results"]) >= 6
+    else:
+        assert fast["skipped"] and "simulator" in fast["skipped"] and fast["results"] == []
+    summary = rep["summary"]
+    assert summary["specialisations"] == len(names) and summary["families"] == len(fams)
+    assert summary["ops"] == len(ops) and summary["failures"] == 0 and summary["seconds"] > 0
+
+
+def test_first_line_says_where_it_ran(quick_run):
+    code, out, _, rep = quick_run
+    first = out.splitlines()[0]
+    if ON_MAC:
+        assert "Apple GPU" in first
+    else:
+        assert first == report.SIMULATOR_BANNER and "simulator" in first
+    assert "PASS" in out and f"{rep['summary']['specialisations']} specialisations" in out
+
+
+def _broken(variant_part: str):
+    """A source hook that breaks the one specialisation whose name contains ``variant_part``."""
+    def hook(variant, source):
+        return source + "\n    this_is_not_msl(;\n" if variant_part in variant else source
+    return hook
+
+
+BROKEN = "kvmetal_paged_attention_partials_tkbf16_tvbf16_d96_"  # the 3/6-bit bf16 family's paged kernel
+
+
+def test_a_broken_specialisation_is_named_and_the_rest_keep_running():
+    fams = families.specialisation_families()
+    clean = compiling.compile_all(fams, backend="metal" if ON_MAC else "sim")
+    broken = compiling.compile_all(fams, backend="metal" if ON_MAC else "sim", source_hook=_broken(BROKEN))
+    failed = [s for s in broken["specialisations"] if s["status"] == "failed"]
+    assert len(failed) == 1 and failed[0]["name"].startswith(BROKEN)
+    assert failed[0]["kernel"] == "paged_attention_partials" and "bf16 D96" in failed[0]["family"]
+    assert "this_is_not_msl" in failed[0]["error"] or "compile" in failed[0]["error"].lower(), failed[0]["error"]
+    assert broken["failed"] == 1 and broken["path_errors"] == []
+    # Every other specialisation was still built, the same ones as in a clean run,
+    # including the reduce kernel that runs after the broken one in the same op.
+    assert [s["name"] for s in broken["specialisations"]] == [s["name"] for s in clean["specialisations"]]
+    family = next(f for f in broken["families"] if "bf16 D96" in f["name"])
+    assert family["paths"] == {op: "ok" for op in CORE_OPS}
+    assert any(v.startswith("kvmetal_attention_reduce_tqbf16_d96_") for v in family["specialisations"])
+
+
+def test_a_broken_specialisation_fails_the_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(selfcheck, "run", functools.partial(selfcheck.run, source_hook=_broken(BROKEN)))
+    path = tmp_path / "report.json"
+    code, out, _ = _run_cli(["selfcheck", "--quick", "--sweep", "0", "--json", str(path)])
+    rep = json.loads(path.read_text())
+    assert code == 1 and rep["ok"] is False
+    assert len(rep["failures"]) == 1 and BROKEN in rep["failures"][0]
+    assert f"FAILED {BROKEN}" in out and "FAIL (1 failures)" in out
+    # The other stages still ran in full.
+    assert all(o["ok"] for o in rep["correct"]["ops"]) and rep["correct"]["cases"] > 10
+
+
+class _RecordingKernel:
+    """A make_kernel whose kernels return zeros: which specialisations would be built, without building."""
+
+    def __init__(self):
+        self.names = []
+
+    def __call__(self, *, name, **_):
+        self.names.append(name)
+        return lambda *, output_shapes, output_dtypes, **__: [mx.zeros(s, d) for s, d in
+                                                               zip(output_shapes, output_dtypes)]
+
+
+def test_families_cover_what_the_clang_check_traces():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import msl_check
+    finally:
+        sys.path.pop(0)
+    traced = {name.split("#")[0] for name in msl_check.generated_sources()}
+    recorder = _RecordingKernel()
+    backend = metal.KernelBackend("record", recorder)
+    for family in families.specialisation_families():
+        for _, thunk in family.paths():
+            with compiling.routed_to(backend):
+                mx.eval(*families.flat_arrays(thunk()))
+    assert traced and traced <= set(recorder.names), sorted(traced - set(recorder.names))
+
+
+def test_op_level_families_adapt():
+    """The form of a list derived from specialisation parameters: one op per family,
+    with a function building its inputs."""
+    from dataclasses import dataclass
+
+    from kvmetal import ops
+
+    @dataclass(frozen=True)
+    class Config:
+        op: str
+        dtype: str
+        head_dim: int
+        name: str = "decode_attention-float16-d64"
+
+    def inputs(config, seed):
+        q = mx.random.normal((1, 4, 1, config.head_dim), key=mx.random.key(seed)).astype(mx.float16)
+        k = mx.random.normal((1, 1, 9, config.head_dim)).astype(mx.float16)
+        return ops.decode_attention, (q, k, k), {}
+
+    fam = families.OpFamily(Config("decode_attention", "float16", 64), inputs)
+    out = compiling.compile_all([fam], backend="metal" if ON_MAC else "sim")
+    assert out["families"][0]["name"] == fam.name and out["families"][0]["paths"] == {"decode_attention": "ok"}
+    assert out["families"][0]["head_dim"] == 64
+    assert {s["kernel"] for s in out["specialisations"]} == {"decode_attention_partials", "attention_reduce"}
+
+
+def test_family_from_params_accepts_other_spellings():
+    f = families.Family.from_params(dict(dtype=mx.bfloat16, head_dim=96, block_size=32, k_quant=[3, 32],
+                                         v_quant=None, query_len=2, extra="ignored"))
+    assert (f.dtype, f.k_quant, f.v_quant, f.gqa) == ("bf16", (3, 32), None, 4)
+    assert families.Family.from_params(dict(dtype="float16", head_dim=64, block_size=8, query_len=1)).dtype == "f16"
+
+
+def test_budgets_are_the_design_docs():
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = dict(re.findall(r"^\s*\| (float32|float16|bfloat16) \| ([0-9e.-]+) \|", text, re.M))
+    assert {k: float(v) for k, v in table.items()} == {
+        {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}[k]: v for k, v in correctness.BUDGETS.items()}
+
+
+def test_rel_error_flags_nan_as_infinite():
+    import numpy as np
+
+    assert math.isinf(correctness.rel_error(np.array([1.0, np.nan]), np.array([1.0, 2.0])))
+    assert correctness.rel_error(np.array([1.0, 2.1]), np.array([1.0, 2.0])) == pytest.approx(0.05)
+
+
+@pytest.mark.skipif(ON_MAC, reason="off a Mac only: there is no Apple GPU")
+def test_metal_backend_without_a_gpu_is_a_usage_error():
+    code, _, err = _run_cli(["selfcheck", "--backend", "metal"])
+    assert code == 2 and "needs an Apple GPU" in err and "Traceback" not in err
+
+
+def test_bad_sweep_count_is_a_usage_error():
+    code, _, err = _run_cli(["selfcheck", "--sweep", "-1"])
+    assert code == 2 and "--sweep" in err
