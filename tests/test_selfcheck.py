@@ -223,3 +223,85 @@ def test_metal_backend_without_a_gpu_is_a_usage_error():
 def test_bad_sweep_count_is_a_usage_error():
     code, _, err = _run_cli(["selfcheck", "--sweep", "-1"])
     assert code == 2 and "--sweep" in err
+
+
+@pytest.mark.skipif(ON_MAC, reason="a Mac runs the real thing in test_quick_report_schema")
+def test_fast_stage_code_runs_on_the_cpu(monkeypatch, quick_run):
+    """The timing code runs only on a Mac; here it runs on the cpu backend at small
+    contexts, as if on an M2 Max, so that the first Mac run does not meet a typo."""
+    import kvmetal as kv
+    from kvmetal.selfcheck import speed
+
+    use_backend = kv.use_backend
+    monkeypatch.setattr(speed, "CONTEXTS", (256, 512))
+    monkeypatch.setattr(speed, "READ_PROBE_BYTES", 1 << 22)
+    monkeypatch.setattr(speed, "device_info", lambda: {"device_name": "Apple M2 Max"})
+    monkeypatch.setattr(speed.mx.metal, "is_available", lambda: True)
+    monkeypatch.setattr(speed.kv, "use_backend", lambda name: use_backend("cpu"))
+    fast = speed.time_all(quick=True)
+    assert fast["skipped"] is None and fast["chip"] == "m2-max" and fast["peak_gbps"] == 400
+    names = [r["name"] for r in fast["results"]]
+    for t in (256, 512):
+        for name in (f"mx.fast.scaled_dot_product_attention f16 T={t}", f"kvmetal paged_attention f16 T={t}",
+                     f"kvmetal paged_attention K8/V4 T={t}"):
+            assert name in names
+    for r in fast["results"]:
+        assert r["median_ms"] > 0 and r["gbps"] > 0 and r["fraction_of_peak"] == pytest.approx(r["gbps"] / 400)
+        assert ("speedup_vs_baseline" in r) == r["name"].startswith("kvmetal")
+    k8v4 = next(r for r in fast["results"] if "K8/V4 T=512" in r["name"])
+    f16 = next(r for r in fast["results"] if "f16 T=512" in r["name"] and r["name"].startswith("kvmetal"))
+    assert 0.3 < k8v4["kv_bytes"] / f16["kv_bytes"] < 0.5   # 8 + 4 bits and their scales vs 2 x 16
+    lines = report.summary_lines({**quick_run[3], "fast": fast})
+    assert any("% peak" in line for line in lines) and any("kvmetal paged_attention K8/V4 T=256" in l for l in lines)
+
+
+def _sub_chunks(lens, starts):
+    """(sequence, first query row, rows, last position + 1) for runs of at most 8 rows."""
+    for s in range(len(lens)):
+        n = starts[s + 1] - starts[s]
+        for first in range(0, n, 8):
+            rows = min(8, n - first)
+            yield s, starts[s] + first, rows, lens[s] - n + first + rows
+
+
+def test_varlen_and_cascade_checks_run_when_kvmetal_has_them(monkeypatch):
+    """The two optional ops are checked once they exist; here stand-ins built from
+    paged_attention take their place, which exercises the checks' own code."""
+    import numpy as np
+
+    import kvmetal as kv
+    from kvmetal import reference
+
+    def varlen(paged, cat):
+        def op(query, kc, vc, tables, lens, starts, **kw):
+            kw.pop("validate", None)
+            t, n, st = np.array(tables), np.array(lens), np.array(starts)
+            outs = [paged(query[a:a + r][None], kc, vc, mx.array(t[s:s + 1]), mx.array(np.array([e], np.int32)),
+                          **kw)[0] for s, a, r, e in _sub_chunks(n, st)]
+            return cat(outs)
+        return op
+
+    def cascade(query, kc, vc, prefix_tables, prefix_lens, prefix_of, tables, lens, **kw):
+        bs = kc.shape[2]
+        pt, pl, po, t, n = (np.array(x) for x in (prefix_tables, prefix_lens, prefix_of, tables, lens))
+        width = pt.shape[1] + t.shape[1]
+        rows, total = [], []
+        for s, p in enumerate(po):
+            head = pt[p, :pl[p] // bs] if p >= 0 else np.zeros(0, np.int32)
+            row = np.concatenate([head, t[s]])
+            rows.append(np.pad(row, (0, width - len(row)), constant_values=row[-1]))
+            total.append(len(head) * bs + n[s])
+        return kv.paged_attention(query, kc, vc, mx.array(np.stack(rows).astype(np.int32)),
+                                  mx.array(np.array(total, np.int32)), **kw)
+
+    monkeypatch.setattr(kv, "paged_attention_varlen", varlen(kv.paged_attention, mx.concatenate), raising=False)
+    monkeypatch.setattr(reference, "paged_attention_varlen",
+                        varlen(reference.paged_attention, np.concatenate), raising=False)
+    monkeypatch.setattr(kv, "paged_attention_cascade", cascade, raising=False)
+    assert set(correctness.OPTIONAL_OPS) <= set(correctness.available_ops())
+    cases = [c for c in correctness.matrix(True) if c["op"] in correctness.OPTIONAL_OPS]
+    assert {c["op"] for c in cases} == set(correctness.OPTIONAL_OPS)
+    for i, case in enumerate(cases):
+        with kv.use_backend("cpu"):
+            error, budget = correctness.RUNNERS[case["op"]](case, np.random.default_rng(i))
+        assert error <= budget, (case, error)

@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report_mod.SIMULATOR_BANNER if quick else report_mod.SIMULATOR_BANNER.replace(
             "; --quick by default", "; --full run"), file=out, flush=True)
     else:
-        print(f"kvmetal selfcheck: on the Apple GPU ({mx.metal.device_info().get('device_name', '?')}), "
+        from .speed import device_info
+
+        print(f"kvmetal selfcheck: on the Apple GPU ({device_info().get('device_name', '?')}), "
               f"{'quick' if quick else 'full'} run", file=out, flush=True)
 
     def progress(message: str):

@@ -8,7 +8,6 @@ import platform
 import subprocess
 from pathlib import Path
 
-import mlx.core as mx
 
 SCHEMA = "kvmetal-selfcheck/1"
 SIMULATOR_BANNER = ("kvmetal selfcheck: running on the Metal simulator (kvmetal.sim, on the CPU): no Apple GPU "
@@ -51,7 +50,9 @@ def provenance(backend: str, specialisations: list) -> dict:
     from .. import chips
 
     base = bench_provenance(backend)
-    info = mx.metal.device_info() if mx.metal.is_available() else {}
+    from .speed import device_info
+
+    info = device_info()
     chip = chips.from_device_name(info.get("device_name", "")) if info else None
     return {
         **base,

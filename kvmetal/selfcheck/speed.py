@@ -23,10 +23,19 @@ from ..benchmarks.workloads import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, paged_setu
 
 CONTEXTS = (8192, 32768)
 PREFILL_CHUNK = 512
+READ_PROBE_BYTES = 1 << 30  # far larger than any cache on the chip
 
 
-def gpu_read_bandwidth_gbps(nbytes: int = 1 << 30, repeat: int = 5) -> float:
-    """One pass of a max-reduction over a buffer far larger than any cache on the chip."""
+def device_info() -> dict:
+    """MLX's description of the GPU ({} without one); mx.device_info where MLX has it."""
+    if not mx.metal.is_available():
+        return {}
+    return (getattr(mx, "device_info", None) or mx.metal.device_info)()
+
+
+def gpu_read_bandwidth_gbps(nbytes: int | None = None, repeat: int = 5) -> float:
+    """One pass of a max-reduction over READ_PROBE_BYTES (the default device's bandwidth)."""
+    nbytes = READ_PROBE_BYTES if nbytes is None else nbytes
     x = mx.ones((nbytes // 4,), dtype=mx.float32)
     mx.eval(x)
     stats = time_stats(lambda: mx.max(x), repeat=repeat)
@@ -52,7 +61,7 @@ def time_all(*, quick: bool, progress=None) -> dict:
         return {"skipped": "no Apple GPU (mx.metal.is_available() is False): the simulator's timings say "
                            "nothing about Metal speed", "results": []}
     start = time.perf_counter()
-    device = mx.metal.device_info().get("device_name", "")
+    device = device_info().get("device_name", "")
     chip = chips.from_device_name(device)
     measured = gpu_read_bandwidth_gbps()
     peak, peak_source = (chip.bandwidth_gbs, f"{chip.device_name} published peak") if chip else \
@@ -79,7 +88,6 @@ def time_all(*, quick: bool, progress=None) -> dict:
             results.append(_timed(f"kvmetal paged_attention K8/V4 T={tokens}",
                                   lambda: kv.paged_attention(query, qk, qv, tables, lens, validate=False),
                                   repeat, int((qk.nbytes + qv.nbytes) * live), peak, sdpa))
-            del query, kc, vc, keys, values, qk, qv
         if hasattr(kv, "paged_attention_varlen"):
             results += _prefill(repeat, peak, progress)
     return {"skipped": None, "device": device, "chip": chip.name if chip else None, "peak_gbps": peak,
