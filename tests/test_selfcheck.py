@@ -20,7 +20,7 @@ import pytest
 import kvmetal.selfcheck as selfcheck
 from kvmetal import cli
 from kvmetal.backends import metal
-from kvmetal.selfcheck import compiling, correctness, families, report
+from kvmetal.selfcheck import cases, compiling, correctness, families, report
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_MAC = mx.metal.is_available()
@@ -190,6 +190,7 @@ def test_op_level_families_adapt():
     out = compiling.compile_all([fam], backend="metal" if ON_MAC else "sim")
     assert out["families"][0]["name"] == fam.name and out["families"][0]["paths"] == {"decode_attention": "ok"}
     assert out["families"][0]["head_dim"] == 64
+    assert fam.point() == dict(dtype="f16", d=64, bs=16, hkv=2, g=4, L=1, k=None, v=None)  # defaults fill in
     assert {s["kernel"] for s in out["specialisations"]} == {"decode_attention_partials", "attention_reduce"}
 
 
@@ -299,9 +300,9 @@ def test_varlen_and_cascade_checks_run_when_kvmetal_has_them(monkeypatch):
                         varlen(reference.paged_attention, np.concatenate), raising=False)
     monkeypatch.setattr(kv, "paged_attention_cascade", cascade, raising=False)
     assert set(correctness.OPTIONAL_OPS) <= set(correctness.available_ops())
-    cases = [c for c in correctness.matrix(True) if c["op"] in correctness.OPTIONAL_OPS]
-    assert {c["op"] for c in cases} == set(correctness.OPTIONAL_OPS)
-    for i, case in enumerate(cases):
+    optional = [c for c in cases.matrix(True) if c["op"] in correctness.OPTIONAL_OPS]
+    assert {c["op"] for c in optional} == set(correctness.OPTIONAL_OPS)
+    for i, case in enumerate(optional):
         with kv.use_backend("cpu"):
             error, budget = correctness.RUNNERS[case["op"]](case, np.random.default_rng(i))
         assert error <= budget, (case, error)

@@ -64,6 +64,11 @@ class Family:
         name += f" T{self.tokens}" if self.tokens is not None else ""
         return name if self.op is None else f"{self.op}: {name}"
 
+    def point(self) -> dict:
+        """This family's point in the kernels' space, as the randomized sweep spells it."""
+        return dict(dtype=self.dtype, d=self.head_dim, bs=self.block_size, hkv=self.num_kv_heads, g=self.gqa,
+                    L=self.query_len, k=self.k_quant, v=self.v_quant)
+
     def paths(self, seed: int = 0) -> list:
         """(op name, thunk) pairs that build this family's kernels (see kernel_paths)."""
         return kernel_paths(self, seed)
@@ -81,10 +86,10 @@ class Family:
         dtype = get("dtype")
         dtype = _DTYPE_TAGS.get(dtype, dtype)
         fmt = lambda q: None if q is None else (int(q[0]), int(q[1]))
-        return cls(dtype=str(dtype), head_dim=int(get("head_dim")), block_size=int(get("block_size")),
-                   k_quant=fmt(get("k_quant")), v_quant=fmt(get("v_quant")), query_len=int(get("query_len")),
-                   gqa=int(get("gqa", NUM_HEADS // NUM_KV_HEADS)),
-                   num_kv_heads=int(get("num_kv_heads", NUM_KV_HEADS)),
+        return cls(dtype=str(dtype), head_dim=int(get("head_dim")), block_size=int(get("block_size") or 16),
+                   k_quant=fmt(get("k_quant")), v_quant=fmt(get("v_quant")), query_len=int(get("query_len") or 1),
+                   gqa=int(get("gqa") or NUM_HEADS // NUM_KV_HEADS),
+                   num_kv_heads=int(get("num_kv_heads") or NUM_KV_HEADS),
                    tokens=None if get("tokens") is None else int(get("tokens")), op=get("op"))
 
     def as_dict(self) -> dict:
@@ -114,6 +119,10 @@ class OpFamily:
         out = {k: plain(getattr(self.config, k)) for k in fields
                if isinstance(getattr(self.config, k), (str, int, float, bool, tuple, type(None)))}
         return {"name": self.name, **out}
+
+    def point(self) -> dict:
+        """As Family.point (the fields a configuration lacks take the Family defaults)."""
+        return Family.from_params(self.config).point()
 
     def paths(self, seed: int = 0) -> list:
         fn, args, kwargs = self._build_inputs(self.config, seed)
