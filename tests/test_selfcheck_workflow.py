@@ -10,10 +10,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml  # PyYAML: a dependency of mlx-lm, which the test extra installs
 
-yaml = pytest.importorskip("yaml")  # PyYAML comes with mlx-lm (the test extra)
-
-from kvmetal import cli  # noqa: E402
+from kvmetal import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "ci.yml"
