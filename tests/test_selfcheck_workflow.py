@@ -4,6 +4,9 @@ in the project (scripts, kvmetal subcommands and their flags, extras, the README
 test command)."""
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import os
 import re
 import shlex
@@ -108,45 +111,71 @@ def _extras() -> set:
     return set(re.findall(r"^(\w+)\s*=", section, re.M))
 
 
-def _check_kvmetal(args, where):
-    assert args and args[0] in cli.COMMANDS, f"{where}: no kvmetal command {args[:1]}"
+def _kvmetal_problem(args) -> str | None:
+    if not args or args[0] not in cli.COMMANDS:
+        return f"no kvmetal command {args[:1]}"
     import importlib
 
     parser = importlib.import_module(cli.COMMANDS[args[0]][0])._parser()
     try:
-        parser.parse_args([_expand(a) for a in args[1:]])
+        with contextlib.redirect_stderr(io.StringIO()):
+            parser.parse_args([_expand(a) for a in args[1:]])
     except SystemExit as exc:
-        pytest.fail(f"{where}: kvmetal {' '.join(args)} does not parse (exit {exc.code})")
+        return f"kvmetal {' '.join(args)} does not parse (exit {exc.code})"
+    return None
 
 
-def test_every_command_exists_in_the_project(workflow):
-    seen = set()
+def command_problems(workflow) -> tuple:
+    """(problems, commands seen): each command a run step runs that the project lacks."""
+    problems, seen = [], set()
     for job, step, words in _commands(workflow):
         where = f"job {job}, step {step.get('name', step.get('run'))!r}"
         while words and re.fullmatch(r"\w+=.*", words[0]):  # leading VAR=value
             words = words[1:]
         cmd, args = words[0], words[1:]
         seen.add(cmd)
+        problem = None
         if cmd == "kvmetal" or cmd.endswith("/bin/kvmetal"):
-            _check_kvmetal(args, where)
+            problem = _kvmetal_problem(args)
+        elif cmd == "python" and args[:2] == ["-m", "cibuildwheel"]:
+            installs = " ".join(s.get("run", "") for s in workflow["jobs"][job]["steps"])
+            if "pip install cibuildwheel==" not in installs:
+                problem = "cibuildwheel runs without a pinned install"
         elif cmd in ("pip", "python"):
             if cmd == "python":
-                assert args[:1] == ["-m"] and args[1] in ("pip", "cibuildwheel"), f"{where}: {words}"
-                if args[1] == "cibuildwheel":
-                    installs = " ".join(s.get("run", "") for s in workflow["jobs"][job]["steps"])
-                    assert "pip install cibuildwheel==" in installs, where
-                    continue
-                args = args[2:]
-            assert args[0] == "install", f"{where}: {words}"
+                args = args[2:] if args[:2] == ["-m", "pip"] else ["?"]
+            if args[:1] != ["install"]:
+                problem = f"unexpected {words}"
             for target in args[1:]:
                 extra = re.fullmatch(r"\.\[([\w,]+)\]", target)
-                if extra:
-                    assert set(extra.group(1).split(",")) <= _extras(), f"{where}: unknown extra in {target}"
-                else:
-                    assert target == "." or re.fullmatch(r"[\w-]+==[\w.]+", target), f"{where}: {target}"
-        elif cmd in EXTERNAL:
-            continue
-        else:
+                if extra and not set(extra.group(1).split(",")) <= _extras():
+                    problem = f"unknown extra in {target}"
+                elif not extra and target != "." and not re.fullmatch(r"[\w-]+==[\w.]+", target):
+                    problem = f"unpinned or unknown install target {target}"
+        elif cmd not in EXTERNAL:
             path = ROOT / cmd
-            assert path.is_file() and os.access(path, os.X_OK), f"{where}: {cmd} is not an executable in the project"
+            if not (path.is_file() and os.access(path, os.X_OK)):
+                problem = f"{cmd} is not an executable in the project"
+        if problem:
+            problems.append(f"{where}: {problem}")
+    return problems, seen
+
+
+def test_every_command_exists_in_the_project(workflow):
+    problems, seen = command_problems(workflow)
+    assert problems == []
     assert {".ci/run", "pip", "pytest", "python"} <= seen and any(c.endswith("kvmetal") for c in seen)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("kvmetal selfchek --json r.json", "no kvmetal command"),
+    ("kvmetal selfcheck --jsn r.json", "does not parse"),
+    ("tools/no_such_script.sh", "not an executable"),
+    ('pip install ".[nosuch]"', "unknown extra"),
+    ("python -m cibuildwheel --output-dir w", "without a pinned install"),
+])
+def test_the_command_check_catches_what_is_missing(workflow, bad, why):
+    broken = copy.deepcopy(workflow)
+    broken["jobs"]["linux"]["steps"].append({"name": "bad", "run": bad})
+    problems, _ = command_problems(broken)
+    assert len(problems) == 1 and why in problems[0], problems
