@@ -1,12 +1,14 @@
-"""The kernel specialisation families ``kvmetal selfcheck`` compiles, and the kernel
+"""The kernel specialisation families ``kvmetal selfcheck`` compiles, and the op
 calls that build every specialisation of one family.
 
-A family is one point of the kernels' template space (float dtype, head_dim, block
-size, K/V formats, query rows) at GQA 4. Tracing it runs all five kernel paths of the
-metal backend (paged attention with every option on, contiguous decode, gather, cache
-write, copy_blocks), which builds every kernel the backend has for that point: the
-partials kernels, the reduce kernel with and without sinks, the convert or quantize
-write kernel, the gather kernel and the copy kernel.
+:func:`specialisation_families` is the one place the list comes from. Today a family
+(:class:`Family`) is one point of the kernels' template space (float dtype, head_dim,
+block size, K/V formats, query rows, GQA) and runs all five ops there (paged attention
+with every option on, contiguous decode over strided views, gather, cache write,
+copy_blocks), which builds every kernel the backend has for that point: both partials
+kernels, the reduce kernel with and without sinks, the convert or quantize write
+kernels, the gather and copy kernels. :class:`OpFamily` takes a list in the other
+form, one op-level configuration per family with a function building its inputs.
 """
 from __future__ import annotations
 
@@ -52,8 +54,7 @@ class Family:
     query_len: int
     gqa: int = NUM_HEADS // NUM_KV_HEADS
     num_kv_heads: int = NUM_KV_HEADS
-    tokens: int | None = None    # contiguous decode: T of the K/V views (default block_size - 1)
-    op: str | None = None        # trace only this op's kernels; None: all five
+    tokens: int | None = None    # contiguous decode: T of the K/V views (default max(block_size - 1, L))
 
     @property
     def name(self) -> str:
@@ -61,8 +62,7 @@ class Family:
                 f"K {_fmt(self.k_quant)} V {_fmt(self.v_quant)}")
         if self.num_kv_heads != NUM_KV_HEADS:
             name += f" Hkv{self.num_kv_heads}"
-        name += f" T{self.tokens}" if self.tokens is not None else ""
-        return name if self.op is None else f"{self.op}: {name}"
+        return name + (f" T{self.tokens}" if self.tokens is not None else "")
 
     def point(self) -> dict:
         """This family's point in the kernels' space, as the randomized sweep spells it."""
@@ -90,14 +90,14 @@ class Family:
                    k_quant=fmt(get("k_quant")), v_quant=fmt(get("v_quant")), query_len=int(get("query_len") or 1),
                    gqa=int(get("gqa") or NUM_HEADS // NUM_KV_HEADS),
                    num_kv_heads=int(get("num_kv_heads") or NUM_KV_HEADS),
-                   tokens=None if get("tokens") is None else int(get("tokens")), op=get("op"))
+                   tokens=None if get("tokens") is None else int(get("tokens")))
 
     def as_dict(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "head_dim": self.head_dim, "block_size": self.block_size,
                 "k_quant": list(self.k_quant) if self.k_quant else None,
                 "v_quant": list(self.v_quant) if self.v_quant else None,
                 "query_len": self.query_len, "gqa": self.gqa, "num_kv_heads": self.num_kv_heads,
-                "tokens": self.tokens, "op": self.op}
+                "tokens": self.tokens}
 
 
 class OpFamily:
@@ -197,4 +197,4 @@ def kernel_paths(family: Family, seed: int = 0) -> list:
         "copy_blocks": lambda: ops.copy_blocks(kc, vc, mx.array([1, 2], dtype=mx.int32),
                                                mx.array([3, 4], dtype=mx.int32)),
     }
-    return [(op, fn) for op, fn in paths.items() if family.op in (None, op)]
+    return list(paths.items())

@@ -81,7 +81,8 @@ def _fmt_error(x) -> str:
 def summary_lines(report: dict) -> list:
     lines = []
     prov = report["provenance"]
-    rev = (prov.get("git_revision") or "no git revision")[:12]
+    rev = prov["git_revision"][:12] + ("+dirty" if prov["git_revision"].endswith("+dirty") else "") \
+        if prov.get("git_revision") else "no git revision"
     where = prov.get("gpu") or prov["machine"]["cpu"]
     lines.append(f"kvmetal {prov['kvmetal']} ({rev}), MLX {prov['mlx']}, {prov['machine']['platform']}, "
                  f"{where}; backend {report['backend']}" + (f", macOS {prov['macos']}" if prov.get("macos") else ""))
