@@ -204,6 +204,26 @@ def test_cpu_results_do_not_depend_on_the_thread_count():
         _ext.set_num_threads(before)
 
 
+_LEVELS = ["portable", "avx2", "avx512"]
+
+
+@pytest.mark.parametrize("kind", ["f32", "f16", "bf16", "k8v4"])
+def test_cpu_every_simd_level_matches_the_oracle(kind):
+    """The tile math of every SIMD level this CPU runs (capped from the widest down)."""
+    from kvmetal import _ext
+
+    opts = {"f32": dict(dtype=mx.float32), "f16": dict(dtype=mx.float16), "bf16": dict(dtype=mx.bfloat16),
+            "k8v4": dict(dtype=mx.float16, k_bits=8, v_bits=4)}[kind]
+    case = varlen_case([(70, 45), (9, 1), (30, 9)], num_heads=12, num_kv_heads=2, seed=13, **opts)
+    ref = oracle(case, softcap=20.0)
+    try:
+        for level in _LEVELS[: _LEVELS.index(_ext.simd_level()) + 1]:
+            _ext.cap_simd_level(level)
+            assert_rows_close(run("cpu", case, softcap=20.0), ref, opts["dtype"])
+    finally:
+        _ext.cap_simd_level("avx512")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_int64_indices(backend):
     case = varlen_case([(30, 11), (9, 1)], dtype=mx.float32)
