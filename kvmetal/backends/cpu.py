@@ -26,7 +26,8 @@ from kvmetal import _ext
 from kvmetal.backends import MIN_TOKENS_PER_SPLIT
 from kvmetal.quant import QuantizedKV
 
-__all__ = ["reshape_and_cache", "paged_attention", "gather_kv_cache", "decode_attention", "copy_blocks"]
+__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_varlen", "gather_kv_cache", "decode_attention",
+           "copy_blocks"]
 
 
 def _unpack(cache):
@@ -65,6 +66,18 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     return _ext.paged_attention(
         query, k, k_bits, k_group, v, v_bits, v_group, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks, num_splits=num_splits or 0,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
+    )
+
+
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *, scale,
+                           softcap, sliding_window, sinks):
+    """Ragged query runs ``[T, H, D]`` (sequence s owns rows ``[qsl[s], qsl[s + 1])``) over a paged cache."""
+    k, k_bits, k_group = _unpack(key_cache)
+    v, v_bits, v_group = _unpack(value_cache)
+    return _ext.paged_attention_varlen(
+        query, k, k_bits, k_group, v, v_bits, v_group, block_tables, seq_lens, query_start_loc,
+        scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks,
         min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
     )
 

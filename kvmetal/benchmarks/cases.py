@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import ops, quant
 from ..backends import use_backend
+from .prefill import prefill
 from .timing import time_stats
 from .workloads import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, paged_setup
 
@@ -215,6 +216,7 @@ CASES = {
     "paged_decode_k8v4": paged_decode_quantized(8, 4),
     "decode_contiguous_f16": decode_contiguous,
     "write_and_gather_f16": write_and_gather,
+    "prefill": prefill,
     "metal_kernels": metal_kernels,
 }
 
