@@ -44,8 +44,8 @@ struct KvVarlenTile {
 // Copy the tile of tokens [t0, t0 + BK) of one (sequence, kv head) into
 // threadgroup memory: rows outside [lo, hi) or in a block outside [0, N) are
 // zeros (never NaN into the MMA) with ok = 0.
-template <int BK, int D, int BS, int BITS, int GS, typename TT, typename PD, typename PS, typename PB>
-inline void kv_varlen_load_tile(PD data, PS scales, PB biases, const device int* table, int num_blocks,
+template <int BK, int D, int BS, int BITS, int GS, typename TT, typename PD, typename PS, typename PB, typename PT>
+inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num_blocks,
                                 int num_kv_heads, int kvh, int t0, int lo, int hi, threadgroup TT* tile,
                                 threadgroup int* ok, int tid, int nthreads, bool write_ok) {
   constexpr int W = BITS ? D * BITS / 32 : D;   // data elements per row
@@ -117,7 +117,8 @@ const int n = clamp(tl.n, 0, len);
 const int rows = n * G;
 const int r0 = tl.r0;
 const int r_end = min(r0 + BQ, rows);
-const device int* table = block_tables + size_t(seq) * p.max_blocks;
+// (block_tables is a `constant` buffer when it has fewer than 8 entries: keep its type.)
+const decltype(block_tables) table = block_tables + size_t(seq) * p.max_blocks;
 
 // This lane's row (fm) and columns (fn, fn + 1) of every fragment.
 const int qid = lane / 4;
