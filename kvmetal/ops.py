@@ -339,6 +339,97 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
     return out if query.ndim == 4 else out[:, 0]
 
 
+def _check_varlen_indices(op: str, query_start_loc, block_tables, seq_lens, *, num_tokens: int,
+                          num_blocks: int, block_size: int):
+    """Host checks of a varlen call (on the caller's values, int64 included, before any cast):
+    query_start_loc starts at 0, never decreases and ends at T; each sequence owns at most
+    its cached tokens (0 <= n_s <= seq_len, so seq_len 0 and n_s 0 are fine); seq_len fits
+    its block table; every block a sequence uses is in range."""
+    starts = _host(query_start_loc).astype(np.int64)
+    lens = _host(seq_lens).astype(np.int64)
+    tables = _host(block_tables)
+    if starts[0] != 0:
+        _fail(op, f"query_start_loc[0] must be 0, got {starts[0]}")
+    counts = np.diff(starts)
+    if (counts < 0).any():
+        s = int(np.argmax(counts < 0))
+        _fail(op, f"query_start_loc must not decrease: query_start_loc[{s + 1}] = {starts[s + 1]} < "
+                  f"query_start_loc[{s}] = {starts[s]}")
+    if starts[-1] != num_tokens:
+        _fail(op, f"query_start_loc[-1] must equal the query's {num_tokens} tokens, got {starts[-1]}")
+    capacity = tables.shape[1] * block_size
+    for s in np.flatnonzero((lens < 0) | (lens > capacity))[:1]:
+        if lens[s] < 0:
+            _fail(op, f"seq_lens[{s}] = {lens[s]} is negative")
+        _fail(op, f"seq_lens[{s}] = {lens[s]} exceeds its block table capacity "
+                  f"(block_tables has {tables.shape[1]} blocks per row x {block_size} = {capacity})")
+    for s in np.flatnonzero(counts > lens)[:1]:
+        _fail(op, f"query_start_loc gives sequence {s} {counts[s]} query tokens but seq_lens[{s}] = {lens[s]}: "
+                  f"the query tokens are the last cached positions, so each needs n_s <= seq_len")
+    used = np.arange(tables.shape[1])[None, :] < (-(-lens // block_size))[:, None]
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        s, j = (int(i) for i in np.argwhere(bad)[0])
+        _fail(op, f"block_tables[{s}, {j}] = {tables[s, j]} is out of range [0, {num_blocks})")
+
+
+def paged_attention_varlen(query: mx.array, key_cache, value_cache, block_tables: mx.array, seq_lens: mx.array,
+                           query_start_loc: mx.array, *, scale: float | None = None, softcap: float | None = None,
+                           sliding_window: int | None = None, sinks: mx.array | None = None,
+                           validate: bool = True) -> mx.array:
+    """Attention of a ragged batch of query runs over a paged cache: prefill chunks and
+    decode rows in one call, read straight from the blocks (no gather, no mask array).
+
+    Args:
+        query: [T, H, D] float: the query rows of every sequence, back to back.
+        key_cache, value_cache: [N, Hkv, bs, D] float caches or QuantizedKV.
+        block_tables: int32/int64 [S, M].
+        seq_lens: int32/int64 [S]; cached tokens per sequence, its new ones included (already written).
+        query_start_loc: int32/int64 [S + 1]; sequence s owns query rows
+            ``[query_start_loc[s], query_start_loc[s + 1])``: its last ``n_s`` cached positions,
+            ``n_s = query_start_loc[s + 1] - query_start_loc[s]`` (0 allowed, and seq_len 0 too).
+            Row ``i`` of sequence s sits at ``p = seq_len - n_s + i`` and sees ``t <= p`` (and
+            ``t > p - sliding_window``).
+        scale, softcap, sliding_window, sinks: as in :func:`paged_attention`.
+        validate: check query_start_loc, block ids and lengths on the host (before any cast).
+            With ``validate=False`` the kernels clamp query_start_loc to [0, T] (rows no
+            sequence owns come back as zeros), a length to [0, M * bs], and treat a block id
+            outside [0, N) as padding.
+    Returns:
+        [T, H, D] in the query's dtype; a row that sees no token is zeros.
+    """
+    op = "paged_attention_varlen"
+    _check_validate(op, validate)
+    num_blocks, num_kv_heads, block_size, head_dim = _check_kv_pair(op, key_cache, value_cache,
+                                                                    what="[N, Hkv, bs, D]", paged=True)
+    _check_array(op, "query", query, ndim=3, dtypes=FLOAT_DTYPES, what="[T, H, D]")
+    num_tokens, num_heads, q_dim = query.shape
+    if q_dim != head_dim:
+        _fail(op, f"query head_dim {q_dim} does not match the cache head_dim {head_dim}")
+    _check_query_heads(op, num_heads, num_kv_heads)
+    block_tables = _check_index(op, "block_tables", block_tables, ndim=2, what="[S, M]")
+    seq_lens = _check_index(op, "seq_lens", seq_lens, ndim=1, what="[S]")
+    query_start_loc = _check_index(op, "query_start_loc", query_start_loc, ndim=1, what="[S + 1]")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape[0] != num_seqs:
+        _fail(op, f"seq_lens must have one entry per block_tables row ({num_seqs}), got {seq_lens.shape[0]}")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        _fail(op, f"query_start_loc must have S + 1 = {num_seqs + 1} entries (one start per sequence and "
+                  f"the end), got {query_start_loc.shape[0]}")
+    max_blocks = block_tables.shape[1]
+    options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
+                                 sinks=sinks, num_splits=None, max_splits=1)
+    del options["num_splits"]
+    options["sliding_window"] = _sliding_window(op, sliding_window, max_tokens=max_blocks * block_size)
+    if validate:
+        _check_varlen_indices(op, query_start_loc, block_tables, seq_lens, num_tokens=num_tokens,
+                              num_blocks=num_blocks, block_size=block_size)
+    if num_seqs == 0 or num_tokens == 0:
+        return mx.zeros(query.shape, query.dtype)
+    return backends.get().paged_attention_varlen(query, key_cache, value_cache, _as_int32(block_tables),
+                                                 _as_int32(seq_lens), _as_int32(query_start_loc), **options)
+
+
 def gather_kv_cache(key_cache, value_cache, block_tables: mx.array, seq_lens: mx.array, *,
                     max_len: int | None = None, validate: bool = True):
     """Copy each sequence's K/V rows out of a paged cache into contiguous arrays.

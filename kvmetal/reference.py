@@ -82,6 +82,40 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
     return out[:, 0] if single else out
 
 
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *,
+                           scale=None, softcap=None, sliding_window=None, sinks=None) -> np.ndarray:
+    """query [T, H, D] -> [T, H, D].
+
+    Sequence ``s`` owns query rows ``[qsl[s], qsl[s + 1])``: its last ``n_s`` cached
+    positions. Row ``i`` of the run sits at ``p = seq_len - n_s + i`` and sees positions
+    ``t <= p`` (and ``t > p - sliding_window``). A row that sees no token outputs zeros.
+    """
+    q = to_f64(query)
+    kc, vc = to_f64(key_cache), to_f64(value_cache)
+    tables, lens, starts = to_int(block_tables), to_int(seq_lens), to_int(query_start_loc)
+    sink_logits = None if sinks is None else to_f64(sinks)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // kc.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = np.zeros_like(q)
+    for s in range(tables.shape[0]):
+        first_row, num_rows = int(starts[s]), int(starts[s + 1] - starts[s])
+        if num_rows == 0:
+            continue
+        keys = sequence_rows(kc, tables[s], lens[s])
+        values = sequence_rows(vc, tables[s], lens[s])
+        for i in range(num_rows):
+            last = int(lens[s]) - num_rows + i          # this row's own position
+            if last < 0:
+                continue
+            first = 0 if sliding_window is None else max(0, last + 1 - sliding_window)
+            for h in range(num_heads):
+                out[first_row + i, h] = attend(q[first_row + i, h], keys[h // group, first:last + 1],
+                                               values[h // group, first:last + 1], scale=scale, softcap=softcap,
+                                               sink=None if sink_logits is None else sink_logits[h])
+    return out
+
+
 def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None) -> np.ndarray:
     """query [B, H, L, D], keys/values [B, Hkv, T, D] -> [B, H, L, D].
 

@@ -1,6 +1,6 @@
 """Backend registry and selection.
 
-A backend is a module exposing the five functions below. ``kvmetal.ops`` has
+A backend is a module exposing the six functions below. ``kvmetal.ops`` has
 already checked and normalised every argument, so backends trust their inputs
 and never re-check; a configuration a backend cannot run raises
 ``NotImplementedError`` naming it (no silent fallbacks).
@@ -21,6 +21,19 @@ Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
         sinks float32 [H] or None -> out in the query's shape and dtype
         query row l sits at position seq_len - L + l and sees t <= that position
         (and t > position - sliding_window)
+
+    paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *,
+                           scale: float, softcap: float | None, sliding_window: int | None,
+                           sinks: mx.array | None)
+        query [T, H, D] (T >= 1); block_tables int32 [S, M] (S >= 1); seq_lens int32 [S] (>= 0);
+        query_start_loc int32 [S + 1]: sequence s owns query rows [qsl[s], qsl[s + 1]),
+        its last n_s = qsl[s + 1] - qsl[s] cached positions (n_s may be 0, any size above)
+        -> out [T, H, D] in the query's dtype
+        row i of sequence s sits at p = seq_len - n_s + i and sees t <= p (and
+        t > p - sliding_window); a row that sees nothing is zeros. Under validate=False
+        ops passes the caller's values on: a backend clamps qsl to [0, T] (rows no
+        sequence owns are zeros) and lengths to [0, M * bs], and treats block ids
+        outside [0, N) as padding.
 
     gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len: int)
         -> (keys, values) [S, Hkv, max_len, D] in the cache's float dtype

@@ -26,7 +26,8 @@ from kvmetal import _ext
 from kvmetal.backends import MIN_TOKENS_PER_SPLIT
 from kvmetal.quant import QuantizedKV
 
-__all__ = ["reshape_and_cache", "paged_attention", "gather_kv_cache", "decode_attention", "copy_blocks"]
+__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_varlen", "gather_kv_cache", "decode_attention",
+           "copy_blocks"]
 
 
 def _unpack(cache):
@@ -67,6 +68,12 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
         scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks, num_splits=num_splits or 0,
         min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
     )
+
+
+def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *, scale,
+                           softcap, sliding_window, sinks):
+    """Ragged query runs ``[T, H, D]`` (sequence s owns rows ``[qsl[s], qsl[s + 1])``) over a paged cache."""
+    raise NotImplementedError("[paged_attention_varlen] is not implemented on the cpu backend yet")
 
 
 def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len):
