@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import kvmetal as kv
 from kvmetal import reference as ref
 from kvmetal import sim
 from kvmetal.backends import metal
@@ -28,27 +29,26 @@ def varlen_inputs(rng, *, lens, counts, num_kv_heads, gqa, head_dim, block_size,
 
 
 def oracle(query, kc, vc, tables, seq_lens, qsl, **options):
-    """Sequence by sequence through reference.paged_attention: its L rows are the last L positions."""
-    q = np.array(query.astype(mx.float32), dtype=np.float64)
-    out = np.zeros(q.shape)
-    qsl = np.array(qsl)
-    for s in range(len(qsl) - 1):
-        a, b = int(qsl[s]), int(qsl[s + 1])
-        if b > a:
-            out[a:b] = ref.paged_attention(q[None, a:b], kc, vc, tables[s:s + 1], seq_lens[s:s + 1], **options)[0]
-    return out
+    return ref.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, **options)
 
 
-def run_varlen(query, kc, vc, tables, seq_lens, qsl, *, seeds=SEEDS, scale=None, **options):
-    """The sim backend's paged_attention_varlen under every schedule seed (strict); the trace of the last."""
-    backend = metal.sim_backend()
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    kwargs = dict(softcap=None, sliding_window=None, sinks=None)
-    kwargs.update(options)
+def run_varlen(query, kc, vc, tables, seq_lens, qsl, *, seeds=SEEDS, tiles=None, num_splits=None, validate=True,
+               **options):
+    """paged_attention_varlen on the simulator under every schedule seed (strict); the trace of
+    the last run. ``tiles``/``num_splits`` (backend overrides) call the sim backend directly."""
     outs = []
     for seed in seeds:
         with sim.trace(strict=True, seed=seed) as t:
-            out = backend.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, scale=scale, **kwargs)
+            if tiles is None and num_splits is None:
+                with kv.use_backend("sim"):
+                    out = kv.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, validate=validate,
+                                                    **options)
+            else:
+                kwargs = dict(softcap=None, sliding_window=None, sinks=None)
+                kwargs.update(options)
+                out = metal.sim_backend().paged_attention_varlen(
+                    query, kc, vc, tables, seq_lens, qsl, scale=query.shape[-1] ** -0.5, tiles=tiles,
+                    num_splits=num_splits, **kwargs)
             mx.eval(out)
         assert out.shape == query.shape and out.dtype == query.dtype
         outs.append(out)
@@ -149,7 +149,7 @@ def test_index_guards_without_validation():
     bad_tables = np.array(tables)
     bad_tables[0, 1] = 10 ** 6                              # a block id outside [0, N)
     bad_lens = mx.array(np.array([10 ** 6, 9], np.int32))   # past the table; fewer than the 12 rows
-    outs, _ = run_varlen(query, kc, vc, mx.array(bad_tables), bad_lens, qsl, seeds=SEEDS[:1])
+    outs, _ = run_varlen(query, kc, vc, mx.array(bad_tables), bad_lens, qsl, seeds=SEEDS[:1], validate=False)
     out = np.array(outs[0].astype(mx.float32))             # sequence 0 reads garbage (the table's padding)
     np.testing.assert_array_equal(out[16:19], 0.0)          # 12 rows, 9 cached: 3 rows see nothing
     want = oracle(query[19:], kc, vc, tables[1:], bad_lens[1:], mx.array([0, 9]))

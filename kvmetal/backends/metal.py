@@ -701,9 +701,6 @@ class KernelBackend:
                                seq_lens=seq_lens, params=params)
         return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
 
-    def paged_attention_varlen(self, query, *args, **kwargs):  # placeholder until the tiled kernel lands
-        raise NotImplementedError(f"[paged_attention_varlen] is not implemented on the {self.name} backend yet")
-
     def decode_attention(self, query, keys, values, *, scale, softcap, sinks, num_splits):
         """query [B, H, L, D] -> [B, H, L, D]; keys/values [B, Hkv, T, D] read in place (any view)."""
         batch, num_heads, query_len, head_dim = query.shape
