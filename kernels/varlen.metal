@@ -18,8 +18,9 @@
 // - K/V tiles of BK tokens are copied from the paged blocks into threadgroup
 //   memory in the storage type (quantized rows dequantized once into the tile,
 //   in the scales' float type); lanes read fragments from the tile by their own
-//   coordinates. Two barriers per tile (load, use); no double buffer, so the
-//   tiles fit the budget at BK = 32 for D = 128 half.
+//   coordinates (rows padded by 16 bytes against bank conflicts). Two barriers
+//   per tile (load, use); no double buffer, so the tiles fit the budget at
+//   BK = 32 for D = 128 half.
 // - Key range of a tile: [first visible key of its first row, last row's
 //   position]: tiles above the causal diagonal are never visited, tiles before
 //   the sliding window never loaded. Splits cut that range in whole K/V tiles;
@@ -41,9 +42,16 @@ struct KvVarlenTile {
   int pad2;
 };
 
+// Threadgroup row stride of a K/V tile: D elements plus 16 bytes, so that the
+// lanes reading one fragment column-wise (rows LD apart) spread over banks.
+template <int D, typename TT>
+struct KvVarlenStride {
+  static constant constexpr const int LD = D + 16 / int(sizeof(TT));
+};
+
 // Copy the tile of tokens [t0, t0 + BK) of one (sequence, kv head) into
-// threadgroup memory: rows outside [lo, hi) or in a block outside [0, N) are
-// zeros (never NaN into the MMA) with ok = 0.
+// threadgroup memory (rows LD apart): rows outside [lo, hi) or in a block
+// outside [0, N) are zeros (never NaN into the MMA) with ok = 0.
 template <int BK, int D, int BS, int BITS, int GS, typename TT, typename PD, typename PS, typename PB, typename PT>
 inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num_blocks,
                                 int num_kv_heads, int kvh, int t0, int lo, int hi, threadgroup TT* tile,
@@ -52,6 +60,7 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
   constexpr int NG = BITS ? D / GS : 1;         // groups per row
   constexpr int TASK = BITS ? GS : 8;           // elements per task
   constexpr int TASKS = D / TASK;
+  constexpr int LD = KvVarlenStride<D, TT>::LD;
   for (int i = tid; i < BK * TASKS; i += nthreads) {
     const int r = i / TASKS;
     const int task = i % TASKS;
@@ -63,7 +72,7 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
       good = uint(block) < uint(num_blocks);
       row = (size_t(good ? block : 0) * uint(num_kv_heads) + uint(kvh)) * BS + uint(t % BS);
     }
-    threadgroup TT* dst = tile + r * D + task * TASK;
+    threadgroup TT* dst = tile + r * LD + task * TASK;
     if (!good) {
       for (int e = 0; e < TASK; e++) {
         dst[e] = TT(0.0f);
@@ -106,8 +115,10 @@ const int num_heads = p.num_heads;
 const int num_splits = p.num_splits;
 const int out_rows = p.query_len;  // partial rows / H
 // Threadgroup memory (metal.py mirrors it in varlen_threadgroup_bytes).
-threadgroup TK tile_k[BK * D];
-threadgroup TV tile_v[BK * D];
+constexpr int KLD = KvVarlenStride<D, TK>::LD;
+constexpr int VLD = KvVarlenStride<D, TV>::LD;
+threadgroup TK tile_k[BK * KLD];
+threadgroup TV tile_v[BK * VLD];
 threadgroup int tile_ok[BK];
 
 const device KvVarlenTile& tl = reinterpret_cast<const device KvVarlenTile*>(tiles)[tile_index];
@@ -173,8 +184,8 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     sf[kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (int j = 0; j < DF; j++) {
       simdgroup_float8x8 kt;  // (dim, key) = K[key][dim]
-      kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * D + j * 8 + fm]);
-      kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * D + j * 8 + fm]);
+      kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * KLD + j * 8 + fm]);
+      kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * KLD + j * 8 + fm]);
       simdgroup_multiply_accumulate(sf[kb], qf[j], kt, sf[kb]);
     }
   }
@@ -219,8 +230,8 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     of[j].thread_elements()[1] *= factor;
     for (int kb = 0; kb < KF; kb++) {
       simdgroup_float8x8 vf;  // (key, dim)
-      vf.thread_elements()[0] = float(tile_v[(kb * 8 + fm) * D + j * 8 + fn]);
-      vf.thread_elements()[1] = float(tile_v[(kb * 8 + fm) * D + j * 8 + fn + 1]);
+      vf.thread_elements()[0] = float(tile_v[(kb * 8 + fm) * VLD + j * 8 + fn]);
+      vf.thread_elements()[1] = float(tile_v[(kb * 8 + fm) * VLD + j * 8 + fn + 1]);
       simdgroup_multiply_accumulate(of[j], sf[kb], vf, of[j]);
     }
   }

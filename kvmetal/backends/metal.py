@@ -335,7 +335,8 @@ SPECS["paged_varlen_partials"] = KernelSpec(
 VARLEN_DECODE_ROWS = ROW_REGISTER_LIMIT  # sequences with n_s <= this go through the decode partials
 VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 * simdgroups query rows
 VARLEN_BLOCK_K = (32, 16, 8)             # candidate K/V tile tokens, largest first
-VARLEN_TILE_MEMORY = 16 * 1024           # bytes of the K + V tiles (one buffer each)
+VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer each, rows padded)
+VARLEN_ROW_PAD = 16                      # bytes added to each tile row (kernels: KvVarlenStride)
 VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVarlenTile)
 
 
@@ -356,18 +357,20 @@ class VarlenTiles:
 
 
 def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int) -> int:
-    """Threadgroup memory of paged_varlen_partials: K tile, V tile (tile element types), ok flags."""
-    return (_round16(block_k * head_dim * k_itemsize) + _round16(block_k * head_dim * v_itemsize)
-            + _round16(4 * block_k))
+    """Threadgroup memory of paged_varlen_partials: K tile, V tile (tile element types, rows
+    padded by VARLEN_ROW_PAD bytes), ok flags."""
+    return (_round16(block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
+            + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(4 * block_k))
 
 
 def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups: int | None = None,
                  block_k: int | None = None) -> VarlenTiles:
     """The tile sizes for one head_dim and tile element sizes: the largest BK whose
-    K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16)."""
+    padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16)."""
     if block_k is None:
-        block_k = next((bk for bk in VARLEN_BLOCK_K if bk * head_dim * (k_itemsize + v_itemsize)
-                        <= VARLEN_TILE_MEMORY), VARLEN_BLOCK_K[-1])
+        block_k = next((bk for bk in VARLEN_BLOCK_K
+                        if bk * (head_dim * (k_itemsize + v_itemsize) + 2 * VARLEN_ROW_PAD) <= VARLEN_TILE_MEMORY),
+                       VARLEN_BLOCK_K[-1])
     tiles = VarlenTiles(simdgroups or VARLEN_SIMDGROUPS, block_k)
     if tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= 32:
         raise ValueError(f"[metal] varlen tiles need BK a multiple of 8 and 1..32 simdgroups, got {tiles}")
