@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import ops, quant
 from ..backends import use_backend
+from .prefill_cases import prefill  # its helpers come from this module, imported at call time
 from .timing import time_stats
 from .workloads import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, paged_setup
 
@@ -216,6 +217,7 @@ CASES = {
     "decode_contiguous_f16": decode_contiguous,
     "write_and_gather_f16": write_and_gather,
     "metal_kernels": metal_kernels,
+    "prefill": prefill,  # prefill_cases.py: varlen chunk after a prefix, tile sweep on metal
 }
 
 
