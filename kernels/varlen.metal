@@ -82,8 +82,12 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
       const float b = float(biases[row * NG + task]);
       kv_dequant_group<BITS ? BITS : 1, GS, TT>(data + row * W + task * (GS * BITS / 32), 1, s, b, dst);
     } else {
-      for (int e = 0; e < TASK; e++) {
-        dst[e] = TT(data[row * W + task * TASK + e]);
+      // 8 elements: one 16-byte copy (half, bfloat) or two (float), in the storage type.
+      constexpr int U = TASK * int(sizeof(TT)) / 16;
+      const device uint4* src = reinterpret_cast<const device uint4*>(data + row * W + task * TASK);
+      threadgroup uint4* to = reinterpret_cast<threadgroup uint4*>(dst);
+      for (int u = 0; u < U; u++) {
+        to[u] = src[u];
       }
     }
     if (write_ok && task == 0) {
@@ -115,11 +119,16 @@ const int num_heads = p.num_heads;
 const int num_splits = p.num_splits;
 const int out_rows = p.query_len;  // partial rows / H
 // Threadgroup memory (metal.py mirrors it in varlen_threadgroup_bytes).
+// The tiles are uint4 arrays (16-byte aligned rows for the copies), used as TK / TV.
 constexpr int KLD = KvVarlenStride<D, TK>::LD;
 constexpr int VLD = KvVarlenStride<D, TV>::LD;
-threadgroup TK tile_k[BK * KLD];
-threadgroup TV tile_v[BK * VLD];
+constexpr int TILE_K16 = (BK * KLD * int(sizeof(TK)) + 15) / 16;
+constexpr int TILE_V16 = (BK * VLD * int(sizeof(TV)) + 15) / 16;
+threadgroup uint4 tile_k_raw[TILE_K16];
+threadgroup uint4 tile_v_raw[TILE_V16];
 threadgroup int tile_ok[BK];
+threadgroup TK* tile_k = reinterpret_cast<threadgroup TK*>(tile_k_raw);
+threadgroup TV* tile_v = reinterpret_cast<threadgroup TV*>(tile_v_raw);
 
 const device KvVarlenTile& tl = reinterpret_cast<const device KvVarlenTile*>(tiles)[tile_index];
 const int seq = tl.seq;

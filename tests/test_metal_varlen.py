@@ -134,6 +134,7 @@ def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     kv_tiles = [-(-v // tiles.block_k) for v in visible]
     assert call.buffers["key_data"].loaded == sum(visible) * d * 2   # rows past the diagonal: never loaded
     assert call.buffers["value_data"].loaded == call.buffers["key_data"].loaded
+    assert call.bytes_per_load("key_data", "value_data") == 16.0   # rows copied in 16-byte units
     assert call.barriers == 2 * sum(kv_tiles)
     per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups
     assert call.mma == per_tile * sum(kv_tiles)
