@@ -57,6 +57,22 @@ NB_MODULE(_ext, m) {
       "Split-KV decode attention over a paged cache. query [S, L, H, D] (or [S, H, D]) -> the query's shape.");
 
   m.def(
+      "paged_attention_varlen",
+      [](const mx::array& query, const std::vector<mx::array>& k, int k_bits, int k_group,
+         const std::vector<mx::array>& v, int v_bits, int v_group, const mx::array& block_tables,
+         const mx::array& seq_lens, const mx::array& query_start_loc, float scale, std::optional<float> softcap,
+         int sliding_window, std::optional<mx::array> sinks, int min_tokens_per_split) {
+        return kvmetal::paged_attention_varlen(query, k, spec(k_bits, k_group), v, spec(v_bits, v_group),
+                                               block_tables, seq_lens, query_start_loc,
+                                               options(scale, softcap, sliding_window, 0, min_tokens_per_split),
+                                               sinks);
+      },
+      "query"_a, "k"_a, "k_bits"_a, "k_group"_a, "v"_a, "v_bits"_a, "v_group"_a, "block_tables"_a, "seq_lens"_a,
+      "query_start_loc"_a, nb::kw_only(), "scale"_a, "softcap"_a = nb::none(), "sliding_window"_a = 0,
+      "sinks"_a = nb::none(), "min_tokens_per_split"_a,
+      "Paged varlen attention: query [T, H, D], sequence s owns rows [qsl[s], qsl[s + 1]) -> [T, H, D].");
+
+  m.def(
       "decode_attention",
       [](const mx::array& query, const std::vector<mx::array>& k, int k_bits, int k_group,
          const std::vector<mx::array>& v, int v_bits, int v_group, float scale, std::optional<float> softcap,

@@ -11,6 +11,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "tensor.h"
+#include "varlen.h"
 
 namespace kvmetal {
 namespace {
@@ -274,6 +275,100 @@ mx::array decode_attention(const mx::array& query, const std::vector<mx::array>&
                            const std::optional<mx::array>& sinks) {
   opts.sliding_window = 0;
   return attention_op("decode_attention", false, query, k, kq, v, vq, nullptr, nullptr, opts, sinks);
+}
+
+// ---------------------------------------------------------------- varlen attention
+
+void VarlenAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  size_t i = 0;
+  Tensor q = describe(inputs[i++]);
+  std::vector<Tensor> kt = describe_all(inputs, i, k_.num_arrays());
+  i += k_.num_arrays();
+  std::vector<Tensor> vt = describe_all(inputs, i, v_.num_arrays());
+  i += v_.num_arrays();
+  Tensor bt = describe(inputs[i++]);
+  Tensor sl = describe(inputs[i++]);
+  Tensor qsl = describe(inputs[i++]);
+  Tensor sinks;
+  if (has_sinks_) sinks = describe(inputs[i++]);
+  char* out_ptr = out.data<char>();
+
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  enc.dispatch([q, kt, vt, bt, sl, qsl, sinks, out_ptr, kq = k_, vq = v_, opts = opts_, has_sinks = has_sinks_]() {
+    Storage st;
+    VarlenParams p;
+    Tensor qm = row_major(q, new_slot(st));
+    p.query = qm.ptr;
+    p.q_kind = float_kind(qm.dtype, "kvmetal");
+    p.out = out_ptr;
+    p.num_tokens = static_cast<int>(q.shape[0]);
+    p.num_heads = static_cast<int>(q.shape[1]);
+    p.head_dim = static_cast<int>(q.shape[2]);
+    p.num_seqs = static_cast<int>(bt.shape[0]);
+    p.num_kv_heads = static_cast<int>(kt[0].shape[1]);
+    p.scale = opts.scale;
+    p.has_softcap = opts.softcap.has_value();
+    p.softcap = opts.softcap.value_or(0.f);
+    p.sliding_window = opts.sliding_window;
+    p.min_tokens_per_split = opts.min_tokens_per_split;
+    p.block_size = static_cast<int>(kt[0].shape[2]);
+    p.num_blocks = std::min(kt[0].shape[0], vt[0].shape[0]);  // ops checks they match
+    p.block_tables = int32_data(bt, st);
+    p.max_blocks = bt.shape[1];
+    p.seq_lens = int32_data(sl, st);
+    p.query_start_loc = int32_data(qsl, st);
+    if (has_sinks) p.sinks = reinterpret_cast<const float*>(row_major(sinks, new_slot(st)).ptr);
+    KVView k = make_view(kt, kq, st);
+    KVView v = make_view(vt, vq, st);
+    paged_attention_varlen(p, k, v);
+  });
+}
+
+void VarlenAttentionPrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[KvmetalPagedAttentionVarlen] has no GPU implementation; use the metal backend");
+}
+
+bool VarlenAttentionPrimitive::is_equivalent(const mx::Primitive& other) const {
+  auto* o = dynamic_cast<const VarlenAttentionPrimitive*>(&other);
+  return o && k_ == o->k_ && v_ == o->v_ && opts_ == o->opts_ && has_sinks_ == o->has_sinks_;
+}
+
+mx::array paged_attention_varlen(const mx::array& query, const std::vector<mx::array>& k, QuantSpec kq,
+                                 const std::vector<mx::array>& v, QuantSpec vq, const mx::array& block_tables,
+                                 const mx::array& seq_lens, const mx::array& query_start_loc, AttentionOptions opts,
+                                 const std::optional<mx::array>& sinks) {
+  const char* op = "paged_attention_varlen";
+  check_float(query, op, "query");
+  if (query.ndim() != 3) fail(op, "query must have rank 3 ([T, H, D]), got " + shape_str(query.shape()));
+  const int D = query.shape(2);
+  if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
+    fail(op, "key/value head_dim must equal the query's " + std::to_string(D));
+  const int hkv = k[0].shape(1);
+  if (v[0].shape(1) != hkv || hkv == 0 || query.shape(1) % hkv) fail(op, "num_heads must be a multiple of num_kv_heads");
+  if (k[0].shape(2) != v[0].shape(2)) fail(op, "key and value block sizes differ");
+  if (block_tables.ndim() != 2) fail(op, "block_tables must be [S, max_blocks]");
+  const int S = block_tables.shape(0);
+  if (seq_lens.ndim() != 1 || seq_lens.shape(0) != S) fail(op, "seq_lens must be [S]");
+  if (query_start_loc.ndim() != 1 || query_start_loc.shape(0) != S + 1) fail(op, "query_start_loc must be [S + 1]");
+  for (const mx::array* a : {&block_tables, &seq_lens, &query_start_loc})
+    if (a->dtype() != mx::int32 && a->dtype() != mx::int64) fail(op, "index arrays must be int32 or int64");
+  std::vector<mx::array> inputs{query};
+  inputs.insert(inputs.end(), k.begin(), k.end());
+  inputs.insert(inputs.end(), v.begin(), v.end());
+  inputs.push_back(block_tables);
+  inputs.push_back(seq_lens);
+  inputs.push_back(query_start_loc);
+  if (sinks) {
+    if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(query.shape(1)))
+      fail(op, "sinks must be float32 [num_heads]");
+    inputs.push_back(*sinks);
+  }
+  auto prim = std::make_shared<VarlenAttentionPrimitive>(cpu_stream(), kq, vq, opts, sinks.has_value());
+  return mx::array(query.shape(), query.dtype(), prim, inputs);
 }
 
 // ---------------------------------------------------------------- gather

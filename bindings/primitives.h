@@ -61,6 +61,25 @@ class DecodeAttentionPrimitive : public mx::Primitive {
   bool has_sinks_;
 };
 
+// Varlen attention over a paged cache (bindings/varlen.h). Inputs: query
+// [T, H, D], K arrays, V arrays, block_tables, seq_lens, query_start_loc, [sinks].
+class VarlenAttentionPrimitive : public mx::Primitive {
+ public:
+  VarlenAttentionPrimitive(mx::Stream stream, QuantSpec k, QuantSpec v, AttentionOptions opts, bool has_sinks)
+      : mx::Primitive(stream), k_(k), v_(v), opts_(opts), has_sinks_(has_sinks) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "KvmetalPagedAttentionVarlen"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  QuantSpec k_, v_;
+  AttentionOptions opts_;
+  bool has_sinks_;
+};
+
 // Inputs: cache arrays, block_tables, seq_lens -> [S, Hkv, max_len, D].
 class GatherKVPrimitive : public mx::Primitive {
  public:
@@ -111,6 +130,11 @@ class CopyBlocksPrimitive : public mx::Primitive {
 mx::array paged_attention(const mx::array& query, const std::vector<mx::array>& k, QuantSpec kq,
                           const std::vector<mx::array>& v, QuantSpec vq, const mx::array& block_tables,
                           const mx::array& seq_lens, AttentionOptions opts, const std::optional<mx::array>& sinks);
+
+mx::array paged_attention_varlen(const mx::array& query, const std::vector<mx::array>& k, QuantSpec kq,
+                                 const std::vector<mx::array>& v, QuantSpec vq, const mx::array& block_tables,
+                                 const mx::array& seq_lens, const mx::array& query_start_loc, AttentionOptions opts,
+                                 const std::optional<mx::array>& sinks);
 
 mx::array decode_attention(const mx::array& query, const std::vector<mx::array>& k, QuantSpec kq,
                            const std::vector<mx::array>& v, QuantSpec vq, AttentionOptions opts,

@@ -90,8 +90,8 @@ def test_one_batched_paged_attention_call_per_layer_per_decode_step(monkeypatch)
 
     monkeypatch.setattr(model_cache.ops, "paged_attention", counting)
     with Engine(model) as engine:
-        # Prompts longer than MAX_PAGED_QUERY_TOKENS: their prefill gathers (no paged_attention
-        # call); shorter ones would go through paged_attention (L <= 8).
+        # Prompts longer than MAX_PAGED_QUERY_TOKENS: their prefill runs paged_attention_varlen
+        # (no paged_attention call); shorter ones would go through paged_attention (L <= 8).
         for prompt in (list(range(1, 10)), list(range(20, 32)), [9] * 20, list(range(40, 50))):
             engine.add_request(prompt, max_tokens=6)
         engine.step()  # admits all four (prefill: no paged_attention), then one decode step

@@ -35,7 +35,8 @@ def counting_backend(monkeypatch):
 
     fake = types.SimpleNamespace(paged_attention=paged_attention,
                                  **{n: getattr(real, n) for n in ("reshape_and_cache", "gather_kv_cache",
-                                                                  "decode_attention", "copy_blocks")})
+                                                                  "decode_attention", "copy_blocks",
+                                                                  "paged_attention_varlen")})
     monkeypatch.setattr(kvmetal.backends, "get", lambda name=None: fake)
     return calls
 

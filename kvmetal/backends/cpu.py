@@ -73,7 +73,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
 def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *, scale,
                            softcap, sliding_window, sinks):
     """Ragged query runs ``[T, H, D]`` (sequence s owns rows ``[qsl[s], qsl[s + 1])``) over a paged cache."""
-    raise NotImplementedError("[paged_attention_varlen] is not implemented on the cpu backend yet")
+    k, k_bits, k_group = _unpack(key_cache)
+    v, v_bits, v_group = _unpack(value_cache)
+    return _ext.paged_attention_varlen(
+        query, k, k_bits, k_group, v, v_bits, v_group, block_tables, seq_lens, query_start_loc,
+        scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
+    )
 
 
 def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len):

@@ -9,9 +9,9 @@ Two patches, both undone on exit: ``model.make_cache`` returns kvmetal caches (m
 ``generate_step`` pick them up unchanged), and the name ``scaled_dot_product_attention``
 in the model's module is wrapped so that a layer holding a kvmetal cache attends through
 kvmetal: ``paged_attention`` for decode and passes of up to 8 tokens (speculative
-verification, short chunks), gather +
-``mx.fast.scaled_dot_product_attention`` for longer prefill. Any other cache goes to
-mlx-lm's own function untouched.
+verification, short chunks), ``paged_attention_varlen`` for longer passes (a prompt, a
+chunk after a cached prefix, a batch of prompts), both reading the pool in place. Any
+other cache goes to mlx-lm's own function untouched.
 
 Every ``make_cache()`` of one patch draws its sequences from one shared pool, so
 mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table operations; a

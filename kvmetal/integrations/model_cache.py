@@ -26,7 +26,8 @@ from ..cache import HOLE, KVCacheFull, PagedKVCache
 
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
 GROWTH = 0.25  # a full growable pool adds this fraction of its size: held bytes stay near the need
-MAX_PAGED_QUERY_TOKENS = ops.MAX_QUERY_TOKENS  # passes of up to this many tokens skip the gather
+MAX_PAGED_QUERY_TOKENS = ops.MAX_QUERY_TOKENS  # passes of up to this many tokens run paged_attention;
+                                              # longer ones paged_attention_varlen (neither gathers)
 TRIM_SLACK = 16  # window layers keep this many tokens beyond their window, so a rewind of that
                  # many (speculative decoding's rejected drafts) still finds the window intact
 
@@ -50,6 +51,7 @@ class _Plan:
     block_tables: mx.array  # int32 [B, M]
     seq_lens: mx.array  # int32 [B], new tokens included
     max_len: int
+    query_start_loc: mx.array  # int32 [B + 1]: sequence i owns query rows [i * L, (i + 1) * L)
 
 
 def _one_group_size(group_size, k_group_size, v_group_size) -> int:
@@ -295,7 +297,8 @@ class PagedModelCache:
         key = key[:3] + (self._version[g],)
         slots = np.concatenate([pool.slots(s, o, o + num_new) for s, o in zip(seq_ids, offsets)])
         tables, lens = pool.block_tables(seq_ids)
-        plan = _Plan(key, mx.array(slots.astype(np.int32)), tables, lens, max(offsets) + num_new)
+        starts = mx.array((np.arange(len(seq_ids) + 1) * num_new).astype(np.int32))
+        plan = _Plan(key, mx.array(slots.astype(np.int32)), tables, lens, max(offsets) + num_new, starts)
         self._plans[g] = plan
         return plan
 
@@ -396,11 +399,8 @@ class PagedLayerCache:
         return self.model_cache.windows[self._group]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Write the new rows ([B, Hkv, L, D]) into the pool.
-
-        Returns the new rows themselves when ``attention`` will read the pool directly
-        (L <= 8), else the layer's keys/values
-        [B, Hkv, T, D] gathered from the pool (lazily: only run if something reads them)."""
+        """Write the new rows ([B, Hkv, L, D]) into the pool and return them: ``attention``
+        reads the pool itself (and gathers only for a mask it did not make)."""
         batch, num_kv_heads, num_new, head_dim = keys.shape
         if batch != len(self.seq_ids):
             self._widen(batch)
@@ -409,9 +409,7 @@ class PagedLayerCache:
         self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        if num_new <= MAX_PAGED_QUERY_TOKENS:
-            return keys, values  # attention reads the pool itself
-        return self._gather(plan)
+        return keys, values
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None) -> mx.array:
@@ -419,9 +417,11 @@ class PagedLayerCache:
 
         A mask from our own ``make_mask`` (or None / "causal") means causal attention,
         within the layer's window and any window the model asked for. Passes of up to
-        ``MAX_PAGED_QUERY_TOKENS`` tokens then run ``paged_attention`` on the pool; longer ones gather and run
-        ``mx.fast.scaled_dot_product_attention``. A mask array we did not make is applied
-        as given over the gathered rows."""
+        ``MAX_PAGED_QUERY_TOKENS`` tokens then run ``paged_attention`` on the pool, longer
+        ones (a prompt, a chunk after a cached prefix, a batch of prompts)
+        ``paged_attention_varlen``: no gather and no mask array. A mask array we did not
+        make is applied as given by ``mx.fast.scaled_dot_product_attention`` over the
+        rows gathered from the pool."""
         if self._plan is None:
             raise RuntimeError("[PagedLayerCache] attention called before update_and_fetch")
         batch, num_heads, num_queries, head_dim = queries.shape
@@ -438,13 +438,13 @@ class PagedLayerCache:
                 plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
                 sinks=sinks, validate=False)  # ops casts sinks to float32
             return out.transpose(0, 2, 1, 3)
-        keys, values = self._gather(plan)
-        starts = [o - num_queries for o in self._offsets]
-        if batch == 1 and window is None:
-            mask = "causal"  # bottom-right aligned: query l sits at starts[0] + l
-        else:
-            mask = _causal_window_mask(starts, num_queries, keys.shape[2], window)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        # Sequence i owns query rows [i * L, (i + 1) * L): its last L cached positions.
+        out = ops.paged_attention_varlen(
+            queries.transpose(0, 2, 1, 3).reshape(batch * num_queries, num_heads, head_dim),
+            self.pool.key_caches[self._index], self.pool.value_caches[self._index],
+            plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale, sliding_window=window,
+            sinks=sinks, validate=False)
+        return out.reshape(batch, num_queries, num_heads, head_dim).transpose(0, 2, 1, 3)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """What mlx-lm's own cache would return (one sequence), or a per-sequence causal

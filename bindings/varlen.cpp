@@ -1,0 +1,363 @@
+#include "varlen.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace kvmetal {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kKeyTile = kMaxTileRows;  // keys per step: whole blocks, as block_size divides 32
+constexpr int kItemsPerThread = 8;      // items enough to balance uneven ones
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Query positions per tile (times G heads = the tile's rows): enough rows per
+// K/V tile that converting it is a small part of the work, few enough that the
+// queries and accumulators stay in L1/L2.
+int tile_positions(int G, int D) { return std::max(1, (D <= 128 ? 64 : 32) / G); }
+
+// One sequence's run: query rows [row0, row0 + n), the last n of its len cached tokens.
+struct Run {
+  int row0 = 0, n = 0, len = 0;
+};
+
+// Runs from query_start_loc, guarded: starts clamped to [0, T] and never
+// before the previous run's end (so no two runs write one row), lengths
+// clamped to the table.
+std::vector<Run> make_runs(const VarlenParams& p) {
+  std::vector<Run> runs(p.num_seqs);
+  const int64_t capacity = p.max_blocks * p.block_size;
+  int end = 0;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int a = std::max(end, std::clamp(p.query_start_loc[s], 0, p.num_tokens));
+    const int b = std::max(a, std::clamp(p.query_start_loc[s + 1], 0, p.num_tokens));
+    runs[s] = Run{a, b - a, static_cast<int>(std::clamp<int64_t>(p.seq_lens[s], 0, capacity))};
+    end = b;
+  }
+  return runs;
+}
+
+struct KeyRange {
+  int lo = 0, hi = 0;  // [lo, hi)
+};
+
+// A query tile: run positions [i0, i1) of sequence s, and the keys any of its
+// rows sees (causal tiles past its last position, and window tiles before its
+// first position's window, are outside the range and never visited).
+struct QueryTile {
+  int s = 0, i0 = 0, i1 = 0;
+  KeyRange keys;
+  int splits = 1;
+  int64_t partial = -1;  // first partial slot of (kv head 0, split 0), or -1: written directly
+};
+
+// The position of run row i, and what it sees.
+int64_t position(const Run& r, int i) { return static_cast<int64_t>(r.len) - r.n + i; }
+
+KeyRange visible_keys(const VarlenParams& p, const Run& r, int i0, int i1) {
+  const int64_t hi = std::max<int64_t>(0, position(r, i1 - 1) + 1);
+  const int64_t lo = p.sliding_window > 0 ? std::clamp<int64_t>(position(r, i0) - p.sliding_window + 1, 0, hi) : 0;
+  return KeyRange{static_cast<int>(lo), static_cast<int>(hi)};
+}
+
+// Split k of `splits` of a key range, in whole key tiles (aligned to kKeyTile).
+KeyRange split_range(KeyRange keys, int k, int splits) {
+  const int64_t first = keys.lo / kKeyTile;
+  const int64_t units = ceil_div(keys.hi, kKeyTile) - first;
+  const int64_t per = ceil_div(units, splits);
+  const int64_t a = (first + std::min(units, k * per)) * kKeyTile;
+  const int64_t b = (first + std::min(units, (k + 1) * per)) * kKeyTile;
+  return KeyRange{static_cast<int>(std::max<int64_t>(a, keys.lo)), static_cast<int>(std::min<int64_t>(b, keys.hi))};
+}
+
+struct Scratch {
+  std::vector<float> q, k, v, scores, corr, state;
+  void fit(int R, int D) {
+    q.resize(static_cast<size_t>(R) * D);
+    k.resize(static_cast<size_t>(kKeyTile) * D);
+    v.resize(static_cast<size_t>(kKeyTile) * D);
+    scores.resize(static_cast<size_t>(R) * kMaxTileRows);
+    corr.resize(R);
+    state.resize(static_cast<size_t>(R) * (D + 2));
+  }
+};
+
+Scratch& scratch() {
+  thread_local Scratch sc;
+  return sc;
+}
+
+// The online-softmax state of R rows: m[R], l[R], acc[R][D] (float32), one block.
+struct State {
+  float* m;
+  float* l;
+  float* acc;
+  State(float* base, int R) : m(base), l(base + R), acc(base + 2 * R) {}
+};
+
+class TileWalker {
+ public:
+  TileWalker(const VarlenParams& p, const KVView& k, const KVView& v, const TileKernels& tk, const Run& run,
+             const QueryTile& tile, int kvh)
+      : p_(p), k_(k), v_(v), tk_(tk), run_(run), tile_(tile), kvh_(kvh), G_(p.num_heads / p.num_kv_heads),
+        R_((tile.i1 - tile.i0) * G_), D_(p.head_dim), sc_(scratch()) {
+    sc_.fit(R_, D_);
+  }
+
+  int rows() const { return R_; }
+
+  // Attend over `keys` (a part of the tile's range) into `st`.
+  void run(KeyRange keys, State st) {
+    std::fill(st.m, st.m + R_, kNegInf);
+    std::fill(st.l, st.l + R_, 0.f);
+    std::fill(st.acc, st.acc + static_cast<int64_t>(R_) * D_, 0.f);
+    if (keys.hi <= keys.lo) return;
+    load_queries();
+    for (int t0 = keys.lo; t0 < keys.hi;) {
+      const int t1 = std::min(keys.hi, (t0 / kKeyTile + 1) * kKeyTile);
+      step(t0, t1, st);
+      t0 = t1;
+    }
+  }
+
+  // out[row] = acc / l with the sinks in the denominator (zeros for a row that saw nothing).
+  void write(const State& st, float* tmp) const {
+    for (int j = 0; j < R_; ++j) {
+      const int h = kvh_ * G_ + j % G_;
+      float weight = 0.f;
+      if (st.l[j] > 0.f) {
+        float M = st.m[j];
+        if (p_.sinks) M = std::max(M, p_.sinks[h]);
+        const float w = std::exp(st.m[j] - M);
+        const float L = st.l[j] * w + (p_.sinks ? std::exp(p_.sinks[h] - M) : 0.f);
+        weight = w / L;
+      }
+      const float* acc = st.acc + static_cast<int64_t>(j) * D_;
+      for (int d = 0; d < D_; ++d) tmp[d] = acc[d] * weight;
+      store_row(p_, tk_, tile_row(j), h, tmp);
+    }
+  }
+
+  // Query row (global index) of tile row j.
+  int tile_row(int j) const { return run_.row0 + tile_.i0 + j / G_; }
+
+  static void store_row(const VarlenParams& p, const TileKernels& tk, int row, int h, const float* x) {
+    const int64_t at = (static_cast<int64_t>(row) * p.num_heads + h) * p.head_dim;
+    switch (p.q_kind) {
+      case FloatKind::f32:
+        std::copy(x, x + p.head_dim, reinterpret_cast<float*>(p.out) + at);
+        break;
+      case FloatKind::f16:
+        tk.f32_to_f16(x, p.head_dim, reinterpret_cast<uint16_t*>(p.out) + at);
+        break;
+      default:
+        for (int d = 0; d < p.head_dim; ++d) reinterpret_cast<uint16_t*>(p.out)[at + d] = f32_to_bf16(x[d]);
+        break;
+    }
+  }
+
+ private:
+  // Tile row j = (position i - i0) * G + g: query head kvh * G + g, pre-scaled
+  // (scores come out already times `scale`).
+  void load_queries() {
+    for (int j = 0; j < R_; ++j) {
+      const int64_t src = (static_cast<int64_t>(tile_row(j)) * p_.num_heads + kvh_ * G_ + j % G_) * D_;
+      float* dst = sc_.q.data() + static_cast<int64_t>(j) * D_;
+      for (int d = 0; d < D_; ++d) dst[d] = load_as_f32(p_.query, src + d, p_.q_kind) * p_.scale;
+    }
+  }
+
+  // Keys [t0, t1) of one cache as float32 rows D apart in dst; padding blocks
+  // are zeros and marked in pad_ (a bit per row).
+  void load_tile(const KVView& view, int t0, int t1, float* dst) {
+    pad_ = 0;
+    const int32_t* table = p_.block_tables + static_cast<int64_t>(tile_.s) * p_.max_blocks;
+    for (int t = t0; t < t1;) {
+      const int64_t block = table[t / p_.block_size];
+      const int row0 = t % p_.block_size;
+      const int n = std::min(p_.block_size - row0, t1 - t);
+      float* out = dst + static_cast<int64_t>(t - t0) * D_;
+      if (block >= 0 && block < p_.num_blocks) {
+        int64_t stride;
+        const float* rows = view.tile(block, kvh_, row0, n, out, &stride, tk_);
+        if (rows != out)  // float32 rows come back in place: copy them next to the others
+          for (int r = 0; r < n; ++r) std::memcpy(out + static_cast<int64_t>(r) * D_, rows + r * stride, D_ * 4);
+      } else {
+        std::fill_n(out, static_cast<int64_t>(n) * D_, 0.f);
+        pad_ |= ((n == 32 ? ~0u : ((1u << n) - 1)) << (t - t0));
+      }
+      t += n;
+    }
+  }
+
+  void step(int t0, int t1, State st) {
+    const int n = t1 - t0;
+    float* scores = sc_.scores.data();
+    load_tile(k_, t0, t1, sc_.k.data());
+    tk_.scores(sc_.q.data(), R_, sc_.k.data(), D_, n, D_, scores);
+    if (p_.has_softcap)
+      for (int j = 0; j < R_; ++j)
+        for (int r = 0; r < n; ++r) {
+          float& x = scores[j * kMaxTileRows + r];
+          x = p_.softcap * std::tanh(x / p_.softcap);
+        }
+    mask(t0, n, scores);
+    tk_.softmax_update(scores, R_, n, st.m, st.l, sc_.corr.data());
+    load_tile(v_, t0, t1, sc_.v.data());
+    tk_.accumulate(scores, sc_.corr.data(), R_, sc_.v.data(), D_, n, D_, st.acc);
+  }
+
+  // -inf where a row must not look: padding, and keys outside its causal
+  // range (and window). Rows of one position share their range.
+  void mask(int t0, int n, float* scores) const {
+    if (pad_)
+      for (int r = 0; r < n; ++r)
+        if (pad_ >> r & 1u)
+          for (int j = 0; j < R_; ++j) scores[j * kMaxTileRows + r] = kNegInf;
+    const int64_t first = position(run_, tile_.i0), last = position(run_, tile_.i1 - 1);
+    const int w = p_.sliding_window;
+    if (t0 + n <= first + 1 && (w == 0 || t0 > last - w)) return;  // every row sees the whole tile
+    for (int i = tile_.i0; i < tile_.i1; ++i) {
+      const int64_t pos = position(run_, i);
+      const int64_t a = std::clamp<int64_t>(w > 0 ? pos - w + 1 - t0 : 0, 0, n);
+      const int64_t b = std::clamp<int64_t>(pos + 1 - t0, a, n);
+      for (int g = 0; g < G_; ++g) {
+        float* row = scores + ((i - tile_.i0) * G_ + g) * kMaxTileRows;
+        std::fill(row, row + a, kNegInf);
+        std::fill(row + b, row + n, kNegInf);
+      }
+    }
+  }
+
+  const VarlenParams& p_;
+  const KVView& k_;
+  const KVView& v_;
+  const TileKernels& tk_;
+  const Run& run_;
+  const QueryTile& tile_;
+  const int kvh_, G_, R_, D_;
+  Scratch& sc_;
+  uint32_t pad_ = 0;
+};
+
+// Merge the splits of (tile, kv head) into the output; sinks join the denominator.
+void reduce(const VarlenParams& p, const TileKernels& tk, const Run& run, const QueryTile& tile, int kvh,
+            const float* partials, int64_t slot_floats, int R) {
+  const int G = p.num_heads / p.num_kv_heads, D = p.head_dim;
+  std::vector<float> tmp(D);
+  const float* first = partials + (tile.partial + static_cast<int64_t>(kvh) * tile.splits) * slot_floats;
+  for (int j = 0; j < R; ++j) {
+    const int h = kvh * G + j % G;
+    float M = kNegInf;
+    for (int k = 0; k < tile.splits; ++k) {
+      const float* part = first + k * slot_floats;
+      if (part[R + j] > 0.f) M = std::max(M, part[j]);
+    }
+    if (p.sinks) M = std::max(M, p.sinks[h]);
+    std::fill(tmp.begin(), tmp.end(), 0.f);
+    float L = 0.f;
+    for (int k = 0; k < tile.splits; ++k) {
+      const float* part = first + k * slot_floats;
+      if (part[R + j] == 0.f) continue;  // a split that saw nothing
+      const float w = std::exp(part[j] - M);
+      L += part[R + j] * w;
+      const float* acc = part + 2 * R + static_cast<int64_t>(j) * D;
+      for (int d = 0; d < D; ++d) tmp[d] += acc[d] * w;
+    }
+    const bool seen = L > 0.f;
+    if (p.sinks) L += std::exp(p.sinks[h] - M);
+    const float inv = seen ? 1.f / L : 0.f;  // a row that saw nothing outputs zeros
+    for (int d = 0; d < D; ++d) tmp[d] *= inv;
+    TileWalker::store_row(p, tk, run.row0 + tile.i0 + j / G, h, tmp.data());
+  }
+}
+
+struct Item {
+  int tile, kvh, split;
+  int64_t cost;
+};
+
+}  // namespace
+
+void paged_attention_varlen(const VarlenParams& p, const KVView& k, const KVView& v) {
+  if (p.num_tokens == 0 || p.num_heads == 0 || p.head_dim == 0) return;  // empty output
+  const TileKernels& tk = tile_kernels(p.head_dim);
+  const int G = p.num_heads / p.num_kv_heads, D = p.head_dim;
+  const std::vector<Run> runs = make_runs(p);
+
+  // Rows no run owns (only under validate=False) are zeros.
+  const int64_t row_bytes = static_cast<int64_t>(p.num_heads) * D * float_kind_size(p.q_kind);
+  const int owned_lo = runs.empty() ? 0 : runs.front().row0;
+  const int owned_hi = runs.empty() ? 0 : runs.back().row0 + runs.back().n;
+  std::memset(p.out, 0, owned_lo * row_bytes);
+  std::memset(p.out + owned_hi * row_bytes, 0, (p.num_tokens - owned_hi) * row_bytes);
+
+  // Query tiles, and KV splits where there are too few tiles for the threads.
+  const int BQ = tile_positions(G, D);
+  std::vector<QueryTile> tiles;
+  for (int s = 0; s < p.num_seqs; ++s)
+    for (int i0 = 0; i0 < runs[s].n; i0 += BQ) {
+      const int i1 = std::min(runs[s].n, i0 + BQ);
+      tiles.push_back(QueryTile{s, i0, i1, visible_keys(p, runs[s], i0, i1)});
+    }
+  const int64_t base = static_cast<int64_t>(tiles.size()) * p.num_kv_heads;
+  const int64_t target = static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads();
+  const int64_t want = base >= target ? 1 : ceil_div(target, std::max<int64_t>(base, 1));
+  const int64_t slot_floats = static_cast<int64_t>(BQ) * G * (D + 2);
+  int64_t slots = 0;
+  std::vector<Item> items;
+  for (int t = 0; t < static_cast<int>(tiles.size()); ++t) {
+    QueryTile& tile = tiles[t];
+    const int64_t work = tile.keys.hi - tile.keys.lo;
+    const int64_t units = work > 0 ? ceil_div(tile.keys.hi, kKeyTile) - tile.keys.lo / kKeyTile : 1;
+    tile.splits = static_cast<int>(std::clamp<int64_t>(
+        std::min(want, work / std::max(1, p.min_tokens_per_split)), 1, units));
+    if (tile.splits > 1) {
+      tile.partial = slots;
+      slots += static_cast<int64_t>(p.num_kv_heads) * tile.splits;
+    }
+    const int64_t rows = static_cast<int64_t>(tile.i1 - tile.i0) * G;
+    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh)
+      for (int split = 0; split < tile.splits; ++split)
+        items.push_back(Item{t, kvh, split, (work / tile.splits + kKeyTile) * rows});
+  }
+  // The longest items first: the dynamic claiming then evens out the tail.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> partials(static_cast<size_t>(slots * slot_floats));
+
+  ThreadPool& pool = ThreadPool::instance();
+  pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t index) {
+    const Item& item = items[index];
+    const QueryTile& tile = tiles[item.tile];
+    TileWalker walker(p, k, v, tk, runs[tile.s], tile, item.kvh);
+    if (tile.splits == 1) {
+      Scratch& sc = scratch();
+      State st(sc.state.data(), walker.rows());
+      walker.run(tile.keys, st);
+      std::vector<float>& tmp = sc.k;  // free again once the walk is done
+      walker.write(st, tmp.data());
+      return;
+    }
+    float* slot = partials.data() + (tile.partial + static_cast<int64_t>(item.kvh) * tile.splits + item.split) * slot_floats;
+    walker.run(split_range(tile.keys, item.split, tile.splits), State(slot, walker.rows()));
+  });
+
+  if (slots == 0) return;
+  std::vector<std::pair<int, int>> merges;  // (tile, kv head) with splits
+  for (int t = 0; t < static_cast<int>(tiles.size()); ++t)
+    if (tiles[t].splits > 1)
+      for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) merges.emplace_back(t, kvh);
+  pool.parallel_for(static_cast<int64_t>(merges.size()), [&](int64_t i) {
+    const QueryTile& tile = tiles[merges[i].first];
+    reduce(p, tk, runs[tile.s], tile, merges[i].second, partials.data(), slot_floats, (tile.i1 - tile.i0) * G);
+  });
+}
+
+}  // namespace kvmetal
