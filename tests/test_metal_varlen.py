@@ -158,12 +158,11 @@ def test_index_guards_without_validation():
 
 
 def test_bench_prefill_case_sweeps_tiles_on_sim(monkeypatch):
-    from kvmetal.benchmarks import prefill_cases
-    from kvmetal.benchmarks.cases import run_case
+    from kvmetal.benchmarks import cases
 
     # Two configurations (and one that does not fit 32 KiB, skipped): each is a kernel build.
-    monkeypatch.setattr(prefill_cases, "TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
-    rows = run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
+    monkeypatch.setattr(cases, "PREFILL_TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
+    rows = cases.run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
     assert [(r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == [(32, 32), (16, 16)]
     for r in rows:
         assert r["seconds"] > 0 and r["baseline"]["seconds"] > 0
