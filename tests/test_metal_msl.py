@@ -36,7 +36,8 @@ def test_generated_sources_pass_clang_with_address_spaces(generated):
     names = {name.split("#")[0] for name in generated}
     # Every kernel family and the quantized specialisations were traced.
     for kernel in ("paged_attention_partials", "decode_attention_partials", "attention_reduce",
-                   "cache_rows_convert", "cache_rows_quantize", "gather_kv_rows", "copy_blocks_gather"):
+                   "cache_rows_convert", "cache_rows_quantize", "gather_kv_rows", "copy_blocks_gather",
+                   "paged_varlen_partials"):
         assert any(kernel in n for n in names), kernel
     assert any("kbits3" in n for n in names) and any("kbits8" in n for n in names)
     assert msl_check.syntax(generated) == []

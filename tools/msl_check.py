@@ -135,6 +135,27 @@ for dtype, D, bs, kq, vq, L in [(mx.float16, 128, 16, None, None, 1), (mx.bfloat
     def copy(s, d, *arrs):
         return backend.copy_blocks(rebuild(kk, arrs), rebuild(kk, arrs), s, d)[0]
     trace(copy, mx.array([1, 2], dtype=mx.int32), mx.array([3, 4], dtype=mx.int32), *parts(kk))
+    # The tiled varlen kernel (host-planned, so launched directly: one tile, 2 splits).
+    kd, ks, kb, kdt, kbits, kgs = metal._cache_parts(kk)
+    vd, vs, vb, vdt, vbits, vgs = metal._cache_parts(vv)
+    tiles = metal.varlen_tiles(head_dim=D, k_itemsize=kdt.size, v_itemsize=vdt.size)
+    def varlen(q, bt, sl, table, *arrs):
+        tg = metal.varlen_threadgroup_bytes(head_dim=D, block_k=tiles.block_k, k_itemsize=kdt.size,
+                                            v_itemsize=vdt.size)
+        geometry = metal.SPECS["paged_varlen_partials"].geometry(num_tiles=1, num_kv_heads=Hkv, splits=2,
+                                                                 tiles=tiles, threadgroup_bytes=tg)
+        template = dict(TQ=dtype, TK=kdt, TV=vdt, D=D, G=H // Hkv, BS=bs, NSG=tiles.simdgroups, BK=tiles.block_k,
+                        KBITS=kbits, KGS=kgs, VBITS=vbits, VGS=vgs)
+        bufs = dict(zip(("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases"),
+                        arrs))
+        params = metal.ATTENTION_PARAMS.pack(num_kv_heads=Hkv, num_heads=H, query_len=9, num_splits=2,
+                                             max_blocks=M, num_blocks=N, num_tokens=9, scale=0.1, head_div=1)
+        return tuple(backend.launch("paged_varlen_partials", template, geometry,
+                              *backend._partial_outputs(9 * H, 2, D), query=q, block_tables=bt, seq_lens=sl,
+                              tiles=table, params=params, **bufs))
+    bt1 = mx.zeros((1, 2), dtype=mx.int32)           # under 8 entries: a `constant` buffer
+    trace(varlen, mx.zeros((9, H, D), dtype=dtype), bt1, mx.array([9], dtype=mx.int32),
+          mx.array([[0, 0, 0, 0, 9, 0, 0, 0]], dtype=mx.int32), kd, ks, kb, vd, vs, vb)
 """
 
 

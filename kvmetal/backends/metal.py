@@ -320,6 +320,129 @@ SPECS = {
 }
 
 
+# The tiled varlen kernel (kernels/varlen.metal), next to SPECS' decode kernels.
+SPECS["paged_varlen_partials"] = KernelSpec(
+    "paged_varlen_partials", "varlen", ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "tiles", "params"),
+    _PARTIALS, ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KBITS", "KGS", "VBITS", "VGS"),
+    lambda *, num_tiles, num_kv_heads, splits, tiles, threadgroup_bytes: Geometry(
+        grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
+        threadgroup_bytes=threadgroup_bytes),
+    math_mode=ATTENTION_MATH_MODE)
+
+
+# ----------------------------------------------------------------------------- varlen prefill tiles
+
+VARLEN_DECODE_ROWS = ROW_REGISTER_LIMIT  # sequences with n_s <= this go through the decode partials
+VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 * simdgroups query rows
+VARLEN_BLOCK_K = (32, 16, 8)             # candidate K/V tile tokens, largest first
+VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer each, rows padded)
+VARLEN_ROW_PAD = 16                      # bytes added to each tile row (kernels: KvVarlenStride)
+VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVarlenTile)
+
+
+@dataclass(frozen=True)
+class VarlenTiles:
+    """Tile sizes of the tiled varlen kernel (template parameters NSG, BK)."""
+
+    simdgroups: int
+    block_k: int
+
+    @property
+    def block_q(self) -> int:
+        return 8 * self.simdgroups
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.simdgroups
+
+
+def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int) -> int:
+    """Threadgroup memory of paged_varlen_partials: K tile, V tile (tile element types, rows
+    padded by VARLEN_ROW_PAD bytes), ok flags."""
+    return (_round16(block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
+            + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(4 * block_k))
+
+
+def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups: int | None = None,
+                 block_k: int | None = None) -> VarlenTiles:
+    """The tile sizes for one head_dim and tile element sizes: the largest BK whose
+    padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16)."""
+    if block_k is None:
+        block_k = next((bk for bk in VARLEN_BLOCK_K
+                        if bk * (head_dim * (k_itemsize + v_itemsize) + 2 * VARLEN_ROW_PAD) <= VARLEN_TILE_MEMORY),
+                       VARLEN_BLOCK_K[-1])
+    tiles = VarlenTiles(simdgroups or VARLEN_SIMDGROUPS, block_k)
+    if tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= 32:
+        raise ValueError(f"[metal] varlen tiles need BK a multiple of 8 and 1..32 simdgroups, got {tiles}")
+    used = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
+                                    v_itemsize=v_itemsize)
+    if used > 32 * 1024:
+        raise ValueError(f"[metal] varlen tiles {tiles} need {used} bytes of threadgroup memory (> 32 KiB)")
+    return tiles
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Host-side schedule of one varlen call (from query_start_loc and seq_lens).
+
+    Row t of the query belongs to sequence seq_of[t]; rows that see nothing (a
+    sequence's rows beyond its length) gather the zero row. Long sequences
+    (n > VARLEN_DECODE_ROWS) become query tiles; short ones are grouped by n
+    for the decode partials.
+    """
+
+    lens: np.ndarray          # guarded seq_lens (int32)
+    tiles: np.ndarray         # [num_tiles, VARLEN_TILE_FIELDS] int32
+    long_tokens: int          # rows of the tiled kernel's output (tokens of long sequences)
+    max_work: int             # most keys one query tile attends
+    short: dict               # n -> (sequence ids, first query row of each)
+    gather: np.ndarray        # [T] row of the stacked outputs each query row takes
+
+
+def varlen_plan(query_start_loc, seq_lens, *, num_tokens: int, gqa: int, block_q: int, max_len: int,
+                sliding_window) -> VarlenPlan:
+    qsl = np.asarray(query_start_loc).astype(np.int64)
+    lens = np.clip(np.asarray(seq_lens).astype(np.int64), 0, max_len)
+    num_seqs = lens.shape[0]
+    # Index guards (validate=False): starts/ends inside [0, T] and non-decreasing.
+    starts = np.clip(qsl[:num_seqs], 0, num_tokens)
+    ends = np.clip(qsl[1:num_seqs + 1], 0, num_tokens)
+    ends = np.maximum(ends, starts)
+    counts = ends - starts
+    # Rows beyond the sequence's length sit at negative positions: they see nothing.
+    n_eff = np.minimum(counts, lens)
+    first = ends - n_eff
+    tiles, long_tokens, max_work = [], 0, 0
+    short = {}
+    long_rows = {}
+    for s in range(num_seqs):
+        n = int(n_eff[s])
+        if n == 0:
+            continue
+        if n <= VARLEN_DECODE_ROWS:
+            ids, q0s = short.setdefault(n, ([], []))
+            ids.append(s)
+            q0s.append(int(first[s]))
+            continue
+        long_rows[s] = long_tokens
+        for r0 in range(0, n * gqa, block_q):
+            tiles.append((s, r0, int(first[s]), long_tokens, n, 0, 0, 0))
+        long_tokens += n
+        keys = int(lens[s]) if sliding_window is None else min(int(lens[s]), sliding_window + block_q)
+        max_work = max(max_work, keys)
+    gather = np.full(num_tokens, -1, dtype=np.int64)
+    for s, o0 in long_rows.items():
+        gather[first[s]:ends[s]] = o0 + np.arange(n_eff[s])
+    base = long_tokens
+    for n, (ids, q0s) in sorted(short.items()):
+        for k, q0 in enumerate(q0s):
+            gather[q0:q0 + n] = base + k * n + np.arange(n)
+        base += len(ids) * n
+    gather[gather < 0] = base  # the zero row
+    table = np.array(tiles, dtype=np.int32).reshape(-1, VARLEN_TILE_FIELDS)
+    return VarlenPlan(lens.astype(np.int32), table, long_tokens, max_work, dict(sorted(short.items())), gather)
+
+
 def _largest_pow2_divisor(n: int, cap: int) -> int:
     d = 1
     while d * 2 <= cap and n % (d * 2) == 0:
@@ -581,9 +704,6 @@ class KernelBackend:
                                seq_lens=seq_lens, params=params)
         return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
 
-    def paged_attention_varlen(self, query, *args, **kwargs):  # placeholder until the tiled kernel lands
-        raise NotImplementedError(f"[paged_attention_varlen] is not implemented on the {self.name} backend yet")
-
     def decode_attention(self, query, keys, values, *, scale, softcap, sinks, num_splits):
         """query [B, H, L, D] -> [B, H, L, D]; keys/values [B, Hkv, T, D] read in place (any view)."""
         batch, num_heads, query_len, head_dim = query.shape
@@ -603,6 +723,65 @@ class KernelBackend:
                                *self._partial_outputs(rows, splits, head_dim),
                                query=mx.contiguous(query), **kv_buffers, params=params)
         return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
+
+    def paged_attention_varlen(self, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *,
+                               scale, softcap, sliding_window, sinks, tiles: VarlenTiles | None = None,
+                               num_splits: int | None = None):
+        """query [T, H, D] -> [T, H, D]: sequence s owns rows [qsl[s], qsl[s+1]), its last
+        cached positions. Runs of n_s <= VARLEN_DECODE_ROWS go through the decode partials
+        (one launch per distinct n_s), longer ones through paged_varlen_partials; both
+        reduce with attention_reduce. ``tiles``/``num_splits`` override the defaults
+        (tile sweeps, tests). The schedule is planned on the host (one sync)."""
+        num_tokens, num_heads, head_dim = query.shape
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+        max_blocks = block_tables.shape[1]
+        gqa = num_heads // num_kv_heads
+        kd, ks, kb, kdt, kbits, kgs = _cache_parts(key_cache)
+        vd, vs, vb, vdt, vbits, vgs = _cache_parts(value_cache)
+        tiles = tiles or varlen_tiles(head_dim=head_dim, k_itemsize=kdt.size, v_itemsize=vdt.size)
+        plan = varlen_plan(query_start_loc, seq_lens, num_tokens=num_tokens, gqa=gqa, block_q=tiles.block_q,
+                           max_len=max_blocks * block_size, sliding_window=sliding_window)
+        outs = []
+        if plan.tiles.shape[0]:
+            tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=kdt.size,
+                                                v_itemsize=vdt.size)
+            useful = max(1, -(-plan.max_work // tiles.block_k))
+            if num_splits is None:
+                splits = choose_num_splits(plan.max_work, plan.tiles.shape[0] * num_kv_heads,
+                                           threadgroup_bytes=tg_bytes, threads=tiles.threads)
+            else:
+                splits = int(num_splits)
+            splits = max(1, min(splits, useful))
+            params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads,
+                                           query_len=plan.long_tokens, num_splits=splits, max_blocks=max_blocks,
+                                           num_blocks=num_blocks, window=sliding_window or 0,
+                                           num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1)
+            template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
+                            NSG=tiles.simdgroups, BK=tiles.block_k, KBITS=kbits, KGS=kgs, VBITS=vbits, VGS=vgs)
+            geometry = SPECS["paged_varlen_partials"].geometry(
+                num_tiles=plan.tiles.shape[0], num_kv_heads=num_kv_heads, splits=splits, tiles=tiles,
+                threadgroup_bytes=tg_bytes)
+            rows = plan.long_tokens * num_heads
+            partials = self.launch("paged_varlen_partials", template, geometry,
+                                   *self._partial_outputs(rows, splits, head_dim), query=mx.contiguous(query),
+                                   key_data=kd, key_scales=ks, key_biases=kb, value_data=vd, value_scales=vs,
+                                   value_biases=vb, block_tables=block_tables, seq_lens=mx.array(plan.lens),
+                                   tiles=mx.array(plan.tiles), params=params)
+            out = self._reduce(partials, sinks, params, query.dtype, rows, head_dim)
+            outs.append(out.reshape(plan.long_tokens, num_heads, head_dim))
+        lens = mx.array(plan.lens)
+        for n, (ids, q0s) in plan.short.items():
+            rows_idx = (np.asarray(q0s)[:, None] + np.arange(n)[None, :]).reshape(-1)
+            q = mx.take(query, mx.array(rows_idx.astype(np.int32)), axis=0).reshape(len(ids), n, num_heads,
+                                                                                   head_dim)
+            sel = mx.array(np.asarray(ids, dtype=np.int32))
+            out = self.paged_attention(q, key_cache, value_cache, mx.take(block_tables, sel, axis=0),
+                                       mx.take(lens, sel), scale=scale, softcap=softcap,
+                                       sliding_window=sliding_window, sinks=sinks, num_splits=None)
+            outs.append(out.reshape(len(ids) * n, num_heads, head_dim))
+        outs.append(mx.zeros((1, num_heads, head_dim), dtype=query.dtype))
+        stacked = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+        return mx.take(stacked, mx.array(plan.gather.astype(np.int32)), axis=0)
 
     @staticmethod
     def _kv_inputs(keys, values, head_dim, gqa, query_len, layout) -> tuple:

@@ -18,6 +18,7 @@ REDUCTIONS = ("simd_sum", "simd_product", "simd_max", "simd_min", "simd_and", "s
 SHUFFLES = ("simd_shuffle", "simd_shuffle_xor", "simd_shuffle_up", "simd_shuffle_down", "simd_shuffle_rotate_down",
             "simd_shuffle_rotate_up", "simd_broadcast", "quad_shuffle", "quad_shuffle_xor", "quad_shuffle_up",
             "quad_shuffle_down", "quad_broadcast", "simd_broadcast_first")
+MMAS = ("simdgroup_multiply_accumulate", "simdgroup_multiply")  # 8x8x8 simdgroup_matrix products
 
 
 def _per_load(loaded: int, load_ops: int) -> float:
@@ -89,6 +90,11 @@ class KernelCall:
     def shuffles(self) -> int:
         """Shuffles and broadcasts, simdgroup executions."""
         return sum(self.collectives.get(k, 0) for k in SHUFFLES)
+
+    @property
+    def mma(self) -> int:
+        """8x8x8 simdgroup_matrix multiplies (with or without accumulate), simdgroup executions."""
+        return sum(self.collectives.get(k, 0) for k in MMAS)
 
     @property
     def transcendentals(self) -> int:

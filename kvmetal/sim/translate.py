@@ -49,7 +49,8 @@ _SYNC_CALL = re.compile(
     r"|shuffle(?:_xor|_up|_down|_rotate_down|_rotate_up)?|broadcast(?:_first)?|ballot|all|any"
     r"|active_threads_mask|is_first)"
     r"|quad_(?:sum|product|max|min|shuffle(?:_xor|_up|_down)?|broadcast)"
-    r"|threadgroup_barrier|simdgroup_barrier)\s*\((?P<empty>\s*\))?")
+    r"|threadgroup_barrier|simdgroup_barrier"
+    r"|simdgroup_(?:load|store|multiply_accumulate|multiply))\s*\((?P<empty>\s*\))?")
 _CALL_KEYWORDS = {"return", "else", "case", "do", "co_return", "co_yield", "throw"}
 
 _COMPONENT = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}

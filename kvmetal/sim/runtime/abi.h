@@ -132,6 +132,8 @@ struct KmslCollective {
 
 void kmsl_rt_collective(KmslCollective* c);
 void kmsl_rt_barrier(const void* site, const char* op);
+// Linear index in the threadgroup of the Metal thread running now (lane = index % 32).
+uint32_t kmsl_rt_thread_index(void);
 void* kmsl_rt_tg_alloc(int slot, uint64_t bytes, uint64_t align, const char* name);
 [[noreturn]] void kmsl_rt_fail(int kind, const char* msg);
 const char* kmsl_rt_kernel_name(void);

@@ -7,6 +7,7 @@
 #include "msl_math.h"
 #include "msl_device.h"
 #include "msl_simd.h"
+#include "msl_simdgroup_matrix.h"
 
 #define METAL_FUNC inline
 #define MLX_MTL_CONST static constexpr const

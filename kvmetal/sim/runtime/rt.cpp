@@ -111,6 +111,7 @@ const char* const kCollectiveNames[] = {
     "simd_shuffle_rotate_up", "simd_broadcast", "quad_shuffle", "quad_shuffle_xor", "quad_shuffle_up",
     "quad_shuffle_down", "quad_broadcast", "simd_broadcast_first",
     "simd_ballot", "simd_all", "simd_any", "simd_active_threads_mask", "simd_is_first", "simdgroup_barrier",
+    "simdgroup_load", "simdgroup_store", "simdgroup_multiply_accumulate", "simdgroup_multiply",  // msl_simdgroup_matrix.h
     "other", nullptr};
 #define KMSL_MATH_NAME(name) #name,
 const char* const kMathNames[] = {KMSL_MATH_FUNCS(KMSL_MATH_NAME) nullptr};  // by KMSL_MATH_<name>
@@ -579,6 +580,8 @@ void kmsl_rt_collective(KmslCollective* c) {
   w->sg_coll[f->index / 32] |= 1u << (f->index % 32);
   yield_to_scheduler(w, f);
 }
+
+uint32_t kmsl_rt_thread_index(void) { return tls_worker->current->index; }
 
 void kmsl_rt_barrier(const void* site, const char* op) {
   Worker* w = tls_worker;

@@ -1,0 +1,261 @@
+// Paged varlen attention: query tiles of prefill chunks (any mix of sequences
+// and lengths) against the paged cache, with 8x8 simdgroup_matrix MMA.
+//
+// File layout as in attention.metal: the helper section (before the first
+// `//@kernel`) is appended to kvmetal_common.h and passed as `header=`.
+//
+// Design (docs/kernels.md, "Varlen prefill"):
+// - One threadgroup per (query tile, kv head, split). A query tile is BQ = 8 *
+//   NSG consecutive rows of one sequence's rows enumerated position-major over
+//   the G query heads of the kv head (row r = position r / G, head r % G), so
+//   the G heads share every K/V tile: each K/V row leaves device memory once
+//   per kv head and query tile.
+// - Simdgroup sg owns the 8 rows [8 sg, 8 sg + 8) of the tile: its Q (pre-
+//   scaled), S and O live in simdgroup_float8x8 fragments; a lane holds row fm
+//   of every fragment (Apple's layout: fm = (lane / 4 & 4) + (lane / 2) % 4), so
+//   the online-softmax state (m, l) of a row is one scalar per lane and a row
+//   reduction is simd_shuffle_xor by 1 and 8.
+// - K/V tiles of BK tokens are copied from the paged blocks into threadgroup
+//   memory in the storage type (quantized rows dequantized once into the tile,
+//   in the scales' float type); lanes read fragments from the tile by their own
+//   coordinates (rows padded by 16 bytes against bank conflicts). Two barriers
+//   per tile (load, use); no double buffer, so the tiles fit the budget at
+//   BK = 32 for D = 128 half.
+// - Key range of a tile: [first visible key of its first row, last row's
+//   position]: tiles above the causal diagonal are never visited, tiles before
+//   the sliding window never loaded. Splits cut that range in whole K/V tiles;
+//   every split writes partials (max in log2 units, sum, unnormalized acc) that
+//   attention_reduce merges with kv_softmax_merge (and the sinks).
+// - Index guards (validate=False): seq_lens clamped to the block table, n to
+//   the length, block ids outside [0, N) read as zero rows, query and output
+//   rows bounded by the launch's own sizes.
+
+// The tile table row of one query tile (kvmetal/backends/metal.py builds it).
+struct KvVarlenTile {
+  int seq;    // sequence index into block_tables / seq_lens
+  int r0;     // first row of the tile in the sequence's (position, head) rows
+  int q0;     // query row (token) of the sequence's first new position
+  int o0;     // partial row block of that token (rows (o0 + i) * H + head)
+  int n;      // new positions of the sequence (its last n cached positions)
+  int pad0;
+  int pad1;
+  int pad2;
+};
+
+// Threadgroup row stride of a K/V tile: D elements plus 16 bytes, so that the
+// lanes reading one fragment column-wise (rows LD apart) spread over banks.
+template <int D, typename TT>
+struct KvVarlenStride {
+  static constant constexpr const int LD = D + 16 / int(sizeof(TT));
+};
+
+// Copy the tile of tokens [t0, t0 + BK) of one (sequence, kv head) into
+// threadgroup memory (rows LD apart): rows outside [lo, hi) or in a block
+// outside [0, N) are zeros (never NaN into the MMA) with ok = 0.
+template <int BK, int D, int BS, int BITS, int GS, typename TT, typename PD, typename PS, typename PB, typename PT>
+inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num_blocks,
+                                int num_kv_heads, int kvh, int t0, int lo, int hi, threadgroup TT* tile,
+                                threadgroup int* ok, int tid, int nthreads, bool write_ok) {
+  constexpr int W = BITS ? D * BITS / 32 : D;   // data elements per row
+  constexpr int NG = BITS ? D / GS : 1;         // groups per row
+  constexpr int TASK = BITS ? GS : 8;           // elements per task
+  constexpr int TASKS = D / TASK;
+  constexpr int LD = KvVarlenStride<D, TT>::LD;
+  for (int i = tid; i < BK * TASKS; i += nthreads) {
+    const int r = i / TASKS;
+    const int task = i % TASKS;
+    const int t = t0 + r;
+    bool good = t >= lo && t < hi;
+    size_t row = 0;
+    if (good) {
+      const int block = table[t / BS];
+      good = uint(block) < uint(num_blocks);
+      row = (size_t(good ? block : 0) * uint(num_kv_heads) + uint(kvh)) * BS + uint(t % BS);
+    }
+    threadgroup TT* dst = tile + r * LD + task * TASK;
+    if (!good) {
+      for (int e = 0; e < TASK; e++) {
+        dst[e] = TT(0.0f);
+      }
+    } else if (BITS) {
+      const float s = float(scales[row * NG + task]);
+      const float b = float(biases[row * NG + task]);
+      kv_dequant_group<BITS ? BITS : 1, GS, TT>(data + row * W + task * (GS * BITS / 32), 1, s, b, dst);
+    } else {
+      // 8 elements: one 16-byte copy (half, bfloat) or two (float), in the storage type.
+      constexpr int U = TASK * int(sizeof(TT)) / 16;
+      const device uint4* src = reinterpret_cast<const device uint4*>(data + row * W + task * TASK);
+      threadgroup uint4* to = reinterpret_cast<threadgroup uint4*>(dst);
+      for (int u = 0; u < U; u++) {
+        to[u] = src[u];
+      }
+    }
+    if (write_ok && task == 0) {
+      ok[r] = good ? 1 : 0;
+    }
+  }
+}
+
+//@kernel paged_varlen_partials
+// Inputs:  query [T, H, D] TQ; key_data [N, Hkv, BS, WK] (TK, or uint32 packed);
+//          key_scales/key_biases [N, Hkv, BS, D/KGS] TK (placeholders for a float
+//          cache); value_* likewise; block_tables int32 [S, M]; seq_lens int32
+//          [S]; tiles int32 [num_tiles, 8] (KvVarlenTile); params int32 KvAttnParams
+//          (num_tokens = T, query_len = rows of the partials / H)
+// Outputs: part_max, part_sum float32 [R, splits]; part_acc float32 [R, splits, D]
+// Grid:    threadgroups (num_tiles, Hkv, splits), NSG * 32 threads each; BQ = 8 * NSG.
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
+constexpr int BQ = 8 * NSG;
+constexpr int NT = NSG * 32;
+constexpr int DF = D / 8;    // fragments along the head dim
+constexpr int KF = BK / 8;   // fragments along the keys
+const int tile_index = int(threadgroup_position_in_grid.x);
+const int kvh = int(threadgroup_position_in_grid.y);
+const int split = int(threadgroup_position_in_grid.z);
+const int tid = int(thread_index_in_threadgroup);
+const int sg = int(simdgroup_index_in_threadgroup);
+const int lane = int(thread_index_in_simdgroup);
+const int num_heads = p.num_heads;
+const int num_splits = p.num_splits;
+const int out_rows = p.query_len;  // partial rows / H
+// Threadgroup memory (metal.py mirrors it in varlen_threadgroup_bytes).
+// The tiles are uint4 arrays (16-byte aligned rows for the copies), used as TK / TV.
+constexpr int KLD = KvVarlenStride<D, TK>::LD;
+constexpr int VLD = KvVarlenStride<D, TV>::LD;
+constexpr int TILE_K16 = (BK * KLD * int(sizeof(TK)) + 15) / 16;
+constexpr int TILE_V16 = (BK * VLD * int(sizeof(TV)) + 15) / 16;
+threadgroup uint4 tile_k_raw[TILE_K16];
+threadgroup uint4 tile_v_raw[TILE_V16];
+threadgroup int tile_ok[BK];
+threadgroup TK* tile_k = reinterpret_cast<threadgroup TK*>(tile_k_raw);
+threadgroup TV* tile_v = reinterpret_cast<threadgroup TV*>(tile_v_raw);
+
+const device KvVarlenTile& tl = reinterpret_cast<const device KvVarlenTile*>(tiles)[tile_index];
+const int seq = tl.seq;
+const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
+const int n = clamp(tl.n, 0, len);
+const int rows = n * G;
+const int r0 = tl.r0;
+const int r_end = min(r0 + BQ, rows);
+// (block_tables is a `constant` buffer when it has fewer than 8 entries: keep its type.)
+const decltype(block_tables) table = block_tables + size_t(seq) * p.max_blocks;
+
+// This lane's row (fm) and columns (fn, fn + 1) of every fragment.
+const int qid = lane / 4;
+const int fm = (qid & 4) + (lane / 2) % 4;
+const int fn = (qid & 2) * 2 + (lane % 2) * 2;
+const int r = r0 + sg * 8 + fm;
+const int pos_i = r / G;                       // new position index of the row
+const int head = kvh * G + r % G;
+const int pos = len - n + pos_i;               // its cached position
+const int q_row = tl.q0 + pos_i;
+const int o_row = tl.o0 + pos_i;
+const bool row_ok = r < r_end && q_row >= 0 && q_row < p.num_tokens && o_row >= 0 && o_row < out_rows &&
+                    head < num_heads;
+
+// Keys of the tile: [lo, hi); the split's share in whole K/V tiles.
+const int pos_first = len - n + min(r0, max(rows - 1, 0)) / G;
+const int pos_last = len - n + max(r_end - 1, 0) / G;
+const int lo = p.window > 0 ? max(0, pos_first - p.window + 1) : 0;
+const int hi = r_end > r0 ? pos_last + 1 : 0;
+const int t_start = lo / BK * BK;
+const int n_tiles = hi > t_start ? (hi - t_start + BK - 1) / BK : 0;
+const int per_split = (n_tiles + num_splits - 1) / num_splits;
+const int t_begin = t_start + split * per_split * BK;
+const int t_end = min(hi, t_begin + per_split * BK);
+
+// Q fragments (rows x dims), pre-scaled: scores in log2 units unless softcapped.
+const float qscale = p.softcap > 0.0f ? p.scale : p.scale * KV_LOG2E;
+simdgroup_float8x8 qf[DF];
+simdgroup_float8x8 of[DF];
+for (int j = 0; j < DF; j++) {
+  for (int e = 0; e < 2; e++) {
+    const float x = row_ok ? float(query[(size_t(q_row) * num_heads + head) * D + j * 8 + fn + e]) : 0.0f;
+    qf[j].thread_elements()[e] = x * qscale;
+  }
+  of[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+}
+float m = KV_NEG_BIG;
+float l = 0.0f;
+
+for (int t0 = t_begin; t0 < t_end; t0 += BK) {
+  kv_varlen_load_tile<BK, D, BS, KBITS, KGS, TK>(key_data, key_scales, key_biases, table, p.num_blocks,
+                                                  p.num_kv_heads, kvh, t0, lo, t_end, tile_k, tile_ok, tid, NT,
+                                                  true);
+  kv_varlen_load_tile<BK, D, BS, VBITS, VGS, TV>(value_data, value_scales, value_biases, table, p.num_blocks,
+                                                  p.num_kv_heads, kvh, t0, lo, t_end, tile_v, tile_ok, tid, NT,
+                                                  false);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // S = Q K^T: fragment kb holds keys t0 + 8 kb + [0, 8) of the simdgroup's rows.
+  simdgroup_float8x8 sf[KF];
+  for (int kb = 0; kb < KF; kb++) {
+    sf[kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int j = 0; j < DF; j++) {
+      simdgroup_float8x8 kt;  // (dim, key) = K[key][dim]
+      kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * KLD + j * 8 + fm]);
+      kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * KLD + j * 8 + fm]);
+      simdgroup_multiply_accumulate(sf[kb], qf[j], kt, sf[kb]);
+    }
+  }
+
+  // Online softmax over the tile: mask, row max, probabilities, row sum.
+  float tile_max = KV_NEG_BIG;
+  for (int kb = 0; kb < KF; kb++) {
+    for (int e = 0; e < 2; e++) {
+      const int c = kb * 8 + fn + e;
+      const int t = t0 + c;
+      const bool vis = row_ok && tile_ok[c] != 0 && t <= pos && (p.window <= 0 || t > pos - p.window);
+      float s = sf[kb].thread_elements()[e];
+      if (p.softcap > 0.0f) {
+        s = p.softcap * KV_LOG2E * tanh(s / p.softcap);
+      }
+      s = vis ? s : KV_NEG_BIG;
+      sf[kb].thread_elements()[e] = s;
+      tile_max = max(tile_max, s);
+    }
+  }
+  tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
+  tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
+  const float m_new = max(m, tile_max);
+  const float factor = exp2(m - m_new);
+  float tile_sum = 0.0f;
+  for (int kb = 0; kb < KF; kb++) {
+    for (int e = 0; e < 2; e++) {
+      const float s = sf[kb].thread_elements()[e];
+      const float pr = s > 0.5f * KV_NEG_BIG ? exp2(s - m_new) : 0.0f;
+      sf[kb].thread_elements()[e] = pr;
+      tile_sum += pr;
+    }
+  }
+  tile_sum += simd_shuffle_xor(tile_sum, ushort(1));
+  tile_sum += simd_shuffle_xor(tile_sum, ushort(8));
+  l = l * factor + tile_sum;
+  m = m_new;
+
+  // O = O * factor + P V: fragment j holds dims 8 j + [0, 8).
+  for (int j = 0; j < DF; j++) {
+    of[j].thread_elements()[0] *= factor;
+    of[j].thread_elements()[1] *= factor;
+    for (int kb = 0; kb < KF; kb++) {
+      simdgroup_float8x8 vf;  // (key, dim)
+      vf.thread_elements()[0] = float(tile_v[(kb * 8 + fm) * VLD + j * 8 + fn]);
+      vf.thread_elements()[1] = float(tile_v[(kb * 8 + fm) * VLD + j * 8 + fn + 1]);
+      simdgroup_multiply_accumulate(of[j], sf[kb], vf, of[j]);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// Partials of this split: row (o_row * H + head), unnormalized accumulator.
+if (row_ok) {
+  const size_t at = (size_t(o_row) * num_heads + head) * num_splits + split;
+  if (fn == 0) {
+    part_max[at] = m;
+    part_sum[at] = l;
+  }
+  for (int j = 0; j < DF; j++) {
+    part_acc[at * D + j * 8 + fn] = of[j].thread_elements()[0];
+    part_acc[at * D + j * 8 + fn + 1] = of[j].thread_elements()[1];
+  }
+}

@@ -1,0 +1,193 @@
+"""Paged varlen attention on the metal backend's kernels (tiled MMA kernel for runs of
+more than 8 rows, decode partials for the rest), run by the simulator with strict
+checks and two schedule seeds, against the float64 oracle. Small shapes: the
+simulator executes every simdgroup_matrix product as a simdgroup collective.
+Unowned cache slots are NaN (kvcases.paged_cache)."""
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvmetal as kv
+from kvmetal import reference as ref
+from kvmetal import sim
+from kvmetal.backends import metal
+
+from kvcases import SEEDS, assert_close, maybe_quantize, paged_cache, random
+
+f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
+
+
+def varlen_inputs(rng, *, lens, counts, num_kv_heads, gqa, head_dim, block_size, dtype, k_quant=None,
+                  v_quant=None, use_sinks=False):
+    kc, vc, tables, seq_lens = paged_cache(rng, lens=lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                           block_size=block_size, dtype=dtype)
+    kc, vc = maybe_quantize(kc, k_quant), maybe_quantize(vc, v_quant)
+    qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    query = random(rng, (int(qsl[-1]), num_kv_heads * gqa, head_dim), dtype)
+    sinks = mx.array(rng.standard_normal(num_kv_heads * gqa).astype(np.float32)) if use_sinks else None
+    return query, kc, vc, tables, seq_lens, mx.array(qsl), sinks
+
+
+def oracle(query, kc, vc, tables, seq_lens, qsl, **options):
+    return ref.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, **options)
+
+
+def run_varlen(query, kc, vc, tables, seq_lens, qsl, *, seeds=SEEDS, tiles=None, num_splits=None, validate=True,
+               **options):
+    """paged_attention_varlen on the simulator under every schedule seed (strict); the trace of
+    the last run. ``tiles``/``num_splits`` (backend overrides) call the sim backend directly."""
+    outs = []
+    for seed in seeds:
+        with sim.trace(strict=True, seed=seed) as t:
+            if tiles is None and num_splits is None:
+                with kv.use_backend("sim"):
+                    out = kv.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, validate=validate,
+                                                    **options)
+            else:
+                kwargs = dict(softcap=None, sliding_window=None, sinks=None)
+                kwargs.update(options)
+                out = metal.sim_backend().paged_attention_varlen(
+                    query, kc, vc, tables, seq_lens, qsl, scale=query.shape[-1] ** -0.5, tiles=tiles,
+                    num_splits=num_splits, **kwargs)
+            mx.eval(out)
+        assert out.shape == query.shape and out.dtype == query.dtype
+        outs.append(out)
+    return outs, t
+
+
+# dtype, D, BS, Hkv, G, seq lens, new rows per sequence, softcap, sinks, window, K quant, V quant
+CASES = [
+    # ragged mix: n_s 0, 1, 7, 8, 9, 33 and a long one; lengths not multiples of the block size
+    (f16, 64, 16, 1, 4, (3, 1, 20, 8, 9, 50, 230), (0, 1, 7, 8, 9, 33, 200), None, False, None, None, None),
+    (bf16, 128, 8, 2, 3, (70, 12), (40, 12), None, False, 24, None, None),            # GQA 3, window
+    (f32, 256, 16, 1, 8, (41, 2), (17, 1), 20.0, True, None, None, None),             # GQA 8, D 256, softcap
+    (f16, 128, 16, 1, 1, (100, 30), (40, 30), None, True, None, (8, 64), (4, 64)),    # GQA 1, K8/V4, prefix
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{str(c[0]).split('.')[-1]}-d{c[1]}-g{c[4]}-{i}"
+                                             for i, c in enumerate(CASES)])
+def test_varlen_matches_oracle(case):
+    dtype, head_dim, block_size, hkv, gqa, lens, counts, softcap, use_sinks, window, kq, vq = case
+    rng = np.random.default_rng(head_dim + gqa)
+    query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
+        rng, lens=lens, counts=counts, num_kv_heads=hkv, gqa=gqa, head_dim=head_dim, block_size=block_size,
+        dtype=dtype, k_quant=kq, v_quant=vq, use_sinks=use_sinks)
+    options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
+    expected = oracle(query, kc, vc, tables, seq_lens, qsl, **options)
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, **options)
+    for out in outs:
+        assert_close(out, expected, dtype)
+    tiled = [c for c in trace.calls if "paged_varlen_partials" in c.name]
+    assert len(tiled) == 1                                     # every long run in one launch
+    k_item = (kc.scales if kq else kc).dtype.size
+    v_item = (vc.scales if vq else vc).dtype.size
+    tiles = metal.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item)
+    assert tiled[0].threadgroup_memory == metal.varlen_threadgroup_bytes(
+        head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_item, v_itemsize=v_item) <= 32 * 1024
+    assert tiled[0].mma > 0
+
+
+def test_every_row_a_decode_row_equals_paged_attention():
+    rng = np.random.default_rng(5)
+    query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
+        rng, lens=(17, 1, 40), counts=(1, 1, 1), num_kv_heads=2, gqa=4, head_dim=64, block_size=16, dtype=f16)
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], sliding_window=9)
+    assert not any("varlen" in c.name for c in trace.calls)  # decode partials only
+    with sim.trace(strict=True):
+        want = metal.sim_backend().paged_attention(query[:, None], kc, vc, tables, seq_lens,
+                                                   scale=64 ** -0.5, softcap=None, sliding_window=9, sinks=None,
+                                                   num_splits=None)
+    np.testing.assert_array_equal(np.array(outs[0]), np.array(want[:, 0]))
+
+
+@pytest.mark.parametrize("splits,tiles", [(3, None), (2, metal.VarlenTiles(2, 16))])
+def test_splits_and_tile_sizes(splits, tiles):
+    rng = np.random.default_rng(splits)
+    query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
+        rng, lens=(150, 20), counts=(24, 20), num_kv_heads=2, gqa=2, head_dim=64, block_size=16, dtype=f32,
+        use_sinks=True)
+    expected = oracle(query, kc, vc, tables, seq_lens, qsl, sinks=sinks)
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], sinks=sinks,
+                             num_splits=splits, tiles=tiles)
+    assert_close(outs[0], expected, f32)
+    call = next(c for c in trace.calls if "paged_varlen_partials" in c.name)
+    assert call.grid[2] == splits
+    if tiles is not None:
+        assert call.threadgroup == (tiles.threads, 1, 1)
+
+
+def test_costs_causal_skip_and_kv_read_once_per_query_tile():
+    """One chunk of 64 rows after a 64-token prefix, G = 4: every query tile reads only
+    the K/V rows up to its last row's position, each once for its G heads; two
+    barriers per K/V tile."""
+    rng = np.random.default_rng(7)
+    hkv, gqa, d, bs = 1, 4, 64, 16
+    query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
+        rng, lens=(128,), counts=(64,), num_kv_heads=hkv, gqa=gqa, head_dim=d, block_size=bs, dtype=f16)
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1])
+    assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
+    call = next(c for c in trace.calls if "paged_varlen_partials" in c.name)
+    tiles = metal.varlen_tiles(head_dim=d, k_itemsize=2, v_itemsize=2)
+    positions = tiles.block_q // gqa                     # 8 positions per query tile
+    visible = [64 + (i + 1) * positions for i in range(64 // positions)]  # keys up to each tile's last row
+    kv_tiles = [-(-v // tiles.block_k) for v in visible]
+    assert call.buffers["key_data"].loaded == sum(visible) * d * 2   # rows past the diagonal: never loaded
+    assert call.buffers["value_data"].loaded == call.buffers["key_data"].loaded
+    assert call.bytes_per_load("key_data", "value_data") == 16.0   # rows copied in 16-byte units
+    assert call.barriers == 2 * sum(kv_tiles)
+    per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups
+    assert call.mma == per_tile * sum(kv_tiles)
+
+
+def test_index_guards_without_validation():
+    """validate=False misuse: a length past the block table, more rows than cached
+    tokens, block ids outside the cache: no access out of bounds; rows at negative
+    positions are zeros."""
+    rng = np.random.default_rng(11)
+    query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
+        rng, lens=(40, 12), counts=(16, 12), num_kv_heads=1, gqa=2, head_dim=64, block_size=16, dtype=f16)
+    bad_tables = np.array(tables)
+    bad_tables[0, 1] = 10 ** 6                              # a block id outside [0, N)
+    bad_lens = mx.array(np.array([10 ** 6, 9], np.int32))   # past the table; fewer than the 12 rows
+    outs, _ = run_varlen(query, kc, vc, mx.array(bad_tables), bad_lens, qsl, seeds=SEEDS[:1], validate=False)
+    out = np.array(outs[0].astype(mx.float32))             # sequence 0 reads garbage (the table's padding)
+    np.testing.assert_array_equal(out[16:19], 0.0)          # 12 rows, 9 cached: 3 rows see nothing
+    want = oracle(query[19:], kc, vc, tables[1:], bad_lens[1:], mx.array([0, 9]))
+    assert_close(out[19:], want, f16)
+
+
+def test_bench_prefill_case_sweeps_tiles_on_sim(monkeypatch):
+    from kvmetal.benchmarks import cases
+
+    # Two configurations (and one that does not fit 32 KiB, skipped): each is a kernel build.
+    monkeypatch.setattr(cases, "PREFILL_TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
+    rows = cases.run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
+    assert [(r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == [(32, 32), (16, 16)]
+    for r in rows:
+        assert r["seconds"] > 0 and r["baseline"]["seconds"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss"])
+def test_mlx_lm_drop_in_greedy_parity_on_sim(family):
+    """Chunked prefill (20-token chunks after the cached prefix) through the tiled kernel on
+    the simulator, decode through the decode partials: mlx-lm's greedy tokens."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.generate import generate_step
+
+    from kvmetal.integrations import tiny_models
+    from kvmetal.integrations.mlx_lm import use_paged_cache
+
+    model = tiny_models.build(family)
+    prompt = mx.array(list(range(3, 63)))
+
+    def greedy():
+        return [int(t) for t, _ in generate_step(prompt, model, max_tokens=6, prefill_step_size=20,
+                                                 sampler=lambda lp: mx.argmax(lp, axis=-1))]
+
+    expected = greedy()
+    with kv.use_backend("sim"), sim.trace(strict=True) as trace, use_paged_cache(model):
+        got = greedy()
+    assert got == expected
+    # chunks of 20, 20, 19 tokens (mlx-lm keeps the last prompt token for decode): all tiled
+    assert sum("paged_varlen_partials" in c.name for c in trace.calls) == 3 * len(model.layers)
