@@ -120,6 +120,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def bind_warning(host: str, key: str | None) -> str | None:
+    """What to warn about when ``host`` reaches beyond this machine and no key is asked."""
+    if is_loopback(host) or key:
+        return None
+    return (f"serving on {host}, beyond this machine, without an API key: anyone who can reach it can use it; "
+            f"set --api-key or KVMETAL_API_KEY")
+
+
 def _http_protocol():
     """uvicorn's h11 protocol, plus a timeout for a connection that never sends a byte
     (uvicorn times out idle keep-alive connections only after a first request)."""
@@ -161,9 +169,9 @@ def run(args) -> int:
         worker, app = build_server(args, sync)
         if sync is not None and not sync.leader:
             return _follow(worker)
-        if not is_loopback(args.host) and api_key(args) is None:
-            log.warning("serving on %s, beyond this machine, without an API key: anyone who can reach it can use "
-                        "it; set --api-key or KVMETAL_API_KEY", args.host)
+        warning = bind_warning(args.host, api_key(args))
+        if warning:
+            log.warning("%s", warning)
         grace = getattr(args, "shutdown_timeout", 10.0)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, http=_http_protocol(),
                                                log_level=args.log_level.lower(),
@@ -256,6 +264,8 @@ class ServerProcess:
         """SIGTERM, wait; returns the exit status (the output is in ``self.output``)."""
         if self.proc is None:
             return 0
+        if self._log.closed:  # stopped already
+            return self.proc.returncode
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
