@@ -207,6 +207,21 @@ async def _json_body(request: Request):
         raise APIError("the request body is nested too deeply") from None
 
 
+def _check_unicode(req: protocol.GenerationRequest) -> None:
+    """400 for text that is no valid Unicode: JSON can escape a lone surrogate ("\\ud800"),
+    which no tokenizer can encode."""
+    if req.chat:
+        texts = [("messages", m.get("content") or "") for m in req.prompt]
+        texts += [("messages", m["role"]) for m in req.prompt]
+    else:
+        texts = [("prompt", req.prompt)] if isinstance(req.prompt, str) else []
+    for param, text in texts + [("stop", s) for s in req.stop]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"'{param}' is not valid Unicode text: {e}", param=param) from None
+
+
 def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
     tokenizer = state.tokenizer
     if not req.chat:
@@ -247,10 +262,8 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     worker = state.worker
     if worker.failed:
         raise APIError(worker.failed, status=503, type_="server_error")
-    try:
-        prompt = await asyncio.to_thread(_tokenize, state, req)  # a long prompt must not stall other streams
-    except UnicodeError as e:  # e.g. a lone surrogate escape in a JSON string
-        raise APIError(f"the prompt is not valid Unicode text: {e}", param="messages" if chat else "prompt") from None
+    _check_unicode(req)
+    prompt = await asyncio.to_thread(_tokenize, state, req)  # a long prompt must not stall other streams
     if not prompt:
         raise APIError("the prompt encodes to no tokens", param="messages" if chat else "prompt")
     if not chat and isinstance(req.prompt, list) and max(prompt) >= len(state.tokenizer):
