@@ -27,6 +27,8 @@ METRICS = {
     "prompt_cache_saved_blocks": ("counter", "Prefix blocks written to --prompt-cache-dir."),
     "prompt_cache_warnings": ("counter", "Prompt-cache files skipped (corrupt, mismatched) or not written."),
     "prompt_cache_bytes": ("gauge", "Bytes the prompt cache keeps on disk (segments and index)."),
+    "prompt_cache_segments": ("gauge", "Segments the prompt cache's index names."),
+    "prompt_cache_discarded_files": ("gauge", "Files a crash left (temporary, or no index names them), deleted at start."),
     "prompt_cache_evicted_segments": ("counter", "Prompt-cache segments evicted under --prompt-cache-max-bytes."),
     "prompt_cache_saving": ("gauge", "1 while the prompt cache saves (0: no cache, or saving turned off)."),
 }

@@ -210,6 +210,7 @@ class PrefixStore:
         self.evicted_segments = 0
         self.discarded_files = 0  # temporary or unindexed files removed at start
         self.warnings = 0
+        self.bytes_on_disk = 0  # as of the last index write (``disk_bytes`` computes it now)
         self.saving = True
         self._lock_fd = None
         try:
@@ -328,8 +329,12 @@ class PrefixStore:
                 continue
             self._add_entry(key, _clean_entry(entry), hashes[entry["start"]:entry["end"]])
             self.loaded_blocks += loaded
-        if changed or self._evict():
-            self._save_index()
+        self.bytes_on_disk = self.disk_bytes
+        if self.saving and (changed or self._evict()):
+            try:
+                self._save_index()
+            except OSError as e:
+                self._disable(f"could not rewrite the index ({e})")
         return self.loaded_blocks
 
     def _add_entry(self, key: str, entry: dict, hashes: list) -> None:
@@ -510,6 +515,7 @@ class PrefixStore:
         text = self._index_text()
         write_atomically(self.root / "index.json", lambda tmp: tmp.write_text(text))
         self._dirty = False
+        self.bytes_on_disk = sum(e["bytes"] for e in self.entries.values()) + len(text)
 
     def close(self) -> None:
         """Write what is queued (and the latest uses), then release the directory."""

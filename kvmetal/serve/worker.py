@@ -394,7 +394,9 @@ class EngineWorker:
             "prompt_cache_loaded_blocks": store.loaded_blocks if store is not None else 0,
             "prompt_cache_saved_blocks": store.saved_blocks if store is not None else 0,
             "prompt_cache_warnings": store.warnings if store is not None else 0,
-            "prompt_cache_bytes": store.disk_bytes if store is not None else 0,
+            "prompt_cache_bytes": store.bytes_on_disk if store is not None else 0,
+            "prompt_cache_segments": len(store.entries) if store is not None else 0,
+            "prompt_cache_discarded_files": store.discarded_files if store is not None else 0,
             "prompt_cache_evicted_segments": store.evicted_segments if store is not None else 0,
             "prompt_cache_saving": int(store.saving) if store is not None else 0,
         }
