@@ -59,7 +59,7 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def plan(n: int, seed: int, model: str) -> list:
+def plan(n: int, seed: int, model: str, max_tokens: int = 64) -> list:
     """``n`` (kind, path, body or raw bytes, extra) tuples."""
     rng = random.Random(seed)
     out = []
@@ -68,7 +68,7 @@ def plan(n: int, seed: int, model: str) -> list:
         chat = rng.random() < 0.5
         words = rng.choice((3, 8, 20, 60, 120, 400 if rng.random() < 0.15 else 40))
         text = " ".join(rng.choice(WORDS) for _ in range(words))
-        body = {"model": model, "max_tokens": rng.randint(1, 64), "temperature": rng.choice((0.0, 0.0, 0.8)),
+        body = {"model": model, "max_tokens": rng.randint(1, max_tokens), "temperature": rng.choice((0.0, 0.0, 0.8)),
                 "seed": i}
         if chat:
             body["messages"] = [{"role": "user", "content": text}]
@@ -222,14 +222,14 @@ def percentile(values: list, q: float):
 
 def soak(model_dir, *, requests: int, concurrency: int, seed: int = 0, cap_blocks: int = 24,
          deadline_s: float = 60.0, warmup: int | None = None, rss_tolerance: float = 0.05,
-         extra_args=(), log_path=None) -> dict:
+         max_tokens: int = 64, extra_args=(), log_path=None) -> dict:
     """Run the soak against a fresh server; returns the figures and ``failures`` (a list of strings)."""
     from kvmetal.serve.server import ServerProcess
 
     model_dir = str(model_dir)
     block_bytes = _block_bytes(model_dir)
     warmup = max(64, requests // 10) if warmup is None else warmup
-    items = plan(warmup + requests, seed, model_dir)
+    items = plan(warmup + requests, seed, model_dir, max_tokens)
     server = ServerProcess(model_dir, free_port(), "--log-level", "WARNING", "--kv-memory",
                            f"{cap_blocks * block_bytes}B", "--max-queue", str(4 * concurrency), "--timeout",
                            str(deadline_s / 2), "--shutdown-timeout", "5", *extra_args, log_path=log_path,
@@ -310,6 +310,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="requests after the warm-up (default 2000)")
     parser.add_argument("--concurrency", type=int, default=32, help="client threads (default 32)")
     parser.add_argument("--cap-blocks", type=int, default=24, help="--kv-memory in 16-token float32 blocks")
+    parser.add_argument("--max-tokens", type=int, default=64, help="largest max_tokens in the mix (default 64)")
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds a request may take (default 60)")
     parser.add_argument("--rss-tolerance", type=float, default=0.05, help="RSS growth allowed (default 0.05)")
     parser.add_argument("--seed", type=int, default=0)
@@ -323,6 +324,7 @@ def main(argv=None) -> int:
             model = build_model_dir(Path(tmp) / "tiny-llama")
         figures = soak(model, requests=args.requests, concurrency=args.concurrency, seed=args.seed,
                        cap_blocks=args.cap_blocks, deadline_s=args.deadline, rss_tolerance=args.rss_tolerance,
+                       max_tokens=args.max_tokens,
                        log_path=Path(tmp) / "server.log")
     report(figures)
     if args.json:
