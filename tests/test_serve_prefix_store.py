@@ -3,7 +3,7 @@ a full disk, a second server on the same directory, and kill -9 at random points
 
 In-process tests drive ``PrefixStore`` on an Engine's cache directly; the server tests
 run ``kvmetal serve`` on free 127.0.0.1 ports and stop (or kill) what they start.
-``KVMETAL_KILL_RUNS`` sets the kill -9 loop's runs (default 4); its figures are printed.
+``KVMETAL_KILL_RUNS`` sets the kill -9 loop's runs (default 3); its figures are printed.
 """
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ def test_a_server_whose_disk_fills_keeps_serving_with_saving_off(model_dir, tmp_
 
 
 def test_kill_9_while_saving_at_random_points_restarts_with_only_whole_segments(model_dir, tmp_path):
-    runs = int(os.environ.get("KVMETAL_KILL_RUNS", "4"))
+    runs = int(os.environ.get("KVMETAL_KILL_RUNS", "3"))
     store = tmp_path / "prefixes"
     rng = random.Random(1)
     options = ("--log-level", "WARNING", "--prompt-cache-dir", store, "--prompt-cache-max-bytes", "1500000")
