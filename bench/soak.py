@@ -21,7 +21,10 @@ Checked, and reported:
 - every invalid request gets a 4xx with an OpenAI-style error body;
 - once idle, ``/metrics`` shows no running or waiting request and no KV block owned:
   the pool holds nothing but published prefixes (owned 0, cached + free = total);
-- the server's RSS after a warm-up phase grows less than ``--rss-tolerance`` (5%);
+- the server's RSS after a warm-up phase (``--warmup`` requests, default a quarter of
+  ``--requests``: MLX's buffer cache and Python's heap fill up over the first few
+  hundred requests) grows less than ``--rss-tolerance`` (5%); RSS is also sampled every
+  second, and its value at each quarter of the main phase is reported;
 - SIGTERM then ends the server with exit status 0.
 
 The exit status is 0 when every check passed; ``--json`` writes the figures.
@@ -228,7 +231,7 @@ def soak(model_dir, *, requests: int, concurrency: int, seed: int = 0, cap_block
 
     model_dir = str(model_dir)
     block_bytes = _block_bytes(model_dir)
-    warmup = max(64, requests // 10) if warmup is None else warmup
+    warmup = max(64, requests // 4) if warmup is None else warmup
     items = plan(warmup + requests, seed, model_dir, max_tokens)
     server = ServerProcess(model_dir, free_port(), "--log-level", "WARNING", "--kv-memory",
                            f"{cap_blocks * block_bytes}B", "--max-queue", str(4 * concurrency), "--timeout",
@@ -241,7 +244,17 @@ def soak(model_dir, *, requests: int, concurrency: int, seed: int = 0, cap_block
         warm = run_phase(server.url, items[:warmup], concurrency, deadline_s)
         wait_idle(server.url)
         rss_start = rss_bytes(pid)
+        samples, sampling = [], threading.Event()
+
+        def sample():
+            while not sampling.wait(1.0):
+                samples.append(rss_bytes(pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         main = run_phase(server.url, items[warmup:], concurrency, deadline_s)
+        sampling.set()
+        sampler.join()
         idle = wait_idle(server.url)
         rss_end = rss_bytes(pid)
         wall = time.monotonic() - t0
@@ -274,6 +287,8 @@ def soak(model_dir, *, requests: int, concurrency: int, seed: int = 0, cap_block
         "outcomes": dict(sorted(outcomes.items())),
         "latency_p50_s": percentile(latencies, 0.5), "latency_p99_s": percentile(latencies, 0.99),
         "rss_start_bytes": rss_start, "rss_end_bytes": rss_end, "rss_growth": growth,
+        "rss_quarters_bytes": [samples[min(len(samples) - 1, (len(samples) * q) // 4)] for q in (1, 2, 3, 4)]
+        if samples else [],
         "blocks_at_end": blocks, "preemptions": int(idle["kvmetal_preemptions"]),
         "finished_by_reason": finished, "http_rejected": rejected, "exit_status": status,
         "failures": failures,
@@ -297,7 +312,8 @@ def report(figures: dict) -> None:
     if p50 is not None:
         print(f"latency of complete answers: p50 {1e3 * p50:.0f} ms, p99 {1e3 * p99:.0f} ms")
     print(f"RSS after warm-up {f['rss_start_bytes'] / 2**20:.1f} MiB -> end {f['rss_end_bytes'] / 2**20:.1f} MiB "
-          f"({100 * f['rss_growth']:+.2f}%)")
+          f"({100 * f['rss_growth']:+.2f}%); at each quarter of the run: "
+          + ", ".join(f"{b / 2**20:.1f}" for b in f["rss_quarters_bytes"]) + " MiB")
     print(f"blocks at the end: {f['blocks_at_end']}; {f['preemptions']} preemptions; "
           f"finished by reason {f['finished_by_reason']}; refused {f['http_rejected']}")
     print(f"exit status on SIGTERM: {f['exit_status']}")
@@ -313,6 +329,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="largest max_tokens in the mix (default 64)")
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds a request may take (default 60)")
     parser.add_argument("--rss-tolerance", type=float, default=0.05, help="RSS growth allowed (default 0.05)")
+    parser.add_argument("--warmup", type=int, help="warm-up requests (default: a quarter of --requests, >= 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
@@ -324,7 +341,7 @@ def main(argv=None) -> int:
             model = build_model_dir(Path(tmp) / "tiny-llama")
         figures = soak(model, requests=args.requests, concurrency=args.concurrency, seed=args.seed,
                        cap_blocks=args.cap_blocks, deadline_s=args.deadline, rss_tolerance=args.rss_tolerance,
-                       max_tokens=args.max_tokens,
+                       max_tokens=args.max_tokens, warmup=args.warmup,
                        log_path=Path(tmp) / "server.log")
     report(figures)
     if args.json:
