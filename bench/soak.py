@@ -22,8 +22,8 @@ Checked, and reported:
 - once idle, ``/metrics`` shows no running or waiting request and no KV block owned:
   the pool holds nothing but published prefixes (owned 0, cached + free = total);
 - the server's RSS after a warm-up phase (``--warmup`` requests, default a quarter of
-  ``--requests``: MLX's buffer cache and Python's heap fill up over the first few
-  hundred requests) grows less than ``--rss-tolerance`` (5%); RSS is also sampled every
+  ``--requests``: measured, RSS rises fastest over the first few hundred requests,
+  then levels off) grows less than ``--rss-tolerance`` (5%); RSS is also sampled every
   second, and its value at each quarter of the main phase is reported;
 - SIGTERM then ends the server with exit status 0.
 
