@@ -333,6 +333,7 @@ def test_a_stop_string_finish_is_counted_as_stop_and_saves_its_prefix(tmp_path):
     for command in worker._collect(wait=False):
         worker._apply(command)
     assert worker.finished["stop"] == 1 and worker.finished["abort"] == 0
+    worker.store.flush()  # the loop flushes after every step; stepped by hand here
     assert worker.store.saved_blocks >= 2 and worker.engine.cache.used_bytes == 0
     worker.stop()
     worker.serve_forever()
@@ -371,7 +372,7 @@ def test_restart_with_prompt_cache_dir_gives_prefix_hits(model_dir, tmp_path):
     assert (sub / "index.json").is_file() and list(sub.glob("seg-*.safetensors"))
     # the index stays small: the chain's tokens live in the segment files
     entries = json.loads((sub / "index.json").read_text())["entries"]
-    assert entries and all(set(e) == {"start", "end"} for e in entries.values())
+    assert entries and all(set(e) == {"start", "end", "parent", "bytes", "used"} for e in entries.values())
     second = serve(model_dir, "--prompt-cache-dir", store)
     try:
         warm = chat(second, question)

@@ -190,3 +190,35 @@ def test_a_dead_rank_stops_the_server_instead_of_hanging(launch_ok, model_dir, h
         ranks.kill()
     out = ranks.output()
     assert any(s in out for s in said), out[-2000:]
+
+
+def test_sigterm_mid_stream_ends_every_rank_with_status_0(launch_ok, model_dir):
+    # rank 0 drains for --shutdown-timeout, then its stop command reaches rank 1: both exit 0
+    import json
+    import threading
+
+    ranks = TwoRanks(model_dir, "--shutdown-timeout", "1")
+    lines, started = [], threading.Event()
+
+    def read():
+        body = {"prompt": "Write a short poem about the sea", "max_tokens": 1900, "stream": True,
+                "logit_bias": {"0": -100}}
+        with httpx.stream("POST", ranks.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    started.set()
+        started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        reader.start()
+        assert started.wait(60)
+        pids = ranks.pids()
+        status = ranks.stop()  # SIGTERM to rank 0 mid-answer
+        reader.join(30)
+    finally:
+        ranks.kill()
+    assert status == 0, ranks.output()[-3000:]
+    assert not running(pids[0]) and not running(pids[1])
+    assert lines[-1] == "[DONE]" and "shutting down" in json.loads(lines[-2])["error"]["message"], lines[-3:]

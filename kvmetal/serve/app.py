@@ -3,6 +3,12 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming SSE or
 not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every error is an
 OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``.
+
+Limits (``Limits``): the API key and the body size are checked by ``guard.Guard`` before
+a route runs; here, a request is refused with 429 and ``Retry-After`` when ``max_queue``
+requests already wait for their first token, or when its prompt would push the tokens
+waiting past ``max_queued_prompt_tokens``; ``timeout`` is passed to the engine thread,
+which ends a request past it (504, or an SSE error event once streaming).
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,13 +28,49 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import metrics, protocol
+from .guard import Guard
 from .logprobs import Entry, LogprobsFormatter
 from .protocol import APIError
-from .worker import LoopSink
+from .worker import SHUTDOWN_MESSAGE, LoopSink, RequestTimeout
 
 log = logging.getLogger("kvmetal.serve")
 
 WAIT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+
+
+@dataclass
+class Limits:
+    """The server's refusal rules (``--api-key``, ``--max-body-bytes``, ``--max-queue``,
+    ``--max-prompt-tokens``, ``--timeout``); None: no limit."""
+
+    api_key: str | None = None
+    max_body_bytes: int | None = None
+    max_queue: int | None = None  # requests waiting for their first token
+    max_queued_prompt_tokens: int | None = None  # prompt tokens of those requests together
+    timeout: float | None = None  # seconds a request may take from its arrival
+
+
+class Queue:
+    """Requests submitted that have not had their first token yet (the event loop's thread
+    only), and how long the last ones waited (the Retry-After hint)."""
+
+    def __init__(self):
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.wait_s = 1.0  # a running mean of the wait for the first token
+
+    def retry_after(self) -> str:
+        return str(max(1, math.ceil(self.wait_s)))
+
+    def enter(self, tokens: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += tokens
+
+    def leave(self, tokens: int, waited_s: float | None) -> None:
+        self.requests -= 1
+        self.prompt_tokens -= tokens
+        if waited_s is not None:
+            self.wait_s = 0.8 * self.wait_s + 0.2 * waited_s
 
 
 @dataclass
@@ -40,7 +83,10 @@ class ServeState:
     defaults: protocol.Defaults = field(default_factory=protocol.Defaults)
     context_limit: int | None = None  # the model's max_position_embeddings, if it says
     chat_template_kwargs: dict = field(default_factory=dict)
+    limits: Limits = field(default_factory=Limits)
     created: int = field(default_factory=lambda: int(time.time()))
+    queue: Queue = field(default_factory=Queue)
+    rejected: dict = field(default_factory=dict)  # HTTP status -> requests refused before the engine
 
     # Computed once, on first use (a test's stand-in tokenizer may lack what they need).
     @functools.cached_property
@@ -99,12 +145,14 @@ class TextStream:
 
 
 def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
 def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="kvmetal serve", docs_url=None, redoc_url=None)
     app.state.serve = state
+    app.add_middleware(Guard, api_key=state.limits.api_key, max_body_bytes=state.limits.max_body_bytes,
+                       rejected=state.rejected)
 
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
@@ -133,7 +181,9 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_text():
-        return PlainTextResponse(metrics.render(state.worker.snapshot()),
+        snapshot = state.worker.snapshot()
+        snapshot["http_rejected"] = dict(state.rejected)
+        return PlainTextResponse(metrics.render(snapshot),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -153,6 +203,23 @@ async def _json_body(request: Request):
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError("the request body is nested too deeply") from None
+
+
+def _check_unicode(req: protocol.GenerationRequest) -> None:
+    """400 for text that is no valid Unicode: JSON can escape a lone surrogate ("\\ud800"),
+    which no tokenizer can encode."""
+    if req.chat:
+        texts = [("messages", m.get("content") or "") for m in req.prompt]
+        texts += [("messages", m["role"]) for m in req.prompt]
+    else:
+        texts = [("prompt", req.prompt)] if isinstance(req.prompt, str) else []
+    for param, text in texts + [("stop", s) for s in req.stop]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"'{param}' is not valid Unicode text: {e}", param=param) from None
 
 
 def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
@@ -195,6 +262,7 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     worker = state.worker
     if worker.failed:
         raise APIError(worker.failed, status=503, type_="server_error")
+    _check_unicode(req)
     prompt = await asyncio.to_thread(_tokenize, state, req)  # a long prompt must not stall other streams
     if not prompt:
         raise APIError("the prompt encodes to no tokens", param="messages" if chat else "prompt")
@@ -202,6 +270,7 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
         raise APIError(f"token ids must be < {len(state.tokenizer)}, the tokenizer's size", param="prompt")
     max_tokens = protocol.check_fits(len(prompt), req, max_prompt=worker.max_prompt_tokens,
                                      max_total=worker.max_sequence_tokens, context_limit=state.context_limit)
+    _admit_to_queue(state, len(prompt), chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
     deliveries: asyncio.Queue = asyncio.Queue()
@@ -210,18 +279,25 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     sampling = req.sampling
     if sampling.xtc_probability > 0:
         sampling = dataclasses.replace(sampling, xtc_special_tokens=state.xtc_special_tokens)
+    queued_at = time.monotonic()
+    state.queue.enter(len(prompt))
+    waited = None
     try:
-        worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=sampling, stop_token_ids=eos,
-                      sink=sink, logprobs=req.logprobs)
-    except RuntimeError as e:
-        raise APIError(str(e), status=503, type_="server_error") from None
-    run = _Run(state, req, request_id, prompt, eos, deliveries)
-    # Wait for the first token before answering, so an engine-side rejection is still a 4xx.
-    try:
-        first = await run.next(request)
-    except BaseException:
-        worker.abort(request_id)
-        raise
+        try:
+            worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=sampling, stop_token_ids=eos,
+                          sink=sink, logprobs=req.logprobs, timeout=state.limits.timeout)
+        except RuntimeError as e:
+            raise APIError(str(e), status=503, type_="server_error") from None
+        run = _Run(state, req, request_id, prompt, eos, deliveries)
+        # Wait for the first token before answering, so an engine-side rejection is still a 4xx.
+        try:
+            first = await run.next(request)
+        except BaseException:
+            worker.abort(request_id)
+            raise
+        waited = time.monotonic() - queued_at if first is not None and first.error is None else None
+    finally:
+        state.queue.leave(len(prompt), waited)
     if first is None:  # the client left while the request waited
         worker.abort(request_id)
         return JSONResponse({}, status_code=499)
@@ -233,10 +309,33 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     return await run.whole(first, request)
 
 
+def _admit_to_queue(state: ServeState, prompt_tokens: int, chat: bool) -> None:
+    """429 (with Retry-After) when the waiting queue is full; 400 when this prompt alone is
+    over the queue's token bound (waiting cannot help it)."""
+    limits, queue = state.limits, state.queue
+    bound = limits.max_queued_prompt_tokens
+    if bound is not None and prompt_tokens > bound:
+        raise APIError(f"the prompt has {prompt_tokens} tokens; this server queues at most {bound} prompt tokens "
+                       f"(--max-prompt-tokens)", param="messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    why = None
+    if limits.max_queue is not None and queue.requests >= limits.max_queue:
+        why = f"{queue.requests} requests are waiting, the server's --max-queue"
+    elif bound is not None and queue.prompt_tokens + prompt_tokens > bound:
+        why = (f"{queue.prompt_tokens} prompt tokens are waiting and this request brings {prompt_tokens}; "
+               f"the server's --max-prompt-tokens is {bound}")
+    if why is not None:
+        state.rejected[429] = state.rejected.get(429, 0) + 1
+        raise APIError(f"the server is busy: {why}; retry later", status=429, type_="rate_limit_error",
+                       code="rate_limit_exceeded", headers={"Retry-After": queue.retry_after()})
+
+
 def _as_api_error(error: BaseException) -> APIError:
+    if isinstance(error, RequestTimeout):
+        return APIError(str(error), status=504, type_="timeout_error", code="request_timeout")
     if isinstance(error, (ValueError, TypeError)):
         return APIError(str(error))
-    return APIError(str(error), status=503 if "shutting down" in str(error) else 500, type_="server_error")
+    return APIError(str(error), status=503 if SHUTDOWN_MESSAGE in str(error) else 500, type_="server_error")
 
 
 class _Run:

@@ -33,6 +33,49 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _byte_size(text: str) -> int:
+    """Bytes: ``4194304``, ``4MiB``, ``2GB`` (no fractions: a bare number is bytes)."""
+    from .memory import UNITS
+
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 4194304, 4MiB, 2GB")
+    value = int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 byte, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_limits(add) -> None:
+    """Auth, limits and shutdown (vLLM has the same ideas under similar names)."""
+    add("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+                          "(default: $KVMETAL_API_KEY; none: no key asked)")
+    add("--max-body-bytes", type=_byte_size, default=4 << 20,
+        help="largest request body; a larger one gets 413 (default 4MiB)")
+    add("--max-queue", type=_positive_int,
+        help="requests that may wait for their first token; past it 429 with Retry-After (default: no bound)")
+    add("--max-prompt-tokens", type=_positive_int,
+        help="prompt tokens that may wait for admission, all waiting requests together; past it 429 with "
+             "Retry-After, and a single prompt over it gets 400 (default: no bound)")
+    add("--timeout", type=_positive_float,
+        help="seconds a request may take from its arrival; past it the engine ends it and frees its blocks "
+             "(504, or an SSE error event once streaming); default: none")
+    add("--shutdown-timeout", type=_positive_float, default=10.0,
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before they are ended (default 10)")
+    add("--prompt-cache-max-bytes", type=_byte_size,
+        help="bound on what --prompt-cache-dir keeps on disk (segments and index); least recently used "
+             "segments are evicted past it, e.g. 2GB (default: no bound)")
+
+
 def _configure(parser: argparse.ArgumentParser) -> None:
     from ..quant import SUPPORTED_BITS
 
@@ -68,6 +111,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--backend", choices=("metal", "cpu", "sim"), help="kvmetal backend (default: best available)")
     add("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
         help="logging level (default INFO)")
+    _add_limits(add)
 
 
 def check_args(args) -> str | None:
@@ -102,11 +146,12 @@ def run_serve(args) -> int:
         print('kvmetal serve: needs FastAPI and uvicorn: pip install "kvmetal[serve]"', file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .prefix_store import StoreInUse
     from .server import run
 
     try:
         return run(args)
-    except (ValueError, NotImplementedError) as e:  # e.g. a cap too small for one block
+    except (ValueError, NotImplementedError, StoreInUse) as e:  # e.g. a cap too small for one block
         print(f"kvmetal serve: {e}", file=sys.stderr)
         return 2
 

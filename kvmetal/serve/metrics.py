@@ -19,9 +19,18 @@ METRICS = {
     "kv_cap_bytes": ("gauge", "The --kv-memory cap in bytes (-1: none, the pool grows)."),
     "kv_peak_used_bytes": ("gauge", "Peak bytes of KV blocks owned by live requests."),
     "kv_peak_pool_bytes": ("gauge", "Peak bytes of the KV pools."),
+    "kv_blocks_total": ("gauge", "KV blocks of every layer-group pool together."),
+    "kv_blocks_owned": ("gauge", "KV blocks owned by live requests."),
+    "kv_blocks_cached": ("gauge", "KV blocks nobody owns that hold a published prefix (the prefix cache)."),
+    "kv_blocks_free": ("gauge", "KV blocks on the free list (owned + cached + free = total)."),
     "prompt_cache_loaded_blocks": ("gauge", "Prefix blocks loaded from --prompt-cache-dir at start."),
     "prompt_cache_saved_blocks": ("counter", "Prefix blocks written to --prompt-cache-dir."),
     "prompt_cache_warnings": ("counter", "Prompt-cache files skipped (corrupt, mismatched) or not written."),
+    "prompt_cache_bytes": ("gauge", "Bytes the prompt cache keeps on disk (segments and index)."),
+    "prompt_cache_segments": ("gauge", "Segments the prompt cache's index names."),
+    "prompt_cache_discarded_files": ("gauge", "Files a crash left (temporary, or no index names them), deleted at start."),
+    "prompt_cache_evicted_segments": ("counter", "Prompt-cache segments evicted under --prompt-cache-max-bytes."),
+    "prompt_cache_saving": ("gauge", "1 while the prompt cache saves (0: no cache, or saving turned off)."),
 }
 
 
@@ -35,6 +44,10 @@ def render(snapshot: dict) -> str:
     lines += [f"# HELP {full} Finished requests by reason.", f"# TYPE {full} counter"]
     for reason, count in sorted(snapshot["requests_finished"].items()):
         lines.append(f'{full}{{reason="{reason}"}} {count}')
+    full = "kvmetal_http_rejected"
+    lines += [f"# HELP {full} Requests refused before the engine saw them, by HTTP status.", f"# TYPE {full} counter"]
+    for status, count in sorted(snapshot.get("http_rejected", {}).items()):
+        lines.append(f'{full}{{status="{status}"}} {count}')
     return "\n".join(lines) + "\n"
 
 

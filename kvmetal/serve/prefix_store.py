@@ -2,34 +2,54 @@
 
 Layout of the directory::
 
-    DIR/<fingerprint>/index.json          fingerprint, one {start, end} entry per segment
+    DIR/<fingerprint>/index.json          fingerprint, one small entry per segment
     DIR/<fingerprint>/seg-<hash>.safetensors
+    DIR/<fingerprint>/lock                held (flock) by the one server using it
 
 A *segment* is a run of full blocks ``[start, end)`` of one token chain; its file holds
 the blocks' K/V arrays and the chain's token ids up to ``end`` (``tokens``, int32), and
-it is keyed by the chain hash of its last block. The index entries stay small (no
-tokens), so rewriting the index when a request finishes costs little. The fingerprint covers the model (config, weight file names, sizes and sampled
-bytes) and the cache format (block size, K/V bits, layer groups), so a server never
-loads blocks written by another model or format: the subdirectory differs, and the
-fingerprint inside ``index.json`` is checked again. A corrupt index, a missing or
-unreadable segment, a token chain that does not match its key, or arrays of the wrong
-shape or dtype are skipped with a warning, never loaded. A directory written with
-another ``STORE_FORMAT`` has another fingerprint, so it is never read (a warning says so).
+it is keyed by the chain hash of its last block. An index entry is
+``{start, end, parent, bytes, used}``: ``parent`` is the segment holding block
+``start - 1`` (a segment cannot load without it), ``bytes`` its file size, ``used`` a
+logical clock for LRU eviction. The fingerprint covers the model (config, weight file
+names, sizes and sampled bytes) and the cache format (block size, K/V bits, layer
+groups), so a server never loads blocks written by another model or format: the
+subdirectory differs, and the fingerprint inside ``index.json`` is checked again. A
+corrupt index, a missing or unreadable segment, a token chain that does not match its
+key, or arrays of the wrong shape or dtype are skipped with a warning, never loaded.
 
-Writing: when a request finishes, the engine thread slices its full, un-evicted
-blocks that are not on disk yet (one small gather per layer), saves them as one
-segment and rewrites the index atomically. (On the engine thread, not a writer
-thread: MLX must stay on one thread, see ``worker``.)
-Loading (at start, on the engine thread): each segment is added as a sequence whose
-full blocks the pool then publishes, its rows are written, and the sequence is freed,
-so the blocks sit in the pool's prefix cache exactly like those of a finished request.
+Crash safety (SQLite's rule: a write is whole or absent). Every file is written to a
+temporary name, fsynced, checked against the size its header promises, and renamed
+over its final name (then the directory is fsynced). The index is rewritten once per
+*save batch* (the segments of one engine step), after the batch's segment files are
+in place, and only it makes a segment visible: a crash leaves at most a temporary file
+or a segment no index names, and the next start deletes both. Evicted segments leave
+the index first and are deleted after. One server at a time uses a directory: a second
+one finds the lock taken and refuses to start (``StoreInUse``). A failed write (full or
+read-only disk) turns saving off with one warning; requests never fail for it.
+
+``max_bytes`` bounds what the store keeps on disk (segment files and the index): past
+it the least recently used segments are evicted whole, each with the segments that
+extend it. A segment is used when it is saved, loaded, or a finishing request's prompt
+runs through it.
+
+Writing: when a request finishes, the engine thread slices its full, un-evicted blocks
+that are not on disk yet (one small gather per layer) and queues them; ``flush`` (the
+worker calls it after every engine step) writes the batch. (On the engine thread, not a
+writer thread: MLX must stay on one thread, see ``worker``.) Loading (at start, on the
+engine thread): each segment is added as a sequence whose full blocks the pool then
+publishes, its rows are written, and the sequence is freed, so the blocks sit in the
+pool's prefix cache exactly like those of a finished request.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import struct
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,7 +59,7 @@ from ..integrations.model_cache import _pool_arrays
 
 log = logging.getLogger("kvmetal.serve")
 
-STORE_FORMAT = 2  # 2: the chain's tokens live in the segment file, not in index.json
+STORE_FORMAT = 3  # 2: the chain's tokens live in the segment file; 3: entries carry parent, bytes, used
 _SAMPLE = 1 << 20  # bytes read from each end of a weight file for the fingerprint
 
 
@@ -95,6 +115,67 @@ def _named_arrays(pools):
                     yield g, f"g{g}.l{layer}.{kind}.{j}", array
 
 
+class StoreInUse(RuntimeError):
+    """Another server holds the directory's lock."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(path: Path) -> Path:
+    """Where ``path`` is written before the rename (the suffix stays: MLX adds a missing one)."""
+    return path.with_name(f".tmp-{os.getpid()}-{path.name}")
+
+
+def write_atomically(path: Path, write, check=None) -> int:
+    """``write(temp)``, fsync, ``check(temp)`` (raises if the file is short), rename over
+    ``path``, fsync the directory; returns the file's size. On any failure the temporary
+    file is removed and ``path`` is untouched."""
+    tmp = _temp_name(path)
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if check is not None:
+            check(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress_os_error():
+            tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return size
+
+
+class _suppress_os_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, _value, _tb):
+        return kind is not None and issubclass(kind, OSError)
+
+
+def _check_safetensors(data_bytes: int):
+    """A check for ``write_atomically``: the file is as long as its header says. (MLX's
+    writer may not report a short write, e.g. on a full disk.)"""
+    def check(path: Path) -> None:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+        if len(head) < 8 or size != 8 + struct.unpack("<Q", head)[0] + data_bytes:
+            raise OSError(errno.EIO, f"{path.name} is {size} bytes, short of what its header promises")
+    return check
+
+
 class PrefixStore:
     """Persistent prefix blocks for one model and cache format.
 
@@ -102,26 +183,72 @@ class PrefixStore:
         directory: ``--prompt-cache-dir``.
         identity: ``model_identity(model_dir)`` (or any dict naming the weights).
         model_cache: the engine's ``PagedModelCache``.
+        max_bytes: ``--prompt-cache-max-bytes``: segment files and index together stay
+            under it (None: no bound).
+    Raises ``StoreInUse`` when another server uses the directory.
     """
 
-    def __init__(self, directory, identity: dict, model_cache):
+    def __init__(self, directory, identity: dict, model_cache, *, max_bytes: int | None = None):
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 1):
+            raise ValueError(f"[PrefixStore] max_bytes must be an int >= 1 or None, got {max_bytes!r}")
         self.model_cache = model_cache
         self.block_size = model_cache.block_size
+        self.max_bytes = max_bytes
         self.fingerprint = {"store_format": STORE_FORMAT, **identity, "cache": cache_format(model_cache)}
         key = hashlib.sha256(json.dumps(self.fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         self.root = Path(directory) / key
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.entries: dict = {}  # chain hash of a segment's last block -> entry
+        self.entries: dict = {}  # chain hash of a segment's last block -> index entry
         self.known: set = set()  # chain hashes on disk or on their way there
+        self._segment_of: dict = {}  # chain hash -> the segment holding that block
+        self._hashes: dict = {}  # segment -> the chain hashes of its blocks
+        self._pending: list = []  # (key, entry, arrays, hashes) waiting for flush
+        self._clock = 0  # logical time of the last use
+        self._dirty = False  # entries changed (uses) since the index was written
         self.loaded_blocks = 0
         self.saved_blocks = 0
+        self.evicted_segments = 0
+        self.discarded_files = 0  # temporary or unindexed files removed at start
         self.warnings = 0
+        self.bytes_on_disk = 0  # as of the last index write (``disk_bytes`` computes it now)
+        self.saving = True
+        self._lock_fd = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock()
+        except OSError as e:
+            self._disable(f"the directory cannot be written ({e})")
 
-    # ------------------------------------------------------------------ loading
+    def _lock(self) -> None:
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise StoreInUse(f"--prompt-cache-dir {self.root.parent} is in use by another kvmetal serve "
+                             f"(pid {holder}); give each server its own directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
 
     def _warn(self, message: str) -> None:
         self.warnings += 1
         log.warning("prompt cache %s: %s", self.root, message)
+
+    def _disable(self, why: str) -> None:
+        """Stop saving (once, with one warning); what is loaded stays usable."""
+        if self.saving:
+            self.saving = False
+            self._pending.clear()
+            self._warn(f"{why}; saving is off until restart, requests are served as before")
+
+    @property
+    def disk_bytes(self) -> int:
+        """What the store keeps on disk: its segment files and its index."""
+        return sum(e["bytes"] for e in self.entries.values()) + len(self._index_text())
+
+    # ------------------------------------------------------------------ loading
 
     def _read_index(self) -> dict:
         path = self.root / "index.json"
@@ -156,41 +283,79 @@ class PrefixStore:
                 log.warning("prompt cache %s: written with store format %r, not %d; ignored",
                             path.parent, fingerprint.get("store_format"), STORE_FORMAT)
 
+    def _remove_leftovers(self, indexed: set) -> None:
+        """Delete what a crash can leave: temporary files, segments no index names."""
+        if not self.saving:  # not ours to clean (another writer may be mid-write)
+            return
+        for path in self.root.iterdir():
+            name = path.name
+            stray = name.startswith(".tmp-") or (name.startswith("seg-") and name.endswith(".safetensors")
+                                                 and name[4:-12] not in indexed)
+            if stray and path.is_file():
+                with _suppress_os_error():
+                    path.unlink()
+                    self.discarded_files += 1
+
     def load(self) -> int:
-        """Load every valid segment into the pool's prefix cache; returns the blocks loaded."""
+        """Load every valid segment into the pool's prefix cache; returns the blocks loaded.
+
+        Invalid segments are dropped from the index (and deleted); the index is written
+        again if anything changed, or if it is over ``max_bytes``."""
         self._note_other_formats()
         entries = self._read_index()
+        self._remove_leftovers(set(entries))
         ordered = sorted(entries.items(), key=lambda kv: kv[1].get("end", 0) if isinstance(kv[1], dict) else 0)
         self.known = set()
+        changed = False
+        full = False
         for key, entry in ordered:
+            if full:  # kept on disk for a server with a larger pool
+                if _entry_ok(entry):
+                    self._add_entry(key, _clean_entry(entry), [])
+                continue
             try:
                 loaded, hashes = self._load_entry(key, entry)
-            except _Skip as e:
-                self._warn(f"segment {key[:12]}: {e}; skipped")
-                continue
             except Exception as e:  # a damaged file must not stop the server
-                self._warn(f"segment {key[:12]}: {type(e).__name__}: {e}; skipped")
+                why = str(e) if isinstance(e, _Skip) else f"{type(e).__name__}: {e}"
+                self._warn(f"segment {key[:12]}: {why}; skipped")
+                changed = True
+                with _suppress_os_error():
+                    (self.root / f"seg-{key}.safetensors").unlink(missing_ok=True)
                 continue
             if loaded is None:
                 self._warn("the KV pool is full; the remaining segments stay on disk")
-                break
-            self.entries[key] = {"start": entry["start"], "end": entry["end"]}
+                full = True
+                self._add_entry(key, _clean_entry(entry), [])
+                continue
+            self._add_entry(key, _clean_entry(entry), hashes[entry["start"]:entry["end"]])
             self.loaded_blocks += loaded
-            self.known.update(hashes)
+        self.bytes_on_disk = self.disk_bytes
+        if self.saving and (changed or self._evict()):
+            try:
+                self._save_index()
+            except OSError as e:
+                self._disable(f"could not rewrite the index ({e})")
         return self.loaded_blocks
+
+    def _add_entry(self, key: str, entry: dict, hashes: list) -> None:
+        self.entries[key] = entry
+        self._hashes[key] = hashes
+        self.known.update(hashes)
+        for h in hashes:
+            self._segment_of[h] = key
+        self._clock = max(self._clock, entry["used"])
 
     def _load_entry(self, key: str, entry) -> tuple:
         """(blocks loaded, or None when the pool is full; the chain hashes of the segment's tokens)."""
         bs = self.block_size
-        if not isinstance(entry, dict):
-            raise _Skip("entry is not an object")
-        start, end = entry.get("start"), entry.get("end")
-        if (not isinstance(start, int) or isinstance(start, bool) or not isinstance(end, int)
-                or isinstance(end, bool) or not 0 <= start < end):
+        if not _entry_ok(entry):
             raise _Skip("entry fields are malformed")
+        start, end = entry["start"], entry["end"]
         path = self.root / f"seg-{key}.safetensors"
         if not path.is_file():
             raise _Skip("its file is missing")
+        if path.stat().st_size != entry["bytes"]:
+            raise _Skip(f"its file is {path.stat().st_size} bytes, the index says {entry['bytes']}")
         arrays = mx.load(str(path))
         stored = arrays.get("tokens")
         if stored is None or tuple(stored.shape) != (end * bs,) or stored.dtype != mx.int32:
@@ -232,11 +397,20 @@ class PrefixStore:
 
     # ------------------------------------------------------------------ saving
 
+    def _touch(self, keys) -> None:
+        self._clock += 1
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None and entry["used"] != self._clock:
+                entry["used"] = self._clock
+                self._dirty = True
+
     def record(self, seq_id, tokens: list) -> None:
-        """Queue the full blocks of a finishing sequence that are not on disk yet.
+        """Queue the full blocks of a finishing sequence that are not on disk yet (``flush``
+        writes them), and mark the segments its prompt ran through as used.
 
         Called on the engine thread before the sequence is freed; ``tokens`` are the
-        token ids its cache holds."""
+        token ids its cache holds. The blocks' rows are copied now (the pool reuses them)."""
         bs = self.block_size
         pools = self.model_cache.pools
         tables = [p.allocator.block_table(seq_id) for p in pools]
@@ -251,31 +425,119 @@ class PrefixStore:
         start = 0
         while start < end and hashes[start] in self.known:
             start += 1
-        if start == end:
+        self._touch({self._segment_of[h] for h in hashes[:start] if h in self._segment_of})
+        if start == end or not self.saving:
             return
         ids = [mx.array(table[start:end], dtype=mx.int32) for table in tables]
         arrays = {name: source[ids[g]] for g, name, source in _named_arrays(pools)}
         arrays["tokens"] = mx.array(np.asarray(tokens[: end * bs], dtype=np.int32))
-        entry = {"start": start, "end": end}
+        mx.eval(list(arrays.values()))
+        parent = self._segment_of.get(hashes[start - 1]) if start else None
+        entry = {"start": start, "end": end, "parent": parent, "bytes": 0, "used": 0}
         key = hashes[end - 1]
-        try:
-            mx.save_safetensors(str(self.root / f"seg-{key}.safetensors"), arrays)
-            self.entries[key] = entry
-            self._write_index()
-        except OSError as e:
-            self._warn(f"could not write a segment ({e})")
-            return
+        self._pending.append((key, entry, arrays, hashes[start:end]))
         self.known.update(hashes[start:end])
-        self.saved_blocks += end - start
+        for h in hashes[start:end]:
+            self._segment_of[h] = key
 
-    def _write_index(self) -> None:
-        path = self.root / "index.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "entries": self.entries}))
-        os.replace(tmp, path)
+    def flush(self) -> None:
+        """Write the queued segments, evict past ``max_bytes``, then rewrite the index once."""
+        pending, self._pending = self._pending, []
+        if not self.saving:
+            return
+        if not pending and not self._dirty:
+            return
+        wrote = []
+        try:
+            for key, entry, arrays, hashes in pending:
+                if self.max_bytes is not None and self._segment_bytes(arrays) > self.max_bytes:
+                    self._forget(key, hashes)  # larger than the whole budget: never kept
+                    continue
+                path = self.root / f"seg-{key}.safetensors"
+                data = sum(a.nbytes for a in arrays.values())
+                entry["bytes"] = write_atomically(path, lambda tmp, a=arrays: mx.save_safetensors(str(tmp), a),
+                                                  _check_safetensors(data))
+                self._touch(())
+                entry["used"] = self._clock
+                wrote.append((key, entry, hashes))
+                self.entries[key] = entry
+                self._hashes[key] = hashes
+            evicted = self._evict()
+            self._save_index()
+        except (OSError, RuntimeError) as e:  # a full or read-only disk, or MLX's writer failing
+            for key, _, _, hashes in pending:  # in no index: the next start deletes files written
+                self._forget(key, hashes)
+            self._disable(f"could not write ({e})")
+            return
+        self.saved_blocks += sum(e["end"] - e["start"] for _, e, _ in wrote)
+        for key in evicted:  # after the index stopped naming them
+            with _suppress_os_error():
+                (self.root / f"seg-{key}.safetensors").unlink(missing_ok=True)
+
+    @staticmethod
+    def _segment_bytes(arrays: dict) -> int:
+        return sum(a.nbytes for a in arrays.values())
+
+    def _forget(self, key: str, hashes: list) -> None:
+        self.entries.pop(key, None)
+        self._hashes.pop(key, None)
+        for h in hashes:
+            self.known.discard(h)
+            if self._segment_of.get(h) == key:
+                del self._segment_of[h]
+
+    def _evict(self) -> list:
+        """Drop least recently used segments (each with those that extend it) until the
+        store fits ``max_bytes``; returns the keys dropped (their files still exist)."""
+        if self.max_bytes is None:
+            return []
+        dropped = []
+        while self.entries and self.disk_bytes > self.max_bytes:
+            oldest = min(self.entries, key=lambda k: (self.entries[k]["used"], -self.entries[k]["end"]))
+            for key in self._with_descendants(oldest):
+                self._forget(key, self._hashes.get(key, []))
+                dropped.append(key)
+                self.evicted_segments += 1
+        return dropped
+
+    def _with_descendants(self, key: str) -> list:
+        out, todo = [], [key]
+        while todo:
+            k = todo.pop()
+            out.append(k)
+            todo += [c for c, e in self.entries.items() if e.get("parent") == k and c not in out]
+        return out
+
+    def _index_text(self) -> str:
+        return json.dumps({"fingerprint": self.fingerprint, "entries": self.entries})
+
+    def _save_index(self) -> None:
+        text = self._index_text()
+        write_atomically(self.root / "index.json", lambda tmp: tmp.write_text(text))
+        self._dirty = False
+        self.bytes_on_disk = sum(e["bytes"] for e in self.entries.values()) + len(text)
 
     def close(self) -> None:
-        """Nothing is buffered (segments are written as requests finish); kept for symmetry."""
+        """Write what is queued (and the latest uses), then release the directory."""
+        try:
+            self.flush()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+
+def _entry_ok(entry) -> bool:
+    if not isinstance(entry, dict):
+        return False
+    start, end, size, used = (entry.get(k) for k in ("start", "end", "bytes", "used"))
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, size, used))
+    parent = entry.get("parent")
+    return ints and 0 <= start < end and size > 0 and (parent is None or isinstance(parent, str))
+
+
+def _clean_entry(entry: dict) -> dict:
+    return {k: entry.get(k) for k in ("start", "end", "parent", "bytes", "used")}
 
 
 class _Skip(Exception):

@@ -22,9 +22,10 @@ class APIError(Exception):
     """An error the client caused or must see: becomes ``{"error": {...}}`` with ``status``."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.param, self.type, self.code = status, param, type_, code
+        self.headers = headers or {}  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}

@@ -1,13 +1,17 @@
 """Build the engine worker and the app from ``kvmetal serve`` options, and run them.
 
 The engine loop runs on the main thread and uvicorn on a second thread (MLX must stay
-on one thread; see ``worker``). SIGINT/SIGTERM stop both: HTTP first, then the engine,
-which fails what is still live with "shutting down" and closes the prefix store.
+on one thread; see ``worker``). SIGINT/SIGTERM shut down gracefully: uvicorn stops
+accepting connections at once, the engine lets running requests finish for up to
+``--shutdown-timeout`` seconds, then ends the rest with "the server is shutting down"
+(an SSE error event, or a 503), the prefix store writes what it holds, and the process
+exits 0. A second signal ends the running requests at once.
 ``ServerProcess`` starts ``kvmetal serve`` as a subprocess (tests, the load script).
 """
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -37,7 +41,7 @@ def build_server(args, sync=None):
     With ``sync`` (serving across ranks) the model is loaded sharded over its group and
     the pool takes rank 0's size; every rank calls this, in the same order."""
     from ..integrations.engine import Engine
-    from .app import ServeState, create_app
+    from .app import Limits, ServeState, create_app
     from .prefix_store import PrefixStore, model_identity
     from .worker import EngineWorker
 
@@ -75,7 +79,8 @@ def build_server(args, sync=None):
     store_factory = None
     if args.prompt_cache_dir:
         def store_factory(engine):
-            return PrefixStore(args.prompt_cache_dir, model_identity(model_dir), engine.cache)
+            return PrefixStore(args.prompt_cache_dir, model_identity(model_dir), engine.cache,
+                               max_bytes=getattr(args, "prompt_cache_max_bytes", None))
 
     worker = EngineWorker(build, prefix_store_factory=store_factory, kv_cap_bytes=cap, sync=sync)
     worker.setup()
@@ -93,8 +98,52 @@ def build_server(args, sync=None):
     template_kwargs = json.loads(args.chat_template_args) if args.chat_template_args else {}
     defaults = Defaults(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                         min_p=args.min_p)
-    state = ServeState(worker, loaded["tokenizer"], args.model, defaults, context_limit, template_kwargs)
+    limits = Limits(api_key=api_key(args), max_body_bytes=getattr(args, "max_body_bytes", None),
+                    max_queue=getattr(args, "max_queue", None),
+                    max_queued_prompt_tokens=getattr(args, "max_prompt_tokens", None),
+                    timeout=getattr(args, "timeout", None))
+    state = ServeState(worker, loaded["tokenizer"], args.model, defaults, context_limit, template_kwargs, limits)
     return worker, create_app(state)
+
+
+def api_key(args) -> str | None:
+    """``--api-key``, else ``KVMETAL_API_KEY``, else None (no key asked)."""
+    return getattr(args, "api_key", None) or os.environ.get("KVMETAL_API_KEY") or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_warning(host: str, key: str | None) -> str | None:
+    """What to warn about when ``host`` reaches beyond this machine and no key is asked."""
+    if is_loopback(host) or key:
+        return None
+    return (f"serving on {host}, beyond this machine, without an API key: anyone who can reach it can use it; "
+            f"set --api-key or KVMETAL_API_KEY")
+
+
+def _http_protocol():
+    """uvicorn's h11 protocol, plus a timeout for a connection that never sends a byte
+    (uvicorn times out idle keep-alive connections only after a first request)."""
+    try:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+    except ImportError:  # pragma: no cover - another uvicorn layout: its default protocol
+        return "auto"
+
+    class FirstByteTimeout(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            if hasattr(self, "timeout_keep_alive_handler"):
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
+
+    return FirstByteTimeout
 
 
 def run(args) -> int:
@@ -120,8 +169,13 @@ def run(args) -> int:
         worker, app = build_server(args, sync)
         if sync is not None and not sync.leader:
             return _follow(worker)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level=args.log_level.lower(), timeout_graceful_shutdown=5))
+        warning = bind_warning(args.host, api_key(args))
+        if warning:
+            log.warning("%s", warning)
+        grace = getattr(args, "shutdown_timeout", 10.0)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, http=_http_protocol(),
+                                               log_level=args.log_level.lower(),
+                                               timeout_graceful_shutdown=grace + 5))
         http_failed = []
 
         def serve_http():
@@ -137,9 +191,12 @@ def run(args) -> int:
         http = threading.Thread(target=serve_http, name="kvmetal-http", daemon=True)
 
         def shutdown(signum, _frame):
-            log.info("signal %d: shutting down", signum)
-            server.should_exit = True
-            worker.stop()
+            if worker.stopping:
+                log.info("signal %d again: ending the running requests now", signum)
+            else:
+                log.info("signal %d: no new connections; running requests get up to %g s", signum, grace)
+            server.should_exit = True  # uvicorn closes its sockets, then waits for open connections
+            worker.shutdown(grace)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, shutdown)
@@ -148,7 +205,7 @@ def run(args) -> int:
             worker.serve_forever()  # returns after stop(), or if the engine loop died
         finally:
             server.should_exit = True
-            http.join(timeout=10)
+            http.join(timeout=15)  # the handlers send what the engine ended them with
     if http_failed:
         log.error("kvmetal serve: could not serve HTTP on %s:%d", args.host, args.port)
         return 1
@@ -157,7 +214,8 @@ def run(args) -> int:
 
 def _follow(worker) -> int:
     """Ranks other than 0: run rank 0's commands until it says stop (or a rank dies)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when to stop
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop, and tells every rank
+        signal.signal(sig, signal.SIG_IGN)
     worker.serve_forever()
     return 1 if worker.failed else 0
 
@@ -206,6 +264,8 @@ class ServerProcess:
         """SIGTERM, wait; returns the exit status (the output is in ``self.output``)."""
         if self.proc is None:
             return 0
+        if self._log.closed:  # stopped already
+            return self.proc.returncode
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:

@@ -4,6 +4,14 @@ HTTP handlers (async, on uvicorn's event loop in another thread) talk to it thro
 command queue (add, abort, stop) and receive their tokens through a per-request
 ``sink`` callable, which the handler makes thread-safe (``loop.call_soon_threadsafe``).
 The loop steps the Engine while any request is live and waits on the queue otherwise.
+
+Ending requests on the engine thread: a request past its deadline (``--timeout``) is
+aborted there, whatever its HTTP handler is doing (e.g. blocked on a slow reader), and
+its client gets ``RequestTimeout``. ``shutdown(timeout)`` drains: new requests are
+refused, running ones go on up to ``timeout`` seconds, then what is left is ended with
+"the server is shutting down" (its full prompt blocks saved first), the prefix store
+writes what it has queued, and ``serve_forever`` returns. Across ranks these decisions
+are rank 0's and travel as ordinary commands (abort, stop), so every rank applies them.
 """
 from __future__ import annotations
 
@@ -55,6 +63,13 @@ def deliver(pairs) -> None:
         _call_soon(loop, _put_all, items)
 
 
+class RequestTimeout(Exception):
+    """A request ran past its ``--timeout``; the engine aborted it and freed its blocks."""
+
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
 @dataclass(frozen=True)
 class Delivery:
     """What a request's sink receives: an engine event, or an error (then nothing follows)."""
@@ -93,8 +108,10 @@ class EngineWorker:
         self._sinks: dict = {}
         self._requests: dict = {}  # the Request of each sink (the engine forgets finished ones)
         self._stopping = False
+        self._drain_until: float | None = None  # shutdown(): when running requests are ended
+        self._deadlines: dict = {}  # request id -> monotonic time it must be done by (rank 0)
         self.failed: str | None = None  # why the engine loop died, if it did
-        self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+        self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0, "timeout": 0}
         self._recent: deque = deque()  # (time, generated tokens) over the last 10 s
         self._recent_tokens = 0  # the sum of the generated tokens in _recent
         self._published: dict = {}
@@ -104,9 +121,13 @@ class EngineWorker:
     # ------------------------------------------------------------------ control (any thread)
 
     def submit(self, request_id, prompt: list, *, max_tokens: int, sampling, stop_token_ids, sink,
-               logprobs: int | None = None) -> None:
+               logprobs: int | None = None, timeout: float | None = None) -> None:
+        """Queue a request. ``timeout``: seconds from now after which the engine aborts it
+        (its sink then gets ``RequestTimeout``)."""
         if self._stopping or self.failed:
-            raise RuntimeError(self.failed or "the server is shutting down")
+            raise RuntimeError(self.failed or SHUTDOWN_MESSAGE)
+        if timeout is not None:
+            self._deadlines[request_id] = time.monotonic() + timeout
         self._commands.put(("add", request_id, dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
                                                     stop_token_ids=stop_token_ids, logprobs=logprobs), sink))
 
@@ -116,9 +137,20 @@ class EngineWorker:
         self._commands.put(("abort", request_id, reason, None))
 
     def stop(self) -> None:
-        """Ask ``serve_forever`` to return (safe from signal handlers and other threads)."""
+        """Ask ``serve_forever`` to return now, ending what runs (safe from signal handlers
+        and other threads)."""
         self._stopping = True
         self._commands.put(("stop", None, None, None))
+
+    def shutdown(self, timeout: float) -> None:
+        """Refuse new requests, let running ones finish for up to ``timeout`` seconds, then
+        stop (safe from signal handlers). A second call stops now."""
+        if self._drain_until is not None:
+            self.stop()
+            return
+        self._drain_until = time.monotonic() + timeout
+        self._stopping = True
+        self._commands.put(("wake", None, None, None))  # an idle loop notices at once
 
     @property
     def stopping(self) -> bool:
@@ -156,7 +188,10 @@ class EngineWorker:
         finally:
             self._stopping = True
             if self.store is not None:
-                self.store.close()
+                try:
+                    self.store.close()  # the prefixes queued by the last requests
+                except Exception as e:
+                    log.warning("prompt cache: could not save on shutdown (%s)", e)
             self.engine.close()
             self._fail_pending_commands()
             self._publish()
@@ -167,16 +202,41 @@ class EngineWorker:
             commands = []
             if sync is None or sync.leader:
                 commands = self._collect(wait=not engine.has_work())
+                commands += self._expired()
+                if self._drain_until is not None and (time.monotonic() >= self._drain_until
+                                                      or not (engine.has_work() or self._pending_sinks
+                                                              or any(c[0] == "add" for c in commands))):
+                    commands.append(["stop", None])
             if sync is not None:
                 commands = sync.share_commands(commands)  # rank 0's list, on every rank
             for command in commands:
                 if command[0] == "stop":
-                    self._fail_all(RuntimeError("the server is shutting down"))
+                    self._end_all_for_shutdown()
                     return
                 self._apply(command)
             if engine.has_work():
                 self._step()
+            if self.store is not None:
+                self.store.flush()  # one save batch per step: the index is written once
             self._publish()
+
+    def _expired(self) -> list:
+        """Abort commands for the requests past their deadline (rank 0 decides)."""
+        if not self._deadlines:
+            return []
+        now = time.monotonic()
+        late = [rid for rid, t in self._deadlines.items() if t <= now]
+        for rid in late:
+            del self._deadlines[rid]
+        return [["abort", rid, "timeout"] for rid in late]
+
+    def _end_all_for_shutdown(self) -> None:
+        """Save the full prompt blocks of what still runs, then end every live request."""
+        if self.store is not None:
+            for request in list(self.engine.running):
+                if request.request_id in self._sinks:
+                    self._record_prefix(request)
+        self._fail_all(RuntimeError(SHUTDOWN_MESSAGE))
 
     def _collect(self, wait: bool) -> list:
         """Drain the queue into JSON-able commands (sinks stay here, by request id).
@@ -197,6 +257,8 @@ class EngineWorker:
                 commands.append(encode_add(request_id, kwargs))
             elif kind == "abort":
                 commands.append([kind, request_id, kwargs])  # kwargs: the reason
+            elif kind == "wake":
+                pass
             else:
                 commands.append([kind, request_id])
             if kind == "stop":
@@ -230,8 +292,12 @@ class EngineWorker:
                 self._record_prefix(request)  # as Engine.on_finish would for a normal finish
             if engine.abort(request_id):
                 self.finished[reason] = self.finished.get(reason, 0) + 1
-            self._sinks.pop(request_id, None)
+            sink = self._sinks.pop(request_id, None)
             self._requests.pop(request_id, None)
+            self._deadlines.pop(request_id, None)
+            if reason == "timeout" and sink is not None:
+                sink(Delivery(None, error=RequestTimeout("the request ran past the server's --timeout and was "
+                                                         "ended; its KV blocks were freed")))
 
     def _step(self) -> None:
         engine = self.engine
@@ -252,6 +318,7 @@ class EngineWorker:
             if event.finished:
                 self._sinks.pop(event.request_id, None)
                 self._requests.pop(event.request_id, None)
+                self._deadlines.pop(event.request_id, None)
                 self.finished[event.finish_reason] = self.finished.get(event.finish_reason, 0) + 1
             if sink is not None:
                 cached = request.cached_prompt_tokens if request is not None else 0
@@ -272,10 +339,11 @@ class EngineWorker:
             sink(Delivery(None, error=error))
         self._sinks.clear()
         self._requests.clear()
+        self._deadlines.clear()
 
     def _fail_pending_commands(self) -> None:
         """Requests submitted while the loop was ending get an error instead of silence."""
-        error = RuntimeError(self.failed or "the server is shutting down")
+        error = RuntimeError(self.failed or SHUTDOWN_MESSAGE)
         for sink in self._pending_sinks.values():
             sink(Delivery(None, error=error))
         self._pending_sinks.clear()
@@ -322,7 +390,25 @@ class EngineWorker:
             "kv_cap_bytes": self.kv_cap_bytes,
             "kv_peak_used_bytes": engine.peak_used_bytes,
             "kv_peak_pool_bytes": engine.peak_nbytes,
+            **self._block_counts(),
             "prompt_cache_loaded_blocks": store.loaded_blocks if store is not None else 0,
             "prompt_cache_saved_blocks": store.saved_blocks if store is not None else 0,
             "prompt_cache_warnings": store.warnings if store is not None else 0,
+            "prompt_cache_bytes": store.bytes_on_disk if store is not None else 0,
+            "prompt_cache_segments": len(store.entries) if store is not None else 0,
+            "prompt_cache_discarded_files": store.discarded_files if store is not None else 0,
+            "prompt_cache_evicted_segments": store.evicted_segments if store is not None else 0,
+            "prompt_cache_saving": int(store.saving) if store is not None else 0,
         }
+
+    def _block_counts(self) -> dict:
+        """Blocks of every layer-group pool together: owned by live requests, published and
+        unowned (the prefix cache), on the free list. Owned + cached + free = total."""
+        counts = {"kv_blocks_total": 0, "kv_blocks_owned": 0, "kv_blocks_cached": 0, "kv_blocks_free": 0}
+        for pool in self.engine.cache.pools:
+            a = pool.allocator
+            counts["kv_blocks_total"] += a.num_blocks
+            counts["kv_blocks_owned"] += a.num_owned
+            counts["kv_blocks_cached"] += a.num_cached
+            counts["kv_blocks_free"] += a.num_free_listed
+        return counts
