@@ -9,8 +9,8 @@ import pytest
 
 from kvmetal.sim import sweep
 
-CI_CONFIGS = 24   # ~2-3 minutes on a quiet 2-core machine with a cold kernel cache
-CI_POOL = 16      # kernel shapes they share (each compiled once)
+CI_CONFIGS = 48   # about a minute of CPU with a cold kernel cache (2-core CI: ~1-2 minutes)
+CI_POOL = 24      # kernel shapes they share (each compiled once)
 CI_SEED = 2026
 
 
