@@ -99,7 +99,7 @@ def flat(out):
 # the inputs are zeros of the family's shapes, captured as constants (sizes, and so
 # MLX's `constant` vs `device` binding, are what they are in a real call).
 for family in specialisations.specialisation_families():
-    method, args, kwargs = specialisations._shape_only_inputs(family)
+    method, args, kwargs = specialisations.backend_call(family)
     print("family:", family.name, flush=True)
     fn = lambda anchor: flat(getattr(backend, method)(*args, **kwargs)) + [anchor]
     mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))

@@ -182,7 +182,7 @@ def family_keys(calls) -> frozenset:
 
 def _trace_keys(backend, recorder, f: Family) -> frozenset:
     recorder.calls.clear()
-    fn, args, kwargs = _shape_only_inputs(f)
+    fn, args, kwargs = backend_call(f)
     getattr(backend, fn)(*args, **kwargs)
     return family_keys(recorder.calls)
 
@@ -197,8 +197,9 @@ def _zeros_cache(shape, dtype, spec):
                              bits, gs)
 
 
-def _shape_only_inputs(f: Family) -> tuple:
-    """Backend-contract arguments of ``f`` made of zeros (shapes are all the recorder needs)."""
+def backend_call(f: Family) -> tuple:
+    """(backend method name, args, kwargs): a backend-contract call of ``f`` on zeros (the
+    shapes decide the specialisation and the `constant` binding; the values do not)."""
     dtype = DTYPES[f.dtype]
     D, Hkv, H = f.head_dim, f.num_kv_heads, f.num_kv_heads * f.gqa
     opts = dict(scale=D ** -0.5, softcap=None, sinks=mx.zeros((H,)) if f.sinks else None, num_splits=None)
