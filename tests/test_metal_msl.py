@@ -77,7 +77,7 @@ def test_clang_pass_catches_a_constant_pointer_cast_to_device(generated):
                            "D, reinterpret_cast<const device uint32_t*>(key_data), key_scales, key_biases,", 1)
     assert wrong != source
     findings = msl_check.syntax({name: wrong})
-    assert findings and "address space" in findings[0]
+    assert findings and "address_space(2)" in findings[0] and "is not allowed" in findings[0]
 
 
 @needs_clang

@@ -273,13 +273,13 @@ def configs(count: int, seed: int, pool: int) -> list:
 
 
 def sweep(count: int, *, seed: int = 0, pool: int = 32, out=sys.stdout, budget_s: float | None = None,
-          progress: int = 0) -> dict:
+          progress: int = 0, skip: int = 0) -> dict:
     """Run ``count`` configurations; prints one reproducer line per failure. Returns
     {"ran", "failed", "seconds", "failures": [(config, message)]}. ``budget_s`` stops
     early (reporting how many ran)."""
     t0 = time.perf_counter()
     failures, ran = [], 0
-    for c in configs(count, seed, pool):
+    for c in configs(skip + count, seed, pool)[skip:]:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
         try:
@@ -301,15 +301,17 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pool", type=int, default=150, help="kernel shapes the configurations share")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="stop after this long")
+    p.add_argument("--skip", type=int, default=0, metavar="K",
+                   help="start at configuration K of the seed's sequence (to split one sweep over processes)")
     p.add_argument("--case", type=str, default=None, help="rerun one configuration (a reproducer's JSON)")
     args = p.parse_args(argv)
     if args.case:
         c = Config.from_json(args.case)
         print(f"max relative error {run_config(c):.3g}: ok")
         return 0
-    result = sweep(args.fuzz, seed=args.seed, pool=args.pool, budget_s=args.budget, progress=100)
+    result = sweep(args.fuzz, seed=args.seed, pool=args.pool, budget_s=args.budget, progress=100, skip=args.skip)
     print(f"sweep: {result['ran']} configurations, {result['failed']} failed, {result['seconds']:.0f} s "
-          f"(seed {args.seed}, pool {args.pool})")
+          f"(seed {args.seed}, pool {args.pool}, from configuration {args.skip})")
     return 1 if result["failed"] else 0
 
 
