@@ -110,7 +110,7 @@ def test_softcap_with_scores_far_past_fast_tanh_overflow(backend, query_len, gqa
     # Scores around 1e3 with softcap 5: tanh's argument ~ 200 (fast tanh: NaN past 44).
     rng = np.random.default_rng(9)
     query, kc, vc, tables, lens, _ = paged_attention_inputs(
-        rng, lens=(40, 9), num_kv_heads=1, gqa=gqa, head_dim=64, block_size=8, dtype=f32, query_len=query_len)
+        rng, lens=(40, 9), num_kv_heads=1, gqa=gqa, head_dim=64, block_size=32, dtype=f32, query_len=query_len)
     query = query * 300.0
     expected = ref.paged_attention(query, kc, vc, tables, lens, softcap=5.0)
     assert np.abs(np.array(query)).max() > 44 * 5
