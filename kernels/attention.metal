@@ -36,11 +36,13 @@ struct KvAt {
 };
 
 // Paged cache [N, Hkv, BS, W]: token t is row (block_tables[t / BS] * Hkv + kvh)
-// * BS + t % BS. A block id outside [0, N) is padding: the row is never read.
+// * BS + t % BS. A block id outside [0, N) is padding: the row is never read,
+// and so is a token past the table (t / BS >= M: the table entry is not read).
 // The 64-bit block base is computed once per block; offsets inside a block are 32-bit.
 template <int BS, int KW, int KNG, int VW, int VNG, typename PT>
 struct KvPagedRows {
   PT table;
+  int max_blocks;  // M: entries in this sequence's table row
   int num_blocks;
   int kv_rows;  // Hkv * BS: rows per block
   int kvh;
@@ -50,7 +52,7 @@ struct KvPagedRows {
   bool locate(int t, thread KvAt& k, thread KvAt& v) {
     const int index = t / BS;
     if (index != cached_index) {
-      const int block = table[index];
+      const int block = index < max_blocks ? table[index] : -1;
       cached_index = index;
       cached_ok = uint(block) < uint(num_blocks);
       block_row = size_t(cached_ok ? block : 0) * uint(kv_rows);
@@ -125,7 +127,8 @@ struct KvSteps {
   size_t data;
   size_t scale;
   size_t bias;
-  bool vec;  // vector loads allowed (unit data step, aligned strides)
+  bool vec;    // vector loads allowed (unit data step, strides keep atoms aligned)
+  bool vec16;  // 16-byte tile copies allowed (unit data step, strides keep rows 16-byte aligned)
 };
 
 // The registers of one key (or value) row a lane holds: NA atoms of AE elements
@@ -217,7 +220,7 @@ inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread con
       s += simd_shuffle_xor(s, ushort(off));
     }
     if (softcap > 0.0f) {
-      s = softcap * KV_LOG2E * tanh(s / softcap);
+      s = softcap * KV_LOG2E * kv_tanh(s / softcap);
     }
     const bool visible = ok && t <= st.pos[r] && (window <= 0 || t > st.pos[r] - window);
     s = visible ? s : KV_NEG_BIG;
@@ -333,20 +336,19 @@ inline KvSplitRange kv_split_range(int len, int L, int window, int split, int nu
 // Copy rows [r_lo, r_hi) of one tile (token t0 + r, starting at element
 // offset row0 + r * row_step, elements `estep` apart) of one array into
 // threadgroup rows buffer_row0 + r, in their storage type: 16-byte units where
-// rows allow it, else element by element.
+// the caller vouches for 16-byte aligned rows (`vec16`), else element by element.
 template <int W, typename TD, typename PD, typename PT>
-inline void kv_tile_copy(PD src, PT dst, size_t row0, size_t row_step, size_t estep, bool vec, int buffer_row0,
+inline void kv_tile_copy(PD src, PT dst, size_t row0, size_t row_step, size_t estep, bool vec16, int buffer_row0,
                          int r_lo, int r_hi, int tid, int nthreads) {
   constexpr int RB = W * int(sizeof(TD));  // bytes per row
   const int n = max(0, r_hi - r_lo);
-  if (vec && RB % 16 == 0) {
+  if (vec16 && RB % 16 == 0) {
     constexpr int U = RB / 16;
+    constexpr int UE = 16 / int(sizeof(TD));  // elements per unit
     for (int i = tid; i < n * U; i += nthreads) {
       const int r = r_lo + i / U;
       const int u = i % U;
-      const device uint4* s = reinterpret_cast<const device uint4*>(src + row0 + size_t(r) * row_step) + u;
-      threadgroup uint4* d = reinterpret_cast<threadgroup uint4*>(dst + (buffer_row0 + r) * W) + u;
-      *d = *s;
+      kv_copy16(src + row0 + size_t(r) * row_step + u * UE, dst + (buffer_row0 + r) * W + u * UE);
     }
   } else {
     for (int i = tid; i < n * W; i += nthreads) {
@@ -368,7 +370,9 @@ inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PK
                          threadgroup int* tile_ok, int tid, int nthreads) {
   KvAt ka;
   KvAt va;
-  const bool ok = src.locate(t0, ka, va);  // the tile lies in one block
+  // The tile lies in one block. One wholly outside [lo, hi) (an empty split's
+  // first tile may start past the table) is not located at all.
+  const bool ok = t0 < hi && t0 + TT > lo && src.locate(t0, ka, va);
   const KvAt sk = src.step_k();
   const KvAt sv = src.step_v();
   const int r_lo = ok ? max(0, lo - t0) : 0;
@@ -377,10 +381,10 @@ inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PK
     tile_ok[buffer * TT + r] = (r >= r_lo && r < r_hi) ? 1 : 0;
   }
   const int b0 = buffer * TT;
-  kv_tile_copy<KW, TKD>(kdata, reinterpret_cast<threadgroup TKD*>(tile_k), ka.data, sk.data, ks.data, ks.vec, b0,
-                        r_lo, r_hi, tid, nthreads);
-  kv_tile_copy<VW, TVD>(vdata, reinterpret_cast<threadgroup TVD*>(tile_v), va.data, sv.data, vs.data, vs.vec, b0,
-                        r_lo, r_hi, tid, nthreads);
+  kv_tile_copy<KW, TKD>(kdata, reinterpret_cast<threadgroup TKD*>(tile_k), ka.data, sk.data, ks.data, ks.vec16,
+                        b0, r_lo, r_hi, tid, nthreads);
+  kv_tile_copy<VW, TVD>(vdata, reinterpret_cast<threadgroup TVD*>(tile_v), va.data, sv.data, vs.data, vs.vec16,
+                        b0, r_lo, r_hi, tid, nthreads);
   if (KBITS) {
     kv_tile_copy<KNG, TKS>(kscales, reinterpret_cast<threadgroup TKS*>(tile_ks), ka.scale, sk.scale, ks.scale,
                            false, b0, r_lo, r_hi, tid, nthreads);
@@ -392,6 +396,39 @@ inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PK
                            false, b0, r_lo, r_hi, tid, nthreads);
     kv_tile_copy<VNG, TVS>(vbiases, reinterpret_cast<threadgroup TVS*>(tile_vb), va.bias, sv.bias, vs.bias, false,
                            b0, r_lo, r_hi, tid, nthreads);
+  }
+}
+
+// Write the partials (max, sum, accumulator) of rows [row0, row0 + RPS); rows
+// past R are padding (uniform in the simdgroup) and write nothing.
+template <int D, int R, int QL, int RPS, int LPK, int VAE4, int VNA, int KNA, int KAE4>
+inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, int row0, int lane,
+                              device float* part_max, device float* part_sum, device float* part_acc,
+                              size_t part_row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
+  constexpr int VAE = VAE4 * 4;
+  const int kl = lane % LPK;
+  const int kg = lane / LPK;
+  for (int r = 0; r < RPS; r++) {
+    const int row = row0 + r;
+    if (row >= R) {
+      continue;
+    }
+    const size_t at = (part_row0 + size_t(row / QL) * row_stride_g + size_t(row % QL) * row_stride_l) * num_splits +
+                      split;
+    if (lane == 0) {
+      part_max[at] = st.m[r];
+      part_sum[at] = st.l[r];
+    }
+    if (kg == 0) {
+      for (int c = 0; c < VNA; c++) {
+        const int a = kl + LPK * c;
+        if (a < D / VAE) {
+          for (int j = 0; j < VAE4; j++) {
+            *reinterpret_cast<device float4*>(part_acc + at * D + a * VAE + 4 * j) = st.o[r][c][j] + st.ob[r][c];
+          }
+        }
+      }
+    }
   }
 }
 
@@ -426,10 +463,9 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
   const float qscale = softcap > 0.0f ? scale : scale * KV_LOG2E;
 
   KvRowState<RPS, KNA, KAE4, VNA, VAE4> st;
-  kv_init_rows<D, RPS, LPK, KBITS>(st, q, SHARED ? sg * RPS : 0, R, QL, len, head0, head_stride, token_stride,
-                                   qscale, kl);
 
   if (!SHARED) {
+    kv_init_rows<D, RPS, LPK, KBITS>(st, q, 0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
     // Register mode: this simdgroup's contiguous run of the split, KPP keys per pass.
     const int n = max(0, range.hi - range.lo);
     const int per = ((n + NSG - 1) / NSG + KPP - 1) / KPP * KPP;
@@ -459,8 +495,12 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
     kv_reduce_key_groups<RPS, LPK>(st);
   } else {
     // Shared mode: all threads copy each tile once (double-buffered, one
-    // barrier per tile); simdgroup sg scores its own rows from the tile.
+    // barrier per tile); simdgroup sg scores its own rows from the tile. The
+    // threadgroup is capped (metal.MAX_SHARED_SIMDGROUPS), so with more than
+    // NSG * RPS rows the split is walked once per block of NSG * RPS rows
+    // (ROW_PASSES, uniform: every simdgroup takes part in every tile).
     constexpr int NT = NSG * 32;
+    constexpr int ROW_PASSES = (R + NSG * RPS - 1) / (NSG * RPS);
     KvTileRows<KW, KNG, VW, VNG> tile;
     tile.ok = tile_ok;
     tile.tt = TT;
@@ -475,36 +515,44 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
     unit.scale = 1;
     unit.bias = 1;
     unit.vec = true;
-    kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
-        src, range.begin, 0, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps, vsteps,
-        tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    int buffer = 0;
-    for (int t0 = range.begin; t0 < range.hi; t0 += TT) {
-      if (t0 + TT < range.hi) {
-        kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
-            src, t0 + TT, buffer ^ 1, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps,
-            vsteps, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
-      }
-      tile.t0 = t0;
-      tile.buffer = buffer;
-      for (int p0 = t0; p0 < t0 + TT; p0 += KPP) {
-        const int t = p0 + kg;
-        KvAt ka;
-        KvAt va;
-        const bool ok = t < t0 + TT && tile.locate(t, ka, va);
-        const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(tkd, tks, tkb, ka, unit, ok, kl, kg);
-        const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(tvd, tvs, tvb, va, unit, ok, kl, kg);
-        kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
-      }
+    unit.vec16 = true;
+    for (int pass = 0; pass < ROW_PASSES; pass++) {
+      const int row0 = (pass * NSG + sg) * RPS;
+      kv_init_rows<D, RPS, LPK, KBITS>(st, q, row0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
+      kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
+          src, range.begin, 0, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps, vsteps,
+          tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      buffer ^= 1;
+      int buffer = 0;
+      for (int t0 = range.begin; t0 < range.hi; t0 += TT) {
+        if (t0 + TT < range.hi) {
+          kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
+              src, t0 + TT, buffer ^ 1, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps,
+              vsteps, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
+        }
+        tile.t0 = t0;
+        tile.buffer = buffer;
+        for (int p0 = t0; p0 < t0 + TT; p0 += KPP) {
+          const int t = p0 + kg;
+          KvAt ka;
+          KvAt va;
+          const bool ok = t < t0 + TT && tile.locate(t, ka, va);
+          const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(tkd, tks, tkb, ka, unit, ok, kl, kg);
+          const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(tvd, tvs, tvb, va, unit, ok, kl, kg);
+          kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        buffer ^= 1;
+      }
+      kv_reduce_key_groups<RPS, LPK>(st);
+      kv_write_partials<D, R, QL, RPS, LPK, VAE4, VNA>(st, row0, lane, part_max, part_sum, part_acc, part_row0,
+                                                       row_stride_g, row_stride_l, num_splits, split);
     }
-    kv_reduce_key_groups<RPS, LPK>(st);
+    return;
   }
 
-  // Merge the simdgroups' states (register mode), then write the partials.
-  if (!SHARED && NSG > 1) {
+  // Register mode: merge the simdgroups' states, then simdgroup 0 writes the partials.
+  if (NSG > 1) {
     for (int r = 0; r < RPS; r++) {
       if (lane == 0) {
         merge_stats[(sg * RPS + r) * 2] = st.m[r];
@@ -559,29 +607,9 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
       threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
-  if (SHARED || sg == 0) {
-    for (int r = 0; r < RPS; r++) {
-      const int row = (SHARED ? sg * RPS : 0) + r;
-      if (row >= R) {
-        continue;  // padding row of the shared mode (uniform in the simdgroup)
-      }
-      const size_t at = (part_row0 + size_t(row / QL) * row_stride_g + size_t(row % QL) * row_stride_l) * num_splits +
-                        split;
-      if (lane == 0) {
-        part_max[at] = st.m[r];
-        part_sum[at] = st.l[r];
-      }
-      if (kg == 0) {
-        for (int c = 0; c < VNA; c++) {
-          const int a = kl + LPK * c;
-          if (a < D / VAE) {
-            for (int j = 0; j < VAE4; j++) {
-              *reinterpret_cast<device float4*>(part_acc + at * D + a * VAE + 4 * j) = st.o[r][c][j] + st.ob[r][c];
-            }
-          }
-        }
-      }
-    }
+  if (sg == 0) {
+    kv_write_partials<D, R, QL, RPS, LPK, VAE4, VNA>(st, 0, lane, part_max, part_sum, part_acc, part_row0,
+                                                     row_stride_g, row_stride_l, num_splits, split);
   }
 }
 
@@ -641,6 +669,7 @@ threadgroup int tile_ok[TILE_OK];
 
 KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
 src.table = block_tables + size_t(seq) * p.max_blocks;
+src.max_blocks = p.max_blocks;
 src.num_blocks = p.num_blocks;
 src.kv_rows = p.num_kv_heads * BS;
 src.kvh = kvh;
@@ -652,6 +681,7 @@ unit.data = 1;
 unit.scale = 1;
 unit.bias = 1;
 unit.vec = true;
+unit.vec16 = true;
 kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
     src, query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D, key_data, key_scales, key_biases,
     value_data, value_scales, value_biases, unit, unit, len, range, p.window, p.scale, p.softcap,
@@ -706,12 +736,19 @@ ksteps.scale = key_scales_strides[3];
 ksteps.bias = key_biases_strides[3];
 ksteps.vec = key_data_strides[3] == 1 && key_data_strides[0] % KVEC == 0 && key_data_strides[1] % KVEC == 0 &&
              key_data_strides[2] % KVEC == 0;
+// The shared-mode tile copy moves 16-byte units: its own, stricter check.
+constexpr int KVEC16 = 16 / int(sizeof(TKD));
+ksteps.vec16 = key_data_strides[3] == 1 && key_data_strides[0] % KVEC16 == 0 &&
+               key_data_strides[1] % KVEC16 == 0 && key_data_strides[2] % KVEC16 == 0;
 KvSteps vsteps;
 vsteps.data = value_data_strides[3];
 vsteps.scale = value_scales_strides[3];
 vsteps.bias = value_biases_strides[3];
 vsteps.vec = value_data_strides[3] == 1 && value_data_strides[0] % VVEC == 0 &&
              value_data_strides[1] % VVEC == 0 && value_data_strides[2] % VVEC == 0;
+constexpr int VVEC16 = 16 / int(sizeof(TVD));
+vsteps.vec16 = value_data_strides[3] == 1 && value_data_strides[0] % VVEC16 == 0 &&
+               value_data_strides[1] % VVEC16 == 0 && value_data_strides[2] % VVEC16 == 0;
 kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
     src, query + size_t(batch) * p.num_heads * QL * D, kvh * G, QL * D, D, key_data, key_scales, key_biases,
     value_data, value_scales, value_biases, ksteps, vsteps, len, range, 0, p.scale, p.softcap,

@@ -49,6 +49,16 @@ inline float4 kv_load4(const device bfloat16_t* p) {
                    static_cast<float>(p[3]));
 }
 
+// MLX binds every input with fewer than 8 elements as `const constant T*` (e.g. a
+// quantized decode's scales at T <= 7, or its 2-bit data at T = 1). Metal has no
+// cast from `constant` to `device`, so every load helper that takes a device
+// pointer has a constant overload, with scalar loads.
+template <typename T>
+inline float4 kv_load4(const constant T* p) {
+  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
+                   static_cast<float>(p[3]));
+}
+
 template <typename TO, typename PO>
 inline void kv_store4(PO dst, float4 v) {
   dst[0] = static_cast<TO>(v.x);
@@ -250,6 +260,11 @@ inline float4 kv_vec4(const threadgroup T* p) {
   typedef typename KvVec4<T>::type V4;
   return KvVec4<T>::widen(*reinterpret_cast<const threadgroup V4*>(p));
 }
+template <typename T>
+inline float4 kv_vec4(const constant T* p) {
+  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
+                   static_cast<float>(p[3]));
+}
 // Strided fallback: four scalar loads `step` elements apart.
 template <typename T>
 inline float4 kv_vec4_strided(const device T* p, size_t step) {
@@ -257,6 +272,11 @@ inline float4 kv_vec4_strided(const device T* p, size_t step) {
                    static_cast<float>(p[3 * step]));
 }
 
+template <typename T>
+inline float4 kv_vec4_strided(const constant T* p, size_t step) {
+  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[step]), static_cast<float>(p[2 * step]),
+                   static_cast<float>(p[3 * step]));
+}
 template <typename T>
 inline float4 kv_vec4_strided(const threadgroup T* p, size_t step) {
   return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[step]), static_cast<float>(p[2 * step]),
@@ -293,7 +313,19 @@ inline void kv_words(const threadgroup uint32_t* p, thread uint* w) {
   }
 }
 template <int AW>
+inline void kv_words(const constant uint32_t* p, thread uint* w) {
+  for (int i = 0; i < AW; i++) {
+    w[i] = p[i];
+  }
+}
+template <int AW>
 inline void kv_words_strided(const device uint32_t* p, size_t step, thread uint* w) {
+  for (int i = 0; i < AW; i++) {
+    w[i] = p[i * step];
+  }
+}
+template <int AW>
+inline void kv_words_strided(const constant uint32_t* p, size_t step, thread uint* w) {
   for (int i = 0; i < AW; i++) {
     w[i] = p[i * step];
   }
@@ -304,6 +336,27 @@ inline void kv_words_strided(const threadgroup uint32_t* p, size_t step, thread 
   for (int i = 0; i < AW; i++) {
     w[i] = p[i * step];
   }
+}
+
+// One 16-byte unit of a tile row into threadgroup memory: a uint4 load from
+// device memory; from a constant buffer (under 8 elements) element by element.
+template <typename T>
+inline void kv_copy16(const device T* src, threadgroup T* dst) {
+  *reinterpret_cast<threadgroup uint4*>(dst) = *reinterpret_cast<const device uint4*>(src);
+}
+template <typename T>
+inline void kv_copy16(const constant T* src, threadgroup T* dst) {
+  for (int e = 0; e < int(16 / sizeof(T)); e++) {
+    dst[e] = src[e];
+  }
+}
+
+// tanh that stays finite under fast math. Metal's fast tanh is (e^2x - 1) /
+// (e^2x + 1), NaN once e^2x overflows (x > ~44); with e = 2^(-2 log2(e) |x|) in
+// (0, 1] nothing overflows, and a NaN argument still gives NaN.
+inline float kv_tanh(float x) {
+  const float e = exp2(-2.0f * KV_LOG2E * fabs(x));
+  return copysign((1.0f - e) / (1.0f + e), x);
 }
 
 // Value e of a run of BITS-bit values packed little-endian in 32-bit words

@@ -61,3 +61,13 @@ def test_register_mode_barriers_do_not_grow_with_tokens(gqa, query_len):
 def test_sliding_window_loads_only_the_window():
     fig = _costs("paged", 128, 4, 1, False, sliding_window=1000)
     assert fig["loaded_over_live"] <= 1.02  # live = the window's rows
+
+
+def test_multipass_shared_mode_caps_the_threadgroup_and_reads_kv_once_per_pass():
+    # 48 query heads per kv head with L = 8: 384 rows, 3 passes of 16 simdgroups x 8 rows
+    # (512 threads, not 1536). Each pass streams the split's K/V rows once.
+    from kvmetal.backends import metal
+
+    call, fig = traffic.paged_call(512, head_dim=64, gqa=48, query_len=8, num_splits=2)
+    assert call.threadgroup[0] == metal.MAX_SHARED_SIMDGROUPS * 32 == 512
+    assert 2.98 <= fig["loaded_over_live"] <= 3.02

@@ -43,6 +43,44 @@ def test_generated_sources_pass_clang_with_address_spaces(generated):
     assert msl_check.syntax(generated) == []
 
 
+def test_every_specialisation_family_is_traced(generated):
+    from kvmetal.backends import specialisations
+
+    families = specialisations.specialisation_families()
+    keys = specialisations.all_family_keys()
+    # Each family adds a key no earlier one reached (the greedy cover), and the
+    # kernel-selecting axes the old fixed list missed are all reached.
+    assert len(families) >= 20 and all(f.keys for f in families)
+    for key in [("decode_attention_partials", "constant", "key_scales"),
+                ("decode_attention_partials", "constant", "key_data"),
+                ("decode_attention_partials", "shared", "constant", "key_scales"),
+                ("paged_attention_partials", "mode", "shared-multipass"),
+                ("decode_attention_partials", "mode", "shared-multipass"),
+                ("paged_attention_partials", "LPK", 32), ("paged_attention_partials", "constant", "block_tables"),
+                ("attention_reduce", "constant", "sinks"), ("gather_kv_rows", "GS", 128)]:
+        assert key in keys, key
+    for bits in (2, 3, 4, 5, 6, 8):
+        for mode in ("register", "shared", "shared-multipass"):
+            assert ("paged_attention_partials", mode, "KBITS", bits) in keys, (mode, bits)
+    # What MLX binds as `constant` shows in the sources the clang pass compiles.
+    decode = [s for n, s in generated.items() if "decode_attention_partials" in n]
+    assert any("const constant uint32_t* key_data" in s for s in decode)
+    assert any("const constant float16_t* key_scales" in s or "const constant bfloat16_t* key_scales" in s
+               or "const constant float* key_scales" in s for s in decode)
+
+
+@needs_clang
+def test_clang_pass_catches_a_constant_pointer_cast_to_device(generated):
+    name, source = next((n, s) for n, s in generated.items()
+                        if "decode_attention_partials" in n and "const constant uint32_t* key_data" in s)
+    # The issue-17 defect: a `constant` input handed on as a `device` pointer.
+    wrong = source.replace("D, key_data, key_scales, key_biases,",
+                           "D, reinterpret_cast<const device uint32_t*>(key_data), key_scales, key_biases,", 1)
+    assert wrong != source
+    findings = msl_check.syntax({name: wrong})
+    assert findings and "address_space(2)" in findings[0] and "is not allowed" in findings[0]
+
+
 @needs_clang
 def test_clang_pass_catches_a_device_pointer_used_as_threadgroup(generated):
     name, source = next((n, s) for n, s in generated.items() if "paged_attention_partials" in n)

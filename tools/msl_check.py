@@ -7,7 +7,10 @@ Two checks close part of that gap:
    dynamic allocation, exceptions, function pointers or recursion.
 2. ``syntax``: the exact sources MLX would compile (captured from
    ``mx.fast.metal_kernel(..., verbose=True)`` while tracing the metal backend
-   over representative specialisations) go through ``clang -fsyntax-only`` with
+   over every specialisation family, ``kvmetal.backends.specialisations``:
+   element types, quantized formats and atom widths, register / shared /
+   multi-pass mode, key-group widths, tile sizes, inputs bound as ``constant``)
+   go through ``clang -fsyntax-only`` with
    a stub ``<metal_stdlib>`` that gives device / constant / threadgroup real
    address spaces, so a pointer in the wrong address space is an error here.
 
@@ -82,60 +85,38 @@ import os, sys, tempfile
 sys.path.insert(0, {root!r})
 import mlx.core as mx
 from kvmetal import quant
-from kvmetal.backends import metal
+from kvmetal.backends import metal, specialisations
 mx.contiguous = lambda x, *a, **k: x          # not exportable; irrelevant to the source
 backend = metal.KernelBackend("msl-check", mx.fast.metal_kernel, call_options=lambda: dict(verbose=True))
 
-def trace(fn, *args):
-    def flat(*a):
-        out = fn(*a)
-        res = []
-        for o in (out if isinstance(out, tuple) else (out,)):
-            res.extend(o.arrays() if isinstance(o, quant.QuantizedKV) else [o])
-        return res
-    mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), flat, *args)
+def flat(out):
+    res = []
+    for o in (out if isinstance(out, tuple) else (out,)):
+        res.extend(o.arrays() if isinstance(o, quant.QuantizedKV) else [o])
+    return res
 
+# One traced call per specialisation family (kvmetal/backends/specialisations.py):
+# the inputs are zeros of the family's shapes, captured as constants (sizes, and so
+# MLX's `constant` vs `device` binding, are what they are in a real call).
+for family in specialisations.specialisation_families():
+    method, args, kwargs = specialisations.backend_call(family)
+    print("family:", family.name, flush=True)
+    fn = lambda anchor: flat(getattr(backend, method)(*args, **kwargs)) + [anchor]
+    mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))
+
+# The tiled varlen kernel is host-planned (its tile table is built from the lengths), so it
+# is launched directly, once per dtype/cache kind: one tile, 2 splits, and a block table
+# small enough (under 8 entries) to be bound as a `constant` buffer.
 def qkv(x, bits, gs):
     return quant.quantize(x, bits=bits, group_size=gs)
 
-S, H, Hkv, N, M = 2, 8, 2, 16, 4
-# (query tokens L: with H / Hkv = 4, L >= 3 takes the shared-tile mode)
-for dtype, D, bs, kq, vq, L in [(mx.float16, 128, 16, None, None, 1), (mx.bfloat16, 80, 8, None, None, 3),
-                                (mx.float32, 256, 32, None, None, 8), (mx.float16, 128, 16, (8, 64), (4, 64), 1),
-                                (mx.float16, 128, 16, (8, 64), (4, 64), 4),
-                                (mx.bfloat16, 96, 32, (3, 32), (6, 32), 2), (mx.float16, 64, 8, (5, 32), None, 5)]:
-    q = mx.zeros((S, L, H, D), dtype=dtype)
+H, Hkv, N, M = 8, 2, 16, 4
+for dtype, D, bs, kq, vq in [(mx.float16, 128, 16, None, None), (mx.bfloat16, 80, 8, None, None),
+                             (mx.float32, 256, 32, None, None), (mx.float16, 128, 16, (8, 64), (4, 64)),
+                             (mx.bfloat16, 96, 32, (3, 32), (6, 32)), (mx.float16, 64, 8, (5, 32), None)]:
     kc = mx.zeros((N, Hkv, bs, D), dtype=dtype)
     kk = qkv(kc, *kq) if kq else kc
     vv = qkv(kc, *vq) if vq else kc
-    bt = mx.zeros((S, M), dtype=mx.int32)
-    sl = mx.array([5, 9], dtype=mx.int32)
-    parts = lambda c: c.arrays() if isinstance(c, quant.QuantizedKV) else (c,)
-    rebuild = lambda c, a: quant.QuantizedKV(*a, c.bits, c.group_size) if isinstance(c, quant.QuantizedKV) else a[0]
-    nk, nv = len(parts(kk)), len(parts(vv))
-    def paged(q, bt, sl, *arrs):
-        k, v = rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:])
-        return backend.paged_attention(q, k, v, bt, sl, scale=0.1, softcap=30.0, sliding_window=7,
-                                       sinks=mx.zeros((H,)), num_splits=3)
-    trace(paged, q, bt, sl, *parts(kk), *parts(vv))
-    def contiguous(q, *arrs):
-        k, v = rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:])
-        k = k if isinstance(k, quant.QuantizedKV) else k[:, :, :5]
-        return backend.decode_attention(q.transpose(0, 2, 1, 3), k, v, scale=0.1, softcap=None,
-                                        sinks=None, num_splits=None)
-    trace(contiguous, q, *parts(kk), *parts(vv))
-    def gather(bt, sl, *arrs):
-        return backend.gather_kv_cache(rebuild(kk, arrs[:nk]), rebuild(vv, arrs[nk:]), bt, sl, max_len=40)
-    trace(gather, bt, sl, *parts(kk), *parts(vv))
-    rows = mx.zeros((3, Hkv, D), dtype=mx.float32)
-    idx, keep = mx.arange(3 * Hkv, dtype=mx.int32), mx.ones((3 * Hkv,), dtype=mx.bool_)
-    def write(rows, idx, keep, *arrs):
-        return backend._write_rows(rows, rebuild(kk, arrs), idx, keep)
-    trace(write, rows, idx, keep, *parts(kk))
-    def copy(s, d, *arrs):
-        return backend.copy_blocks(rebuild(kk, arrs), rebuild(kk, arrs), s, d)[0]
-    trace(copy, mx.array([1, 2], dtype=mx.int32), mx.array([3, 4], dtype=mx.int32), *parts(kk))
-    # The tiled varlen kernel (host-planned, so launched directly: one tile, 2 splits).
     kd, ks, kb, kdt, kbits, kgs = metal._cache_parts(kk)
     vd, vs, vb, vdt, vbits, vgs = metal._cache_parts(vv)
     tiles = metal.varlen_tiles(head_dim=D, k_itemsize=kdt.size, v_itemsize=vdt.size)
@@ -154,20 +135,26 @@ for dtype, D, bs, kq, vq, L in [(mx.float16, 128, 16, None, None, 1), (mx.bfloat
                               *backend._partial_outputs(9 * H, 2, D), query=q, block_tables=bt, seq_lens=sl,
                               tiles=table, params=params, **bufs))
     bt1 = mx.zeros((1, 2), dtype=mx.int32)           # under 8 entries: a `constant` buffer
-    trace(varlen, mx.zeros((9, H, D), dtype=dtype), bt1, mx.array([9], dtype=mx.int32),
-          mx.array([[0, 0, 0, 0, 9, 0, 0, 0]], dtype=mx.int32), kd, ks, kb, vd, vs, vb)
+    print("family: varlen", dtype, D, bs, kq, vq, flush=True)
+    varlen_args = (mx.zeros((9, H, D), dtype=dtype), bt1, mx.array([9], dtype=mx.int32),
+                   mx.array([[0, 0, 0, 0, 9, 0, 0, 0]], dtype=mx.int32), kd, ks, kb, vd, vs, vb)
+    fn = lambda anchor: flat(varlen(*varlen_args)) + [anchor]
+    mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))
 """
 
 
 def generated_sources() -> dict:
-    """{mlx kernel name: source} exactly as MLX generates them, for the variants traced above."""
+    """{mlx kernel name#n: source} exactly as MLX generates them, one per distinct source,
+    for the calls of every specialisation family (``specialisations.specialisation_families``)."""
     result = subprocess.run([sys.executable, "-c", _DUMP_SCRIPT.format(root=str(ROOT))],
                             capture_output=True, text=True, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"[msl_check] tracing the metal backend failed:\n{result.stderr[-4000:]}")
-    sources = {}
+    sources, seen = {}, set()
     for match in re.finditer(r"Generated source code for `(\w+)`:\n```\n(.*?)\n```", result.stdout, re.S):
-        sources.setdefault(match.group(1) + f"#{len(sources)}", match.group(2))
+        if match.group(2) not in seen:
+            seen.add(match.group(2))
+            sources[match.group(1) + f"#{len(sources)}"] = match.group(2)
     return sources
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import platform
 import re
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ from . import MIN_TOKENS_PER_SPLIT
 
 REGISTER_SIMDGROUPS = 4             # simdgroups per threadgroup in register mode (128 threads)
 ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in registers
+# Shared mode: at most this many simdgroups (512 threads). Metal refuses more than
+# 1024 threads per threadgroup, and a pipeline's maxTotalThreadsPerThreadgroup may
+# be lower for register-heavy variants; more rows take several passes over the split.
+MAX_SHARED_SIMDGROUPS = 16
 REGISTER_BUDGET = 128               # 32-bit registers per lane for the rows' q + accumulators
 LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
 TILE_MEMORY_BUDGET = {128: 8 * 1024 - 512, 256: 16 * 1024 - 512}  # shared-mode K/V tiles, by max head_dim
@@ -101,10 +106,16 @@ class AttentionLayout:
     key_atom_words: int       # packed words per lane atom (0: float cache)
     value_atom_words: int
     threadgroup_bytes: int
+    rows: int = 0             # G x L
 
     @property
     def threads(self) -> int:
         return self.simdgroups * 32
+
+    @property
+    def row_passes(self) -> int:
+        """Walks over the split (shared mode past MAX_SHARED_SIMDGROUPS x 8 rows: K/V read that often)."""
+        return max(1, -(-self.rows // (self.simdgroups * self.rows_per_simdgroup)))
 
 
 def _atom_words(head_dim: int, bits: int, group_size: int, lanes_per_key: int) -> int:
@@ -156,14 +167,16 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
     floats; the narrowest key group with rows * 2 * head_dim / lanes_per_key <=
     REGISTER_BUDGET wins (narrow groups score more keys per pass). More than
     ROW_REGISTER_LIMIT rows go to shared mode: ceil(rows / 8) simdgroups, each
-    with at most 8 rows.
+    with at most 8 rows, capped at MAX_SHARED_SIMDGROUPS; past that the rows are
+    served in ``row_passes`` blocks of simdgroups x rows_per_simdgroup.
     """
     rows = gqa * query_len
     if rows <= ROW_REGISTER_LIMIT:
         simdgroups, per = REGISTER_SIMDGROUPS, rows
     else:
-        simdgroups = -(-rows // ROW_REGISTER_LIMIT)
-        per = -(-rows // simdgroups)
+        simdgroups = min(-(-rows // ROW_REGISTER_LIMIT), MAX_SHARED_SIMDGROUPS)
+        passes = -(-rows // (simdgroups * ROW_REGISTER_LIMIT))
+        per = -(-rows // (simdgroups * passes))
     lanes = next((w for w in LANES_PER_KEY if per * 2 * head_dim // w <= REGISTER_BUDGET), LANES_PER_KEY[-1])
     k_row = head_dim * k_bits // 8 if k_bits else head_dim * k_itemsize
     v_row = head_dim * v_bits // 8 if v_bits else head_dim * v_itemsize
@@ -179,7 +192,7 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
         head_dim=head_dim, rows=rows, simdgroups=simdgroups, rows_per_simdgroup=per, tile=tile, k_row_bytes=k_row,
         v_row_bytes=v_row, k_scale_bytes=k_scales, v_scale_bytes=v_scales)
     return AttentionLayout(simdgroups, per, lanes, tile, _atom_words(head_dim, k_bits, k_group, lanes),
-                           _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes)
+                           _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes, rows)
 
 
 def layout_for(query, keys, values, *, paged: bool) -> AttentionLayout:
@@ -284,7 +297,26 @@ _PARTIALS = ("part_max", "part_sum", "part_acc")
 # NaN must survive: a NaN-poisoned slot that a kernel wrongly reads then shows
 # in the output (the tests' check), where "fast" may assume NaN away. The cache
 # write kernels stay "safe" so their rounding matches mx.quantize bit for bit.
+# MLX accepts "relaxed" only on macOS 15+; below, the backend builds them "safe"
+# (math_mode_for). Under "relaxed" the math functions are Metal's fast ones, so
+# the kernels use only guarded forms (kv_tanh: fast tanh is NaN past |x| ~ 44).
 ATTENTION_MATH_MODE = "relaxed"
+RELAXED_MATH_MIN_MACOS = 15
+LINUX_MACOS = 15   # the macOS the metal backend assumes off a Mac (sim, msl_check)
+
+
+def default_macos_version() -> int:
+    """The macOS major version: ``platform.mac_ver()`` on a Mac, LINUX_MACOS elsewhere."""
+    release = platform.mac_ver()[0]
+    try:
+        return int(release.split(".")[0]) if release else LINUX_MACOS
+    except ValueError:
+        return LINUX_MACOS
+
+
+def math_mode_for(spec_mode: str, macos: int) -> str:
+    """The math mode a kernel is built with on ``macos``: "relaxed" falls back to "safe" below 15."""
+    return "safe" if spec_mode == "relaxed" and macos < RELAXED_MATH_MIN_MACOS else spec_mode
 
 SPECS = {
     spec.name: spec
@@ -548,8 +580,10 @@ def _scatter_rows(array: mx.array, row_index: mx.array, rows: mx.array, write: m
 class KernelBackend:
     """The five contract functions over SPECS, with kernels made by ``make_kernel``."""
 
-    def __init__(self, name: str, make_kernel: Callable, *, call_options: Callable | None = None):
+    def __init__(self, name: str, make_kernel: Callable, *, call_options: Callable | None = None,
+                 macos: int | None = None):
         self.name = name
+        self.macos = default_macos_version() if macos is None else int(macos)
         self._make_kernel = make_kernel
         self._call_options = call_options or (lambda: {})
         self._kernels = {}
@@ -566,7 +600,7 @@ class KernelBackend:
                 self._kernels[variant] = self._make_kernel(
                     name=variant, input_names=list(spec.inputs), output_names=list(spec.outputs),
                     source=body, header=header, ensure_row_contiguous=spec.row_contiguous,
-                    compile_options={"math_mode": spec.math_mode})
+                    compile_options={"math_mode": math_mode_for(spec.math_mode, self.macos)})
             return self._kernels[variant]
 
     def launch(self, name: str, template_values: dict, geometry: Geometry, output_shapes: list,
@@ -825,19 +859,24 @@ _backends = {}
 _backends_lock = threading.Lock()
 
 
-def metal_backend() -> KernelBackend:
-    """The kernels compiled by MLX for the Apple GPU (built once per process)."""
+def metal_backend(macos: int | None = None) -> KernelBackend:
+    """The kernels compiled by MLX for the Apple GPU (built once per process and macOS
+    version; default: this machine's, :func:`default_macos_version`)."""
+    macos = default_macos_version() if macos is None else int(macos)
     with _backends_lock:
-        if "metal" not in _backends:
-            _backends["metal"] = KernelBackend("metal", mx.fast.metal_kernel)
-        return _backends["metal"]
+        if ("metal", macos) not in _backends:
+            _backends[("metal", macos)] = KernelBackend("metal", mx.fast.metal_kernel, macos=macos)
+        return _backends[("metal", macos)]
 
 
-def sim_backend() -> KernelBackend:
-    """The same kernel descriptions run by the CPU simulator (``kvmetal.sim``)."""
+def sim_backend(macos: int | None = None) -> KernelBackend:
+    """The same kernel descriptions run by the CPU simulator (``kvmetal.sim``), standing
+    in for ``macos`` (default as for :func:`metal_backend`; 15 off a Mac)."""
+    macos = default_macos_version() if macos is None else int(macos)
     with _backends_lock:
-        if "sim" not in _backends:
+        if ("sim", macos) not in _backends:
             from .. import sim
 
-            _backends["sim"] = KernelBackend("sim", sim.metal_kernel)
-        return _backends["sim"]
+            _backends[("sim", macos)] = KernelBackend("sim", functools.partial(sim.metal_kernel, macos=macos),
+                                                      macos=macos)
+        return _backends[("sim", macos)]

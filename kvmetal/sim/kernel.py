@@ -6,11 +6,14 @@ import ctypes
 import mlx.core as mx
 import numpy as np
 
-from ..chips import THREADS_PER_THREADGROUP_LIMIT
 from . import build, launch, signature, trace as trace_mod, translate
 from .errors import CompileError, ThreadgroupSizeError
 
 _MATH_MODES = ("safe", "relaxed", "fast")
+# The macOS version the simulator stands in for unless a kernel is given one:
+# MLX's "relaxed" math mode needs macOS 15 (MTLCompileOptions.mathMode).
+DEFAULT_MACOS = 15
+RELAXED_MATH_MIN_MACOS = 15
 
 
 def _as_input(x, name: str) -> mx.array:
@@ -46,15 +49,18 @@ class SimKernel:
     """What kvmetal.sim.metal_kernel returns; call it like an mx.fast.metal_kernel object."""
 
     def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, compile_options=None):
+                 atomic_outputs=False, compile_options=None, *, macos=None):
         if not isinstance(name, str) or not name:
             raise ValueError("[metal_kernel] name must be a non-empty string")
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
-        if compile_options is not None:
-            mode = dict(compile_options).get("math_mode", "safe")
-            if mode not in _MATH_MODES:
-                raise ValueError(f"[metal_kernel] Invalid Metal math mode {mode!r}")
+        mode = dict(compile_options or {}).get("math_mode", "safe")
+        if mode not in _MATH_MODES:
+            raise ValueError(f"[metal_kernel] Invalid Metal math mode {mode!r}")
+        if macos is not None and (isinstance(macos, bool) or not isinstance(macos, int) or macos < 1):
+            raise ValueError(f"[metal_kernel] macos must be a positive int (a macOS major version), got {macos!r}")
+        self.math_mode = mode
+        self.macos = DEFAULT_MACOS if macos is None else macos
         self.name = name
         self.input_names = list(input_names)
         self.output_names = list(output_names)
@@ -79,12 +85,13 @@ class SimKernel:
         params = []
         for spec, info in zip(specs, self._shape_infos):
             ctype = signature.type_string(spec.dtype)
-            params.append(("scalar" if spec.is_scalar else "ptr", ctype))
+            # MLX binds inputs under 8 elements, and the shape/strides buffers, as `constant`.
+            params.append(("scalar" if spec.is_scalar else "cptr" if spec.is_constant else "ptr", ctype))
             if spec.ndim > 0:
                 if info[0]:
-                    params.append(("ptr", "int"))
+                    params.append(("cptr", "int"))
                 if info[1]:
-                    params.append(("ptr", "int64_t"))
+                    params.append(("cptr", "int64_t"))
                 if info[2]:
                     params.append(("scalar", "int"))
         for dt in output_dtypes:
@@ -96,10 +103,15 @@ class SimKernel:
         fname, msl = self.metal_source(specs, output_dtypes, template)
         hit = self._variants.get(fname)
         if hit is None:
+            if self.math_mode == "relaxed" and self.macos < RELAXED_MATH_MIN_MACOS:
+                # What MLX does when it builds the library on an older macOS.
+                raise ValueError(f"[metal_kernel {self.name}] math_mode 'relaxed' requires macOS "
+                                 f"{RELAXED_MATH_MIN_MACOS} or newer (simulating macOS {self.macos})")
             file_name = f"{fname}.metal"
             try:
+                # Under "relaxed" and "fast" Metal's math functions are the fast ones.
                 cpp = translate.cpp_source(msl, fname, self._params(specs, output_dtypes), template, self._attrs,
-                                           file_name=file_name)
+                                           file_name=file_name, fast_math=self.math_mode != "safe")
             except translate.UnsupportedMSL as e:
                 raise CompileError(f"[metal_kernel {self.name}] {e}\n  MSL line {e.line}: "
                                    f"{msl.splitlines()[e.line - 1].strip()}") from None
@@ -132,10 +144,11 @@ class SimKernel:
             print(f"Generated source code for `{self.name}`:\n```\n{msl}\n```", flush=True)
 
         tg_threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
-        if tg_threads > THREADS_PER_THREADGROUP_LIMIT:
+        limit = trace_mod.max_threads_per_threadgroup()  # the pipeline's maxTotalThreadsPerThreadgroup
+        if tg_threads > limit:
             raise ThreadgroupSizeError(
                 f"[metal_kernel] Thread group size ({tg_threads}) is greater than the maximum allowed threads per "
-                f"threadgroup ({THREADS_PER_THREADGROUP_LIMIT}) in kernel {self.name}.")
+                f"threadgroup ({limit}) in kernel {self.name}.")
         group = tuple(min(t, g) if g > 0 else t for t, g in zip(threadgroup, grid))
 
         # Bind buffers in MLX's order: each input, then its shape/strides/ndim, then outputs.
@@ -166,13 +179,15 @@ class SimKernel:
 
 
 def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, compile_options=None) -> SimKernel:
+                 atomic_outputs=False, compile_options=None, *, macos=None) -> SimKernel:
     """Same signature as ``mx.fast.metal_kernel``; the kernel runs on the CPU simulator.
 
     Calling the result takes MLX's keyword arguments (``inputs, output_shapes,
     output_dtypes, grid, threadgroup, template, init_value, verbose, stream``)
     plus the simulator's ``strict`` and ``seed`` (defaults from
-    ``kvmetal.sim.trace``), and returns a list of ``mx.array``.
+    ``kvmetal.sim.trace``), and returns a list of ``mx.array``. ``macos`` (a
+    simulator extension) is the macOS major version to stand in for (default
+    DEFAULT_MACOS): below 15 ``math_mode="relaxed"`` fails as it does in MLX.
     """
     return SimKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs,
-                     compile_options)
+                     compile_options, macos=macos)

@@ -6,6 +6,8 @@ import dataclasses
 import os
 import threading
 
+from ..chips import THREADS_PER_THREADGROUP_LIMIT
+
 _state = threading.local()
 
 # Watchdog limit per launch when neither the call nor a trace block sets one.
@@ -110,10 +112,11 @@ class KernelCall:
 class Trace:
     """Collects every simulated call made inside ``with kvmetal.sim.trace() as t``."""
 
-    def __init__(self, strict, seed, timeout=None):
+    def __init__(self, strict, seed, timeout=None, max_threads_per_threadgroup=None):
         self.strict = strict
         self.seed = seed
         self.timeout = timeout
+        self.max_threads_per_threadgroup = max_threads_per_threadgroup
         self.calls: list = []
 
     def __repr__(self):
@@ -127,13 +130,18 @@ def _stack() -> list:
 
 
 @contextlib.contextmanager
-def trace(*, strict: bool | None = None, seed: int | None = None, timeout: float | None = None):
+def trace(*, strict: bool | None = None, seed: int | None = None, timeout: float | None = None,
+          max_threads_per_threadgroup: int | None = None):
     """Record simulated kernel calls; optionally set ``strict``/``seed``/``timeout`` for the block.
 
     ``timeout`` is the watchdog's limit in seconds per launch: a launch that runs
     longer (an infinite loop) raises ``SimTimeoutError``. Default: the
     ``KVMETAL_SIM_TIMEOUT`` environment variable, else DEFAULT_TIMEOUT_S; 0 turns it off.
-    Options given to a call override the block's; inner blocks override outer ones.
+    ``max_threads_per_threadgroup`` models a pipeline whose
+    ``maxTotalThreadsPerThreadgroup`` is below the device's 1024 (Apple lowers it
+    for register-heavy kernels): a launch with a larger threadgroup raises
+    ``ThreadgroupSizeError``, as MLX does. Options given to a call override the
+    block's; inner blocks override outer ones.
     """
     if strict is not None and not isinstance(strict, bool):
         raise TypeError(f"[kvmetal.sim.trace] strict must be a bool, got {type(strict).__name__}")
@@ -142,7 +150,12 @@ def trace(*, strict: bool | None = None, seed: int | None = None, timeout: float
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not timeout >= 0):
         raise ValueError(f"[kvmetal.sim.trace] timeout must be a number of seconds >= 0, got {timeout!r}")
-    t = Trace(strict, seed, timeout)
+    if max_threads_per_threadgroup is not None and (
+            isinstance(max_threads_per_threadgroup, bool) or not isinstance(max_threads_per_threadgroup, int)
+            or not 1 <= max_threads_per_threadgroup <= THREADS_PER_THREADGROUP_LIMIT):
+        raise ValueError(f"[kvmetal.sim.trace] max_threads_per_threadgroup must be an int in "
+                         f"[1, {THREADS_PER_THREADGROUP_LIMIT}], got {max_threads_per_threadgroup!r}")
+    t = Trace(strict, seed, timeout, max_threads_per_threadgroup)
     _stack().append(t)
     try:
         yield t
@@ -167,6 +180,14 @@ def timeout() -> float:
             return float(t.timeout)
     env = os.environ.get("KVMETAL_SIM_TIMEOUT")
     return float(env) if env else DEFAULT_TIMEOUT_S
+
+
+def max_threads_per_threadgroup() -> int:
+    """The simulated pipeline's maxTotalThreadsPerThreadgroup: the innermost block's, else Metal's 1024."""
+    for t in reversed(_stack()):
+        if t.max_threads_per_threadgroup is not None:
+            return t.max_threads_per_threadgroup
+    return THREADS_PER_THREADGROUP_LIMIT
 
 
 def record(call: KernelCall):

@@ -6,8 +6,10 @@ at the MSL line that caused it:
 
 - comments are blanked, ``#include <metal_*>`` dropped, ``[[...]]`` attributes removed;
 - ``threadgroup T x[N];`` becomes a slot in the per-threadgroup arena;
-- ``device T*`` / ``constant T*`` become checked pointers (``kmsl::dptr<T>``),
-  ``device T&`` a checked reference, ``constant T&`` a ``const T&``;
+- ``device T*`` / ``constant T*`` become checked pointers (``kmsl::dptr<T>`` /
+  ``kmsl::cptr<T>``: distinct types, so a cast from one address space to the
+  other fails to compile, as in Metal), ``device T&`` a checked reference,
+  ``constant T&`` a ``const T&``;
 - every index into a threadgroup array is bounds-checked;
 - the remaining address-space keywords are removed;
 - ``0.5h`` half literals, ``v.xy`` swizzles and ``reinterpret_cast`` are mapped;
@@ -137,7 +139,8 @@ def _address_space(m: re.Match) -> str:
     const = bool(m.group("pre") or m.group("c1") or m.group("c2")) or m.group("space") == "constant"
     t = m.group("type")
     if m.group("kind") == "*":
-        return f"kmsl::dptr<{'const ' if const else ''}{t}> "
+        ptr = "cptr" if m.group("space") == "constant" else "dptr"
+        return f"kmsl::{ptr}<{'const ' if const else ''}{t}> "
     return f"const {t}& " if const else f"kmsl::dref<{t}> "
 
 
@@ -238,11 +241,15 @@ def _attr_value(attr: str, msl_type: str) -> str:
     return f"a->{src}"
 
 
-def cpp_source(msl: str, func_name: str, params, template, attrs, *, file_name: str) -> str:
+def cpp_source(msl: str, func_name: str, params, template, attrs, *, file_name: str,
+               fast_math: bool = False) -> str:
     """The whole C++ translation unit: header include, translated kernel, C entry point.
 
     ``params`` lists the buffer parameters in MLX's order as (kind, c_type) with
-    kind in {"ptr", "scalar", "out"}; counter index = position in this list.
+    kind in {"ptr", "cptr", "scalar", "out"} (cptr: a `constant` buffer); counter
+    index = position in this list. ``fast_math``: metal::tanh/exp/exp2/log/rsqrt
+    follow Metal's fast formulas (runtime/msl_math.h), as under a "relaxed" or
+    "fast" math mode.
     """
     args = []
     for k, (kind, ctype) in enumerate(params):
@@ -250,6 +257,8 @@ def cpp_source(msl: str, func_name: str, params, template, attrs, *, file_name: 
             args.append(f"*(const {ctype}*)(c[{k}].buf->data + c[{k}].buf->start)")
         elif kind == "out":
             args.append(f"kmsl::dptr<{ctype}>(&c[{k}])")
+        elif kind == "cptr":
+            args.append(f"kmsl::cptr<const {ctype}>(&c[{k}])")
         else:
             args.append(f"kmsl::dptr<const {ctype}>(&c[{k}])")
     args += [_attr_value(a, t) for a, t in attrs]
@@ -266,7 +275,8 @@ def cpp_source(msl: str, func_name: str, params, template, attrs, *, file_name: 
         targs = "<" + ", ".join(vals) + ">"
     call_args = ",\n      ".join(args)
     return (
-        '#include "msl.h"\n'
+        ("#define KMSL_FAST_MATH 1\n" if fast_math else "")
+        + '#include "msl.h"\n'
         "using namespace metal;\n"
         "namespace kmsl_user {\n"
         "using namespace metal;\n"

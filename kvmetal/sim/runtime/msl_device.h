@@ -32,7 +32,13 @@ namespace kmsl {
   kmsl_rt_fail(kind, msg);
 }
 
-template <class T> struct dptr;
+// Address spaces of checked pointers: device (1) and constant (2), as in the
+// clang MSL check's stub. MLX binds inputs under 8 elements and the
+// <name>_shape/_strides buffers as `constant`; Metal has no cast between the two
+// (nor to threadgroup/thread memory), so neither has one here.
+enum { KMSL_DEVICE = 1, KMSL_CONSTANT = 2 };
+template <class T, int AS = KMSL_DEVICE> struct dptr;
+template <class T> using cptr = dptr<T, KMSL_CONSTANT>;
 template <class T> T declval_();
 template <class T> struct dref;
 template <class T> struct is_dref { static constexpr bool value = false; };
@@ -81,7 +87,7 @@ KMSL_DREF_RBIN(+) KMSL_DREF_RBIN(-) KMSL_DREF_RBIN(*) KMSL_DREF_RBIN(/)
 
 template <class T> struct is_atomic { static constexpr bool value = false; };
 
-template <class T> struct dptr {
+template <class T, int AS> struct dptr {
   using elem = typename remove_cv<T>::type;
   char* base = nullptr;
   int64_t off = 0;
@@ -93,10 +99,16 @@ template <class T> struct dptr {
   dptr(char* b, int64_t o, int64_t s, KmslCounter* ctr) : base(b), off(o), size(s), c(ctr) {}
   // Pointer casts (`(device const half4*)p`) keep the buffer and the byte offset.
   template <class U, enable_if_t<!is_same<U, T>::value && !is_same<const U, T>::value, int> = 0>
-  explicit dptr(const dptr<U>& o) : base(o.base), off(o.off), size(o.size), c(o.c) {}
+  explicit dptr(const dptr<U, AS>& o) : base(o.base), off(o.off), size(o.size), c(o.c) {}
   // Adding const is implicit.
   template <class U, enable_if_t<is_same<const U, T>::value && !is_same<U, T>::value, int> = 0>
-  dptr(const dptr<U>& o) : base(o.base), off(o.off), size(o.size), c(o.c) {}
+  dptr(const dptr<U, AS>& o) : base(o.base), off(o.off), size(o.size), c(o.c) {}
+  // A cast across address spaces does not compile in Metal, so it does not here.
+  template <class U, int B, enable_if_t<B != AS, int> = 0>
+  explicit dptr(const dptr<U, B>&) {
+    static_assert(B == AS, "MSL: no cast between the constant and device address spaces (MLX binds inputs "
+                           "under 8 elements as constant: give the helper a constant overload)");
+  }
 
   int64_t checked(int64_t i, const char* what) const {
     int64_t o = off + i * (int64_t)sizeof(T);
@@ -146,22 +158,22 @@ template <class T> struct dptr {
   }
   template <class I> dptr operator+(I i) const { return dptr(base, off + (int64_t)i * (int64_t)sizeof(T), size, c); }
   template <class I> dptr operator-(I i) const { return dptr(base, off - (int64_t)i * (int64_t)sizeof(T), size, c); }
-  template <class U> int64_t operator-(const dptr<U>& o) const { return (off - o.off) / (int64_t)sizeof(T); }
+  template <class U> int64_t operator-(const dptr<U, AS>& o) const { return (off - o.off) / (int64_t)sizeof(T); }
   template <class I> dptr& operator+=(I i) { off += (int64_t)i * (int64_t)sizeof(T); return *this; }
   template <class I> dptr& operator-=(I i) { off -= (int64_t)i * (int64_t)sizeof(T); return *this; }
   dptr& operator++() { off += sizeof(T); return *this; }
   dptr& operator--() { off -= sizeof(T); return *this; }
   dptr operator++(int) { dptr r = *this; off += sizeof(T); return r; }
   dptr operator--(int) { dptr r = *this; off -= sizeof(T); return r; }
-  template <class U> bool operator==(const dptr<U>& o) const { return base + off == o.base + o.off; }
-  template <class U> bool operator!=(const dptr<U>& o) const { return base + off != o.base + o.off; }
-  template <class U> bool operator<(const dptr<U>& o) const { return base + off < o.base + o.off; }
-  template <class U> bool operator<=(const dptr<U>& o) const { return base + off <= o.base + o.off; }
-  template <class U> bool operator>(const dptr<U>& o) const { return base + off > o.base + o.off; }
-  template <class U> bool operator>=(const dptr<U>& o) const { return base + off >= o.base + o.off; }
+  template <class U> bool operator==(const dptr<U, AS>& o) const { return base + off == o.base + o.off; }
+  template <class U> bool operator!=(const dptr<U, AS>& o) const { return base + off != o.base + o.off; }
+  template <class U> bool operator<(const dptr<U, AS>& o) const { return base + off < o.base + o.off; }
+  template <class U> bool operator<=(const dptr<U, AS>& o) const { return base + off <= o.base + o.off; }
+  template <class U> bool operator>(const dptr<U, AS>& o) const { return base + off > o.base + o.off; }
+  template <class U> bool operator>=(const dptr<U, AS>& o) const { return base + off >= o.base + o.off; }
   explicit operator bool() const { return base != nullptr; }
 };
-template <class I, class T> dptr<T> operator+(I i, const dptr<T>& p) { return p + i; }
+template <class I, class T, int AS> dptr<T, AS> operator+(I i, const dptr<T, AS>& p) { return p + i; }
 
 template <class T> dptr<T> dref<T>::operator&() const {
   return dptr<T>(c->buf->data, off, c->buf->size, c);
@@ -169,11 +181,15 @@ template <class T> dptr<T> dref<T>::operator&() const {
 
 // reinterpret_cast<> in kernels is rewritten to kmsl_cast<>, which also handles dptr.
 template <class T> struct is_dptr { static constexpr bool value = false; };
-template <class T> struct is_dptr<dptr<T>> { static constexpr bool value = true; };
+template <class T, int AS> struct is_dptr<dptr<T, AS>> { static constexpr bool value = true; };
 template <class To, class From> To kmsl_cast(From&& f) {
   if constexpr (is_dptr<decay_t<To>>::value) {
+    static_assert(is_dptr<decay_t<From>>::value,
+                  "MSL: a threadgroup or thread pointer cannot be cast to the device or constant address space");
     return To(f);
   } else {
+    static_assert(!is_dptr<decay_t<From>>::value,
+                  "MSL: a device or constant pointer cannot be cast to the threadgroup or thread address space");
     return reinterpret_cast<To>(f);
   }
 }

@@ -42,16 +42,15 @@ namespace metal {
   }
 #define KMSL_F_UNARY(name, expr) KMSL_F_UNARY_N(name, expr, (void)0)
 #define KMSL_F_TRANS(name, expr) KMSL_F_UNARY_N(name, expr, kmsl::count_math(KMSL_MATH_##name))
-KMSL_F_TRANS(exp, __builtin_expf(x))
-KMSL_F_TRANS(exp2, __builtin_exp2f(x))
+// tanh, exp, exp2, log and rsqrt come in a precise and a fast form (below);
+// metal::<name> is the fast one when the kernel is built with a "relaxed" or
+// "fast" math mode (KMSL_FAST_MATH, set by translate.cpp_source), as on a Mac.
 KMSL_F_TRANS(exp10, __builtin_powf(10.0f, x))
 KMSL_F_TRANS(expm1, __builtin_expm1f(x))
-KMSL_F_TRANS(log, __builtin_logf(x))
 KMSL_F_TRANS(log2, __builtin_log2f(x))
 KMSL_F_TRANS(log10, __builtin_log10f(x))
 KMSL_F_TRANS(log1p, __builtin_log1pf(x))
 KMSL_F_UNARY(sqrt, __builtin_sqrtf(x))
-KMSL_F_UNARY(rsqrt, 1.0f / __builtin_sqrtf(x))
 KMSL_F_UNARY(cbrt, __builtin_cbrtf(x))
 KMSL_F_TRANS(sin, __builtin_sinf(x))
 KMSL_F_TRANS(cos, __builtin_cosf(x))
@@ -61,7 +60,6 @@ KMSL_F_TRANS(acos, __builtin_acosf(x))
 KMSL_F_TRANS(atan, __builtin_atanf(x))
 KMSL_F_TRANS(sinh, __builtin_sinhf(x))
 KMSL_F_TRANS(cosh, __builtin_coshf(x))
-KMSL_F_TRANS(tanh, __builtin_tanhf(x))
 KMSL_F_TRANS(asinh, __builtin_asinhf(x))
 KMSL_F_TRANS(acosh, __builtin_acoshf(x))
 KMSL_F_TRANS(atanh, __builtin_atanhf(x))
@@ -75,6 +73,45 @@ KMSL_F_UNARY(fabs, __builtin_fabsf(x))
 KMSL_F_UNARY(fract, x - __builtin_floorf(x))
 KMSL_F_UNARY(saturate, x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x))
 KMSL_F_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
+
+}  // namespace metal
+
+// Metal's fast math functions, written from their documented behaviour: the
+// formulas the fast forms use, with denormal inputs and results flushed to zero.
+// Fast tanh is (e^2x - 1) / (e^2x + 1): NaN (inf / inf) once e^2x overflows,
+// for x above about 44.4.
+namespace kmsl {
+inline float ftz(float x) { return __builtin_fabsf(x) < 1.17549435e-38f ? __builtin_copysignf(0.0f, x) : x; }
+inline float fast_exp2f(float x) { return ftz(__builtin_exp2f(ftz(x))); }
+inline float fast_expf(float x) { return fast_exp2f(ftz(x) * 1.44269504088896341f); }
+inline float fast_logf(float x) { return __builtin_log2f(ftz(x)) * 0.693147180559945309f; }
+inline float fast_rsqrtf(float x) { return 1.0f / __builtin_sqrtf(ftz(x)); }
+inline float fast_tanhf(float x) {
+  const float e = fast_exp2f(2.0f * 1.44269504088896341f * ftz(x));
+  return (e - 1.0f) / (e + 1.0f);
+}
+}  // namespace kmsl
+
+namespace metal {
+namespace precise {
+KMSL_F_TRANS(exp, __builtin_expf(x))
+KMSL_F_TRANS(exp2, __builtin_exp2f(x))
+KMSL_F_TRANS(log, __builtin_logf(x))
+KMSL_F_TRANS(tanh, __builtin_tanhf(x))
+KMSL_F_UNARY(rsqrt, 1.0f / __builtin_sqrtf(x))
+}  // namespace precise
+namespace fast {
+KMSL_F_TRANS(exp, kmsl::fast_expf(x))
+KMSL_F_TRANS(exp2, kmsl::fast_exp2f(x))
+KMSL_F_TRANS(log, kmsl::fast_logf(x))
+KMSL_F_TRANS(tanh, kmsl::fast_tanhf(x))
+KMSL_F_UNARY(rsqrt, kmsl::fast_rsqrtf(x))
+}  // namespace fast
+#if KMSL_FAST_MATH
+using fast::exp; using fast::exp2; using fast::log; using fast::tanh; using fast::rsqrt;
+#else
+using precise::exp; using precise::exp2; using precise::log; using precise::tanh; using precise::rsqrt;
+#endif
 #undef KMSL_F_UNARY
 #undef KMSL_F_TRANS
 #undef KMSL_F_UNARY_N
@@ -240,15 +277,15 @@ inline int mulhi(int a, int b) { return (int)(((int64_t)a * b) >> 32); }
 namespace fast {
 using metal::abs; using metal::acos; using metal::asin; using metal::atan; using metal::atan2;
 using metal::ceil; using metal::clamp; using metal::cos; using metal::cosh; using metal::divide;
-using metal::exp; using metal::exp10; using metal::exp2; using metal::fabs; using metal::floor;
-using metal::fmax; using metal::fmin; using metal::fmod; using metal::fract; using metal::log;
+using metal::exp10; using metal::fabs; using metal::floor;
+using metal::fmax; using metal::fmin; using metal::fmod; using metal::fract;
 using metal::log10; using metal::log2; using metal::max; using metal::min; using metal::pow;
-using metal::powr; using metal::rint; using metal::round; using metal::rsqrt; using metal::saturate;
-using metal::sin; using metal::sinh; using metal::sqrt; using metal::tan; using metal::tanh;
+using metal::powr; using metal::rint; using metal::round; using metal::saturate;
+using metal::sin; using metal::sinh; using metal::sqrt; using metal::tan;
 using metal::trunc; using metal::length; using metal::normalize; using metal::distance; using metal::dot;
 }  // namespace fast
 namespace precise {
-using namespace metal::fast;
+using namespace metal::fast;  // the others: one form here
 }  // namespace precise
 
 // numeric_limits for the MSL scalar types.

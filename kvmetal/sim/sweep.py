@@ -1,0 +1,319 @@
+"""A randomized sweep of the decode attention kernels on the simulator, against
+the float64 oracles (kvmetal.reference).
+
+Each configuration is drawn over the whole space the ops accept: G 1-48 query
+heads per kv head, L 1-8 query tokens, head_dim 64/80/96/128/256, block sizes
+8/16/32, 1-7 splits (or automatic), tiny and odd lengths, every K/V bit width and
+group size (float and quantized K and V mixed), sliding window, softcap (with
+scores large enough to overflow an unguarded fast tanh now and then), sinks, and
+for ``decode_attention`` strided and offset views. Slots no sequence owns are
+NaN (so is everything a view hides), and each configuration runs on the strict
+simulator under two schedule seeds.
+
+The kernel-selecting part of a configuration (op, dtypes, head_dim, G, L,
+formats, block size) is drawn from a pool of ``pool`` shapes so that a long
+sweep spends its time running kernels rather than compiling them; everything
+else is drawn per configuration.
+
+Usage::
+
+    python -m kvmetal.sim.sweep --fuzz 2000 [--seed 1] [--pool 150]
+    python -m kvmetal.sim.sweep --case '<json printed by a failure>'
+
+Every failure prints a one-line reproducer. ``tests/test_sim_sweep.py`` runs a
+fixed-seed sweep in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .. import quant
+from .. import reference as ref
+
+HEAD_DIMS = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (8, 16, 32)
+DTYPES = ("float16", "bfloat16", "float32")
+TOLERANCE = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}  # docs/design.md budgets
+VIEWS = ("contiguous", "slice_t", "slice_heads", "transposed", "padded", "offset")
+SCHEDULE_SEEDS = (0, 1)
+_MX = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    op: str                    # "paged" or "decode"
+    dtype: str
+    head_dim: int
+    gqa: int
+    query_len: int
+    k_quant: tuple | None      # (bits, group_size)
+    v_quant: tuple | None
+    block_size: int = 16       # paged
+    num_kv_heads: int = 1
+    lens: tuple = (1,)         # paged: one per sequence; decode: (T,) * batch
+    splits: int | None = None
+    window: int | None = None  # paged
+    softcap: float | None = None
+    big_scores: bool = False   # query x 40: softcap arguments far past tanh's overflow
+    sinks: bool = False
+    view: str = "contiguous"   # decode
+    pad: int = 0               # decode padded/offset views: elements of padding per row
+    data_seed: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "Config":
+        d = json.loads(text)
+        for k in ("k_quant", "v_quant", "lens"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return Config(**d)
+
+    def reproducer(self) -> str:
+        return f"python -m kvmetal.sim.sweep --case '{self.to_json()}'"
+
+
+# ----------------------------------------------------------------------------- drawing
+
+def _fits(head_dim, spec) -> bool:
+    bits, gs = spec
+    return head_dim % gs == 0 and head_dim * bits % 32 == 0
+
+
+def _draw_quant(rng, head_dim):
+    if rng.random() < 0.4:
+        return None
+    options = [(b, g) for b in quant.SUPPORTED_BITS for g in quant.SUPPORTED_GROUP_SIZES if _fits(head_dim, (b, g))]
+    return tuple(int(x) for x in options[rng.integers(len(options))]) if options else None
+
+
+def draw_shape(rng) -> dict:
+    """The kernel-selecting half of a configuration."""
+    r = rng.random()
+    gqa = int(rng.integers(1, 9) if r < 0.5 else rng.integers(9, 17) if r < 0.85 else rng.integers(17, 49))
+    head_dim = int(rng.choice(HEAD_DIMS))
+    return dict(op="paged" if rng.random() < 0.6 else "decode", dtype=str(rng.choice(DTYPES)), head_dim=head_dim,
+                gqa=gqa, query_len=int(rng.integers(1, 9)), k_quant=_draw_quant(rng, head_dim),
+                v_quant=_draw_quant(rng, head_dim), block_size=int(rng.choice(BLOCK_SIZES)))
+
+
+def _draw_len(rng, query_len, block_size):
+    kind = rng.integers(5)
+    if kind == 0:
+        n = query_len                                   # just the query tokens (1 when L = 1)
+    elif kind == 1:
+        n = int(rng.integers(1, 8))                      # tiny
+    elif kind == 2:
+        n = int(rng.integers(1, 65)) * 2 + 1             # odd
+    elif kind == 3:
+        n = block_size * int(rng.integers(1, 9)) + int(rng.integers(-1, 2))  # around the block grid
+    else:
+        n = int(rng.integers(1, 200))
+    return max(n, query_len, 1)
+
+
+def draw_config(rng, shape: dict) -> Config:
+    """A full configuration over ``shape``: lengths, splits and options drawn afresh."""
+    L = shape["query_len"]
+    big = shape["gqa"] * L > 64
+    seqs = 1 if big else int(rng.integers(1, 4))
+    kw = dict(shape, num_kv_heads=int(rng.integers(1, 3)), splits=None if rng.random() < 0.3 else int(rng.integers(1, 8)),
+              softcap=float(rng.choice((5.0, 20.0, 50.0))) if rng.random() < 0.3 else None,
+              sinks=bool(rng.random() < 0.3), data_seed=int(rng.integers(1 << 30)))
+    kw["big_scores"] = kw["softcap"] is not None and bool(rng.random() < 0.3)
+    if shape["op"] == "paged":
+        lens = tuple(_draw_len(rng, L, shape["block_size"]) for _ in range(seqs))
+        window = int(rng.integers(1, max(lens) + 8)) if rng.random() < 0.25 else None
+        return Config(**kw, lens=lens, window=window)
+    tokens = _draw_len(rng, L, 16)
+    view = str(rng.choice(VIEWS))
+    pad = int(rng.choice((1, 2, 4, 8))) if view in ("padded", "offset") else 0
+    return Config(**kw, lens=(tokens,) * seqs, view=view, pad=pad)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def _rand(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _make_cache(values: np.ndarray, dtype, spec, hidden: np.ndarray):
+    """A float or quantized cache of ``values``; positions where ``hidden`` (bool over
+    the leading axes) is set are NaN (floats, or a quantized cache's scales)."""
+    if spec is None:
+        values = values.copy()
+        values[hidden] = np.nan
+        return mx.array(values).astype(dtype)
+    q = quant.quantize(mx.array(values).astype(dtype), bits=spec[0], group_size=spec[1])
+    scales = np.array(q.scales.astype(mx.float32))
+    scales[hidden] = np.nan
+    return q.replace(q.data, mx.array(scales).astype(dtype), q.biases)
+
+
+def paged_inputs(c: Config, rng):
+    """(query [S, L, H, D], key cache, value cache, block_tables, seq_lens, sinks)."""
+    dtype = _MX[c.dtype]
+    bs, D, Hkv = c.block_size, c.head_dim, c.num_kv_heads
+    per_seq = [-(-n // bs) for n in c.lens]
+    num_blocks = sum(per_seq) + 2
+    ids = rng.permutation(num_blocks)
+    spare = int(ids[-1])  # never handed out: all NaN
+    pad = spare if rng.random() < 0.5 else num_blocks + 1000  # padding entries: NaN block or out of range
+    tables = np.full((len(c.lens), max(per_seq) + int(rng.integers(0, 3))), pad, np.int32)
+    owned = np.zeros((num_blocks, bs), bool)
+    cursor = 0
+    for s, (n, nb) in enumerate(zip(c.lens, per_seq)):
+        tables[s, :nb] = ids[cursor:cursor + nb]
+        cursor += nb
+        for t in range(n):
+            owned[tables[s, t // bs], t % bs] = True
+    hidden = np.broadcast_to(~owned[:, None, :], (num_blocks, Hkv, bs))
+    shape = (num_blocks, Hkv, bs, D)
+    kc = _make_cache(_rand(rng, shape), dtype, c.k_quant, hidden)
+    vc = _make_cache(_rand(rng, shape), dtype, c.v_quant, hidden)
+    H = Hkv * c.gqa
+    q = _rand(rng, (len(c.lens), c.query_len, H, D)) * (40.0 if c.big_scores else 1.0)
+    sinks = mx.array(_rand(rng, (H,))) if c.sinks else None
+    return mx.array(q).astype(dtype), kc, vc, mx.array(tables), mx.array(np.array(c.lens, np.int32)), sinks
+
+
+def _view(c: Config, rng, dtype, spec, B, Hkv, T, D):
+    """A [B, Hkv, T, D] view (float or quantized: a view of each of its arrays) of
+    larger arrays whose hidden elements are NaN (a quantized cache's scales and biases)."""
+    extra_h = 2 if c.view == "slice_heads" else 0
+    extra_t = 5 if c.view == "slice_t" else 0
+    heads = slice(1, 1 + Hkv) if c.view == "slice_heads" else slice(None)
+    live = _rand(rng, (B, Hkv, T, D))
+    if spec is None:
+        arrays = [(live, c.pad, True)]
+    else:
+        q = quant.quantize(mx.array(live).astype(dtype), bits=spec[0], group_size=spec[1])
+        arrays = [(np.array(q.data), max(1, q.data.shape[-1] // 8) if c.pad else 0, False)]
+        arrays += [(np.array(a.astype(mx.float32)), 1 if c.pad else 0, True) for a in (q.scales, q.biases)]
+    views = []
+    for a, pad, is_float in arrays:
+        width = a.shape[-1]
+        big = np.full((B, Hkv + extra_h, T + extra_t, width + pad), np.nan if is_float else 0, a.dtype)
+        cols = slice(pad, pad + width) if c.view == "offset" else slice(0, width)
+        big[:, heads, :T, cols] = a
+        if c.view == "transposed":
+            m = mx.array(np.ascontiguousarray(big.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+        else:
+            m = mx.array(big)
+        m = m.astype(dtype) if is_float else m
+        views.append(m[:, heads, :T, cols])
+    return views[0] if spec is None else quant.QuantizedKV(*views, spec[0], spec[1])
+
+
+def decode_inputs(c: Config, rng):
+    dtype = _MX[c.dtype]
+    B, T, D, Hkv = len(c.lens), c.lens[0], c.head_dim, c.num_kv_heads
+    k = _view(c, rng, dtype, c.k_quant, B, Hkv, T, D)
+    v = _view(c, rng, dtype, c.v_quant, B, Hkv, T, D)
+    H = Hkv * c.gqa
+    q = _rand(rng, (B, H, c.query_len, D)) * (40.0 if c.big_scores else 1.0)
+    sinks = mx.array(_rand(rng, (H,))) if c.sinks else None
+    return mx.array(q).astype(dtype), k, v, sinks
+
+
+# ----------------------------------------------------------------------------- running
+
+def _rel_error(out, expected) -> float:
+    out = np.array(out.astype(mx.float32), dtype=np.float64)
+    if not np.isfinite(out).all():
+        return float("inf")
+    return float(np.abs(out - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def run_config(c: Config, seeds=SCHEDULE_SEEDS) -> float:
+    """Run ``c`` on the strict simulator under each schedule seed; returns the worst
+    relative error against the oracle. Raises AssertionError past the dtype's budget
+    (or on NaN/inf), and lets simulator errors through."""
+    import kvmetal as kv
+    from . import trace
+
+    rng = np.random.default_rng(c.data_seed)
+    options = dict(softcap=c.softcap, num_splits=c.splits)
+    if c.op == "paged":
+        q, kc, vc, tables, lens, sinks = paged_inputs(c, rng)
+        expected = ref.paged_attention(q, kc, vc, tables, lens, softcap=c.softcap, sinks=sinks,
+                                       sliding_window=c.window)
+        fn = lambda: kv.paged_attention(q, kc, vc, tables, lens, sinks=sinks, sliding_window=c.window, **options)
+    else:
+        q, k, v, sinks = decode_inputs(c, rng)
+        expected = ref.decode_attention(q, k, v, softcap=c.softcap, sinks=sinks)
+        fn = lambda: kv.decode_attention(q, k, v, sinks=sinks, **options)
+    worst = 0.0
+    with kv.use_backend("sim"):
+        for seed in seeds:
+            with trace(strict=True, seed=seed):
+                out = fn()
+                mx.eval(out)
+            err = _rel_error(out, expected)
+            if not err <= TOLERANCE[c.dtype]:
+                raise AssertionError(f"schedule seed {seed}: relative error {err:.3g} > {TOLERANCE[c.dtype]:.3g}")
+            worst = max(worst, err)
+    return worst
+
+
+def configs(count: int, seed: int, pool: int) -> list:
+    """``count`` configurations drawn with ``seed`` over a pool of ``pool`` kernel shapes."""
+    rng = np.random.default_rng(seed)
+    shapes = [draw_shape(rng) for _ in range(max(1, pool))]
+    return [draw_config(rng, shapes[int(rng.integers(len(shapes)))]) for _ in range(count)]
+
+
+def sweep(count: int, *, seed: int = 0, pool: int = 32, out=sys.stdout, budget_s: float | None = None,
+          progress: int = 0, skip: int = 0) -> dict:
+    """Run ``count`` configurations; prints one reproducer line per failure. Returns
+    {"ran", "failed", "seconds", "failures": [(config, message)]}. ``budget_s`` stops
+    early (reporting how many ran)."""
+    t0 = time.perf_counter()
+    failures, ran = [], 0
+    for c in configs(skip + count, seed, pool)[skip:]:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
+        try:
+            run_config(c)
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its reproducer
+            message = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            failures.append((c, message))
+            print(f"FAIL {message}\n  reproduce: {c.reproducer()}", file=out, flush=True)
+        ran += 1
+        if progress and ran % progress == 0:
+            print(f"  ... {ran} configurations, {len(failures)} failed, {time.perf_counter() - t0:.0f} s",
+                  file=out, flush=True)
+    return {"ran": ran, "failed": len(failures), "seconds": time.perf_counter() - t0, "failures": failures}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvmetal.sim.sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--fuzz", type=int, default=0, metavar="N", help="run N random configurations")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pool", type=int, default=150, help="kernel shapes the configurations share")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="stop after this long")
+    p.add_argument("--skip", type=int, default=0, metavar="K",
+                   help="start at configuration K of the seed's sequence (to split one sweep over processes)")
+    p.add_argument("--case", type=str, default=None, help="rerun one configuration (a reproducer's JSON)")
+    args = p.parse_args(argv)
+    if args.case:
+        c = Config.from_json(args.case)
+        print(f"max relative error {run_config(c):.3g}: ok")
+        return 0
+    result = sweep(args.fuzz, seed=args.seed, pool=args.pool, budget_s=args.budget, progress=100, skip=args.skip)
+    print(f"sweep: {result['ran']} configurations, {result['failed']} failed, {result['seconds']:.0f} s "
+          f"(seed {args.seed}, pool {args.pool}, from configuration {args.skip})")
+    return 1 if result["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
