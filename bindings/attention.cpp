@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "query_q8.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
@@ -75,6 +76,7 @@ struct PartialLayout {
 
 struct Scratch {
   std::vector<float> q, k_tile, v_tile, scores, corr, ones;
+  QueryQ8Rows q8;  // the query rows as int8, when 8-bit K is scored in integers
   void fit(int query_rows, int R, int D) {
     ones.assign(R, 1.f);
     q.resize(static_cast<size_t>(query_rows) * D);
@@ -186,7 +188,7 @@ class ItemWalker {
       : p_(p), k_(k), v_(v), tk_(tk), s_(s), kvh0_(kvh0), kvh1_(kvh1), range_(range),
         G_(p.num_heads / p.num_kv_heads), R_(G_ * p.query_len), D_(p.head_dim), len_(cached_len(p, s)),
         first_hi_(row_range(p, len_, 0).hi), last_lo_(row_range(p, len_, p.query_len - 1).lo),
-        k_in_place_(in_place(k)), v_in_place_(in_place(v)),
+        k_in_place_(in_place(k)), v_in_place_(in_place(v)), k_int8_(int8_scores(k)),
         k_half_scores_(k.kind == FloatKind::f16 ? tk.scores_f16 : tk.scores_bf16),
         v_half_accumulate_(v.kind == FloatKind::f16 ? tk.accumulate_f16 : tk.accumulate_bf16),
         sc_(scratch()) {}
@@ -229,6 +231,14 @@ class ItemWalker {
     return view.kind == FloatKind::f32 || (widen && R_ <= kMaxRowsInPlace);
   }
 
+  // 8-bit K scored in integer arithmetic against int8 queries (when switched
+  // on and the CPU has a kernel for it; else K is dequantized and scored in float).
+  bool int8_scores(const KVView& view) const {
+    return int8_k_scores() && view.quantized && view.fmt.bits == 8 && tk_.scores_k8 && view.D % 32 == 0 &&
+           (view.fmt.group_size == 32 || view.fmt.group_size == 64 || view.fmt.group_size == 128) &&
+           view.D / view.fmt.group_size <= kMaxQ8Groups;
+  }
+
   // m = -inf, l = 0, acc = 0: the state of a row that has seen nothing.
   void reset_state(float* part) const {
     std::fill(part, part + R_, kNegInf);
@@ -245,6 +255,7 @@ class ItemWalker {
       float* dst = sc_.q.data() + static_cast<int64_t>(j) * D_;
       for (int d = 0; d < D_; ++d) dst[d] = load_as_f32(p_.query, src + d, p_.q_kind) * p_.scale;
     }
+    if (k_int8_) sc_.q8.quantize(sc_.q.data(), rows, D_, k_.fmt.group_size);
   }
 
   Segment segment_at(int t) const {
@@ -298,6 +309,11 @@ class ItemWalker {
       if (!sg.valid) continue;
       // Rows not read in place: the whole segment converted in one call, then
       // scored from scratch piece by piece like the rows read in place.
+      if (k_int8_) {  // one call per segment (the kernel's per-call setup is per head block), then its prefetch steps
+        tk_.scores_k8(query_q8(kvh), R_, k_.quant_rows(sg.outer, kvh, sg.row0), sg.n, D_, scores + off);
+        for (int r = 0; r < sg.n; r += kPieceRows) prefetcher_.step(pieces_);
+        continue;
+      }
       const float* k_rows = nullptr;
       int64_t k_stride = D_;
       if (!k_in_place_) k_rows = k_.tile(sg.outer, kvh, sg.row0, sg.n, sc_.k_tile.data(), &k_stride, tk_);
@@ -314,6 +330,16 @@ class ItemWalker {
         prefetcher_.step(pieces_);
       }
     }
+  }
+
+  // The int8 query rows of kv head kvh (R_ rows from row (kvh - kvh0_) * R_).
+  QueryQ8 query_q8(int kvh) const {
+    QueryQ8 q = sc_.q8.view();
+    const int64_t j = static_cast<int64_t>(kvh - kvh0_) * R_;
+    q.qi += j * D_;
+    q.scale += j * kMaxQ8Groups;
+    q.qi_sum += j * kMaxQ8Groups;
+    return q;
   }
 
   void apply_softcap(float* scores, int n) const {
@@ -403,7 +429,7 @@ class ItemWalker {
   const int len_;
   const int first_hi_;  // every query row sees all of [last_lo_, first_hi_)
   const int last_lo_;
-  const bool k_in_place_, v_in_place_;
+  const bool k_in_place_, v_in_place_, k_int8_;
   decltype(TileKernels::scores_f16) k_half_scores_;
   decltype(TileKernels::accumulate_f16) v_half_accumulate_;
   Scratch& sc_;

@@ -49,6 +49,14 @@ struct KVView {
     return quantized ? static_cast<int64_t>(D) * fmt.bits / 8 : static_cast<int64_t>(D) * float_kind_size(kind);
   }
 
+  // Rows from `row` on of an 8-bit cache, as the integer scoring kernel reads them.
+  QuantRows quant_rows(int64_t outer, int head, int row) const {
+    const int sz = float_kind_size(fmt.scale_kind);
+    return {reinterpret_cast<const uint8_t*>(row_address(outer, head, row)), stride[2] * 4,
+            scales + sz * offset(scale_stride, outer, head, row), scale_stride[2],
+            biases + sz * offset(bias_stride, outer, head, row), bias_stride[2], fmt.scale_kind, fmt.group_size};
+  }
+
   // Rows [row0, row0 + n) of (outer, head) as float32. float32 rows are read
   // where they are (no copy); other types are converted or dequantized into
   // `scratch` ([n, D]). *row_stride gets the distance between returned rows.

@@ -125,4 +125,7 @@ NB_MODULE(_ext, m) {
           throw std::invalid_argument("[cap_simd_level] name must be 'portable', 'avx2' or 'avx512'");
       },
       "name"_a, "Use no kernels wider than `name` (tests run every implementation the CPU has).");
+  m.def("set_int8_k_scores", [](bool on) { kvmetal::set_int8_k_scores(on); }, "on"_a,
+        "Score 8-bit K against int8 queries where the CPU has the kernel (off by default; docs/cpu.md).");
+  m.def("int8_k_scores", []() { return kvmetal::int8_k_scores(); });
 }

@@ -21,6 +21,28 @@ namespace kvmetal {
 
 constexpr int kMaxTileRows = 32;
 
+// Query rows quantized to int8 for scoring 8-bit K in integer arithmetic
+// (query_q8.h fills it): per (query row j, group g) of group_size values,
+// q ~= scale * qi with |qi| <= 127. Per-group arrays are kMaxQ8Groups apart.
+constexpr int kMaxQ8Groups = 8;  // head_dim 256 / group size 32
+struct QueryQ8 {
+  const int8_t* qi;      // [rows, D]
+  const float* scale;    // [rows, kMaxQ8Groups]: the group's scale
+  const float* qi_sum;   // [rows, kMaxQ8Groups]: scale * sum(qi) of the group (times the K bias)
+};
+
+// n rows of an 8-bit MLX-affine cache: packed bytes, per-group scales and biases.
+struct QuantRows {
+  const uint8_t* bytes;
+  int64_t byte_stride;
+  const void* scales;
+  int64_t scale_stride;
+  const void* biases;
+  int64_t bias_stride;
+  FloatKind scale_kind;
+  int group_size;  // 32, 64 or 128
+};
+
 struct TileKernels {
   const char* name;
   // dst[r * D + d] = float(src[r * stride + d]) for r < n, d < D.
@@ -55,6 +77,11 @@ struct TileKernels {
                           float* acc);
   // dst[i] = float16/bfloat16 bits of src[i] (round to nearest even).
   void (*f32_to_f16)(const float* src, int n, uint16_t* dst);
+  // Scores of G quantized query rows against n rows of 8-bit K, in integer
+  // arithmetic: per group  s * qs * (qi . w) + b * qs * sum(qi)  (null when the
+  // implementation has none: K is then dequantized and scored in float).
+  // Layout of scores as in `scores`; D % 32 == 0 and D / group_size <= kMaxQ8Groups.
+  void (*scores_k8)(const QueryQ8& q, int G, const QuantRows& k, int n, int D, float* scores);
 };
 
 // The best implementation this CPU supports (chosen once) for head_dim D:
@@ -67,6 +94,12 @@ const TileKernels& best_tile_kernels();
 // Use nothing wider than `name` ("portable", "avx2", "avx512") from now on;
 // tests use it to check every implementation the CPU can run. False if unknown.
 bool cap_tile_level(const std::string& name);
+
+// Score 8-bit K against int8 queries (TileKernels::scores_k8) where the CPU
+// has the kernel. Off by default: on AVX2 it measured about as fast as
+// dequantizing K into float (docs/cpu.md) and adds the int8 query's error.
+void set_int8_k_scores(bool on);
+bool int8_k_scores();
 
 #if defined(__x86_64__) || defined(_M_X64)
 // Defined in tile_math_avx2.cpp; only call when the CPU has avx2, fma and f16c.

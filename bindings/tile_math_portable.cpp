@@ -88,7 +88,7 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
 }
 
 const TileKernels kPortable{"portable",  f16_rows, bf16_rows, scores,  accumulate, exp_inplace,
-                            softmax_update, nullptr,  nullptr,   nullptr, nullptr, nullptr, to_f16};
+                            softmax_update, nullptr,  nullptr,   nullptr, nullptr, nullptr, to_f16, nullptr};
 
 enum class Level { portable, avx2, avx512 };
 
@@ -107,6 +107,7 @@ Level cpu_level() {
 
 // Tests may cap the level (to run the narrower kernels on a wider CPU).
 std::atomic<int> g_level_cap{static_cast<int>(Level::avx512)};
+std::atomic<bool> g_int8_k_scores{false};
 
 }  // namespace
 
@@ -119,6 +120,9 @@ bool cap_tile_level(const std::string& name) {
   g_level_cap = static_cast<int>(cap);
   return true;
 }
+
+void set_int8_k_scores(bool on) { g_int8_k_scores = on; }
+bool int8_k_scores() { return g_int8_k_scores.load(); }
 
 const TileKernels& tile_kernels(int D) {
   static const Level cpu = cpu_level();

@@ -253,6 +253,103 @@ void dequant_rows_t(const QuantTile& t, int n, int D, float* dst) {
   }
 }
 
+// ---- 8-bit K in integer arithmetic (256-bit, shared by both tables: the
+// AVX-512F table needs AVX-512BW for 512-bit byte multiplies, so it reuses these).
+//
+// maddubs multiplies unsigned by signed bytes and adds pairs into int16 with
+// saturation: w (0..255) times qi (-127..127) could overflow a pair. So the
+// words are made signed, w' = w - 128 (one xor), and their sign moves onto
+// the query: |w'| * sign(qi, w') = qi * w', a pair at most 2 * 128 * 127 < 2^15
+// (|w'| = 128 fits the unsigned operand; qi is never -128, so its negation is exact).
+// Then qi . w = qi . w' + 128 * sum(qi), folded into the per-group constants.
+
+// Scales or biases of one row's groups as float32, lanes past the groups untouched.
+template <FloatKind KIND>
+inline void row_floats(const void* base, int64_t first, int groups, float* out) {
+  for (int g = 0; g < groups; ++g) out[g] = scale_at(base, first + g, KIND);
+}
+
+// Four registers' horizontal sums in lanes 0-3.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// NH query rows against rows [0, n) of K, one row at a time; GS = group size,
+// KIND = dtype of the scales and biases.
+template <int NH, int GS, FloatKind KIND>
+void scores_k8_heads(const QueryQ8& q, int64_t j0, const QuantRows& k, int n, int D, float* out) {
+  constexpr int kChunks = GS / 32;  // 32-byte chunks per group
+  const int groups = D / GS;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* qi = q.qi + j0 * D;
+  const float* qs = q.scale + j0 * kMaxQ8Groups;
+  const float* qis = q.qi_sum + j0 * kMaxQ8Groups;
+  // Per-group constants of each head: 128 * qs * sum(qi) (the unsigned offset)
+  // and qs * sum(qi) (the bias), against the row's scales and biases.
+  __m256 offset[NH], bias_w[NH];
+  for (int h = 0; h < NH; ++h) {
+    bias_w[h] = _mm256_loadu_ps(qis + h * kMaxQ8Groups);
+    offset[h] = _mm256_mul_ps(bias_w[h], _mm256_set1_ps(128.f));
+  }
+  alignas(32) float sc[kMaxQ8Groups] = {}, bi[kMaxQ8Groups] = {};  // lanes past the groups stay 0
+  for (int r = 0; r < n; ++r) {
+    const uint8_t* w = k.bytes + r * k.byte_stride;
+    row_floats<KIND>(k.scales, r * k.scale_stride, groups, sc);
+    row_floats<KIND>(k.biases, r * k.bias_stride, groups, bi);
+    const __m256 scv = _mm256_load_ps(sc), biv = _mm256_load_ps(bi);
+    __m256 acc[4];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(scv, offset[h], _mm256_mul_ps(biv, bias_w[h]));
+    for (int g = 0; g < groups; ++g) {
+      __m256i isum[NH];
+      for (int c = 0; c < kChunks; ++c) {
+        const int d = (g * kChunks + c) * 32;
+        const __m256i wv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + d)), flip);
+        const __m256i wa = _mm256_abs_epi8(wv);
+        for (int h = 0; h < NH; ++h) {
+          const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qi + h * D + d)), wv);
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, s), ones);
+          isum[h] = c ? _mm256_add_epi32(isum[h], p) : p;
+        }
+      }
+      const __m256 sg = _mm256_set1_ps(sc[g]);
+      for (int h = 0; h < NH; ++h)
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h]), _mm256_mul_ps(sg, _mm256_set1_ps(qs[h * kMaxQ8Groups + g])),
+                                 acc[h]);
+    }
+    for (int h = NH; h < 4; ++h) acc[h] = _mm256_setzero_ps();
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, hsum4(acc[0], acc[1], acc[2], acc[3]));
+    for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = sums[h];
+  }
+}
+
+template <int GS, FloatKind KIND>
+void scores_k8_kind(const QueryQ8& q, int G, const QuantRows& k, int n, int D, float* out) {
+  over_head_blocks(G, [&](auto nh, int g) {
+    scores_k8_heads<decltype(nh)::value, GS, KIND>(q, g, k, n, D, out + g * kMaxTileRows);
+  });
+}
+
+template <int GS>
+void scores_k8_gs(const QueryQ8& q, int G, const QuantRows& k, int n, int D, float* out) {
+  switch (k.scale_kind) {
+    case FloatKind::f32: scores_k8_kind<GS, FloatKind::f32>(q, G, k, n, D, out); break;
+    case FloatKind::f16: scores_k8_kind<GS, FloatKind::f16>(q, G, k, n, D, out); break;
+    default: scores_k8_kind<GS, FloatKind::bf16>(q, G, k, n, D, out); break;
+  }
+}
+
+
+void scores_k8(const QueryQ8& q, int G, const QuantRows& k, int n, int D, float* out) {
+  switch (k.group_size) {
+    case 32: scores_k8_gs<32>(q, G, k, n, D, out); break;
+    case 64: scores_k8_gs<64>(q, G, k, n, D, out); break;
+    default: scores_k8_gs<128>(q, G, k, n, D, out); break;
+  }
+}
+
 // Bit width and group size become template arguments, so each group's steps
 // unroll into straight-line code.
 template <typename V, int BITS>
@@ -290,7 +387,8 @@ constexpr TileKernels make_tile_kernels(const char* name) {
                      accumulate_t<V, uint16_t>,
                      scores_bf16<V>,
                      accumulate_bf16<V>,
-                     to_f16<V>};
+                     to_f16<V>,
+                     scores_k8};
 }
 
 }  // namespace

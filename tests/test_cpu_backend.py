@@ -17,7 +17,7 @@ import functools
 
 import kvmetal as kv
 from kvmetal import _ext, ops, quant, reference
-from kvcases import DTYPES, assert_close, free_slots, paged_case
+from kvcases import DTYPES, assert_close, free_slots, paged_case, rel_error
 
 
 class cpu:
@@ -42,6 +42,7 @@ def _restore_globals():
     with kv.use_backend("cpu"):
         yield
     _ext.cap_simd_level("avx512")
+    _ext.set_int8_k_scores(False)
     _ext.set_num_threads(threads)
 
 
@@ -370,6 +371,50 @@ def test_quantized_attention_every_group_size(bits, group_size, level):
     case = paged_case([5, 50], num_heads=8, num_kv_heads=2, head_dim=128, dtype=mx.float16, k_bits=bits,
                       v_bits=bits, group_size=group_size)
     assert_close(_paged(case, num_splits=2), _paged_ref(case), mx.float16)
+
+
+# ------------------------------------------------------------------ 8-bit K against int8 queries (opt-in)
+
+
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("group_size", quant.SUPPORTED_GROUP_SIZES)
+@pytest.mark.parametrize("gqa", [1, 3, 4, 5, 8])
+def test_int8_k_scores_every_simd_level(level, group_size, gqa):
+    # With set_int8_k_scores(True) the x86 levels score 8-bit K against int8
+    # queries (tile_math_x86.h); portable keeps the float path. Every head block
+    # and group size, with float16 scales; the int8 query's error stays within a
+    # bfloat16 query's budget (docs/cpu.md measures it).
+    _ext.cap_simd_level(level)
+    _ext.set_int8_k_scores(True)
+    case = paged_case([3, 37, 70], num_heads=2 * gqa, num_kv_heads=2, head_dim=128, dtype=mx.float16,
+                      k_bits=8, v_bits=4, group_size=group_size, seed=gqa)
+    got = _paged(case, num_splits=2, softcap=20.0)
+    ref = _paged_ref(case, softcap=20.0)
+    assert_close(got, ref, mx.bfloat16)
+    if level != "portable":  # the integer path is taken: not bit-equal to the float one
+        _ext.set_int8_k_scores(False)
+        assert not np.array_equal(np.array(got), np.array(_paged(case, num_splits=2, softcap=20.0)))
+
+
+def test_int8_k_scores_error_is_the_size_of_k8s_own():
+    # Quantizing q to int8 (one scale per 64 values) has the resolution of the K8
+    # cache itself: the output's error against the oracle on the dequantized cache
+    # is about the error K8 quantization already has against the float cache
+    # (measured 0.0056 vs 0.0061 here; the float path's is 5e-7).
+    if _ext.simd_level() == "portable":
+        pytest.skip("this CPU has no integer 8-bit K kernel (AVX2 needed)")
+    _ext.set_int8_k_scores(True)
+    rng = np.random.default_rng(5)
+    keys = mx.array(rng.standard_normal((1, 2, 300, 128), dtype=np.float32))
+    values = mx.array(rng.standard_normal((1, 2, 300, 128), dtype=np.float32))
+    q = mx.array(rng.standard_normal((1, 8, 1, 128), dtype=np.float32))
+    qk = quant.quantize(keys, bits=8, group_size=64)
+    got = cpu.decode_attention(q, qk, values)
+    on_dequantized = reference.decode_attention(q, qk, values)
+    on_float = reference.decode_attention(q, keys, values)
+    int8_err = rel_error(got, on_dequantized)
+    k8_err = rel_error(on_dequantized, on_float)
+    assert 1e-4 < int8_err < 1.5 * k8_err, (int8_err, k8_err)
 
 
 def test_quantized_decode_attention():

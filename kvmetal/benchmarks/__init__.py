@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import mlx.core as mx
@@ -70,8 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     progress("measuring this machine's read bandwidth ...")
-    read_gbps = read_bandwidth_gbps()
-    progress(f"  single-pass read: {read_gbps:.1f} GB/s")
+    # Per thread count too: one core's read shows whether a kernel on fewer threads
+    # than cores is bounded by memory or by its own issue rate.
+    cores = os.cpu_count() or 1
+    read_by_threads = {n: read_bandwidth_gbps(threads=n) for n in sorted({1, cores})}
+    read_gbps = read_by_threads[cores]
+    progress("  single-pass read: " + ", ".join(f"{g:.1f} GB/s on {n} thread{'s' if n > 1 else ''}"
+                                                  for n, g in read_by_threads.items()))
     # On the metal backend also report the fraction of the chip's published peak.
     chip = chips.from_device_name(mx.metal.device_info().get("device_name", "")) if backend == "metal" else None
     results = []
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": provenance(backend),
         "backend": backend,
         "read_gbps": read_gbps,
+        "read_gbps_by_threads": read_by_threads,
         "results": results,
     }
     report["machine"] = report["provenance"]["machine"]  # kept for readers of older reports
@@ -100,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_table(results, read_gbps, report["provenance"])
+        _print_table(results, read_gbps, report["provenance"], read_by_threads)
     return 0
 
 
@@ -150,10 +157,13 @@ def _ratio(r: dict, base: dict) -> str:
     return f"kvmetal {speedup:.1f}x faster" if speedup >= 1 else f"kvmetal {1 / speedup:.1f}x slower"
 
 
-def _print_table(results: list, read_gbps: float, prov: dict):
+def _print_table(results: list, read_gbps: float, prov: dict, read_by_threads: dict | None = None):
     versions = ", ".join(f"{k} {v}" for k, v in prov["versions"].items() if v)
     print(f"\n{versions}; {prov['machine']['cpu']}, {prov['threads']['kvmetal_cpu']} kvmetal threads")
-    print(f"single-pass read bandwidth of this machine: {read_gbps:.1f} GB/s\n")
+    print(f"single-pass read bandwidth of this machine: {read_gbps:.1f} GB/s")
+    if read_by_threads and len(read_by_threads) > 1:
+        print("  by threads: " + ", ".join(f"{n}: {g:.1f} GB/s" for n, g in read_by_threads.items()))
+    print()
     timed = [r for r in results if r.get("seconds") is not None]
     untimed = [r for r in results if r.get("seconds") is None]
     header = (f"{'case':<34} {'backend':<7} {'median ms':>9} {'min..max ms':>15} {'n':>2} {'GB/s':>7} "

@@ -34,14 +34,15 @@ def time_stats(fn, *, repeat: int = 5, warmup: int = 1, budget_s: float | None =
     return {"seconds": statistics.median(times), "min": min(times), "max": max(times), "repeats": len(times)}
 
 
-def read_bandwidth_gbps(nbytes: int = 512 << 20, repeat: int = 5) -> float:
+def read_bandwidth_gbps(nbytes: int = 512 << 20, repeat: int = 5, threads: int | None = None) -> float:
     """This machine's read bandwidth: one pass over a buffer far larger than the caller's
-    data, split across every core (NumPy reductions release the GIL), best of ``repeat``.
+    data, split across ``threads`` (default every core; NumPy reductions release the GIL),
+    best of ``repeat``.
 
     The reduction (max) is cheap enough that memory, not arithmetic, bounds it; using all
     cores makes it the same kind of read the kernels do, so fractions of it are honest.
     """
-    cores = os.cpu_count() or 1
+    cores = threads or os.cpu_count() or 1
     buffer = np.ones(nbytes // 4, dtype=np.float32)
     parts = np.array_split(buffer, cores)
     with ThreadPoolExecutor(cores) as pool:
