@@ -27,18 +27,6 @@ _DTYPE_TAGS = {**{v: k for k, v in DTYPES.items()}, "float16": "f16", "bfloat16"
 NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, NUM_BLOCKS, MAX_BLOCKS = 2, 8, 2, 16, 4
 SEQ_LENS = (5, 9)  # raised to L where a family has more query rows (ops requires seq_len >= L)
 
-# The specialisations tools/msl_check.py traces today (its _DUMP_SCRIPT list):
-# dtype, head_dim, block size, K format, V format ((bits, group size) or None), L.
-_MSL_CHECK_TRACES = (
-    dict(dtype="f16", head_dim=128, block_size=16, k_quant=None, v_quant=None, query_len=1),
-    dict(dtype="bf16", head_dim=80, block_size=8, k_quant=None, v_quant=None, query_len=3),
-    dict(dtype="f32", head_dim=256, block_size=32, k_quant=None, v_quant=None, query_len=8),
-    dict(dtype="f16", head_dim=128, block_size=16, k_quant=(8, 64), v_quant=(4, 64), query_len=1),
-    dict(dtype="f16", head_dim=128, block_size=16, k_quant=(8, 64), v_quant=(4, 64), query_len=4),
-    dict(dtype="bf16", head_dim=96, block_size=32, k_quant=(3, 32), v_quant=(6, 32), query_len=2),
-    dict(dtype="f16", head_dim=64, block_size=8, k_quant=(5, 32), v_quant=None, query_len=5),
-)
-
 
 def _fmt(q) -> str:
     return "float" if q is None else f"{q[0]}bit/g{q[1]}"
@@ -130,14 +118,63 @@ class OpFamily:
 
 
 def specialisation_families() -> list:
-    """THE adapter: every family selfcheck compiles.
+    """THE adapter: every family selfcheck compiles, the list the clang check traces
+    (derived from the kernels' specialisation parameters in
+    kvmetal/backends/specialisations.py), one op-level configuration per family."""
+    from ..backends.specialisations import family_inputs, specialisation_families as derived
+    return [OpFamily(f, family_inputs) for f in derived()] + [VarlenFamily(**p) for p in VARLEN_TRACES]
 
-    Today: the list tools/msl_check.py traces, each family running all five kernel
-    paths. When the clang check derives its list from the kernels' specialisation
-    parameters (kvmetal/backends/specialisations.py), the body becomes
-    ``return [OpFamily(f, family_inputs) for f in derived()]`` with
-    ``from ..backends.specialisations import family_inputs, specialisation_families as derived``."""
-    return [Family.from_params(p) for p in _MSL_CHECK_TRACES]
+
+# The tiled varlen kernel is planned on the host from the lengths, so it is not in the
+# derived list: one family per dtype / cache kind, as tools/msl_check.py traces it.
+VARLEN_TRACES = (
+    dict(dtype="f16", head_dim=128, block_size=16, k_quant=None, v_quant=None),
+    dict(dtype="bf16", head_dim=80, block_size=8, k_quant=None, v_quant=None),
+    dict(dtype="f32", head_dim=256, block_size=32, k_quant=None, v_quant=None),
+    dict(dtype="f16", head_dim=128, block_size=16, k_quant=(8, 64), v_quant=(4, 64)),
+    dict(dtype="bf16", head_dim=96, block_size=32, k_quant=(3, 32), v_quant=(6, 32)),
+    dict(dtype="f16", head_dim=64, block_size=8, k_quant=(5, 32), v_quant=None),
+)
+VARLEN_RUN = 12  # query rows of the one sequence: over 8, so the tiled kernel serves it
+
+
+@dataclass(frozen=True)
+class VarlenFamily:
+    dtype: str
+    head_dim: int
+    block_size: int
+    k_quant: tuple | None
+    v_quant: tuple | None
+    op: str = "paged_attention_varlen"
+
+    @property
+    def name(self) -> str:
+        return (f"varlen {self.dtype} D{self.head_dim} bs{self.block_size} "
+                f"K {_fmt(self.k_quant)} V {_fmt(self.v_quant)}")
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "op": self.op, "dtype": self.dtype, "head_dim": self.head_dim,
+                "block_size": self.block_size, "k_quant": self.k_quant and list(self.k_quant),
+                "v_quant": self.v_quant and list(self.v_quant)}
+
+    def point(self) -> dict:
+        return dict(dtype=self.dtype, d=self.head_dim, bs=self.block_size, hkv=NUM_KV_HEADS,
+                    g=NUM_HEADS // NUM_KV_HEADS, L=VARLEN_RUN, k=self.k_quant, v=self.v_quant)
+
+    def paths(self, seed: int = 0) -> list:
+        from .. import ops
+
+        rng = np.random.default_rng(seed)
+        dtype, shape = DTYPES[self.dtype], (NUM_BLOCKS, NUM_KV_HEADS, self.block_size, self.head_dim)
+        kc = _maybe_quantize(_random(rng, shape, dtype), self.k_quant)
+        vc = _maybe_quantize(_random(rng, shape, dtype), self.v_quant)
+        length = 2 * self.block_size + 3
+        tables = mx.array(rng.permutation(NUM_BLOCKS)[:MAX_BLOCKS][None].astype(np.int32))
+        query = _random(rng, (VARLEN_RUN, NUM_HEADS, self.head_dim), dtype)
+        lens, starts = mx.array([length], dtype=mx.int32), mx.array([0, VARLEN_RUN], dtype=mx.int32)
+        mx.eval(*flat_arrays((kc, vc)), tables, query)
+        return [(self.op, lambda: ops.paged_attention_varlen(query, kc, vc, tables, lens, starts, softcap=30.0,
+                                                             sliding_window=20, sinks=mx.zeros((NUM_HEADS,))))]
 
 
 # ----------------------------------------------------------------------------- tracing one family
