@@ -19,6 +19,7 @@ prints the markdown tables and draws the plot from that file.
 
     python bench/kv_quality.py --json kvq.json                # the study (about an hour on 2 shared cores)
     python bench/kv_quality.py --json kvq.json --report --plot docs/kv_quality.png
+    python bench/kv_quality.py --json a.json,b.json --report              # runs split across processes
 """
 from __future__ import annotations
 
@@ -188,50 +189,78 @@ def run_study(args) -> None:
     out.write_text(json.dumps(report, indent=1))
 
 
+def merge_reports(paths: list[str]) -> dict:
+    """One report from several runs (split across processes): per cache, the windows of
+    the longest pass and any greedy result."""
+    merged: dict = {}
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        results = merged.setdefault("results", {})
+        if "reference" not in merged or len(report["reference"]["windows"]) > len(merged["reference"]["windows"]):
+            merged.update({k: v for k, v in report.items() if k != "results"})
+        for name, r in report["results"].items():
+            have = results.setdefault(name, {"windows": {}, "greedy": None, "tokens": 0})
+            for c, w in r["windows"].items():
+                have["windows"].setdefault(c, w)
+            have["greedy"] = have["greedy"] or r.get("greedy")
+            have["tokens"] = max(have["tokens"], r["tokens"])
+    order = [c["name"] for c in cache_configs()]
+    merged["results"] = dict(sorted(merged["results"].items(), key=lambda kv: order.index(kv[0])
+                                    if kv[0] in order else len(order)))
+    return merged
+
+
 def print_report(report: dict, plot: str | None) -> None:
     ref = report["reference"]["windows"]
-    print(f"reference (mlx-lm KVCache, float32): perplexity "
-          + ", ".join(f"{int(c) // 1024 or c}{'K' if int(c) >= 1024 else ''} {w['ppl']:.2f}" for c, w in ref.items()))
+    contexts = sorted({int(c) for r in report["results"].values() for c in r["windows"]} | {int(c) for c in ref})
+
+    def label(c: int) -> str:
+        return f"{c // 1024}K" if c >= 1024 else str(c)
+
+    print("reference (mlx-lm KVCache, float32): perplexity "
+          + ", ".join(f"{label(int(c))} {w['ppl']:.2f}" for c, w in sorted(ref.items(), key=lambda kv: int(kv[0]))))
     print()
-    print("| cache | KL 512 | KL 2K | KL 8K | ppl 512 | ppl 2K | ppl 8K | top-1 2K | top-1 8K | greedy prefix "
-          f"(of {report['gen']}) | identical (of {report['prompts']}) |")
-    print("|---|" + "---|" * 10)
+    print("| cache | " + " | ".join(f"KL {label(c)}" for c in contexts) + " | "
+          + " | ".join(f"ppl {label(c)}" for c in contexts) + " | " + " | ".join(f"top-1 {label(c)}" for c in contexts)
+          + f" | greedy: tokens before divergence (of {report.get('gen', 128)}) | identical (of "
+            f"{report.get('prompts', 20)}) |")
+    print("|---|" + "---|" * (3 * len(contexts) + 2))
 
     def cell(windows, c, key, fmt):
         w = windows.get(str(c))
         return "-" if w is None else format(w[key], fmt)
 
     for name, r in report["results"].items():
-        w = r["windows"]
-        g = r["greedy"]
-        print(f"| {name} | {cell(w, 512, 'kl', '.4f')} | {cell(w, 2048, 'kl', '.4f')} | {cell(w, 8192, 'kl', '.4f')} "
-              f"| {cell(w, 512, 'ppl', '.3f')} | {cell(w, 2048, 'ppl', '.3f')} | {cell(w, 8192, 'ppl', '.3f')} "
-              f"| {cell(w, 2048, 'top1', '.3f')} | {cell(w, 8192, 'top1', '.3f')} "
-              f"| {g['prefix_mean']:.1f} | {g['identical']} |")
+        w, g = r["windows"], r.get("greedy")
+        print(f"| {name} | " + " | ".join(cell(w, c, "kl", ".4f") for c in contexts) + " | "
+              + " | ".join(cell(w, c, "ppl", ".2f") for c in contexts) + " | "
+              + " | ".join(cell(w, c, "top1", ".3f") for c in contexts)
+              + (f" | {g['prefix_mean']:.1f} | {g['identical']} |" if g else " | - | - |"))
     if plot:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-        names = list(report["results"])
-        kl2k = [report["results"][n]["windows"]["2048"]["kl"] for n in names]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+        names = [n for n in report["results"] if "2048" in report["results"][n]["windows"]]
+        kl2k = [max(report["results"][n]["windows"]["2048"]["kl"], 1e-6) for n in names]
         left.barh(names, kl2k, color=["tab:orange" if n.startswith("mlx-lm") else "tab:blue" for n in names])
         left.set_xscale("log")
-        left.set_xlabel("mean KL to the float cache, positions 1.5K-2K (log)")
+        left.set_xlabel("mean KL to the float cache, positions 1.5K-2K (log; 1e-6 = exact)")
         left.invert_yaxis()
-        for n in names:
-            c = report["results"][n]["kl_curve"]
-            if len(c) * 256 >= 8192:
-                right.plot(np.arange(len(c)) * 256 + 128, np.maximum(c, 1e-6), label=n)
+        for n, r in report["results"].items():
+            if len(r["windows"]) > 2:
+                cs = sorted(int(c) for c in r["windows"])
+                right.plot(cs, [r["windows"][str(c)]["kl"] for c in cs], marker="o", label=n)
+        right.set_xscale("log", base=2)
         right.set_yscale("log")
-        right.set_xlabel("position in the text (tokens)")
-        right.set_ylabel("mean KL per 256 positions (log)")
+        right.set_xlabel("context: window of 512 positions ending here (tokens)")
+        right.set_ylabel("mean KL to the float cache (log)")
         right.legend(fontsize=8)
-        fig.suptitle("SmolLM2-135M-Instruct (float32), pydoc_data.topics text, teacher-forced")
+        fig.suptitle("SmolLM2-135M-Instruct (float32 weights), pydoc_data.topics text, teacher-forced")
         fig.tight_layout()
-        fig.savefig(plot, dpi=90)
+        fig.savefig(plot, dpi=80)
         print(f"\nplot written to {plot}", file=sys.stderr)
 
 
@@ -251,11 +280,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=20, help="greedy prompts (default 20)")
     p.add_argument("--gen", type=int, default=128, help="greedy tokens per prompt (default 128; 0: no greedy)")
     p.add_argument("--scratch", default=None, help="directory for the reference log-probs (1.6 GB)")
-    p.add_argument("--report", action="store_true", help="print the tables from --json (no measuring)")
+    p.add_argument("--report", action="store_true",
+                   help="print the tables from --json (comma-separated files are merged; no measuring)")
     p.add_argument("--plot", default=None, help="with --report: write a PNG")
     args = p.parse_args(argv)
     if args.report:
-        print_report(json.loads(Path(args.json).read_text()), args.plot)
+        print_report(merge_reports(args.json.split(",")), args.plot)
         return 0
     run_study(args)
     return 0

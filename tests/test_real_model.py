@@ -248,6 +248,20 @@ def test_serve_without_a_model_answers_a_real_chat_through_openai(model_cache, f
     command = [sys.executable, "-m", "kvmetal", "serve", "--port", str(port), "--log-level", "WARNING"]
     with ServerProcess(None, port, command=command, start_timeout=300) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        reply = client.chat.completions.create(model="default", messages=[{"role": "user", "content": QUESTION}],
+        served = client.models.list().data[0].id
+        assert served.endswith("SmolLM2-135M-Instruct-float32")
+        reply = client.chat.completions.create(model=served, messages=[{"role": "user", "content": QUESTION}],
                                                max_tokens=12, temperature=0)
     assert "Paris" in reply.choices[0].message.content
+
+
+def test_head_dim_64_defaults_to_group_32_and_larger_heads_to_64():
+    from types import SimpleNamespace
+
+    from kvmetal.integrations.generate import kv_options
+
+    args = SimpleNamespace(kv_bits=None, k_bits=8, v_bits=4, kv_group_size=None, k_group_size=None,
+                           v_group_size=None, quantized_kv_start=0)
+    assert kv_options(args, 64)[:4] == (8, 4, 32, 32)
+    assert kv_options(args, 128)[:4] == (8, 4, 64, 64)
+    assert kv_options(SimpleNamespace(**{**vars(args), "kv_group_size": 64}), 64)[2:4] == (64, 64)
