@@ -250,7 +250,7 @@ def print_report(report: dict, plot: str | None) -> None:
         left.set_xlabel("mean KL to the float cache, positions 1.5K-2K (log; 1e-6 = exact)")
         left.invert_yaxis()
         for n, r in report["results"].items():
-            if len(r["windows"]) > 2:
+            if len(r["windows"]) >= 2:
                 cs = sorted(int(c) for c in r["windows"])
                 right.plot(cs, [r["windows"][str(c)]["kl"] for c in cs], marker="o", label=n)
         right.set_xscale("log", base=2)
