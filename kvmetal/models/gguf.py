@@ -324,7 +324,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     quant_config = _quantization_config(quantization)
     if quant_config is not None:
         config["quantization"] = quant_config
-    float_dtypes = {str(a.dtype).rsplit(".", 1)[-1] for a in mlx_weights.values() if mx.issubdtype(a.dtype, mx.floating)}
+    float_dtypes = {str(a.dtype).rsplit(".", 1)[-1] for a in mlx_weights.values()
+                    if mx.issubdtype(a.dtype, mx.floating)}
     config["torch_dtype"] = dtype if dtype != "keep" else ("float16" if "float16" in float_dtypes else
                                                            sorted(float_dtypes)[0])
 
