@@ -12,6 +12,7 @@ COMMANDS = {
     "demo": ("kvmetal.integrations.demo", "continuous batching over a paged cache on a small random model"),
     "generate": ("kvmetal.integrations.generate", "mlx-lm generate with the paged cache (model directory or Hugging Face repo id)"),
     "selfcheck": ("kvmetal.selfcheck", "compile every kernel, check every op against the oracle, time decode: one report"),
+    "convert-gguf": ("kvmetal.models.convert_cli", "convert a llama GGUF file to an mlx-lm model directory"),
 }
 
 # optional dependency -> the kvmetal extra that installs it
@@ -21,7 +22,7 @@ OPTIONAL_MODULES = {"mlx_lm": "lm", "transformers": "lm", "matplotlib": "plot", 
 
 def _usage() -> str:
     lines = ["usage: kvmetal <command> [options]", "", "commands:"]
-    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'kvmetal <command> --help' for a command's options."]
     return "\n".join(lines)
 

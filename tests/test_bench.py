@@ -99,7 +99,7 @@ def test_bench_model_measures_four_configurations(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]
     assert [(r["context"], r["config"]) for r in rows] == [
-        (c, name) for c in (64, 200) for name in ("kvmetal f16", "kvmetal K8/V4", "mlx-lm KVCache",
+        (c, name) for c in (64, 200) for name in ("kvmetal f32", "kvmetal K8/V4", "mlx-lm KVCache",
                                                   "mlx-lm kv_bits=8")]
     for r in rows:
         assert "error" not in r, r
@@ -107,7 +107,7 @@ def test_bench_model_measures_four_configurations(tmp_path, capsys):
         assert r["peak_memory_bytes"] > 0 and r["kv_bytes"] >= r["kv_used_bytes"] > 0
     by = {(r["context"], r["config"]): r for r in rows}
     # quantized caches hold fewer bytes than float ones at the same context
-    assert by[(200, "kvmetal K8/V4")]["kv_used_bytes"] < by[(200, "kvmetal f16")]["kv_used_bytes"]
+    assert by[(200, "kvmetal K8/V4")]["kv_used_bytes"] < by[(200, "kvmetal f32")]["kv_used_bytes"]
     assert by[(200, "mlx-lm kv_bits=8")]["kv_bytes"] < by[(200, "mlx-lm KVCache")]["kv_bytes"]
 
 

@@ -27,8 +27,10 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Kernels against MLX baselines measured in the same run; with "
                                             "--model, a model end to end next to mlx-lm.")
     p.add_argument("-m", "--model", default=None,
-                   help="an mlx-lm model directory (or Hugging Face repo id): prompt and generation tokens/s, "
-                        "peak memory and KV bytes at several contexts, for kvmetal f16, kvmetal K8/V4, mlx-lm "
+                   help="an mlx-lm model directory, Hugging Face repo id or 'default' (SmolLM2): prompt and generation "
+                        "tokens/s, "
+                        "peak memory and KV bytes at several contexts, for kvmetal f32/f16 (the model's K/V dtype), "
+                        "kvmetal K8/V4, mlx-lm "
                         "KVCache and mlx-lm kv_bits=8")
     p.add_argument("--contexts", default="512,4K,16K",
                    help="with --model: prompt lengths to measure (default 512,4K,16K)")

@@ -4,7 +4,7 @@ For each context length, one prompt of that many tokens (random ids, the same fo
 configuration) is prefilled and ``--gen-tokens`` tokens are generated greedily with
 mlx-lm's ``generate_step`` under four caches, all in this one process:
 
-    kvmetal f16       use_paged_cache(model)                  (the model's float dtype)
+    kvmetal f32/f16   use_paged_cache(model)                  (the dtype of the model's K/V)
     kvmetal K8/V4     use_paged_cache(model, k_bits=8, v_bits=4)
     mlx-lm KVCache    mlx-lm's own cache
     mlx-lm kv_bits=8  mlx-lm's QuantizedKVCache from the first token (quantized_kv_start=0)
@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 CONFIGS = (
-    ("kvmetal f16", dict(paged=True)),
+    ("kvmetal float", dict(paged=True)),  # labelled with the K/V dtype when printed
     ("kvmetal K8/V4", dict(paged=True, k_bits=8, v_bits=4)),
     ("mlx-lm KVCache", dict(paged=False)),
     ("mlx-lm kv_bits=8", dict(paged=False, kv_bits=8)),
@@ -89,8 +89,18 @@ def _fmt(value, kind: str) -> str:
     return f"{value / 2**20:,.1f} MiB"
 
 
+def kv_dtype_label(model) -> str:
+    """``f32``, ``f16`` or ``bf16``: the dtype the model's K/V rows come out in."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]]), cache=cache))
+    dtype = cache[0].state[0].dtype
+    return {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}.get(dtype, str(dtype))
+
+
 def print_table(rows: list, *, header: str) -> None:
-    configs = [name for name, _ in CONFIGS]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     cell = {(r["context"], r["config"]): r for r in rows}
     width = max(16, *(len(c) + 2 for c in configs))
@@ -128,10 +138,12 @@ def main(args, backend: str) -> int:
     group = 64 if shape.head_dim % 64 == 0 else largest_group_size(shape.head_dim)
     rng = np.random.default_rng(0)
     vocab = shape.vocab_size or 1000
+    float_label = f"kvmetal {kv_dtype_label(model)}"
     rows = []
     for context in contexts:
         prompt = [int(t) for t in rng.integers(0, vocab, context)]
         for name, cfg in CONFIGS:
+            name = float_label if name == "kvmetal float" else name
             print(f"[{context} tokens] {name} ...", file=sys.stderr, flush=True)
             try:
                 row = measure(model, prompt, gen_tokens=args.gen_tokens, config=cfg, group_size=group,

@@ -159,7 +159,7 @@ class VarlenFamily:
 
     def point(self) -> dict:
         return dict(dtype=self.dtype, d=self.head_dim, bs=self.block_size, hkv=NUM_KV_HEADS,
-                    g=NUM_HEADS // NUM_KV_HEADS, L=VARLEN_RUN, k=self.k_quant, v=self.v_quant)
+                    g=NUM_HEADS // NUM_KV_HEADS, L=8, k=self.k_quant, v=self.v_quant)  # the decode ops' most
 
     def paths(self, seed: int = 0) -> list:
         from .. import ops

