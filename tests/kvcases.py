@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import kvmetal as kv
 from kvmetal import quant
@@ -178,9 +179,22 @@ def random(rng, shape, dtype):
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
+def skip_unless_available(backend: str) -> tuple:
+    """pytest marks that skip ``backend`` where it cannot run, saying why (so ``-ra`` lists
+    what did not run instead of the case silently disappearing)."""
+    if backend in kv.available_backends():
+        return ()
+    return (pytest.mark.skip(reason=f"the {backend} backend needs an Apple GPU (mx.metal.is_available() is False)"),)
+
+
+def backend_params(backends=("metal", "cpu", "sim")) -> list:
+    """``backends`` as pytest params, those unavailable here skipped with a reason."""
+    return [pytest.param(b, marks=skip_unless_available(b), id=b) for b in backends]
+
+
 def kernel_backends() -> list:
-    """The simulator everywhere; the real Metal backend too on a Mac."""
-    return ["sim"] + (["metal"] if mx.metal.is_available() else [])
+    """The simulator everywhere and the real Metal backend (skipped, with the reason, off a Mac)."""
+    return backend_params(("sim", "metal"))
 
 
 @contextlib.contextmanager
