@@ -29,7 +29,7 @@ import numpy as np
 # the tail is TAIL below the top one.
 CANDIDATE_LOGITS = (4.0, 3.5, 3.0, 2.4, 1.8, 1.0, 0.3, -0.5)
 TAIL = -40.0
-DRAWS = 400
+DRAWS = 300
 # Chi-square test level: with fixed seeds the test is deterministic; at 1e-4 a correct
 # sampler fails for one seed set in 10,000.
 ALPHA = 1e-4

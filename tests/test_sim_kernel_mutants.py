@@ -62,7 +62,7 @@ def test_attention_modes_are_both_covered():
 # head_dim, kv heads, GQA, tokens, query rows, splits, softcap, sinks, K quant, V quant
 CONTIGUOUS = [
     ("view-gqa3-sinks", 64, 2, 3, 50, 1, 3, None, True, None, None),
-    ("view-rows4-k5v2", 64, 1, 2, 41, 4, 2, 6.0, False, (5, 32), (2, 64)),
+    ("view-rows4-k5v2-sinks", 64, 1, 2, 41, 4, 2, 6.0, True, (5, 32), (2, 64)),  # sinks: the reduce maps rows of [B, H, L] to heads
 ]
 
 
