@@ -26,11 +26,15 @@ GQA = (1, 4, 6, 8)
 def matrix(backend):
     """(dtype, head_dim, block_size, gqa): the full product on cpu, a covering subset on sim.
 
-    The subset takes every 7th case: 7 is coprime with the 3 block sizes and the 3 dtypes,
-    so every block size, dtype and head dim appears (a stride of 9 kept block size 8 only)."""
+    The subset pairs every dtype with every block size (9 cases) and walks the head dims
+    and GQA factors along them, so each block size, dtype, head dim and GQA factor appears
+    (a plain stride through the product kept one block size only)."""
     full = list(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES))
     cases = [(d, h, b, GQA[i % len(GQA)]) for i, (d, h, b) in enumerate(full)]
-    return cases if backend != "sim" else cases[::7]
+    if backend != "sim":
+        return cases
+    pairs = itertools.product(DTYPES, BLOCK_SIZES)
+    return [(d, HEAD_DIMS[i % len(HEAD_DIMS)], b, GQA[i % len(GQA)]) for i, (d, b) in enumerate(pairs)]
 
 
 def backend_matrix():
@@ -43,6 +47,7 @@ def test_simulator_subset_covers_every_block_size_dtype_and_head_dim():
     sim = matrix("sim")
     assert {c[2] for c in sim} == set(BLOCK_SIZES)
     assert {c[0] for c in sim} == set(DTYPES) and {c[1] for c in sim} == set(HEAD_DIMS)
+    assert {c[3] for c in sim} == set(GQA)
 
 
 @pytest.fixture(autouse=True)
