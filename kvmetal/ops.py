@@ -208,16 +208,17 @@ def _host(x: mx.array) -> np.ndarray:
 
 def _check_tables(op: str, block_tables, seq_lens, *, num_blocks: int, block_size: int, validate: bool,
                   min_len: int = 1):
-    """Block ids of every used block in range, min_len <= seq_len <= table capacity (on the
-    caller's values, int64 included, before any cast)."""
+    """Block ids of every used block in range, seq_len == 0 (an empty batch slot) or
+    min_len <= seq_len <= table capacity (on the caller's values, int64 included, before
+    any cast)."""
     if not validate:
         return
     tables, lens = _host(block_tables), _host(seq_lens).astype(np.int64)
     capacity = tables.shape[1] * block_size
-    for s in np.flatnonzero((lens < max(1, min_len)) | (lens > capacity))[:1]:
+    for s in np.flatnonzero(((lens != 0) & (lens < max(1, min_len))) | (lens > capacity))[:1]:
         n = lens[s]
-        if n < 1:
-            _fail(op, f"seq_lens[{s}] = {n}: every sequence needs at least one cached token")
+        if n < 0:
+            _fail(op, f"seq_lens[{s}] = {n}: a length must be >= 0")
         if n < min_len:
             _fail(op, f"query holds {min_len} tokens per sequence but seq_lens[{s}] = {n}: the query "
                       f"tokens are the last {min_len} cached positions, so each sequence needs that many")

@@ -45,6 +45,8 @@ def sequence_rows(cache: np.ndarray, block_table, seq_len: int) -> np.ndarray:
     """The ``seq_len`` rows of one sequence: [Hkv, seq_len, D], read token by token."""
     block_size = cache.shape[2]
     rows = [cache[block_table[t // block_size], :, t % block_size, :] for t in range(seq_len)]
+    if not rows:  # an empty sequence (seq_len 0): no rows, nothing attended
+        return np.zeros((cache.shape[1], 0, cache.shape[3]), dtype=cache.dtype)
     return np.stack(rows, axis=1)
 
 
@@ -54,7 +56,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
 
     The L query rows of a sequence are its last L cached positions: row ``l`` sits at
     ``p = seq_len - L + l`` and sees positions ``t <= p`` (and ``t > p - sliding_window``).
-    A row that sees no token (L > seq_len) outputs zeros.
+    A row that sees no token (seq_len 0, or L > seq_len) outputs zeros, sinks or not.
     """
     q = to_f64(query)
     single = q.ndim == 3
@@ -142,6 +144,7 @@ def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=Non
 
 
 def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len=None):
+    """[S, Hkv, max_len, D] each; rows past seq_len (all of them for seq_len 0) are zero."""
     kc, vc = to_f64(key_cache), to_f64(value_cache)
     tables, lens = to_int(block_tables), to_int(seq_lens)
     num_seqs = tables.shape[0]

@@ -15,28 +15,49 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import kvmetal as kv
 from kvmetal import quant
 
-# max |out - oracle| / max |oracle|, per docs/design.md
+# max |out - oracle| / max |oracle| over each output row, per docs/design.md
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SEEDS = (0, 1)  # simulator schedule seeds (and data seeds) of the kernel tests
 
 
-def rel_error(out, ref) -> float:
-    """max |out - ref| / max |ref|; fails on NaN/inf in ``out`` (a read of a poisoned slot)."""
+def row_errors(out, ref) -> np.ndarray:
+    """max |out - ref| / max |ref| over the last axis, one value per row: per (sequence,
+    query row, head) for attention outputs, per (sequence, kv head, token) for gathered or
+    cached rows. A batch-wide scale would let a row with small outputs (a long sequence's
+    average) hide behind a row with large ones (a one-token sequence). A row whose oracle
+    is all zero (nothing to attend, a row past seq_len) must be exactly zero. Fails on
+    NaN/inf in ``out`` (a read of a poisoned slot)."""
     out = np.array(out.astype(mx.float32), dtype=np.float64) if isinstance(out, mx.array) else out
-    ref = np.asarray(ref, dtype=np.float64)
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert np.isfinite(out).all(), "output has NaN/inf (a kernel read a poisoned slot?)"
-    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+    if out.ndim == 0:
+        out, ref = out[None], ref[None]
+    diff = np.abs(out - ref).max(axis=-1)
+    scale = np.abs(ref).max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(scale > 0, diff / np.where(scale > 0, scale, 1.0), np.where(diff > 0, np.inf, 0.0))
+
+
+def rel_error(out, ref) -> float:
+    """The worst row's error (see :func:`row_errors`)."""
+    errors = row_errors(out, ref)
+    return float(errors.max()) if errors.size else 0.0
 
 
 def assert_close(out, ref, dtype, factor: float = 1.0):
-    err = rel_error(out, ref)
-    assert err <= TOLERANCE[dtype] * factor, f"relative error {err:.3g} > {TOLERANCE[dtype] * factor:.3g}"
+    errors = row_errors(out, ref)
+    budget = TOLERANCE[dtype] * factor
+    if errors.size and errors.max() > budget:
+        worst = np.unravel_index(int(np.argmax(errors)), errors.shape)
+        raise AssertionError(f"relative error {errors.max():.3g} > {budget:.3g} in row {tuple(map(int, worst))} "
+                             f"(of {errors.shape}; {int((errors > budget).sum())} rows over budget)")
 
 
 @dataclass
@@ -158,9 +179,22 @@ def random(rng, shape, dtype):
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
+def skip_unless_available(backend: str) -> tuple:
+    """pytest marks that skip ``backend`` where it cannot run, saying why (so ``-ra`` lists
+    what did not run instead of the case silently disappearing)."""
+    if backend in kv.available_backends():
+        return ()
+    return (pytest.mark.skip(reason=f"the {backend} backend needs an Apple GPU (mx.metal.is_available() is False)"),)
+
+
+def backend_params(backends=("metal", "cpu", "sim")) -> list:
+    """``backends`` as pytest params, those unavailable here skipped with a reason."""
+    return [pytest.param(b, marks=skip_unless_available(b), id=b) for b in backends]
+
+
 def kernel_backends() -> list:
-    """The simulator everywhere; the real Metal backend too on a Mac."""
-    return ["sim"] + (["metal"] if mx.metal.is_available() else [])
+    """The simulator everywhere and the real Metal backend (skipped, with the reason, off a Mac)."""
+    return backend_params(("sim", "metal"))
 
 
 @contextlib.contextmanager

@@ -72,14 +72,51 @@ class Walk:
                 assert np.array_equal(got_v[t], -want), f"seq {seq} position {t}: wrong V row"
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_walk_keeps_every_sequences_rows(seed):
+def cut_shared(w: Walk, seq, rng) -> bool:
+    """The pattern behind the first reliability defect, as four walk steps: a twin shares
+    every block of ``seq``; ``seq`` is truncated into a full (published) shared block; the
+    twin is freed (the block is ``seq``'s alone, still published); ``seq`` appends (its
+    rows must not land in the published block); a new sequence with the old prefix then
+    finds that block by its hash and must read the old rows. False if ``seq`` has no full
+    block to cut into."""
+    ids = w.tokens[seq]
+    full = len(ids) // BS
+    table = w.cache.allocator.block_table(seq)
+    if full == 0 or HOLE in table:
+        return False
+    n = int(rng.integers(0, full)) * BS + int(rng.integers(1, BS))  # inside a full block
+    twin, w.next_id = w.next_id, w.next_id + 1
+    w.cache.fork(seq, twin)
+    w.tokens[twin] = list(ids)
+    old = list(ids)
+
+    def truncate():
+        w.cache.truncate(seq, n)
+        del w.tokens[seq][n:]
+
+    def free_twin():
+        w.cache.free(twin)
+        del w.tokens[twin]
+
+    for step in (truncate, free_twin,
+                 lambda: w.append(seq, [int(t) for t in rng.integers(3, 6, int(rng.integers(1, BS)))]),
+                 lambda: w.add(old[: (n // BS + 1) * BS] + [int(rng.integers(0, 3))])):
+        step()
+        w.check()
+    return True
+
+
+def walk(seed: int, steps: int = 250, cut_weight: int = 2) -> Walk:
+    """``steps`` random operations, checked after each; ``cut_weight`` (out of 8 + it)
+    biases the walk toward :func:`cut_shared`."""
     w = Walk(num_blocks=20, seed=seed)
+    w.cuts = 0
     rng = w.rng
     prefixes = [[int(t) for t in rng.integers(0, 3, 20)] for _ in range(2)]
-    for _ in range(250):
+    ops = ["add", "add", "append", "append", "fork", "free", "truncate", "evict"] + ["cut"] * cut_weight
+    for _ in range(steps):
         seqs = sorted(w.tokens)
-        op = rng.choice(["add", "add", "append", "append", "fork", "free", "truncate", "evict"]) if seqs else "add"
+        op = rng.choice(ops) if seqs else "add"
         seq = seqs[rng.integers(len(seqs))] if seqs else None
         if op == "add":
             head = prefixes[rng.integers(2)][: rng.integers(1, 21)]
@@ -100,7 +137,50 @@ def test_random_walk_keeps_every_sequences_rows(seed):
             n = int(rng.integers(0, limit + 1))
             w.cache.truncate(seq, n)
             del w.tokens[seq][n:]
+        elif op == "cut":
+            w.cuts += cut_shared(w, seq, rng)
         else:
             w.cache.evict(seq, window=int(rng.integers(1, 20)))
         w.check()
-    assert w.cache.allocator.prefix_hit_blocks > 10
+    return w
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walk_keeps_every_sequences_rows(seed):
+    w = walk(seed)
+    assert w.cache.allocator.prefix_hit_blocks > 8 and w.cuts >= 5
+
+
+def _old_immutability_bug(monkeypatch):
+    """Reintroduce the first reliability defect (before commit 52b3f3b): an append into a
+    partly filled block copies it only while it is shared and never unpublishes it, and
+    truncate unpublishes only a block that is unshared at that moment."""
+    from kvmetal.cache import BlockAllocator
+
+    def make_last_block_writable(self, seq):
+        last = seq.blocks[-1]
+        if self.refcount[last] > 1:
+            fresh = self._take(1)[0]
+            self._release(last)
+            seq.blocks[-1] = fresh
+            return [(last, fresh)]
+        return []
+
+    truncate = BlockAllocator.truncate
+
+    def old_truncate(self, seq_id, num_tokens):
+        truncate(self, seq_id, num_tokens)
+        seq = self._seqs[seq_id]
+        if num_tokens % self.block_size and seq.blocks and self.refcount[seq.blocks[-1]] == 1:
+            self._unpublish(seq.blocks[-1])
+
+    monkeypatch.setattr(BlockAllocator, "_make_last_block_writable", make_last_block_writable)
+    monkeypatch.setattr(BlockAllocator, "truncate", old_truncate)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_walk_catches_the_prefix_sharing_immutability_bug(monkeypatch, seed):
+    """A test of the test: with the old allocator behaviour every seed's walk fails."""
+    _old_immutability_bug(monkeypatch)
+    with pytest.raises(AssertionError, match="wrong K row"):
+        walk(seed)

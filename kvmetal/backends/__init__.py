@@ -17,7 +17,8 @@ Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
                     scale: float, softcap: float | None, sliding_window: int | None,
                     sinks: mx.array | None, num_splits: int | None)
         query [S, L, H, D], 1 <= L <= 8 (ops reshapes a one-token [S, H, D] query);
-        block_tables int32 [S, max_blocks]; seq_lens int32 [S] (>= 1)
+        block_tables int32 [S, max_blocks]; seq_lens int32 [S] (>= 0; 0 is an empty
+        slot: its table row is never read and its rows are zero, sinks or not)
         sinks float32 [H] or None -> out in the query's shape and dtype
         query row l sits at position seq_len - L + l and sees t <= that position
         (and t > position - sliding_window)
@@ -38,6 +39,7 @@ Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
     gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len: int)
         -> (keys, values) [S, Hkv, max_len, D] in the cache's float dtype
            (QuantizedKV.dtype for a quantized cache); rows past seq_len are zero
+           (every row for seq_len 0)
 
     decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits)
         query [B, H, L, D], 1 <= L <= 8; keys, values [B, Hkv, T, D]

@@ -1,0 +1,137 @@
+"""A small, strict simulator suite for every kernel of kernels/*.metal: the test set
+``tools/mutate_kernels.py`` runs against each kernel mutant (and an ordinary part of
+the suite).
+
+Few specialisations (each one is a compile per mutant), float32 wherever the kernel
+allows it (budget 1e-5, so a dropped rescale or a wrong scale cannot hide in rounding),
+both attention modes (register: rows fit in registers; shared: more query rows than
+that, tiles in threadgroup memory), multi-token queries, windows, softcap, sinks,
+uneven split counts, quantized K/V with codes that straddle words, strided views, and
+bit-exact writes. Test names carry the kernel family (``attention``, ``write``,
+``gather``, ``copy``) so the mutation tool can pick the tests of the file it mutated.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvmetal as kv
+from kvmetal import quant
+from kvmetal import reference as ref
+from kvmetal.backends import metal
+from kvcases import maybe_quantize, paged_attention_inputs, paged_cache, random, run_checked, run_on
+
+f32, f16 = mx.float32, mx.float16
+
+# head_dim, block_size, kv heads, GQA, lens, query rows (None: 3-D query), splits, softcap, sinks,
+# window, K quant, V quant, dtype
+PAGED = [
+    ("register-gqa4-sinks", 64, 8, 2, 4, (1, 37, 70), None, 3, None, True, None, None, None, f32),
+    ("register-window-softcap-empty", 64, 16, 1, 1, (45, 0, 100), None, 2, 5.0, False, 20, None, None, f32),
+    ("shared-rows3-window-sinks", 64, 32, 1, 8, (40, 67), 3, 2, None, True, 9, None, None, f32),
+    ("register-rows2-k3v6", 64, 16, 1, 2, (29, 66), 2, 3, None, False, None, (3, 32), (6, 32), f32),
+    ("shared-rows2-k8v4-f16", 128, 8, 2, 8, (50, 9), 2, 2, 8.0, True, None, (8, 64), (4, 64), f16),
+]
+
+
+@pytest.mark.parametrize("case", PAGED, ids=[c[0] for c in PAGED])
+def test_attention_paged(case):
+    _, head_dim, block_size, kv_heads, gqa, lens, rows, splits, softcap, use_sinks, window, kq, vq, dtype = case
+    rng = np.random.default_rng(head_dim + gqa + len(lens))
+    query, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=lens, num_kv_heads=kv_heads, gqa=gqa, head_dim=head_dim, block_size=block_size, dtype=dtype,
+        k_quant=kq, v_quant=vq, use_sinks=use_sinks, query_len=rows)
+    options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
+    expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
+    run_checked("sim", kv.paged_attention, expected, query, kc, vc, tables, seq_lens, num_splits=splits,
+                kernel="paged_attention_partials", **options)
+
+
+def test_attention_modes_are_both_covered():
+    """The PAGED rows named register/shared run in that mode (a mutant in either is seen)."""
+    for name, head_dim, block_size, kv_heads, gqa, lens, rows, *_ , kq, vq, dtype in PAGED:
+        q = mx.zeros((len(lens), rows or 1, kv_heads * gqa, head_dim), dtype=dtype)
+        kc = maybe_quantize(mx.zeros((2, kv_heads, block_size, head_dim), dtype=dtype), kq)
+        vc = maybe_quantize(mx.zeros((2, kv_heads, block_size, head_dim), dtype=dtype), vq)
+        layout = metal.layout_for(q, kc, vc, paged=True)
+        shared = layout.rows_per_simdgroup < gqa * (rows or 1)
+        assert shared == name.startswith("shared"), (name, layout)
+
+
+# head_dim, kv heads, GQA, tokens, query rows, splits, softcap, sinks, K quant, V quant
+CONTIGUOUS = [
+    ("view-gqa3-sinks", 64, 2, 3, 50, 1, 3, None, True, None, None),
+    ("view-rows4-k5v2-sinks", 64, 1, 2, 41, 4, 2, 6.0, True, (5, 32), (2, 64)),  # sinks: the reduce maps rows of [B, H, L] to heads
+]
+
+
+@pytest.mark.parametrize("case", CONTIGUOUS, ids=[c[0] for c in CONTIGUOUS])
+def test_attention_decode_view(case):
+    _, head_dim, kv_heads, gqa, tokens, rows, splits, softcap, use_sinks, kq, vq = case
+    rng = np.random.default_rng(tokens)
+    base_k = random(rng, (2, kv_heads + 1, tokens + 5, head_dim), f32)
+    base_v = random(rng, (2, kv_heads + 1, tokens + 5, head_dim), f32)
+    keys, values = base_k[:, 1:, 2:2 + tokens], base_v[:, 1:, 2:2 + tokens]  # strided views
+    keys, values = maybe_quantize(keys, kq), maybe_quantize(values, vq)
+    query = random(rng, (2, kv_heads * gqa, rows, head_dim), f32)
+    sinks = mx.array(rng.standard_normal(kv_heads * gqa).astype(np.float32)) if use_sinks else None
+    expected = ref.decode_attention(query, keys, values, softcap=softcap, sinks=sinks)
+    run_checked("sim", kv.decode_attention, expected, query, keys, values, softcap=softcap, sinks=sinks,
+                num_splits=splits, kernel="decode_attention_partials")
+
+
+@pytest.mark.parametrize("qspec", [None, (3, 32)], ids=["float", "k3"])
+def test_gather_rows(qspec):
+    rng = np.random.default_rng(5)
+    kc, vc, tables, seq_lens = paged_cache(rng, lens=(1, 37, 16), num_kv_heads=2, head_dim=64, block_size=8,
+                                           dtype=f32)
+    kc = maybe_quantize(kc, qspec)
+    expected = ref.gather_kv_cache(kc, vc, tables, seq_lens, max_len=44)
+    with run_on("sim", seed=1):
+        keys, values = kv.gather_kv_cache(kc, vc, tables, seq_lens, max_len=44)
+        mx.eval(keys, values)
+    # float rows are copies; dequantized rows are MLX's affine map in float32
+    np.testing.assert_allclose(np.array(keys), expected[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.array(values), expected[1])
+
+
+@pytest.mark.parametrize("bits,group_size,rows_dtype", [(None, None, f32), (8, 64, f32), (3, 32, f16),
+                                                        (5, 32, f32)], ids=["convert", "q8", "q3", "q5"])
+def test_write_rows_bit_exact(bits, group_size, rows_dtype):
+    rng = np.random.default_rng(bits or 0)
+    slots = [5, -1, 0, 17, 30, 12]
+    rows = random(rng, (len(slots), 2, 64), rows_dtype) * 3
+    rows = mx.concatenate([rows[:-1], mx.full((1, 2, 64), 0.75, dtype=rows_dtype)])  # a constant row
+    cache = random(rng, (4, 2, 8, 64), f16)
+    if bits is not None:
+        cache = quant.quantize(cache, bits=bits, group_size=group_size)
+    with run_on("sim", seed=1):
+        new, _ = kv.reshape_and_cache(rows, rows, cache, cache, mx.array(np.array(slots, np.int32)))
+        mx.eval(*(new.arrays() if bits else (new,)))
+    if bits is None:
+        fresh, before, after = (rows.astype(f16),), (cache,), (new,)
+    else:
+        q = quant.quantize(rows.astype(f32), bits=bits, group_size=group_size)
+        fresh, before, after = (q.data, q.scales.astype(f16), q.biases.astype(f16)), cache.arrays(), new.arrays()
+    for want_rows, old, got in zip(fresh, before, after):
+        want = np.array(old).copy()
+        for t, slot in enumerate(slots):
+            if slot >= 0:
+                want[slot // 8, :, slot % 8] = np.array(want_rows)[t]
+        np.testing.assert_array_equal(np.array(got), want)
+
+
+def test_copy_blocks_exact():
+    rng = np.random.default_rng(6)
+    kc = quant.quantize(random(rng, (6, 2, 8, 64), f16), bits=4, group_size=32)
+    vc = random(rng, (6, 2, 8, 64), f32)
+    src, dst = mx.array([0, 3, 3], dtype=mx.int32), mx.array([5, 1, 2], dtype=mx.int32)
+    expected = ref.copy_blocks(kc, vc, src, dst)
+    with run_on("sim", seed=1):
+        new_k, new_v = kv.copy_blocks(kc, vc, src, dst)
+    for got, want in zip((new_k, new_v), expected):
+        assert np.array_equal(ref.to_f64(got), want)
+    old = kc.arrays()
+    for part, got in zip(old, new_k.arrays()):
+        np.testing.assert_array_equal(np.array(got)[[5, 1, 2]], np.array(part)[[0, 3, 3]])

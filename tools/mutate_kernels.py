@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Kernel mutation score: apply one-token mutations to kernels/*.metal, one at a time,
+and run the simulator kernel tests against each; a mutant is killed when a test fails.
+
+    python tools/mutate_kernels.py                      # every mutant, table on stdout
+    python tools/mutate_kernels.py --write report.md    # also write the table
+    python tools/mutate_kernels.py --only causal- --list
+
+Each mutant replaces one snippet of one kernel file (off-by-ones in the causal, window
+and split bounds, a dropped rescale, swapped K/V scale and bias, a wrong shuffle offset,
+a skipped merge term, a wrong group index, quantizer and packing slips...). The mutated
+copy of kernels/ goes to a temporary directory and a small pytest plugin points
+``kvmetal.backends.metal.kernel_dirs`` at it, so the installed package is untouched. The
+tests are tests/test_sim_kernel_mutants.py (few specialisations, strict float32 checks),
+narrowed to the kernel family of the mutated file, run with ``-x``: the first failure
+kills the mutant. A mutant the tests cannot kill is a survivor: kill it with a new test,
+or list it in EQUIVALENT with the reason it cannot change any output.
+
+Run it from the repository root with kvmetal installed (``pip install .``); it needs
+g++ (the simulator) and takes about 20-60 s per mutant on a quiet 2-core machine.
+Not part of CI.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_MODULE = "tests/test_sim_kernel_mutants.py"
+# Tests of each kernel file (pytest -k); the common header reaches every kernel.
+TESTS_FOR = {
+    "attention.metal": "attention",
+    "cache_write.metal": "write",
+    "cache_copy.metal": "gather or copy",
+    "kvmetal_common.h": "",
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    old: str
+    new: str
+    what: str
+
+
+M = Mutant
+MUTANTS = [
+    # --- attention.metal: bounds
+    M("causal-lt", "attention.metal", "ok && t <= st.pos[r] &&", "ok && t < st.pos[r] &&",
+      "causal bound off by one (a row misses its own token)"),
+    M("causal-plus1", "attention.metal", "ok && t <= st.pos[r] &&", "ok && t <= st.pos[r] + 1 &&",
+      "causal bound off by one (a row sees the next token)"),
+    M("window-ge", "attention.metal", "t > st.pos[r] - window)", "t >= st.pos[r] - window)",
+      "window bound off by one (one token too many)"),
+    M("window-first", "attention.metal", "max(0, len - L + 1 - window)", "max(0, len - L + 2 - window)",
+      "split range starts one token inside the window"),
+    M("split-hi", "attention.metal", "r.hi = min(len, begin + per);", "r.hi = min(len - 1, begin + per);",
+      "split range drops the last token"),
+    M("split-per", "attention.metal", "(units + num_splits - 1) / num_splits * 32", "units / num_splits * 32",
+      "split length rounds down (tokens fall between splits)"),
+    M("len-clamp", "attention.metal", "clamp(seq_lens[seq], 0, p.max_blocks * BS)",
+      "clamp(seq_lens[seq], 1, p.max_blocks * BS)", "an empty sequence reads one token"),
+    M("decode-len", "attention.metal", "const int len = p.num_tokens;", "const int len = p.num_tokens - 1;",
+      "contiguous decode drops the last key"),
+    # --- attention.metal: online softmax and merges
+    M("rescale-l", "attention.metal", "st.l[r] *= correction;", ";", "dropped rescale of the running sum"),
+    M("rescale-o", "attention.metal", "st.o[r][c][j] *= correction;", ";",
+      "dropped rescale of the accumulator"),
+    M("rescale-ob", "attention.metal", "st.ob[r][c] *= correction;", ";",
+      "dropped rescale of the V-bias accumulator"),
+    M("k-scale-bias", "attention.metal", "k.sb[c].x * d + k.sb[c].y * st.qsum[r][c]",
+      "k.sb[c].y * d + k.sb[c].x * st.qsum[r][c]", "K scale and bias swapped"),
+    M("v-scale", "attention.metal", "p * v.sb[c].x : p;", "p * v.sb[c].y : p;", "V scale read from the bias"),
+    M("v-bias", "attention.metal", "st.ob[r][c] += p * v.sb[c].y;", "st.ob[r][c] += p * v.sb[c].x;",
+      "V bias read from the scale"),
+    M("dot-shuffle", "attention.metal", "for (int off = 1; off < LPK; off <<= 1) {\n      s +=",
+      "for (int off = 2; off < LPK; off <<= 1) {\n      s +=", "dot-product shuffle skips offset 1"),
+    M("max-shuffle", "attention.metal", "for (int off = LPK; off < 32; off <<= 1) {\n      m_pass",
+      "for (int off = LPK; off < 16; off <<= 1) {\n      m_pass", "pass max misses the far key groups"),
+    M("sum-shuffle", "attention.metal", "for (int off = LPK; off < 32; off <<= 1) {\n    for (int r = 0; r < RPS; r++) {",
+      "for (int off = LPK; off < 16; off <<= 1) {\n    for (int r = 0; r < RPS; r++) {",
+      "key-group sums miss half the groups"),
+    M("softcap-log2e", "attention.metal", "s = softcap * KV_LOG2E * tanh(s / softcap);",
+      "s = softcap * tanh(s / softcap);", "softcap score left in natural-log units"),
+    M("qscale", "attention.metal", "softcap > 0.0f ? scale : scale * KV_LOG2E", "softcap > 0.0f ? scale : scale",
+      "query not pre-scaled to log2 units"),
+    M("merge-sum", "attention.metal", "merge_stats[(s * RPS + r) * 2 + 1] * mg.scale_b",
+      "merge_stats[(s * RPS + r) * 2 + 1] * mg.scale_a", "simdgroup merge scales a sum by the wrong max"),
+    M("merge-mine", "attention.metal", "const float mine = exp2(st.m[r] - m);",
+      "const float mine = exp2(m - st.m[r]);", "simdgroup merge rescale inverted"),
+    M("merge-skip", "attention.metal", "for (int s = 1; s < NSG; s++) {\n                for (int e",
+      "for (int s = 2; s < NSG; s++) {\n                for (int e", "simdgroup merge skips a term"),
+    M("reduce-skip", "attention.metal", "for (int s = 0; s < num_splits; s++) {", "for (int s = 1; s < num_splits; s++) {",
+      "split reduce skips the first split"),
+    M("reduce-sum", "attention.metal", "part_sum[at] * mg.scale_b", "part_sum[at] * mg.scale_a",
+      "split reduce scales a sum by the wrong max"),
+    M("sink-log2e", "attention.metal", "m = sinks[head] * KV_LOG2E;", "m = sinks[head];",
+      "sink logit left in natural-log units"),
+    M("sink-denom", "attention.metal", "  denom = 1.0f;\n}", "  denom = 0.0f;\n}", "sink dropped from the denominator"),
+    M("sink-head", "attention.metal", "const int head = (row / p.head_div) % p.num_heads;",
+      "const int head = row % p.num_heads;", "reduce reads the wrong head's sink"),
+    M("empty-row", "attention.metal", "denom > 0.0f ? 1.0f / denom : 0.0f", "denom >= 0.0f ? 1.0f / denom : 0.0f",
+      "a row that sees nothing divides by zero"),
+    M("gqa-head0", "attention.metal", "kvh * G, D, p.num_heads * D", "kvh, D, p.num_heads * D",
+      "paged kernel reads the wrong query heads (group index)"),
+    M("gqa-row", "attention.metal", "const int g = row / L;", "const int g = row % L;",
+      "query row mapped to the wrong head of the group"),
+    M("tile-barrier", "attention.metal", "threadgroup_barrier(mem_flags::mem_threadgroup);\n      buffer ^= 1;",
+      "buffer ^= 1;", "shared mode: tile reused before every simdgroup is done with it"),
+    M("tile-buffer", "attention.metal", "buffer ^= 1;", "buffer ^= 0;", "shared mode: double buffer never flips"),
+    # --- cache_write.metal
+    M("q-low-edge", "cache_write.metal", "fabs(w_min) > fabs(w_max)", "fabs(w_min) >= fabs(w_max)",
+      "quantizer picks the low edge on a tie"),
+    M("q-min-scale", "cache_write.metal", "1e-7f);", "1e-6f);", "quantizer's scale floor"),
+    M("q-edge-round", "cache_write.metal", "rint(edge / scale)", "floor(edge / scale)",
+      "quantizer rounds the edge code down"),
+    M("q-clamp", "cache_write.metal", "0.0f, n_bins);", "0.0f, n_bins - 1.0f);", "quantizer drops the top code"),
+    M("q-pack-flush", "cache_write.metal", "if (have >= 32) {", "if (have > 32) {",
+      "packer misses a word that fills exactly"),
+    M("q-scale-out", "cache_write.metal", "scale_out[0] = static_cast<TS>(scale);",
+      "scale_out[0] = static_cast<TS>(bias);", "scale written as the bias"),
+    M("convert-chunk", "cache_write.metal", "* D + chunk * 4;", "* D + chunk * 2;",
+      "conversion writes the wrong elements"),
+    # --- cache_copy.metal
+    M("gather-len", "cache_copy.metal", "if (tok < len &&", "if (tok <= len &&", "gather reads one row past seq_len"),
+    M("gather-zero", "cache_copy.metal", "static_cast<TE>(0.0f);", "static_cast<TE>(1.0f);",
+      "rows past seq_len are not zero"),
+    M("copy-src", "cache_copy.metal", "blocks[size_t(src[i]) * width + elem]", "blocks[size_t(src[i]) * width]",
+      "block copy repeats one element"),
+    # --- kvmetal_common.h
+    M("merge-helper", "kvmetal_common.h", "r.scale_b = exp2(m_b - r.m);", "r.scale_b = exp2(m_a - r.m);",
+      "softmax merge scales the second state by the first max"),
+    M("unpack-straddle", "kvmetal_common.h", "if (sh + BITS > 32) {", "if (sh + BITS >= 32) {",
+      "unpack joins the next word when a code ends on a word boundary"),
+    M("unpack-mask", "kvmetal_common.h", "return float(v & ((1u << BITS) - 1u));", "return float(v & (1u << BITS));",
+      "unpack mask keeps the wrong bit"),
+    M("dequant-shift", "kvmetal_common.h", "window >>= BITS;", "window >>= BITS - 1;",
+      "gather dequantizer steps by one bit too few"),
+]
+
+# Survivors that no simulator test can kill, with the reason. The other survivors of the
+# first run (sink-head) were killed by new tests in tests/test_sim_kernel_mutants.py.
+EQUIVALENT = {
+    "unpack-straddle": "equivalent: when a code ends on a word boundary the next word is shifted up by BITS, "
+                       "and the final mask clears those bits (the value cannot change)",
+    "tile-barrier": "not observable on the simulator: its scheduler runs simdgroups in lockstep rounds (one "
+                    "collective per round) and every simdgroup meets the same collectives per tile, so the last "
+                    "tile read always precedes the next load; on a GPU this is a real race (a Mac run decides)",
+}
+
+PLUGIN = '''
+"""pytest plugin (written by tools/mutate_kernels.py): read kernels from KVMETAL_MUTANT_KERNELS."""
+import os
+from pathlib import Path
+
+
+def pytest_configure(config):
+    from kvmetal.backends import metal
+
+    directory = Path(os.environ["KVMETAL_MUTANT_KERNELS"])
+    metal.kernel_dirs = lambda: [directory]
+    metal.family_source.cache_clear()
+    metal.kernel_text.cache_clear()
+'''
+
+
+def apply(mutant: Mutant, source: Path, target: Path) -> bool:
+    """Copy kernels/ to ``target`` with ``mutant`` applied; False if its snippet is gone."""
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(source, target)
+    path = target / mutant.file
+    text = path.read_text()
+    if mutant.old not in text:
+        return False
+    path.write_text(text.replace(mutant.old, mutant.new, 1))
+    return True
+
+
+def run_tests(kernels: Path, plugin_dir: Path, cache: Path, keyword: str, timeout: float) -> tuple:
+    """(returncode, first failing test or '', seconds)."""
+    env = dict(os.environ, KVMETAL_MUTANT_KERNELS=str(kernels), KVMETAL_SIM_CACHE=str(cache),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")])))
+    cmd = ["pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "kvmetal_mutant_plugin", TEST_MODULE]
+    if keyword:
+        cmd += ["-k", keyword]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, "timeout (a hang counts as killed)", time.monotonic() - start
+    first = next((line.split(" - ")[0] for line in proc.stdout.splitlines()
+                  if line.startswith(("FAILED", "ERROR"))), "")
+    return proc.returncode, first.replace(TEST_MODULE + "::", ""), time.monotonic() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run the mutants whose name starts with one of these (comma-separated)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--write", help="also write the markdown table to this file")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutant (a hang is a kill)")
+    parser.add_argument("--cache", help="simulator build cache (default: a fresh temporary directory)")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if any(m.name.startswith(p) for p in args.only.split(","))]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:16s} {m.file:18s} {m.what}")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="kvmetal-mutants-"))
+    (work / "kvmetal_mutant_plugin.py").write_text(PLUGIN)
+    cache = Path(args.cache) if args.cache else work / "sim-cache"
+    source = ROOT / "kernels"
+    rows = []
+
+    def report(line: str):
+        print(line, flush=True)
+
+    # The unmutated kernels must pass, or every "kill" would mean nothing.
+    apply(Mutant("baseline", "attention.metal", "", "", ""), source, work / "kernels")
+    code, first, seconds = run_tests(work / "kernels", work, cache, "", args.timeout)
+    if code != 0:
+        report(f"baseline FAILS ({first}); fix the tests first")
+        return 1
+    report(f"baseline passes ({seconds:.0f} s)")
+    for m in mutants:
+        if not apply(m, source, work / "kernels"):
+            rows.append((m, "not applicable", "snippet not in the kernel (the kernel changed)", 0.0))
+            report(f"{m.name:16s} not applicable")
+            continue
+        code, first, seconds = run_tests(work / "kernels", work, cache, TESTS_FOR[m.file], args.timeout)
+        if code == 0:
+            status = "equivalent" if m.name in EQUIVALENT else "SURVIVED"
+            first = EQUIVALENT.get(m.name, "no test failed")
+        else:
+            status = "killed"
+        rows.append((m, status, first, seconds))
+        report(f"{m.name:16s} {status:10s} {seconds:5.0f} s  {first}")
+    shutil.rmtree(work, ignore_errors=True)
+    applicable = [r for r in rows if r[1] != "not applicable"]
+    killed = sum(r[1] == "killed" for r in applicable)
+    survivors = [r for r in applicable if r[1] == "SURVIVED"]
+    equivalent = sum(r[1] == "equivalent" for r in applicable)
+    scored = len(applicable) - equivalent
+    lines = ["| mutant | file | mutation | result | first failing test |", "|---|---|---|---|---|"]
+    lines += [f"| {m.name} | {m.file} | {m.what} | {status} | {first} |" for m, status, first, _ in rows]
+    summary = (f"{len(applicable)} mutants applied, {killed} killed, {len(survivors)} survived, "
+               f"{equivalent} equivalent: score {killed / max(scored, 1):.0%} of non-equivalent mutants")
+    table = "\n".join(lines + ["", summary])
+    print("\n" + table)
+    if args.write:
+        Path(args.write).write_text(table + "\n")
+    return 0 if not survivors else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
