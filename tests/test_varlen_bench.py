@@ -1,4 +1,4 @@
-"""`kvmetal bench --cases prefill`: chunked prefill, kvmetal varlen next to gather + SDPA."""
+"""`kvmetal bench --cases prefill_chunked`: chunked prefill, kvmetal varlen next to gather + SDPA."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +12,7 @@ def test_prefill_case_reports_time_peak_memory_and_the_baseline():
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(["bench", "--json", "--backend", "cpu", "--tokens", "700", "--repeat", "1",
-                         "--cases", "prefill"])
+                         "--cases", "prefill_chunked"])
     assert code == 0, err.getvalue()
     (row,) = json.loads(out.getvalue())["results"]
     assert row["name"] == "prefill_varlen_f16 T=700 chunk=512"

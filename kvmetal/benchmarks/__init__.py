@@ -17,7 +17,7 @@ import sys
 import mlx.core as mx
 
 from .. import backends, chips
-from .cases import CASES, run_case
+from .cases import CASES, OPT_IN, run_case
 from .provenance import provenance
 from .timing import read_bandwidth_gbps
 
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=backends.BACKENDS, default=None,
                    help="backend to time (default: metal on a Mac, else cpu)")
     p.add_argument("--cases", default=None,
-                   help=f"comma-separated subset of: {', '.join(CASES)} (default: all)")
+                   help=f"comma-separated subset of: {', '.join(CASES)} (default: all but {', '.join(OPT_IN)})")
     p.add_argument("--tokens", type=int, default=32768, help="context length of the decode cases (default 32768)")
     p.add_argument("--repeat", type=int, default=5,
                    help="timed repeats per case (median, min and max reported; default 5)")
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         from .model_bench import main as model_main
 
         return model_main(args, backend)
-    names = list(CASES) if args.cases is None else [c.strip() for c in args.cases.split(",") if c.strip()]
+    names = [n for n in CASES if n not in OPT_IN] if args.cases is None else [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         print(f"kvmetal bench: unknown case(s) {unknown}; choose from {list(CASES)}", file=sys.stderr)
