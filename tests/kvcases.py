@@ -222,3 +222,34 @@ def run1(source, inputs, out_shape, out_dtype=mx.float32, *, grid, threadgroup, 
     (out,) = k(inputs=inputs, output_shapes=[out_shape], output_dtypes=[out_dtype], grid=grid,
                threadgroup=threadgroup, template=template, init_value=init_value, **kw)
     return np.array(out.astype(mx.float32) if out.dtype == mx.bfloat16 else out)
+
+
+def run_case_in_subprocess(module: str, backend: str, name: str):
+    """Runs ``module.CASES[name]()`` on ``backend`` in a fresh interpreter, so a crash
+    (segfault, abort) of a misuse case fails its own test instead of the whole run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
+            f"import kvmetal as kv, {module} as t\n"
+            f"with kv.use_backend({backend!r}):\n"
+            f"    t.CASES[{name!r}]()\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    # From tests/, not the repo root: `import kvmetal` finds the installed package (with _ext).
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=here, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+        f"{name} on {backend}: exit code {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+@pytest.fixture(autouse=True)
+def no_kernels(monkeypatch):
+    """Import into an error-test module: any backend call there is a failure, so every
+    check must come before the first kernel."""
+    def refuse(name=None):
+        raise AssertionError("a backend was reached with bad input")
+    monkeypatch.setattr(kv.backends, "get", refuse)

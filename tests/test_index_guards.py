@@ -12,20 +12,14 @@ instead of killing pytest. A case prints "ok" after its own assertions pass.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import kvmetal as kv
 from kvmetal import reference
-from kvcases import backend_params, assert_close, paged_case
+from kvcases import backend_params, assert_close, paged_case, run_case_in_subprocess
 
-HERE = Path(__file__).resolve().parent
 BACKENDS = backend_params()  # metal skipped, with the reason, off a Mac
 
 FAR = 10**6
@@ -230,21 +224,7 @@ CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.start
 
 # ---------------------------------------------------------------- the tests
 
-def _run_in_subprocess(backend: str, name: str):
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
-            "import kvmetal as kv, test_index_guards as t\n"
-            f"with kv.use_backend({backend!r}):\n"
-            f"    t.CASES[{name!r}]()\n"
-            "print('ok')\n")
-    env = dict(os.environ, PYTHONFAULTHANDLER="1")
-    # From tests/, not the repo root: `import kvmetal` finds the installed package (with _ext).
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=HERE, env=env)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
-        f"{name} on {backend}: exit code {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_validate_false_misuse_never_crashes(backend, name):
-    _run_in_subprocess(backend, name)
+    run_case_in_subprocess('test_index_guards', backend, name)
