@@ -320,12 +320,13 @@ def test_kernels_are_built_once_per_specialisation():
     query = random(rng, (1, 4, 64), f16)
     backend = metal.sim_backend()
     assert metal.sim_backend() is backend
+    before = set(backend._kernels)  # other tests in this process may have built kernels already
     with run_on("sim"):
         mx.eval(kv.paged_attention(query, kc, vc, tables, seq_lens))
         built = dict(backend._kernels)
         mx.eval(kv.paged_attention(query * 2, kc, vc, tables, seq_lens))
     assert backend._kernels == built
-    names = [n for n in built if "paged_attention_partials" in n and "_d64_g4_bs8_" in n]
+    names = [n for n in set(built) - before if "paged_attention_partials" in n]
     assert names and all(n.startswith("kvmetal_paged_attention_partials_tkf16") for n in names)
 
 

@@ -296,15 +296,16 @@ def test_kill_9_while_saving_at_random_points_restarts_with_only_whole_segments(
         m = read_metrics(server.url)
         got = [ask(server.url, p) for p in PROBES]
         assert [g["choices"][0]["text"] for g in got] == expected, run
-        if run:  # every restart loads only whole segments, and they hit
-            assert m["kvmetal_prompt_cache_warnings"] == 0, server.output
+        if run and m["kvmetal_prompt_cache_segments"] > 0:  # what a restart loaded, hits
+            # (a kill before the first save leaves nothing to load; that is not a failure)
             assert got[0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         figures.append({"run": run, "segments_loaded": int(m["kvmetal_prompt_cache_segments"]),
                         "blocks_loaded": int(m["kvmetal_prompt_cache_loaded_blocks"]),
                         "discarded_files": int(m["kvmetal_prompt_cache_discarded_files"]),
-                        "skipped_invalid": int(m["kvmetal_prompt_cache_warnings"])})
+                        "warnings": int(m["kvmetal_prompt_cache_warnings"])})
         if run == runs:
             assert server.stop() == 0
+            assert "; skipped" not in server.output, server.output[-3000:]  # no damaged segment found
             break
         stop = threading.Event()
 
@@ -326,6 +327,9 @@ def test_kill_9_while_saving_at_random_points_restarts_with_only_whole_segments(
         for t in threads:
             t.join(30)
         server.stop()
+        # Every restart loads only whole segments: none named by the index was damaged
+        # (a full pool may leave segments on disk, with its own warning: not a failure).
+        assert "; skipped" not in server.output, server.output[-3000:]
         leftovers = [p.name for sub in store.iterdir() for p in sub.iterdir() if p.name.startswith(".tmp")]
         figures[-1]["tmp_files_left_by_kill"] = len(leftovers)
     print("\nkill -9 loop:", json.dumps(figures))
