@@ -65,23 +65,31 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
     kc, vc = to_f64(key_cache), to_f64(value_cache)
     tables, lens = to_int(block_tables), to_int(seq_lens)
     sink_logits = None if sinks is None else to_f64(sinks)
-    num_seqs, num_rows, num_heads, head_dim = q.shape
-    group = num_heads // kc.shape[1]
+    num_seqs, head_dim = q.shape[0], q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else scale
     out = np.zeros_like(q)
     for s in range(num_seqs):
-        keys = sequence_rows(kc, tables[s], lens[s])
-        values = sequence_rows(vc, tables[s], lens[s])
-        for l in range(num_rows):
-            last = int(lens[s]) - num_rows + l          # this row's own position
-            if last < 0:
-                continue
-            first = 0 if sliding_window is None else max(0, last + 1 - sliding_window)
-            for h in range(num_heads):
-                out[s, l, h] = attend(q[s, l, h], keys[h // group, first:last + 1],
-                                      values[h // group, first:last + 1], scale=scale, softcap=softcap,
-                                      sink=None if sink_logits is None else sink_logits[h])
+        out[s] = _last_rows(q[s], kc, vc, tables[s], lens[s], scale=scale, softcap=softcap,
+                            sliding_window=sliding_window, sink_logits=sink_logits)
     return out[:, 0] if single else out
+
+
+def _last_rows(q, kc, vc, table, seq_len, *, scale, softcap, sliding_window, sink_logits) -> np.ndarray:
+    """One sequence's query rows q [n, H, D] as its last n cached positions, each
+    attending causally (and within the window); rows that see nothing stay zero."""
+    num_rows, num_heads = q.shape[0], q.shape[1]
+    group = num_heads // kc.shape[1]
+    keys, values = sequence_rows(kc, table, seq_len), sequence_rows(vc, table, seq_len)
+    out = np.zeros_like(q)
+    for i in range(num_rows):
+        last = int(seq_len) - num_rows + i          # this row's own position
+        if last < 0:
+            continue
+        first = 0 if sliding_window is None else max(0, last + 1 - sliding_window)
+        for h in range(num_heads):
+            out[i, h] = attend(q[i, h], keys[h // group, first:last + 1], values[h // group, first:last + 1],
+                               scale=scale, softcap=softcap, sink=None if sink_logits is None else sink_logits[h])
+    return out
 
 
 def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *,
@@ -96,25 +104,16 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens
     kc, vc = to_f64(key_cache), to_f64(value_cache)
     tables, lens, starts = to_int(block_tables), to_int(seq_lens), to_int(query_start_loc)
     sink_logits = None if sinks is None else to_f64(sinks)
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // kc.shape[1]
+    head_dim = q.shape[2]
     scale = head_dim ** -0.5 if scale is None else scale
     out = np.zeros_like(q)
     for s in range(tables.shape[0]):
         first_row, num_rows = int(starts[s]), int(starts[s + 1] - starts[s])
         if num_rows == 0:
             continue
-        keys = sequence_rows(kc, tables[s], lens[s])
-        values = sequence_rows(vc, tables[s], lens[s])
-        for i in range(num_rows):
-            last = int(lens[s]) - num_rows + i          # this row's own position
-            if last < 0:
-                continue
-            first = 0 if sliding_window is None else max(0, last + 1 - sliding_window)
-            for h in range(num_heads):
-                out[first_row + i, h] = attend(q[first_row + i, h], keys[h // group, first:last + 1],
-                                               values[h // group, first:last + 1], scale=scale, softcap=softcap,
-                                               sink=None if sink_logits is None else sink_logits[h])
+        out[first_row:first_row + num_rows] = _last_rows(
+            q[first_row:first_row + num_rows], kc, vc, tables[s], lens[s], scale=scale, softcap=softcap,
+            sliding_window=sliding_window, sink_logits=sink_logits)
     return out
 
 
