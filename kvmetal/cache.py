@@ -229,11 +229,16 @@ class BlockAllocator:
         self._register_full_blocks(seq)
         return len(hits) * self.block_size
 
-    def can_add(self, tokens=None, *, num_tokens: int | None = None, share_limit: int | None = None) -> bool:
-        """Whether ``add`` would find enough blocks (changes nothing)."""
+    def can_add(self, tokens=None, *, num_tokens: int | None = None, share_limit: int | None = None,
+                recycle_cached: bool = True) -> bool:
+        """Whether ``add`` would find enough blocks (changes nothing).
+
+        With ``recycle_cached=False`` only the free list counts: the add must not evict
+        any cached block (a loader filling the prefix cache must not recycle what it
+        loaded a moment ago)."""
         tokens, count = _token_count("can_add", tokens, num_tokens)
         _, _, needed, available = self._plan_add(tokens, count, share_limit)
-        return needed <= available
+        return needed <= (available if recycle_cached else len(self._free))
 
     def cached_prefix(self, tokens) -> int:
         """How many leading tokens ``add(tokens)`` would find cached (changes nothing)."""

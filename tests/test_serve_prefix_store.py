@@ -128,6 +128,57 @@ def test_evicting_a_parent_takes_its_children(engine, tmp_path):
     store.close()
 
 
+def test_a_child_that_branches_off_the_middle_of_its_parent_loads(engine, tmp_path):
+    # The child shares the parent's first 2 of 5 blocks and ends before the parent does.
+    store = PrefixStore(tmp_path, {"model": "tiny"}, engine.cache)
+    parent = chain(1, 5)
+    finish(store, engine, parent, "parent")
+    store.flush()
+    child = chain(2, 3, prefix=parent[: 2 * BS])
+    finish(store, engine, child, "child")
+    store.flush()
+    entry = store.entries[prefix_store.chain_hashes(child, BS)[-1]]
+    assert (entry["start"], entry["end"], entry["parent"]) == (2, 3, prefix_store.chain_hashes(parent, BS)[-1])
+    engine.close()
+    store, e = reopen(store, lambda: Engine(kv_layout_model(), block_size=BS, num_blocks=64, keep_finished=False))
+    assert store.load() == 5 + 1 and store.warnings == 0 and len(store.entries) == 2
+    assert min(p.allocator.cached_prefix(child + [0]) for p in e.cache.pools) == 3 * BS
+    store.close()
+    e.close()
+
+
+def test_a_store_larger_than_the_pool_keeps_the_rest_on_disk_without_evicting_parents(engine, tmp_path):
+    # Loading order is parents first: parent [0, 2), three others [0, 3), child [2, 4).
+    # A pool of 11 blocks fits the parent and two others; loading must not recycle the
+    # parent's cached blocks for the third, or the child finds no parent and is deleted.
+    store = PrefixStore(tmp_path, {"model": "tiny"}, engine.cache)
+    parent = chain(1, 2)
+    finish(store, engine, parent, "parent")
+    store.flush()
+    for i in range(3):
+        finish(store, engine, chain(10 + i, 3), f"other{i}")
+        store.flush()
+    child = chain(2, 4, prefix=parent)
+    finish(store, engine, child, "child")
+    store.flush()
+    child_key = prefix_store.chain_hashes(child, BS)[-1]
+    assert store.entries[child_key]["start"] == 2 and len(store.entries) == 5
+    engine.close()
+    small = lambda: Engine(kv_layout_model(), block_size=BS, num_blocks=11, keep_finished=False)  # noqa: E731
+    store, e = reopen(store, small)
+    assert store.load() == 2 + 3 + 3
+    assert store.warnings == 1  # the pool is full; nothing was called damaged
+    assert min(p.allocator.cached_prefix(parent + [0]) for p in e.cache.pools) == 2 * BS
+    assert child_key in store.entries and (store.root / f"seg-{child_key}.safetensors").is_file()
+    e.close()
+    big = lambda: Engine(kv_layout_model(), block_size=BS, num_blocks=64, keep_finished=False)  # noqa: E731
+    store, e = reopen(store, big)
+    assert store.load() == 2 + 3 * 3 + 2 and store.warnings == 0
+    assert min(p.allocator.cached_prefix(child + [0]) for p in e.cache.pools) == 4 * BS
+    store.close()
+    e.close()
+
+
 class Crash(BaseException):
     """Stands for the process dying (not caught by the store, as a kill would not be)."""
 

@@ -304,7 +304,10 @@ class PrefixStore:
         self._note_other_formats()
         entries = self._read_index()
         self._remove_leftovers(set(entries))
-        ordered = sorted(entries.items(), key=lambda kv: kv[1].get("end", 0) if isinstance(kv[1], dict) else 0)
+        # Parents first: a parent holds block ``start - 1`` of each child, so it starts
+        # earlier (it may end later: a child can branch off the middle of a segment).
+        ordered = sorted(entries.items(), key=lambda kv: (kv[1].get("start", 0), kv[1].get("end", 0))
+                         if isinstance(kv[1], dict) else (0, 0))
         self.known = set()
         changed = False
         full = False
@@ -373,7 +376,10 @@ class PrefixStore:
         if have < start * bs:
             raise _Skip("the segment before it was not loaded")
         self._check_arrays(arrays, end - start)
-        if not all(p.allocator.can_add(probe) for p in pools):
+        # Only free blocks: recycling cached ones would evict segments loaded before this
+        # one (the parents of later ones), so a store larger than the pool would report
+        # sound segments as damaged.
+        if not all(p.allocator.can_add(probe, recycle_cached=False) for p in pools):
             return None, hashes
         seq = ("kvmetal-prefix-store", key)
         cached = self.model_cache.add_sequence(seq, probe)
