@@ -269,6 +269,7 @@ class KernelSpec:
     geometry: Callable          # (**shape) -> Geometry
     row_contiguous: bool = True  # False: the body reads <input>_strides
     math_mode: str = "safe"      # mx.fast.metal_kernel compile_options["math_mode"]
+    uses: tuple = ()             # families whose helper sections the header includes first
 
     def variant(self, template_values: dict) -> str:
         """The kernel name spelled with its specialisation (shown by verbose=True and GPU captures)."""
@@ -360,6 +361,21 @@ SPECS["paged_varlen_partials"] = KernelSpec(
         grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
         threadgroup_bytes=threadgroup_bytes),
     math_mode=ATTENTION_MATH_MODE)
+
+
+# Shared-prefix decode (kernels/cascade.metal, kvmetal/backends/metal_cascade.py): the
+# partials kernel takes paged_attention_partials' inputs and template; the reduce folds
+# the prefix and own partials of each row.
+SPECS["cascade_partials"] = KernelSpec(
+    "cascade_partials", "cascade", ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
+    _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
+    math_mode=ATTENTION_MATH_MODE, uses=("attention",))
+SPECS["cascade_reduce"] = KernelSpec(
+    "cascade_reduce", "cascade",
+    ("prefix_max", "prefix_sum", "prefix_acc", "own_max", "own_sum", "own_acc", "slot_of", "sinks", "params"),
+    ("out",), ("TQ", "D", "HAS_SINKS"),
+    lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
+    math_mode=ATTENTION_MATH_MODE, uses=("attention",))
 
 
 # ----------------------------------------------------------------------------- varlen prefill tiles
@@ -521,7 +537,8 @@ def kernel_text(name: str) -> tuple:
     if name not in bodies:
         raise KeyError(f"[metal] kernels/{spec.family}.metal has no '//@kernel {name}' body")
     common = _find("kvmetal_common.h").read_text()
-    return common + "\n" + helpers, bodies[name]
+    used = "".join(family_source(family)[0] + "\n" for family in spec.uses)
+    return common + "\n" + used + helpers, bodies[name]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -816,6 +833,16 @@ class KernelBackend:
         outs.append(mx.zeros((1, num_heads, head_dim), dtype=query.dtype))
         stacked = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
         return mx.take(stacked, mx.array(plan.gather.astype(np.int32)), axis=0)
+
+    def paged_attention_cascade(self, query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of,
+                                block_tables, seq_lens, *, scale, softcap, sinks):
+        """query [S, H, D] -> [S, H, D]: one pass per shared prefix, one over the sequences'
+        own tokens, one reduce (kvmetal/backends/metal_cascade.py)."""
+        from . import metal_cascade
+
+        return metal_cascade.paged_attention_cascade(
+            self, query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of, block_tables,
+            seq_lens, scale=scale, softcap=softcap, sinks=sinks)
 
     @staticmethod
     def _kv_inputs(keys, values, head_dim, gqa, query_len, layout) -> tuple:
