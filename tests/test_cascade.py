@@ -11,7 +11,7 @@ import pytest
 
 import kvmetal as kv
 from kvmetal import reference, sim
-from kvmetal.backends import metal_cascade
+from kvmetal.backends import metal, metal_cascade
 from kvmetal.sim import traffic
 
 from kvcases import assert_close, backend_params, paged_case, run_on
@@ -111,8 +111,8 @@ def test_cascade_matches_plain_op_on_concatenated_table(backend, kq, vq):
 
 def test_many_members_are_chunked(monkeypatch):
     """More members than a threadgroup's rows hold: several chunks of one prefix, same result."""
-    monkeypatch.setattr(metal_cascade, "MAX_CHUNK_ROWS", 8)   # 2 members of G = 4 per chunk
-    schedule = metal_cascade.plan([32], [0, 0, 0, 0, 0], gqa=4, capacity=64)
+    monkeypatch.setattr(metal, "CASCADE_CHUNK_ROWS", 8)   # 2 members of G = 4 per chunk
+    schedule = metal_cascade.plan([32], [0, 0, 0, 0, 0], gqa=4, capacity=64, max_rows=8)
     assert list(schedule.chunk_prefix) == [0, 0, 0] and schedule.query_len == 2
     args, _ = cascade_case([32], [2, 5, 0, 9, 1], [0, 0, 0, 0, 0], seed=5)
     with run_on("sim"):
@@ -122,7 +122,7 @@ def test_many_members_are_chunked(monkeypatch):
 
 
 def test_plan_skips_unused_and_empty_prefixes():
-    schedule = metal_cascade.plan([16, 0, 32, 8], [2, 1, -1, 2, 7, 0], gqa=4, capacity=32)
+    schedule = metal_cascade.plan([16, 0, 32, 8], [2, 1, -1, 2, 7, 0], gqa=4, capacity=32, max_rows=128)
     assert list(schedule.chunk_prefix) == [0, 2]          # prefix 1 is empty, 3 unused, 7 out of range
     assert schedule.query_len == 2 and schedule.prefix_work == 32
     assert list(schedule.slot_of) == [2, -1, -1, 3, -1, 0]  # chunk 1 starts at slot 2

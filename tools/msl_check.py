@@ -145,7 +145,6 @@ for dtype, D, bs, kq, vq in [(mx.float16, 128, 16, None, None), (mx.bfloat16, 80
 # kvmetal.selfcheck.families.CASCADE_TRACES runs them (a prefix pass of QL 4 over two
 # prefixes, the own-token pass of QL 1, the reduce with sinks; small index arrays bound
 # as `constant` buffers).
-from kvmetal.backends import metal_cascade
 from kvmetal.selfcheck.families import CASCADE_TRACES, DTYPES
 for tr in CASCADE_TRACES:
     dtype, D, bs = DTYPES[tr["dtype"]], tr["head_dim"], tr["block_size"]
@@ -153,11 +152,11 @@ for tr in CASCADE_TRACES:
     kk = qkv(kc, *tr["k_quant"]) if tr["k_quant"] else kc
     vv = qkv(kc, *tr["v_quant"]) if tr["v_quant"] else kc
     def cascade(q):
-        prefix, sp = metal_cascade._partials(backend, q.reshape(2, 4, H, D), kk, vv, mx.zeros((2, 2), mx.int32),
+        prefix, sp = backend._cascade_partials(q.reshape(2, 4, H, D), kk, vv, mx.zeros((2, 2), mx.int32),
                                              mx.array([bs, 2 * bs], mx.int32), work=2 * bs, scale=0.1, softcap=30.0)
-        own, so = metal_cascade._partials(backend, q[:5, None], kk, vv, mx.zeros((5, 2), mx.int32),
+        own, so = backend._cascade_partials(q[:5, None], kk, vv, mx.zeros((5, 2), mx.int32),
                                           mx.array([3, 0, 5, 9, 1], mx.int32), work=2 * bs, scale=0.1, softcap=30.0)
-        params = metal_cascade.CASCADE_REDUCE_PARAMS.pack(num_heads=H, prefix_splits=sp, own_splits=so,
+        params = metal.CASCADE_REDUCE_PARAMS.pack(num_heads=H, prefix_splits=sp, own_splits=so,
                                                           prefix_slots=8, num_seqs=5)
         (out,) = backend.launch("cascade_reduce", dict(TQ=dtype, D=D, HAS_SINKS=True),
                                 metal.SPECS["cascade_reduce"].geometry(rows=5 * H), [(5 * H, D)], [dtype],
