@@ -108,3 +108,43 @@ def test_below_the_thresholds_nothing_changes():
         cache = PagedModelCache(handle.specs, block_size=16)
         greedy(model, cache, prompts, 3)
     assert cache.options["cascade"] and cache.cascade_steps == 0
+
+
+# ----------------------------------------------------------------------------- a serve run
+
+def test_serve_counts_cascade_steps_and_keeps_the_tokens(tmp_path):
+    """10 concurrent greedy completions over an 800-token shared system prompt: decode
+    steps with >= 8 running requests read the prefix once (kvmetal_cascade_steps > 0), and
+    each text is what that request gets alone (batch 1: the plain op)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvmetal.serve import metrics
+    from kvmetal.serve.server import ServerProcess
+    from kvmetal.serve.tiny import build_model_dir
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model_dir = build_model_dir(tmp_path / "model")
+    system = ("You are a helpful assistant. Answer the question briefly and say when you do not know. "
+              "The paged cache keeps keys and values in fixed blocks. ") * 12
+    server = ServerProcess(model_dir, port, "--log-level", "WARNING").start()
+    try:
+        def complete(i):
+            r = httpx.post(server.url + "/v1/completions", timeout=300,
+                           json={"model": str(model_dir), "prompt": system + f" Question {i}: why?", "max_tokens": 24,
+                                 "temperature": 0})
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(10) as pool:
+            together = list(pool.map(complete, range(10)))
+        m = metrics.parse(httpx.get(server.url + "/metrics").text)
+        assert m["kvmetal_cascade_steps"] > 0 and m["kvmetal_prompt_tokens_cached"] > 0
+        alone = [complete(i) for i in (0, 7)]
+        assert alone == [together[0], together[7]]
+    finally:
+        assert server.stop() == 0, server.output
