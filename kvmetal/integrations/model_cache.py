@@ -311,7 +311,7 @@ class PagedModelCache:
         self._plans[g] = plan
         return plan
 
-    def _cascade_args(self, g: int, plan: _Plan):
+    def _cascade_args(self, plan: _Plan):
         """The cascade op's index arguments for this pass (planned once, shared by the
         group's layers), or None where no group of sequences reaches the thresholds."""
         if plan.cascade is None:
@@ -455,7 +455,7 @@ class PagedLayerCache:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
         if num_queries == 1 and window is None and self.model_cache.options["cascade"]:
-            shared = self.model_cache._cascade_args(self._group, plan)
+            shared = self.model_cache._cascade_args(plan)
             if shared is not None:
                 out = ops.paged_attention_cascade(
                     queries[:, :, 0], self.pool.key_caches[self._index], self.pool.value_caches[self._index],
