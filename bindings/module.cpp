@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "cascade_op.h"
 #include "primitives.h"
 #include "thread_pool.h"
 #include "tile_math.h"
@@ -71,6 +72,23 @@ NB_MODULE(_ext, m) {
       "query_start_loc"_a, nb::kw_only(), "scale"_a, "softcap"_a = nb::none(), "sliding_window"_a = 0,
       "sinks"_a = nb::none(), "min_tokens_per_split"_a,
       "Paged varlen attention: query [T, H, D], sequence s owns rows [qsl[s], qsl[s + 1]) -> [T, H, D].");
+
+  m.def(
+      "paged_attention_cascade",
+      [](const mx::array& query, const std::vector<mx::array>& k, int k_bits, int k_group,
+         const std::vector<mx::array>& v, int v_bits, int v_group, const mx::array& prefix_tables,
+         const mx::array& prefix_lens, const mx::array& prefix_of, const mx::array& block_tables,
+         const mx::array& seq_lens, float scale, std::optional<float> softcap, std::optional<mx::array> sinks,
+         int min_tokens_per_split) {
+        return kvmetal::paged_attention_cascade(query, k, spec(k_bits, k_group), v, spec(v_bits, v_group),
+                                                prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens,
+                                                options(scale, softcap, 0, 0, min_tokens_per_split), sinks);
+      },
+      "query"_a, "k"_a, "k_bits"_a, "k_group"_a, "v"_a, "v_bits"_a, "v_group"_a, "prefix_tables"_a,
+      "prefix_lens"_a, "prefix_of"_a, "block_tables"_a, "seq_lens"_a, nb::kw_only(), "scale"_a,
+      "softcap"_a = nb::none(), "sinks"_a = nb::none(), "min_tokens_per_split"_a,
+      "Shared-prefix decode attention: query [S, H, D]; sequence s attends to prefix prefix_of[s] "
+      "(-1: none), then its own tokens -> [S, H, D].");
 
   m.def(
       "decode_attention",

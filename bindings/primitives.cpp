@@ -1,4 +1,5 @@
 #include "primitives.h"
+#include "primitive_inputs.h"
 
 #include <algorithm>
 #include <climits>
@@ -14,11 +15,9 @@
 #include "varlen.h"
 
 namespace kvmetal {
-namespace {
 
-// Storage for row-major copies made inside a task; a deque-like list so
-// earlier copies stay where they are.
-using Storage = std::vector<std::vector<char>>;
+// The input helpers below are shared with the primitives of other files
+// (primitive_inputs.h declares them); the rest of this file's helpers are local.
 
 std::vector<char>& new_slot(Storage& st) {
   st.emplace_back();
@@ -71,6 +70,8 @@ KVView make_view(const std::vector<Tensor>& arrays, QuantSpec q, Storage& st) {
   return v;
 }
 
+namespace {
+
 // Row-major strides of a shape, in elements.
 std::vector<int64_t> row_major_strides(const std::vector<int64_t>& shape) {
   std::vector<int64_t> s(shape.size());
@@ -103,6 +104,8 @@ Tensor as_row_major_output(mx::array& out) {
   t.row_contiguous = true;
   return t;
 }
+
+}  // namespace
 
 mx::Stream cpu_stream() { return mx::default_stream(mx::Device::cpu); }
 
@@ -154,8 +157,6 @@ std::vector<Tensor> describe_all(const std::vector<mx::array>& inputs, size_t fi
   for (int i = 0; i < count; ++i) out.push_back(describe(inputs[first + i]));
   return out;
 }
-
-}  // namespace
 
 // ---------------------------------------------------------------- attention
 

@@ -15,7 +15,7 @@ _HAVE_EXTENSION = check_installation()
 
 from .backends import available_backends, current_backend, use_backend  # noqa: E402
 from .ops import (copy_blocks, decode_attention, gather_kv_cache, paged_attention,  # noqa: E402
-                  paged_attention_varlen, reshape_and_cache)
+                  paged_attention_cascade, paged_attention_varlen, reshape_and_cache)
 from .quant import QuantizedKV  # noqa: E402
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "reshape_and_cache",
     "paged_attention",
     "paged_attention_varlen",
+    "paged_attention_cascade",
     "gather_kv_cache",
     "decode_attention",
     "copy_blocks",

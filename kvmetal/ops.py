@@ -207,28 +207,29 @@ def _host(x: mx.array) -> np.ndarray:
 
 
 def _check_tables(op: str, block_tables, seq_lens, *, num_blocks: int, block_size: int, validate: bool,
-                  min_len: int = 1):
+                  min_len: int = 1, names: tuple = ("block_tables", "seq_lens")):
     """Block ids of every used block in range, seq_len == 0 (an empty batch slot) or
     min_len <= seq_len <= table capacity (on the caller's values, int64 included, before
-    any cast)."""
+    any cast). ``names``: the (table, lengths) arguments the errors name."""
     if not validate:
         return
+    tname, lname = names
     tables, lens = _host(block_tables), _host(seq_lens).astype(np.int64)
     capacity = tables.shape[1] * block_size
     for s in np.flatnonzero(((lens != 0) & (lens < max(1, min_len))) | (lens > capacity))[:1]:
         n = lens[s]
         if n < 0:
-            _fail(op, f"seq_lens[{s}] = {n}: a length must be >= 0")
+            _fail(op, f"{lname}[{s}] = {n}: a length must be >= 0")
         if n < min_len:
-            _fail(op, f"query holds {min_len} tokens per sequence but seq_lens[{s}] = {n}: the query "
+            _fail(op, f"query holds {min_len} tokens per sequence but {lname}[{s}] = {n}: the query "
                       f"tokens are the last {min_len} cached positions, so each sequence needs that many")
-        _fail(op, f"seq_lens[{s}] = {n} exceeds its block table capacity "
-                  f"(block_tables has {tables.shape[1]} blocks per row x {block_size} = {capacity})")
+        _fail(op, f"{lname}[{s}] = {n} exceeds its block table capacity "
+                  f"({tname} has {tables.shape[1]} blocks per row x {block_size} = {capacity})")
     used = np.arange(tables.shape[1])[None, :] < (-(-lens // block_size))[:, None]
     bad = used & ((tables < 0) | (tables >= num_blocks))
     if bad.any():
         s, j = (int(i) for i in np.argwhere(bad)[0])
-        _fail(op, f"block_tables[{s}, {j}] = {tables[s, j]} is out of range [0, {num_blocks})")
+        _fail(op, f"{tname}[{s}, {j}] = {tables[s, j]} is out of range [0, {num_blocks})")
 
 
 # ----------------------------------------------------------------------------- ops
@@ -523,3 +524,82 @@ def copy_blocks(key_cache, value_cache, src: mx.array, dst: mx.array, *, validat
     if src.shape[0] == 0:
         return key_cache, value_cache
     return backends.get().copy_blocks(key_cache, value_cache, _as_int32(src), _as_int32(dst))
+
+
+def paged_attention_cascade(query: mx.array, key_cache, value_cache, prefix_block_tables: mx.array,
+                            prefix_lens: mx.array, prefix_of: mx.array, block_tables: mx.array, seq_lens: mx.array,
+                            *, scale: float | None = None, softcap: float | None = None,
+                            sinks: mx.array | None = None, sliding_window: int | None = None,
+                            validate: bool = True) -> mx.array:
+    """Decode attention of sequences that share prefixes ("cascade"): each shared
+    prefix is read once for all its member sequences, not once per sequence.
+
+    Args:
+        query: [S, H, D] float, one token per sequence.
+        key_cache, value_cache: [N, Hkv, bs, D] float caches or QuantizedKV.
+        prefix_block_tables: int32/int64 [P, Mp]: the blocks of P shared prefixes (P may be 0).
+        prefix_lens: int32/int64 [P]: tokens of each prefix (0 allowed).
+        prefix_of: int32/int64 [S]: the prefix of each sequence, or -1 for none.
+        block_tables: int32/int64 [S, M]: each sequence's own blocks, after its prefix.
+        seq_lens: int32/int64 [S]: each sequence's own tokens, after its prefix (0 allowed).
+        scale, softcap, sinks: as in :func:`paged_attention`.
+        sliding_window: not supported (a window would cut into the shared prefix
+            differently for every sequence); anything but None is a ValueError.
+        validate: check block ids, lengths and prefix_of on the host (before any cast).
+            With ``validate=False`` the kernels clamp lengths to their tables, treat a block id
+            outside [0, N) as padding and a prefix_of outside [0, P) as "no prefix".
+    Returns:
+        [S, H, D] in the query's dtype: sequence s attends to ``prefix_lens[prefix_of[s]]``
+        prefix tokens followed by its own ``seq_lens[s]`` tokens, the same as
+        :func:`paged_attention` over the concatenated block table (when the prefix fills
+        whole blocks). A sequence that sees no token gets zeros.
+    """
+    op = "paged_attention_cascade"
+    _check_validate(op, validate)
+    num_blocks, num_kv_heads, block_size, head_dim = _check_kv_pair(op, key_cache, value_cache,
+                                                                    what="[N, Hkv, bs, D]", paged=True)
+    if isinstance(query, mx.array) and query.ndim == 4:
+        _fail(op, f"query must be [S, H, D] (one token per sequence): more than one query token per "
+                  f"sequence is not supported, got shape {tuple(query.shape)}")
+    _check_array(op, "query", query, ndim=3, dtypes=FLOAT_DTYPES, what="[S, H, D]")
+    num_seqs, num_heads, q_dim = query.shape
+    if q_dim != head_dim:
+        _fail(op, f"query head_dim {q_dim} does not match the cache head_dim {head_dim}")
+    _check_query_heads(op, num_heads, num_kv_heads)
+    if sliding_window is not None:
+        _fail(op, f"sliding_window is not supported by the cascade op (got {sliding_window!r}); "
+                  f"use paged_attention for windowed layers")
+    prefix_block_tables = _check_index(op, "prefix_block_tables", prefix_block_tables, ndim=2, what="[P, Mp]")
+    prefix_lens = _check_index(op, "prefix_lens", prefix_lens, ndim=1, what="[P]")
+    prefix_of = _check_index(op, "prefix_of", prefix_of, ndim=1, what="[S]")
+    block_tables = _check_index(op, "block_tables", block_tables, ndim=2, what="[S, M]")
+    seq_lens = _check_index(op, "seq_lens", seq_lens, ndim=1, what="[S]")
+    num_prefixes = prefix_block_tables.shape[0]
+    if prefix_lens.shape[0] != num_prefixes:
+        _fail(op, f"prefix_lens must have one entry per prefix_block_tables row ({num_prefixes}), "
+                  f"got {prefix_lens.shape[0]}")
+    for name, arr in (("prefix_of", prefix_of), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if arr.shape[0] != num_seqs:
+            _fail(op, f"{name} must have one row per query sequence ({num_seqs}), got shape {tuple(arr.shape)}")
+    options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
+                                 sinks=sinks, num_splits=None, max_splits=1)
+    del options["num_splits"]
+    if validate:
+        _check_tables(op, prefix_block_tables, prefix_lens, num_blocks=num_blocks, block_size=block_size,
+                      validate=True, min_len=0, names=("prefix_block_tables", "prefix_lens"))
+        _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=True,
+                      min_len=0)
+        owners = _host(prefix_of).astype(np.int64)
+        bad = (owners < -1) | (owners >= num_prefixes)
+        if bad.any():
+            s = int(np.argmax(bad))
+            _fail(op, f"prefix_of[{s}] = {owners[s]} must be -1 (no prefix) or a prefix in [0, {num_prefixes})")
+    if num_seqs == 0:
+        return mx.zeros(query.shape, query.dtype)
+    if num_prefixes == 0:  # nothing shared: one empty prefix row keeps the backends' shapes simple
+        prefix_block_tables = mx.zeros((1, 1), dtype=mx.int32)
+        prefix_lens = mx.zeros((1,), dtype=mx.int32)
+        prefix_of = mx.full((num_seqs,), -1, dtype=mx.int32)
+    return backends.get().paged_attention_cascade(
+        query, key_cache, value_cache, _as_int32(prefix_block_tables), _as_int32(prefix_lens), _as_int32(prefix_of),
+        _as_int32(block_tables), _as_int32(seq_lens), **options)

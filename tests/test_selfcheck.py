@@ -60,7 +60,7 @@ def test_quick_report_schema(quick_run):
     assert [f["name"] for f in comp["families"]] == [f.name for f in fams]
     for fam in comp["families"]:
         assert fam["paths"] and set(fam["paths"].values()) == {"ok"} and fam["failed"] == [], fam
-    traced = CORE_OPS | ({"paged_attention_varlen"} if hasattr(kvmetal, "paged_attention_varlen") else set())
+    traced = CORE_OPS | {op for op in ("paged_attention_varlen", "paged_attention_cascade") if hasattr(kvmetal, op)}
     assert set().union(*(fam["paths"] for fam in comp["families"])) == traced
     names = [s["name"] for s in comp["specialisations"]]
     assert len(names) == len(set(names))

@@ -140,6 +140,33 @@ for dtype, D, bs, kq, vq in [(mx.float16, 128, 16, None, None), (mx.bfloat16, 80
                    mx.array([[0, 0, 0, 0, 9, 0, 0, 0]], dtype=mx.int32), kd, ks, kb, vd, vs, vb)
     fn = lambda anchor: flat(varlen(*varlen_args)) + [anchor]
     mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))
+
+# The cascade kernels are host-planned too: their launches directly, as
+# kvmetal.selfcheck.families.CASCADE_TRACES runs them (a prefix pass of QL 4 over two
+# prefixes, the own-token pass of QL 1, the reduce with sinks; small index arrays bound
+# as `constant` buffers).
+from kvmetal.selfcheck.families import CASCADE_TRACES, DTYPES
+for tr in CASCADE_TRACES:
+    dtype, D, bs = DTYPES[tr["dtype"]], tr["head_dim"], tr["block_size"]
+    kc = mx.zeros((N, Hkv, bs, D), dtype=dtype)
+    kk = qkv(kc, *tr["k_quant"]) if tr["k_quant"] else kc
+    vv = qkv(kc, *tr["v_quant"]) if tr["v_quant"] else kc
+    def cascade(q):
+        prefix, sp = backend._cascade_partials(q.reshape(2, 4, H, D), kk, vv, mx.zeros((2, 2), mx.int32),
+                                             mx.array([bs, 2 * bs], mx.int32), work=2 * bs, scale=0.1, softcap=30.0)
+        own, so = backend._cascade_partials(q[:5, None], kk, vv, mx.zeros((5, 2), mx.int32),
+                                          mx.array([3, 0, 5, 9, 1], mx.int32), work=2 * bs, scale=0.1, softcap=30.0)
+        params = metal.CASCADE_REDUCE_PARAMS.pack(num_heads=H, prefix_splits=sp, own_splits=so,
+                                                          prefix_slots=8, num_seqs=5)
+        (out,) = backend.launch("cascade_reduce", dict(TQ=dtype, D=D, HAS_SINKS=True),
+                                metal.SPECS["cascade_reduce"].geometry(rows=5 * H), [(5 * H, D)], [dtype],
+                                prefix_max=prefix[0], prefix_sum=prefix[1], prefix_acc=prefix[2], own_max=own[0],
+                                own_sum=own[1], own_acc=own[2], slot_of=mx.array([0, 1, 4, 2, -1], mx.int32),
+                                sinks=mx.zeros((H,)), params=params)
+        return out
+    print("family: cascade", tr, flush=True)
+    fn = lambda anchor: [cascade(mx.zeros((8, H, D), dtype=dtype)), anchor]
+    mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))
 """
 
 

@@ -1,6 +1,6 @@
 """Backend registry and selection.
 
-A backend is a module exposing the six functions below. ``kvmetal.ops`` has
+A backend is a module exposing the seven functions below. ``kvmetal.ops`` has
 already checked and normalised every argument, so backends trust their inputs
 and never re-check; a configuration a backend cannot run raises
 ``NotImplementedError`` naming it (no silent fallbacks).
@@ -35,6 +35,18 @@ Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
         ops passes the caller's values on: a backend clamps qsl to [0, T] (rows no
         sequence owns are zeros) and lengths to [0, M * bs], and treats block ids
         outside [0, N) as padding.
+
+    paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of,
+                            block_tables, seq_lens, *, scale: float, softcap: float | None,
+                            sinks: mx.array | None)
+        query [S, H, D] (S >= 1); prefix_block_tables int32 [P, Mp] (P >= 1), prefix_lens
+        int32 [P]; prefix_of int32 [S] (-1: no prefix); block_tables int32 [S, M], seq_lens
+        int32 [S]: each sequence's own tokens after its prefix (>= 0)
+        -> out [S, H, D] in the query's dtype
+        sequence s's one query row sees all of its prefix's tokens, then all of its own;
+        a row that sees nothing is zeros. Under validate=False a backend clamps lengths to
+        their tables, treats block ids outside [0, N) as padding and a prefix_of outside
+        [0, P) as "no prefix".
 
     gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len: int)
         -> (keys, values) [S, Hkv, max_len, D] in the cache's float dtype

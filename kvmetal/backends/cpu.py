@@ -26,8 +26,8 @@ from kvmetal import _ext
 from kvmetal.backends import MIN_TOKENS_PER_SPLIT
 from kvmetal.quant import QuantizedKV
 
-__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_varlen", "gather_kv_cache", "decode_attention",
-           "copy_blocks"]
+__all__ = ["reshape_and_cache", "paged_attention", "paged_attention_varlen", "paged_attention_cascade",
+           "gather_kv_cache", "decode_attention", "copy_blocks"]
 
 
 def _unpack(cache):
@@ -79,6 +79,18 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens
         query, k, k_bits, k_group, v, v_bits, v_group, block_tables, seq_lens, query_start_loc,
         scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks,
         min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
+    )
+
+
+def paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of, block_tables,
+                            seq_lens, *, scale, softcap, sinks):
+    """Query ``[S, H, D]``: sequence s attends to prefix ``prefix_of[s]`` (-1: none), then its own tokens
+    (bindings/cascade.h: each prefix block is read once per kv head and split for all its members)."""
+    k, k_bits, k_group = _unpack(key_cache)
+    v, v_bits, v_group = _unpack(value_cache)
+    return _ext.paged_attention_cascade(
+        query, k, k_bits, k_group, v, v_bits, v_group, prefix_block_tables, prefix_lens, prefix_of, block_tables,
+        seq_lens, scale=scale, softcap=softcap, sinks=sinks, min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
     )
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from .. import chips
 from ..quant import QuantizedKV, packed_words
 from . import MIN_TOKENS_PER_SPLIT
+from .metal_cascade import plan as cascade_plan
 
 # ----------------------------------------------------------------------------- tuning
 
@@ -269,6 +270,7 @@ class KernelSpec:
     geometry: Callable          # (**shape) -> Geometry
     row_contiguous: bool = True  # False: the body reads <input>_strides
     math_mode: str = "safe"      # mx.fast.metal_kernel compile_options["math_mode"]
+    uses: tuple = ()             # families whose helper sections the header includes first
 
     def variant(self, template_values: dict) -> str:
         """The kernel name spelled with its specialisation (shown by verbose=True and GPU captures)."""
@@ -360,6 +362,30 @@ SPECS["paged_varlen_partials"] = KernelSpec(
         grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
         threadgroup_bytes=threadgroup_bytes),
     math_mode=ATTENTION_MATH_MODE)
+
+
+# Shared-prefix decode (kernels/cascade.metal, kvmetal/backends/metal_cascade.py): the
+# partials kernel takes paged_attention_partials' inputs and template; the reduce folds
+# the prefix and own partials of each row.
+SPECS["cascade_partials"] = KernelSpec(
+    "cascade_partials", "cascade", ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
+    _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
+    math_mode=ATTENTION_MATH_MODE, uses=("attention",))
+SPECS["cascade_reduce"] = KernelSpec(
+    "cascade_reduce", "cascade",
+    ("prefix_max", "prefix_sum", "prefix_acc", "own_max", "own_sum", "own_acc", "slot_of", "sinks", "params"),
+    ("out",), ("TQ", "D", "HAS_SINKS"),
+    lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
+    math_mode=ATTENTION_MATH_MODE, uses=("attention",))
+
+
+# A prefix chunk's rows (G x members) stay within one walk over a split: past
+# MAX_SHARED_SIMDGROUPS x ROW_REGISTER_LIMIT rows the shared mode walks the split again
+# for each further block of rows, and the prefix would be read that often.
+CASCADE_CHUNK_ROWS = MAX_SHARED_SIMDGROUPS * ROW_REGISTER_LIMIT
+CASCADE_REDUCE_PARAMS = ParamStruct("KvCascadeReduceParams", (
+    ("num_heads", "i"), ("prefix_splits", "i"), ("own_splits", "i"), ("prefix_slots", "i"), ("num_seqs", "i"),
+    ("pad0", "i"), ("pad1", "i"), ("pad2", "i")))
 
 
 # ----------------------------------------------------------------------------- varlen prefill tiles
@@ -521,7 +547,8 @@ def kernel_text(name: str) -> tuple:
     if name not in bodies:
         raise KeyError(f"[metal] kernels/{spec.family}.metal has no '//@kernel {name}' body")
     common = _find("kvmetal_common.h").read_text()
-    return common + "\n" + helpers, bodies[name]
+    used = "".join(family_source(family)[0] + "\n" for family in spec.uses)
+    return common + "\n" + used + helpers, bodies[name]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -816,6 +843,62 @@ class KernelBackend:
         outs.append(mx.zeros((1, num_heads, head_dim), dtype=query.dtype))
         stacked = mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
         return mx.take(stacked, mx.array(plan.gather.astype(np.int32)), axis=0)
+
+    def paged_attention_cascade(self, query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of,
+                                block_tables, seq_lens, *, scale, softcap, sinks):
+        """query [S, H, D] -> [S, H, D]: one cascade_partials launch over the shared prefix
+        chunks (each chunk's member query rows in one threadgroup), one over the sequences'
+        own tokens, one cascade_reduce; planned on the host (kvmetal/backends/metal_cascade.py)."""
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+        schedule = cascade_plan(prefix_lens, prefix_of, gqa=num_heads // num_kv_heads,
+                                capacity=prefix_block_tables.shape[1] * block_size, max_rows=CASCADE_CHUNK_ROWS)
+        own_work = int(np.clip(np.asarray(seq_lens), 0, block_tables.shape[1] * block_size).max(initial=0))
+        own, own_splits = self._cascade_partials(query[:, None], key_cache, value_cache, block_tables, seq_lens,
+                                                 work=own_work, scale=scale, softcap=softcap)
+        num_chunks = schedule.chunk_prefix.shape[0]
+        if num_chunks:
+            chunk = mx.array(schedule.chunk_prefix)
+            members = mx.take(query, mx.array(schedule.member_rows), axis=0)
+            members = members.reshape(num_chunks, schedule.query_len, num_heads, head_dim)
+            prefix, prefix_splits = self._cascade_partials(
+                members, key_cache, value_cache, mx.take(prefix_block_tables, chunk, axis=0),
+                mx.take(prefix_lens, chunk), work=schedule.prefix_work, scale=scale, softcap=softcap)
+        else:  # no sequence has a prefix: placeholders the reduce never reads
+            empty = mx.zeros((8,), dtype=mx.float32)
+            prefix, prefix_splits = (empty, empty, empty), 1
+        params = CASCADE_REDUCE_PARAMS.pack(num_heads=num_heads, prefix_splits=prefix_splits, own_splits=own_splits,
+                                            prefix_slots=num_chunks * schedule.query_len, num_seqs=num_seqs)
+        rows = num_seqs * num_heads
+        template = dict(TQ=query.dtype, D=head_dim, HAS_SINKS=sinks is not None)
+        geometry = SPECS["cascade_reduce"].geometry(rows=rows)
+        (out,) = self.launch("cascade_reduce", template, geometry, [(rows, head_dim)], [query.dtype],
+                             prefix_max=prefix[0], prefix_sum=prefix[1], prefix_acc=prefix[2], own_max=own[0],
+                             own_sum=own[1], own_acc=own[2], slot_of=mx.array(schedule.slot_of),
+                             sinks=sinks if sinks is not None else _placeholder(mx.float32), params=params)
+        return out.reshape(num_seqs, num_heads, head_dim)
+
+    def _cascade_partials(self, query4, key_cache, value_cache, tables, lens, *, work: int, scale, softcap):
+        """cascade_partials over table rows ``tables``/``lens`` (every row of query [C, QL, H,
+        D] sees its whole table row): (part_max, part_sum, part_acc) [C * QL * H, splits(, D)]
+        and the split count. ``work``: the most tokens a table row holds."""
+        num_rows, query_len, num_heads, head_dim = query4.shape
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+        layout = layout_for(query4, key_cache, value_cache, paged=True)
+        splits = self._splits(None, max(1, work), num_rows * num_kv_heads, layout)
+        template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, num_heads // num_kv_heads, query_len,
+                                               layout)
+        template["BS"] = block_size
+        params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
+                                       num_splits=splits, max_blocks=tables.shape[1], num_blocks=num_blocks, window=0,
+                                       scale=scale, softcap=softcap or 0.0, head_div=1)
+        geometry = SPECS["cascade_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads, num_seqs=num_rows,
+                                                      layout=layout)
+        rows = num_rows * query_len * num_heads
+        parts = self.launch("cascade_partials", template, geometry, *self._partial_outputs(rows, splits, head_dim),
+                            query=mx.contiguous(query4), **kv_buffers, block_tables=tables, seq_lens=lens,
+                            params=params)
+        return parts, splits
 
     @staticmethod
     def _kv_inputs(keys, values, head_dim, gqa, query_len, layout) -> tuple:

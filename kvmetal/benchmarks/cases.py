@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import ops, quant
 from ..backends import use_backend
+from .cascade import bench_case as cascade_bench_case
 from .prefill import prefill as prefill_chunked
 from .timing import time_stats
 from .workloads import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, paged_setup
@@ -282,9 +283,11 @@ CASES = {
     "prefill_chunked": prefill_chunked,  # a 2K prompt in 512-token chunks, SmolLM2 shapes, peak memory
     "metal_kernels": metal_kernels,
     "prefill": prefill,  # one chunk after a prefix; the tile-size sweep on metal/sim (opt-in)
+    "cascade_decode": cascade_bench_case,  # 16 sequences over one shared prefix vs the plain op (opt-in)
 }
-# Cases only an explicit --cases runs: the tile sweep is for a Mac's tuning session.
-OPT_IN = ("prefill",)
+# Cases only an explicit --cases runs: the tile sweep is for a Mac's tuning session; the
+# cascade pair is issue 21's measurement (bench/cascade.py has the simulator's bytes).
+OPT_IN = ("prefill", "cascade_decode")
 
 
 def run_case(name: str, **kwargs) -> list:

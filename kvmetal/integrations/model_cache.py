@@ -23,11 +23,13 @@ import numpy as np
 
 from .. import ops, quant
 from ..cache import HOLE, KVCacheFull, PagedKVCache
+from . import cascade_plan
 
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
 GROWTH = 0.25  # a full growable pool adds this fraction of its size: held bytes stay near the need
 MAX_PAGED_QUERY_TOKENS = ops.MAX_QUERY_TOKENS  # passes of up to this many tokens run paged_attention;
                                               # longer ones paged_attention_varlen (neither gathers)
+CASCADE = True  # PagedModelCache(cascade=...) default; docs/cascade.md ("Grouping rule") says why
 TRIM_SLACK = 16  # window layers keep this many tokens beyond their window, so a rewind of that
                  # many (speculative decoding's rejected drafts) still finds the window intact
 
@@ -52,6 +54,7 @@ class _Plan:
     seq_lens: mx.array  # int32 [B], new tokens included
     max_len: int
     query_start_loc: mx.array  # int32 [B + 1]: sequence i owns query rows [i * L, (i + 1) * L)
+    cascade: object = None  # one-token passes: the shared-prefix arguments (a tuple), False for none
 
 
 def _one_group_size(group_size, k_group_size, v_group_size) -> int:
@@ -73,16 +76,22 @@ class PagedModelCache:
         k_bits, v_bits: quantize K / V (None keeps them in the model's float dtype).
         group_size: quantization group size along head_dim for K and V (None: 64);
         k_group_size, v_group_size: the same, per side (they must agree: one group size per pool).
+        cascade: one-token decode passes of full-attention layers group sequences that share
+            leading blocks (kvmetal/integrations/cascade_plan.py) and run
+            ``paged_attention_cascade``, which reads each shared prefix once per step;
+            ``cascade_steps`` counts those passes. Same tokens as the plain op (within
+            rounding); docs/cascade.md has the rule and its thresholds.
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
                  k_bits: int | None = None, v_bits: int | None = None, group_size: int | None = None,
-                 k_group_size: int | None = None, v_group_size: int | None = None):
+                 k_group_size: int | None = None, v_group_size: int | None = None, cascade: bool = CASCADE):
         group_size = _one_group_size(group_size, k_group_size, v_group_size)
         self.specs = list(specs)
         self.growable = num_blocks is None
         self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            group_size=group_size)
+                            group_size=group_size, cascade=bool(cascade))
+        self.cascade_steps = 0  # one-token passes (per full-attention layer group) that ran the cascade op
         group_keys = []
         self.layer_group, self.layer_index = [], []
         for spec in self.specs:
@@ -302,6 +311,20 @@ class PagedModelCache:
         self._plans[g] = plan
         return plan
 
+    def _cascade_args(self, plan: _Plan):
+        """The cascade op's index arguments for this pass (planned once, shared by the
+        group's layers), or None where no group of sequences reaches the thresholds."""
+        if plan.cascade is None:
+            groups = None
+            if plan.seq_lens.shape[0] >= cascade_plan.MIN_MEMBERS:  # fewer sequences never group
+                groups = cascade_plan.group_shared_prefixes(np.array(plan.block_tables), np.array(plan.seq_lens),
+                                                            block_size=self.block_size)
+            plan.cascade = False if groups is None else tuple(
+                mx.array(a) for a in (groups.prefix_block_tables, groups.prefix_lens, groups.prefix_of,
+                                      groups.block_tables, groups.seq_lens))
+            self.cascade_steps += groups is not None
+        return plan.cascade or None
+
     def _remember_mask(self, mask, window) -> None:
         """Masks handed out by make_mask, so attention knows what they mean (causal plus
         ``window``) and can run its own kernels instead of applying them as arrays."""
@@ -431,6 +454,13 @@ class PagedLayerCache:
             keys, values = self._gather(plan)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
+        if num_queries == 1 and window is None and self.model_cache.options["cascade"]:
+            shared = self.model_cache._cascade_args(plan)
+            if shared is not None:
+                out = ops.paged_attention_cascade(
+                    queries[:, :, 0], self.pool.key_caches[self._index], self.pool.value_caches[self._index],
+                    *shared, scale=scale, sinks=sinks, validate=False)
+                return out[:, :, None]
         if num_queries <= MAX_PAGED_QUERY_TOKENS:
             out = ops.paged_attention(
                 queries.transpose(0, 2, 1, 3),  # [B, L, H, D]

@@ -60,6 +60,8 @@ def matrix(quick: bool) -> list:
            window=16, sinks=True, **K8V4),
         _f(op="paged_attention_cascade", dtype="f16", d=128, bs=16, hkv=2, g=4, prefix_lens=(64, 32),
            prefix_of=(0, 0, 1, -1), lens=(5, 20, 1, 30)),
+        _f(op="paged_attention_cascade", dtype="f16", d=128, bs=16, hkv=2, g=4, prefix_lens=(48,),
+           prefix_of=(0, 0, 0, -1, 0), lens=(3, 0, 17, 9, 1), softcap=30.0, sinks=True, **K8V4),
     ]
     if not quick:  # more GQA factors and block sizes than the families reach
         paged += [

@@ -13,6 +13,8 @@ METRICS = {
     "prefix_hit_rate": ("gauge", "prompt_tokens_cached / prompt_tokens."),
     "preemptions": ("counter", "Running requests preempted (freed, recomputed later) to make room."),
     "decode_steps": ("counter", "Batched decode steps."),
+    "cascade_steps": ("counter", "Decode passes (per full-attention layer group) that read shared prefixes once "
+                                 "(paged_attention_cascade)."),
     "kv_pool_bytes": ("gauge", "Bytes of the KV pools (allocated, used or not)."),
     "kv_used_bytes": ("gauge", "Bytes of KV blocks owned by live requests."),
     "kv_free_bytes": ("gauge", "Cap (or pool, without a cap) minus used bytes."),

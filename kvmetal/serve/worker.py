@@ -384,6 +384,7 @@ class EngineWorker:
             "prefix_hit_rate": engine.prompt_tokens_cached / prompt_total if prompt_total else 0.0,
             "preemptions": engine.preemptions,
             "decode_steps": engine.decode_steps,
+            "cascade_steps": engine.cache.cascade_steps,
             "kv_pool_bytes": pool_bytes,
             "kv_used_bytes": used_bytes,
             "kv_free_bytes": (self.kv_cap_bytes if self.kv_cap_bytes is not None else pool_bytes) - used_bytes,

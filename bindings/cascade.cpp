@@ -1,0 +1,234 @@
+#include "cascade.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace kvmetal {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kItemsPerThread = 8;  // as in attention.cpp: enough items to balance uneven ones
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One token list and the query rows that attend all of it.
+struct RowGroup {
+  const int32_t* table = nullptr;  // block ids of the list
+  int len = 0;                     // tokens (clamped to the table)
+  std::vector<int> seqs;           // query sequences; row j = member (j / G), head g = j % G of the kv head
+};
+
+// One (group, kv head, split) item and where its partials go.
+struct Item {
+  int group = 0, kvh = 0, lo = 0, hi = 0;
+  int64_t offset = 0;  // floats into the partials: m[R], l[R], acc[R * D]
+};
+
+struct Scratch {
+  std::vector<float> q, k_tile, v_tile, scores, corr;
+  void fit(int R, int D, int block_size) {
+    q.resize(static_cast<size_t>(R) * D);
+    k_tile.resize(static_cast<size_t>(block_size) * D);
+    v_tile.resize(static_cast<size_t>(block_size) * D);
+    scores.resize(static_cast<size_t>(R) * kMaxTileRows);
+    corr.resize(R);
+  }
+};
+
+Scratch& scratch() {
+  thread_local Scratch sc;
+  return sc;
+}
+
+int clamp_len(int32_t len, int64_t width, int block_size) {
+  return static_cast<int>(std::clamp<int64_t>(len, 0, width * block_size));
+}
+
+// The prefix groups (members of one valid, non-empty prefix) and one own group per
+// sequence with tokens. prefix_slot[s] / own_group[s]: where sequence s's states are.
+struct Groups {
+  std::vector<RowGroup> list;
+  std::vector<int> prefix_group, prefix_member, own_group;  // -1: none
+};
+
+Groups build_groups(const CascadeParams& p) {
+  Groups g;
+  g.prefix_group.assign(p.num_seqs, -1);
+  g.prefix_member.assign(p.num_seqs, -1);
+  g.own_group.assign(p.num_seqs, -1);
+  std::vector<int> group_of_prefix(p.num_prefixes, -1);
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int owner = p.prefix_of[s];
+    if (owner < 0 || owner >= p.num_prefixes) continue;
+    const int len = clamp_len(p.prefix_lens[owner], p.prefix_width, p.block_size);
+    if (len == 0) continue;
+    if (group_of_prefix[owner] < 0) {
+      group_of_prefix[owner] = static_cast<int>(g.list.size());
+      g.list.push_back(RowGroup{p.prefix_tables + static_cast<int64_t>(owner) * p.prefix_width, len, {}});
+    }
+    RowGroup& group = g.list[group_of_prefix[owner]];
+    g.prefix_group[s] = group_of_prefix[owner];
+    g.prefix_member[s] = static_cast<int>(group.seqs.size());
+    group.seqs.push_back(s);
+  }
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int len = clamp_len(p.seq_lens[s], p.width, p.block_size);
+    if (len == 0) continue;
+    g.own_group[s] = static_cast<int>(g.list.size());
+    g.list.push_back(RowGroup{p.block_tables + static_cast<int64_t>(s) * p.width, len, {s}});
+  }
+  return g;
+}
+
+// Splits cut a group's tokens in whole blocks; enough items for the threads, but no
+// split under min_tokens_per_split tokens.
+std::vector<Item> plan_items(const CascadeParams& p, const Groups& g) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int64_t target = static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads();
+  const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(g.list.size()) * p.num_kv_heads);
+  std::vector<Item> items;
+  int64_t offset = 0;
+  for (int gi = 0; gi < static_cast<int>(g.list.size()); ++gi) {
+    const RowGroup& group = g.list[gi];
+    const int64_t R = static_cast<int64_t>(group.seqs.size()) * G;
+    const int64_t blocks = ceil_div(group.len, p.block_size);
+    const int64_t cap = std::max<int64_t>(1, group.len / std::max(1, p.min_tokens_per_split));
+    const int64_t splits = std::clamp<int64_t>(ceil_div(target, base), 1, std::min(blocks, cap));
+    const int64_t per = ceil_div(blocks, splits) * p.block_size;
+    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh)
+      for (int64_t lo = 0; lo < group.len; lo += per) {
+        items.push_back(Item{gi, kvh, static_cast<int>(lo), static_cast<int>(std::min<int64_t>(group.len, lo + per)),
+                             offset});
+        offset += R * (p.head_dim + 2);
+      }
+  }
+  return items;
+}
+
+// The online-softmax state of one item's R rows over its token range.
+void run_item(const CascadeParams& p, const KVView& k, const KVView& v, const TileKernels& tk, const RowGroup& group,
+              const Item& item, float* part) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int D = p.head_dim;
+  const int R = static_cast<int>(group.seqs.size()) * G;
+  float* m = part;
+  float* l = part + R;
+  float* acc = part + 2 * R;
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R + static_cast<int64_t>(R) * D, 0.f);
+  Scratch& sc = scratch();
+  sc.fit(R, D, p.block_size);
+  // Query rows, pre-scaled: member (j / G), head kvh * G + j % G.
+  for (int j = 0; j < R; ++j) {
+    const int64_t src = (static_cast<int64_t>(group.seqs[j / G]) * p.num_heads + item.kvh * G + j % G) * D;
+    float* dst = sc.q.data() + static_cast<int64_t>(j) * D;
+    for (int d = 0; d < D; ++d) dst[d] = load_as_f32(p.query, src + d, p.q_kind) * p.scale;
+  }
+  // One block's rows at a time: converted once, scored and accumulated for all R rows.
+  for (int t = item.lo; t < item.hi;) {
+    const int32_t block = group.table[t / p.block_size];
+    const int row0 = t % p.block_size;
+    const int n = std::min(p.block_size - row0, item.hi - t);
+    t += n;
+    if (block < 0 || block >= p.num_blocks) continue;  // padding: never read, attends nothing
+    int64_t ks = D, vs = D;
+    const float* k_rows = k.tile(block, item.kvh, row0, n, sc.k_tile.data(), &ks, tk);
+    float* scores = sc.scores.data();
+    tk.scores(sc.q.data(), R, k_rows, ks, n, D, scores);
+    if (p.has_softcap)
+      for (int j = 0; j < R; ++j)
+        for (int r = 0; r < n; ++r) {
+          float& x = scores[j * kMaxTileRows + r];
+          x = p.softcap * std::tanh(x / p.softcap);
+        }
+    tk.softmax_update(scores, R, n, m, l, sc.corr.data());
+    const float* v_rows = v.tile(block, item.kvh, row0, n, sc.v_tile.data(), &vs, tk);
+    tk.accumulate(scores, sc.corr.data(), R, v_rows, vs, n, D, acc);
+  }
+}
+
+// Fold the states of query row (s, h) (prefix items, own items, sink) into the output.
+void merge_row(const CascadeParams& p, const TileKernels& tk, const Groups& g, const std::vector<Item>& items,
+               const std::vector<int64_t>& first_item, const std::vector<float>& partials, int s, int h, float* tmp) {
+  const int G = p.num_heads / p.num_kv_heads;
+  const int D = p.head_dim;
+  const int kvh = h / G;
+  // Sequence s's two states: its prefix group's member rows and its own group's rows.
+  struct State {
+    int group, R, j;  // row j of the group's R rows
+  };
+  State states[2];
+  int count = 0;
+  if (g.prefix_group[s] >= 0) {
+    const int gi = g.prefix_group[s];
+    states[count++] = State{gi, static_cast<int>(g.list[gi].seqs.size()) * G, g.prefix_member[s] * G + h % G};
+  }
+  if (g.own_group[s] >= 0) states[count++] = State{g.own_group[s], G, h % G};
+  auto for_each_item = [&](const State& st, auto fn) {
+    for (int64_t i = first_item[st.group]; i < first_item[st.group + 1]; ++i)
+      if (items[i].kvh == kvh) fn(partials.data() + items[i].offset, st.R, st.j);
+  };
+  float M = p.sinks ? p.sinks[h] : kNegInf;
+  for (int c = 0; c < count; ++c)
+    for_each_item(states[c], [&](const float* part, int, int j) { M = std::max(M, part[j]); });
+  std::fill(tmp, tmp + D, 0.f);
+  float L = 0.f;
+  for (int c = 0; c < count; ++c)
+    for_each_item(states[c], [&](const float* part, int R, int j) {
+      if (part[R + j] == 0.f) return;  // a split that saw nothing
+      const float w = std::exp(part[j] - M);
+      L += part[R + j] * w;
+      const float* a = part + 2 * R + static_cast<int64_t>(j) * D;
+      for (int d = 0; d < D; ++d) tmp[d] += a[d] * w;
+    });
+  if (p.sinks) L += std::exp(p.sinks[h] - M);
+  const float inv = L > 0.f ? 1.f / L : 0.f;  // a row that saw nothing outputs zeros
+  for (int d = 0; d < D; ++d) tmp[d] *= inv;
+  const int64_t row = (static_cast<int64_t>(s) * p.num_heads + h) * D;
+  switch (p.q_kind) {
+    case FloatKind::f32:
+      std::copy(tmp, tmp + D, reinterpret_cast<float*>(p.out) + row);
+      break;
+    case FloatKind::f16:
+      tk.f32_to_f16(tmp, D, reinterpret_cast<uint16_t*>(p.out) + row);
+      break;
+    default:
+      for (int d = 0; d < D; ++d) reinterpret_cast<uint16_t*>(p.out)[row + d] = f32_to_bf16(tmp[d]);
+      break;
+  }
+}
+
+}  // namespace
+
+void paged_attention_cascade(const CascadeParams& p, const KVView& k, const KVView& v) {
+  if (p.num_seqs == 0 || p.num_heads == 0 || p.head_dim == 0) return;  // empty output
+  const TileKernels& tk = tile_kernels(p.head_dim);
+  const Groups groups = build_groups(p);
+  const std::vector<Item> items = plan_items(p, groups);
+  // Items are listed group by group: first_item[g] .. first_item[g + 1].
+  std::vector<int64_t> first_item(groups.list.size() + 1, static_cast<int64_t>(items.size()));
+  for (int64_t i = static_cast<int64_t>(items.size()) - 1; i >= 0; --i) first_item[items[i].group] = i;
+  for (int64_t gi = static_cast<int64_t>(groups.list.size()) - 1; gi >= 0; --gi)
+    first_item[gi] = std::min(first_item[gi], first_item[gi + 1]);
+  const int G = p.num_heads / p.num_kv_heads;
+  int64_t floats = 0;
+  for (const Item& it : items)
+    floats = std::max(floats, it.offset + static_cast<int64_t>(groups.list[it.group].seqs.size()) * G * (p.head_dim + 2));
+  std::vector<float> partials(static_cast<size_t>(floats));
+
+  ThreadPool& pool = ThreadPool::instance();
+  pool.parallel_for(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    run_item(p, k, v, tk, groups.list[items[i].group], items[i], partials.data() + items[i].offset);
+  });
+  pool.parallel_for(p.num_seqs, [&](int64_t s) {
+    std::vector<float> tmp(p.head_dim);
+    for (int h = 0; h < p.num_heads; ++h)
+      merge_row(p, tk, groups, items, first_item, partials, static_cast<int>(s), h, tmp.data());
+  });
+}
+
+}  // namespace kvmetal

@@ -1,0 +1,38 @@
+// How the CPU primitives read their inputs: shared by primitives.cpp (which
+// defines these) and the primitives of other files (cascade.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kv_view.h"
+#include "mlx/array.h"
+#include "primitives.h"
+#include "tensor.h"
+
+namespace kvmetal {
+
+// Storage for row-major copies made inside a task; a deque-like list so
+// earlier copies stay where they are.
+using Storage = std::vector<std::vector<char>>;
+
+std::vector<char>& new_slot(Storage& st);
+
+// int32 row-major view of an index array (int64 saturates, so an id that does
+// not fit stays out of range for the kernels' guards).
+const int32_t* int32_data(const Tensor& t, Storage& st);
+
+// The KVView of a cache given as 1 (float) or 3 (data, scales, biases) arrays.
+KVView make_view(const std::vector<Tensor>& arrays, QuantSpec q, Storage& st);
+
+std::vector<Tensor> describe_all(const std::vector<mx::array>& inputs, size_t first, int count);
+
+// Memory-safety checks of shapes and dtypes (kvmetal.ops does the user-facing ones).
+[[noreturn]] void fail(const char* op, const std::string& msg);
+void check_float(const mx::array& a, const char* op, const char* name);
+int check_cache(const std::vector<mx::array>& c, QuantSpec q, const char* op, const char* name);
+
+mx::Stream cpu_stream();
+
+}  // namespace kvmetal

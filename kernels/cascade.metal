@@ -1,0 +1,141 @@
+// Shared-prefix ("cascade") decode attention: one pass per shared prefix whose
+// threadgroup rows are the query rows of every member sequence, one pass over
+// each sequence's own tokens, and a reduce that merges both sets of partials.
+//
+// File layout as in attention.metal. This family is built on attention.metal's
+// helper section (KernelSpec.uses: kv_attend, kv_split_range, the tile readers
+// and the partial-state layout), which metal.py pastes in before the helpers
+// below; nothing of it is copied here.
+//
+// Design (docs/kernels.md, "Cascade decode"; after FlashInfer's cascade
+// attention, which reads a shared prefix once per batch with a multi-query
+// pass and merges per-request states):
+// - cascade_partials is paged_attention_partials with one difference: every
+//   query row sees every token of its table row (no causal staircase). Its
+//   QL "query tokens" are the member sequences of one prefix (or QL = 1: one
+//   sequence's own tokens), so a threadgroup serves G x QL rows, in register
+//   or shared-tile mode as the layout picks, and each prefix K/V row leaves
+//   device memory once per (prefix chunk, kv head). kv_attend places row l at
+//   position len - QL + l; handing it len + QL - 1 puts every row at or past
+//   the last token, while the split range is cut from the true length.
+// - cascade_reduce folds, per output row (sequence, head), the prefix
+//   partials of its member slot (if any) and its own partials, and the sink,
+//   with kv_softmax_merge: the same fold attention_reduce does over splits.
+// - Index guards (validate=False): lengths clamped to the table width, block
+//   ids outside [0, N) are padding (KvPagedRows), a member slot outside the
+//   prefix partials is "no prefix".
+
+// cascade_reduce's parameters (kvmetal/backends/metal_cascade.py packs them
+// from CASCADE_REDUCE_PARAMS, whose field list must match, in this order).
+struct KvCascadeReduceParams {
+  int num_heads;
+  int prefix_splits;  // splits of the prefix partials
+  int own_splits;     // splits of the sequences' own partials
+  int prefix_slots;   // member slots in the prefix partials (rows / H)
+  int num_seqs;
+  int pad0;
+  int pad1;
+  int pad2;
+};
+
+//@kernel cascade_partials
+// Inputs:  query [C, QL, H, D]: the QL member rows of each table row; key_*,
+//          value_* as in paged_attention_partials; block_tables int32 [C, M];
+//          seq_lens int32 [C] (tokens of each table row); params KvAttnParams
+//          (window 0)
+// Outputs: part_max, part_sum float32 [C * QL * H, splits]; part_acc float32 [C * QL * H, splits, D]
+// Grid:    threadgroups (splits, Hkv, C), NSG * 32 threads each.
+const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
+const int split = int(threadgroup_position_in_grid.x);
+const int kvh = int(threadgroup_position_in_grid.y);
+const int seq = int(threadgroup_position_in_grid.z);
+const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
+// The split range of a one-row query over [0, len): every token of the row.
+const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits);
+KV_ATTN_THREADGROUP_ARRAYS
+threadgroup float merge_stats[MERGE_STATS];
+threadgroup float merge_acc[MERGE_ACC];
+threadgroup uint4 tile_k[TILE_K];
+threadgroup uint4 tile_ks[TILE_KS];
+threadgroup uint4 tile_kb[TILE_KS];
+threadgroup uint4 tile_v[TILE_V];
+threadgroup uint4 tile_vs[TILE_VS];
+threadgroup uint4 tile_vb[TILE_VS];
+threadgroup int tile_ok[TILE_OK];
+
+KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
+src.table = block_tables + size_t(seq) * p.max_blocks;
+src.max_blocks = p.max_blocks;
+src.num_blocks = p.num_blocks;
+src.kv_rows = p.num_kv_heads * BS;
+src.kvh = kvh;
+src.cached_index = -1;
+src.cached_ok = false;
+src.block_row = 0;
+KvSteps unit;
+unit.data = 1;
+unit.scale = 1;
+unit.bias = 1;
+unit.vec = true;
+unit.vec16 = true;
+// Rows sit at positions len - 1 .. len + QL - 2: each sees all of [0, len).
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
+    src, query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D, key_data, key_scales, key_biases,
+    value_data, value_scales, value_biases, unit, unit, len + QL - 1, range, 0, p.scale, p.softcap,
+    int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
+    merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
+    part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads, p.num_splits, split);
+
+//@kernel cascade_reduce
+// Inputs:  prefix_max, prefix_sum float32 [slots * H, prefix_splits], prefix_acc
+//          float32 [slots * H, prefix_splits, D]: the prefix pass's partials;
+//          own_max, own_sum, own_acc likewise [S * H, own_splits(, D)]: the
+//          sequences' own tokens; slot_of int32 [S]: the member slot of each
+//          sequence in the prefix partials (-1: no prefix); sinks float32 [H]
+//          (ignored unless HAS_SINKS); params KvCascadeReduceParams
+// Outputs: out [S * H, D] TQ; a row that saw no token is 0.
+// Grid:    one threadgroup of 32 threads per row (s, h) = (row / H, row % H).
+const device KvCascadeReduceParams& p = *reinterpret_cast<const device KvCascadeReduceParams*>(params);
+const int row = int(threadgroup_position_in_grid.x);
+const int lane = int(thread_index_in_threadgroup);
+const int head = row % p.num_heads;
+const int seq = row / p.num_heads;
+const int slot = seq < p.num_seqs ? slot_of[seq] : -1;
+const bool has_prefix = slot >= 0 && slot < p.prefix_slots;
+constexpr int CPL = (D / 4 + 31) / 32;
+float m = KV_NEG_BIG;
+float denom = 0.0f;
+if (HAS_SINKS) {
+  m = sinks[head] * KV_LOG2E;
+  denom = 1.0f;
+}
+float4 o[CPL];
+for (int c = 0; c < CPL; c++) {
+  o[c] = float4(0.0f);
+}
+// Prefix splits first, then the own splits: one fold over both.
+const int n_prefix = has_prefix ? p.prefix_splits : 0;
+for (int s = 0; s < n_prefix + p.own_splits; s++) {
+  const bool from_prefix = s < n_prefix;
+  const size_t at = from_prefix ? (size_t(slot) * p.num_heads + head) * p.prefix_splits + s
+                                : size_t(row) * p.own_splits + (s - n_prefix);
+  const float part_m = from_prefix ? prefix_max[at] : own_max[at];
+  const float part_l = from_prefix ? prefix_sum[at] : own_sum[at];
+  const KvSoftmaxMerge mg = kv_softmax_merge(m, part_m);
+  denom = denom * mg.scale_a + part_l * mg.scale_b;
+  m = mg.m;
+  for (int c = 0; c < CPL; c++) {
+    const int chunk = lane + 32 * c;
+    if (chunk < D / 4) {
+      const float4 acc = from_prefix ? kv_load4(prefix_acc + at * D + chunk * 4) : kv_load4(own_acc + at * D + chunk * 4);
+      o[c] = o[c] * mg.scale_a + acc * mg.scale_b;
+    }
+  }
+}
+const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
+for (int c = 0; c < CPL; c++) {
+  const int chunk = lane + 32 * c;
+  if (chunk < D / 4) {
+    kv_store4<TQ>(out + size_t(row) * D + chunk * 4, o[c] * inv_denom);
+  }
+}
