@@ -73,16 +73,19 @@ class PagedModelCache:
         k_bits, v_bits: quantize K / V (None keeps them in the model's float dtype).
         group_size: quantization group size along head_dim for K and V (None: 64);
         k_group_size, v_group_size: the same, per side (they must agree: one group size per pool).
+        sparse_v: the sparse-V threshold of the decode passes (``ops.paged_attention``'s
+            ``sparse_v``); None or 0: exact.
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
                  k_bits: int | None = None, v_bits: int | None = None, group_size: int | None = None,
-                 k_group_size: int | None = None, v_group_size: int | None = None):
+                 k_group_size: int | None = None, v_group_size: int | None = None, sparse_v: float | None = None):
         group_size = _one_group_size(group_size, k_group_size, v_group_size)
+        self.sparse_v = ops.sparse_v_threshold("PagedModelCache", sparse_v)
         self.specs = list(specs)
         self.growable = num_blocks is None
         self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            group_size=group_size)
+                            group_size=group_size, sparse_v=self.sparse_v)
         group_keys = []
         self.layer_group, self.layer_index = [], []
         for spec in self.specs:
@@ -436,7 +439,7 @@ class PagedLayerCache:
                 queries.transpose(0, 2, 1, 3),  # [B, L, H, D]
                 self.pool.key_caches[self._index], self.pool.value_caches[self._index],
                 plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
-                sinks=sinks, validate=False)  # ops casts sinks to float32
+                sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)  # ops casts sinks to float32
             return out.transpose(0, 2, 1, 3)
         # Sequence i owns query rows [i * L, (i + 1) * L): its last L cached positions.
         out = ops.paged_attention_varlen(
