@@ -105,21 +105,65 @@ def decode_run(model, stream: np.ndarray, *, tau, contexts, window, capture=None
     return out
 
 
-def sim_v_bytes(call, tau) -> tuple[int, int]:
-    """(V bytes loaded, live V bytes) of one captured paged_attention call on the sim backend."""
+def sim_v_bytes(call, tau, **options) -> tuple[int, int]:
+    """(V bytes loaded, live V bytes) of one captured paged_attention call on the sim backend
+    (``options`` override the call's keyword arguments, e.g. ``num_splits=1``)."""
     import kvmetal as kv
     from kvmetal.sim import trace
     from kvmetal.sim.traffic import row_bytes
 
     _, args, kwargs = call
     query, kc, vc, tables, lens = args
-    kwargs = dict(kwargs, sparse_v=tau)
+    kwargs = dict(kwargs, sparse_v=tau, **options)
     with kv.use_backend("sim"), trace() as t:
         mx.eval(kv.paged_attention(query, kc, vc, tables, lens, **kwargs))
     c = next(c for c in t.calls if "paged_attention_partials" in c.name)
     loaded = sum(c.buffers[n].loaded for n in ("value_data", "value_scales", "value_biases") if n in c.buffers)
     live = int(np.array(lens).sum()) * vc.shape[1] * row_bytes(vc, vc.shape[-1])
     return loaded, live
+
+
+def final_max_skips(call, tau) -> tuple[int, int]:
+    """(V rows skippable, V rows) of one captured call if the rule used each row's final
+    maximum (the oracle's rule: the most any kernel can skip), one V row per (kv head,
+    key) skippable when every query row of the kv head has exp(s - max s) < tau."""
+    from kvmetal import reference
+
+    _, (query, kc, vc, tables, lens), kwargs = call
+    q = reference.to_f64(query)[:, -1]  # [S, H, D]: the last (here the only) query token
+    keys = reference.to_f64(kc)
+    skipped = total = 0
+    for s in range(q.shape[0]):
+        n = int(np.array(lens)[s])
+        rows = reference.sequence_rows(keys, reference.to_int(tables)[s], n)  # [Hkv, n, D]
+        group = q.shape[1] // rows.shape[0]
+        for h in range(rows.shape[0]):
+            scores = q[s, h * group:(h + 1) * group] @ rows[h].T * kwargs.get("scale", q.shape[-1] ** -0.5)
+            weight = np.exp(scores - scores.max(axis=1, keepdims=True))
+            skipped += int((weight < tau).all(axis=0).sum())
+            total += n
+    return skipped, total
+
+
+def skip_study(calls, taus) -> dict:
+    """Per context and tau: V rows the sim kernel skips with the backend's split count and
+    with one split, and what the final-max rule would skip."""
+    out = {}
+    for tau in taus:
+        for ctx, group in calls.items():
+            row = {"default_splits": [0, 0], "one_split": [0, 0], "final_max": [0, 0]}
+            for call in group:
+                for key, (a, b) in (("default_splits", sim_v_bytes(call, tau)),
+                                    ("one_split", sim_v_bytes(call, tau, num_splits=1)),
+                                    ("final_max", final_max_skips(call, tau))):
+                    row[key][0] += a
+                    row[key][1] += b
+            out.setdefault(repr(tau), {})[str(ctx)] = {
+                "v_rows_skipped_sim": 1 - row["default_splits"][0] / row["default_splits"][1],
+                "v_rows_skipped_sim_one_split": 1 - row["one_split"][0] / row["one_split"][1],
+                "v_rows_skipped_final_max": row["final_max"][0] / row["final_max"][1]}
+            print(tau, ctx, out[repr(tau)][str(ctx)], file=sys.stderr, flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -131,6 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=128, help="decoded positions before each context")
     ap.add_argument("--sim-layers", default="0,15,29", help="layers replayed on the simulator")
     ap.add_argument("--sim-steps", default="0,127", help="decode steps of each window replayed on the simulator")
+    ap.add_argument("--skip-only", action="store_true",
+                    help="only the skip study (sim with default and one split, and the final-max rule) of the "
+                         "captured exact calls; no KL runs")
     args = ap.parse_args(argv)
     if args.report:
         print(report_table(json.loads(Path(args.json).read_text())))
@@ -158,6 +205,11 @@ def main(argv=None) -> int:
     for call in calls:
         ctx = next(c for c in contexts if int(np.array(call[1][4]).max()) <= c)
         per_ctx_calls.setdefault(ctx, []).append(call)
+    if args.skip_only:
+        result = {k: result[k] for k in ("model", "window", "contexts", "sim_layers", "sim_steps")}
+        result["skips"] = skip_study(per_ctx_calls, TAUS[:3])
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0
     exact_ppl = {}
     for ctx in contexts:
         nxt = stream[ctx - args.window + 1:ctx + 1]
