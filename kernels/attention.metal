@@ -26,6 +26,9 @@
 // - Shared mode (RPS < R: more rows than registers hold): simdgroups split the
 //   rows and share each tile of TT tokens through a double-buffered threadgroup
 //   tile in the cache's storage type (one barrier per tile).
+// - Sparse V (template SV = 1, threshold KvAttnParams.sparse_v): V is read after
+//   its key's scores, only where some row's weight exp2(s - m_running) >= tau
+//   (kv_pass_sparse); SV = 0 is the exact path, unchanged.
 
 // Where one cache row starts: element offsets into its data, scales and biases,
 // and the element step along the row (1 unless a strided view says otherwise).
