@@ -284,6 +284,7 @@ class ItemWalker {
     // All of the unit's K first: it is read first.
     for (int i = 0; i < tile->count; ++i)
       if (tile->seg[i].valid) prefetcher_.add(k_, tile->seg[i].outer, head, tile->seg[i].row0, tile->seg[i].n);
+    if (p_.sparse_v > 0.f) return;  // sparse V: a skipped V row is never touched, not even prefetched
     for (int i = 0; i < tile->count; ++i)
       if (tile->seg[i].valid) prefetcher_.add(v_, tile->seg[i].outer, head, tile->seg[i].row0, tile->seg[i].n);
   }
@@ -298,7 +299,8 @@ class ItemWalker {
     mask(tile, scores);
     // Online softmax: new running max, rescale factors, probabilities.
     tk_.softmax_update(scores, R_, tile.rows, m, l, sc_.corr.data());
-    accumulate(tile, kvh, scores, acc);
+    if (p_.sparse_v > 0.f) accumulate_sparse(tile, kvh, scores, acc);
+    else accumulate(tile, kvh, scores, acc);
   }
 
   // scores[j * kMaxTileRows + r] = q_j . k_r for the tile's rows; padding
@@ -399,6 +401,55 @@ class ItemWalker {
     if (!rescaled)  // a tile of padding only
       for (int j = 0; j < R_; ++j)
         for (int d = 0; d < D_; ++d) acc[static_cast<int64_t>(j) * D_ + d] *= corr[j];
+  }
+
+  // Sparse V: p holds exp(s - m_running) (m_running: the max over the keys so
+  // far, this tile included). Weights below the threshold are dropped from the
+  // accumulation (l keeps them); only runs of keys some row still needs are
+  // accumulated, so only their V rows are read (or dequantized).
+  void accumulate_sparse(const Tile& tile, int kvh, float* p, float* acc) {
+    const float tau = p_.sparse_v;
+    bool need[kMaxTileRows] = {};
+    for (int j = 0; j < R_; ++j) {
+      float* row = p + j * kMaxTileRows;
+      for (int r = 0; r < tile.rows; ++r) {
+        if (row[r] < tau) row[r] = 0.f;
+        else need[r] = true;
+      }
+    }
+    const float* corr = sc_.corr.data();
+    bool rescaled = false;  // the first run accumulated rescales; the others add on top
+    for (int i = 0, off = 0; i < tile.count; off += tile.seg[i++].n) {
+      const Segment& sg = tile.seg[i];
+      if (!sg.valid) continue;  // padding: its weights are 0, nothing needed
+      for (int a = 0; a < sg.n;) {
+        if (!need[off + a]) {
+          ++a;
+          continue;
+        }
+        int b = a + 1;
+        while (b < sg.n && need[off + b]) ++b;
+        accumulate_rows(sg, kvh, a, b - a, p + off + a, rescaled ? sc_.ones.data() : corr, acc);
+        rescaled = true;
+        a = b;
+      }
+    }
+    if (!rescaled)
+      for (int j = 0; j < R_; ++j)
+        for (int d = 0; d < D_; ++d) acc[static_cast<int64_t>(j) * D_ + d] *= corr[j];
+  }
+
+  // acc = acc * c + p . V over rows [r0, r0 + n) of one segment.
+  void accumulate_rows(const Segment& sg, int kvh, int r0, int n, const float* p, const float* c, float* acc) {
+    if (v_in_place_ && v_.kind == FloatKind::f32) {
+      tk_.accumulate(p, c, R_, v_.f32_row(sg.outer, kvh, sg.row0 + r0), v_.stride[2], n, D_, acc);
+    } else if (v_in_place_) {
+      v_half_accumulate_(p, c, R_, v_.u16_row(sg.outer, kvh, sg.row0 + r0), v_.stride[2], n, D_, acc);
+    } else {
+      int64_t stride;
+      const float* rows = v_.tile(sg.outer, kvh, sg.row0 + r0, n, sc_.v_tile.data(), &stride, tk_);
+      tk_.accumulate(p, c, R_, rows, stride, n, D_, acc);
+    }
   }
 
   // The tile's V rows as float32 in scratch, rows D apart (zeros for padding).

@@ -40,6 +40,11 @@ struct AttentionParams {
   int sliding_window = 0;  // 0: none; else a query row sees only its last w tokens
   int num_splits = 0;      // 0: pick a count that keeps every core busy
   int min_tokens_per_split = 1;  // with num_splits 0: no split of fewer tokens (from Python)
+  // Sparse V (0 = exact): after a tile's softmax step, a query row whose weight
+  // exp(s - m_running) of a key is below this does not accumulate the key's V row
+  // (the weight stays in l), and a key no row of the tile needs has its V row
+  // neither read nor prefetched.
+  float sparse_v = 0.f;
 
   // Where each sequence's tokens are.
   bool paged = false;

@@ -23,8 +23,9 @@ namespace {
 kvmetal::QuantSpec spec(int bits, int group_size) { return kvmetal::QuantSpec{bits, bits ? group_size : 0}; }
 
 kvmetal::AttentionOptions options(float scale, std::optional<float> softcap, int sliding_window, int num_splits,
-                                  int min_tokens_per_split) {
+                                  int min_tokens_per_split, float sparse_v = 0.f) {
   kvmetal::AttentionOptions o;
+  o.sparse_v = sparse_v;
   o.scale = scale;
   o.softcap = softcap;
   o.sliding_window = sliding_window;
@@ -46,15 +47,14 @@ NB_MODULE(_ext, m) {
       [](const mx::array& query, const std::vector<mx::array>& k, int k_bits, int k_group,
          const std::vector<mx::array>& v, int v_bits, int v_group, const mx::array& block_tables,
          const mx::array& seq_lens, float scale, std::optional<float> softcap, int sliding_window,
-         std::optional<mx::array> sinks, int num_splits, int min_tokens_per_split) {
-        return kvmetal::paged_attention(query, k, spec(k_bits, k_group), v, spec(v_bits, v_group), block_tables,
-                                        seq_lens,
-                                        options(scale, softcap, sliding_window, num_splits, min_tokens_per_split),
-                                        sinks);
+         std::optional<mx::array> sinks, int num_splits, int min_tokens_per_split, float sparse_v) {
+        return kvmetal::paged_attention(
+            query, k, spec(k_bits, k_group), v, spec(v_bits, v_group), block_tables, seq_lens,
+            options(scale, softcap, sliding_window, num_splits, min_tokens_per_split, sparse_v), sinks);
       },
       "query"_a, "k"_a, "k_bits"_a, "k_group"_a, "v"_a, "v_bits"_a, "v_group"_a, "block_tables"_a, "seq_lens"_a,
       nb::kw_only(), "scale"_a, "softcap"_a = nb::none(), "sliding_window"_a = 0, "sinks"_a = nb::none(),
-      "num_splits"_a = 0, "min_tokens_per_split"_a,
+      "num_splits"_a = 0, "min_tokens_per_split"_a, "sparse_v"_a = 0.f,
       "Split-KV decode attention over a paged cache. query [S, L, H, D] (or [S, H, D]) -> the query's shape.");
 
   m.def(
@@ -94,12 +94,14 @@ NB_MODULE(_ext, m) {
       "decode_attention",
       [](const mx::array& query, const std::vector<mx::array>& k, int k_bits, int k_group,
          const std::vector<mx::array>& v, int v_bits, int v_group, float scale, std::optional<float> softcap,
-         std::optional<mx::array> sinks, int num_splits, int min_tokens_per_split) {
+         std::optional<mx::array> sinks, int num_splits, int min_tokens_per_split, float sparse_v) {
         return kvmetal::decode_attention(query, k, spec(k_bits, k_group), v, spec(v_bits, v_group),
-                                         options(scale, softcap, 0, num_splits, min_tokens_per_split), sinks);
+                                         options(scale, softcap, 0, num_splits, min_tokens_per_split, sparse_v),
+                                         sinks);
       },
       "query"_a, "k"_a, "k_bits"_a, "k_group"_a, "v"_a, "v_bits"_a, "v_group"_a, nb::kw_only(), "scale"_a,
       "softcap"_a = nb::none(), "sinks"_a = nb::none(), "num_splits"_a = 0, "min_tokens_per_split"_a,
+      "sparse_v"_a = 0.f,
       "Split-KV decode attention over contiguous (possibly strided) [B, Hkv, T, D] keys/values.");
 
   m.def(

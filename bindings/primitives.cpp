@@ -201,6 +201,7 @@ void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
     p.sliding_window = opts.sliding_window;
     p.num_splits = opts.num_splits;
     p.min_tokens_per_split = opts.min_tokens_per_split;
+    p.sparse_v = opts.sparse_v;
     p.paged = paged;
     if (paged) {
       p.block_size = static_cast<int>(kt[0].shape[2]);

@@ -34,9 +34,11 @@ struct AttentionOptions {
   int sliding_window = 0;  // paged only; 0 = none
   int num_splits = 0;      // 0 = auto
   int min_tokens_per_split = 1;  // auto splits: none shorter (MIN_TOKENS_PER_SPLIT, kvmetal/backends)
+  float sparse_v = 0.f;          // decode ops: sparse V threshold tau (0 = exact)
   bool operator==(const AttentionOptions& o) const {
     return scale == o.scale && softcap == o.softcap && sliding_window == o.sliding_window &&
-           num_splits == o.num_splits && min_tokens_per_split == o.min_tokens_per_split;
+           num_splits == o.num_splits && min_tokens_per_split == o.min_tokens_per_split &&
+           sparse_v == o.sparse_v;
   }
 };
 

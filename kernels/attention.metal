@@ -26,6 +26,9 @@
 // - Shared mode (RPS < R: more rows than registers hold): simdgroups split the
 //   rows and share each tile of TT tokens through a double-buffered threadgroup
 //   tile in the cache's storage type (one barrier per tile).
+// - Sparse V (template SV = 1, threshold KvAttnParams.sparse_v): V is read after
+//   its key's scores, only where some row's weight exp2(s - m_running) >= tau
+//   (kv_pass_sparse); SV = 0 is the exact path, unchanged.
 
 // Where one cache row starts: element offsets into its data, scales and biases,
 // and the element step along the row (1 unless a strided view says otherwise).
@@ -196,60 +199,110 @@ struct KvRowState {
   int pos[RPS];              // the row's position; -1 for padding rows
 };
 
+// Score key t (this lane's key group holds it) for row r and fold the pass
+// maximum into the row's running state (rescaling o and l when it rises).
+// Returns the key's weight relative to the running maximum, p = exp2(s - m)
+// with s and m in log2 units (= exp(score - max) in natural units); 0 when
+// the key is not visible to the row.
+template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4>
+inline float kv_score_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
+                          int r, int t, bool ok, int window, float softcap, int kl) {
+  constexpr int KAE = KAE4 * 4;
+  constexpr int KNAR = D / KAE;
+  float s = 0.0f;
+  for (int c = 0; c < KNA; c++) {
+    if (kl + LPK * c < KNAR) {
+      float d = 0.0f;
+      for (int j = 0; j < KAE4; j++) {
+        d += dot(st.q[r][c][j], k.x[c][j]);
+      }
+      s += KBITS ? k.sb[c].x * d + k.sb[c].y * st.qsum[r][c] : d;
+    }
+  }
+  for (int off = 1; off < LPK; off <<= 1) {
+    s += simd_shuffle_xor(s, ushort(off));
+  }
+  if (softcap > 0.0f) {
+    s = softcap * KV_LOG2E * kv_tanh(s / softcap);
+  }
+  const bool visible = ok && t <= st.pos[r] && (window <= 0 || t > st.pos[r] - window);
+  s = visible ? s : KV_NEG_BIG;
+  float m_pass = s;
+  for (int off = LPK; off < 32; off <<= 1) {
+    m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
+  }
+  if (m_pass > st.m[r]) {  // uniform: rescale only when the pass raises the max
+    const float correction = exp2(st.m[r] - m_pass);
+    st.l[r] *= correction;
+    for (int c = 0; c < VNA; c++) {
+      for (int j = 0; j < VAE4; j++) {
+        st.o[r][c][j] *= correction;
+      }
+      st.ob[r][c] *= correction;
+    }
+    st.m[r] = m_pass;
+  }
+  return visible ? exp2(s - st.m[r]) : 0.0f;
+}
+
+// Add p * v (this lane's V atoms) to row r's accumulator.
+template <int D, int RPS, int LPK, int VBITS, int KNA, int KAE4, int VNA, int VAE4>
+inline void kv_accumulate_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<VNA, VAE4>& v,
+                              int r, float p, int kl) {
+  constexpr int VAE = VAE4 * 4;
+  constexpr int VNAR = D / VAE;
+  for (int c = 0; c < VNA; c++) {
+    if (kl + LPK * c < VNAR) {
+      const float ps = VBITS ? p * v.sb[c].x : p;
+      for (int j = 0; j < VAE4; j++) {
+        st.o[r][c][j] += ps * v.x[c][j];
+      }
+      if (VBITS) {
+        st.ob[r][c] += p * v.sb[c].y;
+      }
+    }
+  }
+}
+
 // Score one pass of keys (this lane's key group holds key t) and fold it into
-// the running state of every row.
+// the running state of every row. The exact path: V was loaded with K.
 template <int D, int RPS, int LPK, int KBITS, int VBITS, int KNA, int KAE4, int VNA, int VAE4>
 inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
                     thread const KvAtoms<VNA, VAE4>& v, int t, bool ok, int window, float softcap, int kl) {
-  constexpr int KAE = KAE4 * 4;
-  constexpr int VAE = VAE4 * 4;
-  constexpr int KNAR = D / KAE;
-  constexpr int VNAR = D / VAE;
   for (int r = 0; r < RPS; r++) {
-    float s = 0.0f;
-    for (int c = 0; c < KNA; c++) {
-      if (kl + LPK * c < KNAR) {
-        float d = 0.0f;
-        for (int j = 0; j < KAE4; j++) {
-          d += dot(st.q[r][c][j], k.x[c][j]);
-        }
-        s += KBITS ? k.sb[c].x * d + k.sb[c].y * st.qsum[r][c] : d;
-      }
-    }
-    for (int off = 1; off < LPK; off <<= 1) {
-      s += simd_shuffle_xor(s, ushort(off));
-    }
-    if (softcap > 0.0f) {
-      s = softcap * KV_LOG2E * kv_tanh(s / softcap);
-    }
-    const bool visible = ok && t <= st.pos[r] && (window <= 0 || t > st.pos[r] - window);
-    s = visible ? s : KV_NEG_BIG;
-    float m_pass = s;
-    for (int off = LPK; off < 32; off <<= 1) {
-      m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
-    }
-    if (m_pass > st.m[r]) {  // uniform: rescale only when the pass raises the max
-      const float correction = exp2(st.m[r] - m_pass);
-      st.l[r] *= correction;
-      for (int c = 0; c < VNA; c++) {
-        for (int j = 0; j < VAE4; j++) {
-          st.o[r][c][j] *= correction;
-        }
-        st.ob[r][c] *= correction;
-      }
-      st.m[r] = m_pass;
-    }
-    const float p = visible ? exp2(s - st.m[r]) : 0.0f;
+    const float p = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, window, softcap, kl);
     st.l[r] += p;
-    for (int c = 0; c < VNA; c++) {
-      if (kl + LPK * c < VNAR) {
-        const float ps = VBITS ? p * v.sb[c].x : p;
-        for (int j = 0; j < VAE4; j++) {
-          st.o[r][c][j] += ps * v.x[c][j];
-        }
-        if (VBITS) {
-          st.ob[r][c] += p * v.sb[c].y;
-        }
+    kv_accumulate_row<D, RPS, LPK, VBITS>(st, v, r, p, kl);
+  }
+}
+
+// Sparse V (SV = 1): the same pass, but V is read only after the scores of the
+// pass are known. A row whose weight p = exp2(s - m_running) is below `tau`
+// does not accumulate the key's V row (p still joins the denominator l), and a
+// key group whose key is below tau for every row of this simdgroup loads no V
+// at all: no data words, no scales or biases (kv_fetch with ok = false). The
+// running max only grows, so the skipped weight relative to the final max is
+// below tau too: the error bound of docs/kernels.md. `va` locates key t's V
+// row in `vdata` (device memory in register mode, the tile in shared mode).
+template <int D, int RPS, int LPK, int KBITS, int VBITS, int VGS, int VAW, int KNA, int KAE4, int VNA, int VAE4,
+          typename PVD, typename PVS>
+inline void kv_pass_sparse(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
+                           PVD vdata, PVS vscales, PVS vbiases, KvAt va, KvSteps vsteps, int t, bool ok, int window,
+                           float softcap, float tau, int kl, int kg) {
+  float p[RPS];
+  bool need = false;
+  for (int r = 0; r < RPS; r++) {
+    p[r] = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, window, softcap, kl);
+    st.l[r] += p[r];
+    need = need || p[r] >= tau;
+  }
+  // Every lane calls kv_fetch (its scale/bias shuffles are simdgroup-wide);
+  // only the key groups that need their row load it.
+  const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok && need, kl, kg);
+  if (need) {
+    for (int r = 0; r < RPS; r++) {
+      if (p[r] >= tau) {
+        kv_accumulate_row<D, RPS, LPK, VBITS>(st, v, r, p[r], kl);
       }
     }
   }
@@ -434,12 +487,15 @@ inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4>
 
 // The whole partial kernel for one (split, kv head, sequence), any row source.
 // Register mode when RPS >= R, else shared mode with tiles of TT tokens.
+// SV = 1 compiles sparse V (kv_pass_sparse, threshold `sparse_v`); SV = 0 is
+// the exact path, and `sparse_v` is then unused.
 template <int D, int G, int QL, int NSG, int RPS, int LPK, int TT, int KBITS, int KGS, int KAW, int VBITS,
-          int VGS, int VAW, typename TKD, typename TVD, typename TKS, typename TVS, typename SRC, typename PQ,
+          int VGS, int VAW, int SV, typename TKD, typename TVD, typename TKS, typename TVS, typename SRC, typename PQ,
           typename PKD, typename PKS, typename PVD, typename PVS>
 inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int token_stride, PKD kdata, PKS kscales,
                       PKS kbiases, PVD vdata, PVS vscales, PVS vbiases, KvSteps ksteps, KvSteps vsteps, int len,
-                      KvSplitRange range, int window, float scale, float softcap, int sg, int lane, int tid,
+                      KvSplitRange range, int window, float scale, float softcap, float sparse_v, int sg,
+                      int lane, int tid,
                       threadgroup float* merge_stats, threadgroup float* merge_acc, threadgroup uint4* tile_k,
                       threadgroup uint4* tile_ks, threadgroup uint4* tile_kb, threadgroup uint4* tile_v,
                       threadgroup uint4* tile_vs, threadgroup uint4* tile_vb, threadgroup int* tile_ok,
@@ -478,19 +534,36 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
     int t = s_lo + kg;
     bool ok = t < s_hi && src.locate(t, ka, va);
     KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
-    KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
-    for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
-      const int t_next = t0 + KPP + kg;
-      const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
-      const KvAtoms<KNA, KAE4> k_next =
-          kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
-      const KvAtoms<VNA, VAE4> v_next =
-          kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
-      kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
-      k = k_next;
-      v = v_next;
-      t = t_next;
-      ok = ok_next;
+    if (SV) {
+      // Sparse V: K stays a pass ahead; V is read in the pass, once its
+      // scores are known (kv_pass_sparse), and only where a row needs it.
+      for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
+        const KvAt va_now = va;
+        const int t_next = t0 + KPP + kg;
+        const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
+        const KvAtoms<KNA, KAE4> k_next =
+            kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+        kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW>(st, k, vdata, vscales, vbiases, va_now, vsteps, t, ok,
+                                                            window, softcap, sparse_v, kl, kg);
+        k = k_next;
+        t = t_next;
+        ok = ok_next;
+      }
+    } else {
+      KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
+      for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
+        const int t_next = t0 + KPP + kg;
+        const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
+        const KvAtoms<KNA, KAE4> k_next =
+            kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+        const KvAtoms<VNA, VAE4> v_next =
+            kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
+        kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+        k = k_next;
+        v = v_next;
+        t = t_next;
+        ok = ok_next;
+      }
     }
     kv_reduce_key_groups<RPS, LPK>(st);
   } else {
@@ -538,8 +611,15 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
           KvAt va;
           const bool ok = t < t0 + TT && tile.locate(t, ka, va);
           const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(tkd, tks, tkb, ka, unit, ok, kl, kg);
-          const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(tvd, tvs, tvb, va, unit, ok, kl, kg);
-          kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+          if (SV) {
+            // The tile already holds V (copied with K): sparse V skips the
+            // accumulation and the tile reads, not the device loads.
+            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW>(st, k, tvd, tvs, tvb, va, unit, t, ok, window,
+                                                                softcap, sparse_v, kl, kg);
+          } else {
+            const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(tvd, tvs, tvb, va, unit, ok, kl, kg);
+            kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+          }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         buffer ^= 1;
@@ -682,9 +762,9 @@ unit.scale = 1;
 unit.bias = 1;
 unit.vec = true;
 unit.vec16 = true;
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
     src, query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D, key_data, key_scales, key_biases,
-    value_data, value_scales, value_biases, unit, unit, len, range, p.window, p.scale, p.softcap,
+    value_data, value_scales, value_biases, unit, unit, len, range, p.window, p.scale, p.softcap, SV ? p.sparse_v : 0.0f,
     int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
     merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
     part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads, p.num_splits, split);
@@ -749,9 +829,9 @@ vsteps.vec = value_data_strides[3] == 1 && value_data_strides[0] % VVEC == 0 &&
 constexpr int VVEC16 = 16 / int(sizeof(TVD));
 vsteps.vec16 = value_data_strides[3] == 1 && value_data_strides[0] % VVEC16 == 0 &&
                value_data_strides[1] % VVEC16 == 0 && value_data_strides[2] % VVEC16 == 0;
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
     src, query + size_t(batch) * p.num_heads * QL * D, kvh * G, QL * D, D, key_data, key_scales, key_biases,
-    value_data, value_scales, value_biases, ksteps, vsteps, len, range, 0, p.scale, p.softcap,
+    value_data, value_scales, value_biases, ksteps, vsteps, len, range, 0, p.scale, p.softcap, SV ? p.sparse_v : 0.0f,
     int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
     merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
     part_acc, size_t(batch) * p.num_heads * QL + kvh * G * QL, QL, 1, p.num_splits, split);

@@ -79,9 +79,9 @@ unit.bias = 1;
 unit.vec = true;
 unit.vec16 = true;
 // Rows sit at positions len - 1 .. len + QL - 2: each sees all of [0, len).
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, TKD, TVD, TK, TV>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
     src, query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D, key_data, key_scales, key_biases,
-    value_data, value_scales, value_biases, unit, unit, len + QL - 1, range, 0, p.scale, p.softcap,
+    value_data, value_scales, value_biases, unit, unit, len + QL - 1, range, 0, p.scale, p.softcap, SV ? p.sparse_v : 0.0f,
     int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
     merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
     part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads, p.num_splits, split);

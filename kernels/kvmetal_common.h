@@ -192,7 +192,7 @@ struct KvAttnParams {
   float scale;
   float softcap;    // 0 = off
   int head_div;     // reduce: head of row r is (r / head_div) % num_heads
-  int pad;
+  float sparse_v;   // sparse V threshold tau on exp2(s - m_running); read only by SV = 1 kernels
 };
 
 // gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).

@@ -181,6 +181,21 @@ def _sliding_window(op: str, sliding_window, *, max_tokens: int) -> int | None:
     return None if sliding_window is None or sliding_window >= max_tokens else sliding_window
 
 
+def sparse_v_threshold(op: str, value) -> float | None:
+    """The checked sparse-V threshold: None for exact attention (None or 0), else tau as a
+    float with FLOAT32_TINY <= tau < 1 (a smaller tau would reach a GPU as 0 anyway)."""
+    if value is None:
+        return None
+    if not _is_real(value):
+        _fail(op, f"sparse_v must be None or a float in [0, 1), got {value!r}", TypeError)
+    value = float(value)
+    if value == 0.0:
+        return None
+    if not (FLOAT32_TINY <= value < 1.0):  # NaN, negative, >= 1, or below float32's normal range
+        _fail(op, f"sparse_v must be None, 0 or a float in [{FLOAT32_TINY:.3g}, 1), got {value!r}")
+    return value
+
+
 def _attention_options(op: str, *, head_dim: int, num_heads: int, scale, softcap, sinks,
                        num_splits, max_splits: int) -> dict:
     """Checked options for the backends.
@@ -285,7 +300,8 @@ def reshape_and_cache(key: mx.array, value: mx.array, key_cache, value_cache, sl
 def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.array, seq_lens: mx.array,
                     *, scale: float | None = None, softcap: float | None = None,
                     sliding_window: int | None = None, sinks: mx.array | None = None,
-                    num_splits: int | None = None, validate: bool = True) -> mx.array:
+                    num_splits: int | None = None, sparse_v: float | None = None,
+                    validate: bool = True) -> mx.array:
     """Decode attention of the last 1-8 tokens of each sequence over a paged KV cache.
 
     Args:
@@ -302,6 +318,12 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
         num_splits: KV splits per (sequence, kv head); None lets the backend choose. A count
             above one split per token of the table (M * bs) is clamped to that (more would be
             empty); a backend may use fewer (the cpu one, one per tile of up to 32 tokens).
+        sparse_v: None or 0 (default): exact. A float tau in (0, 1): a key whose weight
+            relative to the running maximum, ``exp(s - m_running)``, is below tau for a query
+            row is not accumulated into that row (its weight stays in the denominator), and
+            its V row is not loaded when no row of the threadgroup (metal) or tile (cpu) needs
+            it. Error per output row <= (skipped weight / softmax denominator) * max|v|
+            (docs/kernels.md, "Sparse V").
         validate: check block ids and lengths on the host (before any cast). With
             ``validate=False`` the kernels treat a block id outside [0, N) as padding (its
             tokens are not attended) and clamp a length to [0, M * bs].
@@ -331,6 +353,9 @@ def paged_attention(query: mx.array, key_cache, value_cache, block_tables: mx.ar
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
                                  sinks=sinks, num_splits=num_splits, max_splits=max_blocks * block_size)
     options["sliding_window"] = _sliding_window(op, sliding_window, max_tokens=max_blocks * block_size)
+    tau = sparse_v_threshold(op, sparse_v)
+    if tau is not None:  # only then: a backend without the option fails loudly instead of running exact
+        options["sparse_v"] = tau
     _check_tables(op, block_tables, seq_lens, num_blocks=num_blocks, block_size=block_size, validate=validate,
                   min_len=num_rows)
     if num_seqs == 0:
@@ -461,7 +486,7 @@ def gather_kv_cache(key_cache, value_cache, block_tables: mx.array, seq_lens: mx
 
 def decode_attention(query: mx.array, keys, values, *, scale: float | None = None,
                      softcap: float | None = None, sinks: mx.array | None = None,
-                     num_splits: int | None = None) -> mx.array:
+                     num_splits: int | None = None, sparse_v: float | None = None) -> mx.array:
     """Split-KV decode over a contiguous cache, in ``mx.fast.scaled_dot_product_attention`` layout.
 
     Args:
@@ -471,6 +496,7 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
         scale, softcap, sinks: as in :func:`paged_attention`.
         num_splits: KV splits per (batch entry, kv head); None lets the backend choose. A
             count above T is clamped to T (more splits would be empty).
+        sparse_v: as in :func:`paged_attention`.
     Returns:
         [B, H, L, D] in the query's dtype.
     """
@@ -490,6 +516,9 @@ def decode_attention(query: mx.array, keys, values, *, scale: float | None = Non
     options = _attention_options(op, head_dim=head_dim, num_heads=query.shape[1], scale=scale,
                                  softcap=softcap, sinks=sinks, num_splits=num_splits,
                                  max_splits=num_tokens)
+    tau = sparse_v_threshold(op, sparse_v)
+    if tau is not None:
+        options["sparse_v"] = tau
     if batch == 0:
         return mx.zeros(query.shape, query.dtype)
     return backends.get().decode_attention(query, keys, values, **options)

@@ -28,16 +28,35 @@ def to_int(x) -> np.ndarray:
     return np.array(x, dtype=np.int64)
 
 
-def attend(q, keys, values, *, scale, softcap=None, sink=None) -> np.ndarray:
-    """Softmax attention of one query row over ``keys``/``values`` [T, D] in float64."""
+# Sparse-V oracles classify a key as skippable with tau times this margin, so float32
+# rounding of a kernel's scores cannot make it skip a key the bound leaves out.
+SPARSE_V_BOUND_MARGIN = 1.05
+
+
+def attend(q, keys, values, *, scale, softcap=None, sink=None, sparse_v=None, bound=None) -> np.ndarray:
+    """Softmax attention of one query row over ``keys``/``values`` [T, D] in float64.
+
+    ``sparse_v=tau``: keys whose weight relative to the row's maximum score,
+    ``exp(s - max s)``, is below tau are left out of the numerator (their weight stays
+    in the denominator). A kernel compares against its running maximum, which is never
+    above the final one, so it skips a subset of these keys. ``bound`` (a one-element
+    list) receives the sparse-V error bound of the row: the weight of the keys below
+    ``tau * SPARSE_V_BOUND_MARGIN`` over the denominator, times max |v| of the row's keys.
+    """
     scores = (keys @ q) * scale
     if softcap is not None:
         scores = softcap * np.tanh(scores / softcap)
     m = scores.max() if scores.size else -math.inf
+    top = m
     if sink is not None:
         m = max(m, sink)
     weights = np.exp(scores - m)
     denom = weights.sum() + (math.exp(sink - m) if sink is not None else 0.0)
+    if bound is not None and sparse_v:
+        below = np.exp(scores - top) < (sparse_v or 0.0) * SPARSE_V_BOUND_MARGIN
+        bound[0] = weights[below].sum() / denom * (np.abs(values).max() if values.size else 0.0)
+    if sparse_v:
+        weights = np.where(np.exp(scores - top) < sparse_v, 0.0, weights)
     return (weights @ values) / denom
 
 
@@ -51,12 +70,15 @@ def sequence_rows(cache: np.ndarray, block_table, seq_len: int) -> np.ndarray:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
-                    scale=None, softcap=None, sliding_window=None, sinks=None) -> np.ndarray:
+                    scale=None, softcap=None, sliding_window=None, sinks=None, sparse_v=None,
+                    with_bound=False):
     """query [S, H, D] or [S, L, H, D] -> the same shape.
 
     The L query rows of a sequence are its last L cached positions: row ``l`` sits at
     ``p = seq_len - L + l`` and sees positions ``t <= p`` (and ``t > p - sliding_window``).
     A row that sees no token (seq_len 0, or L > seq_len) outputs zeros, sinks or not.
+    ``sparse_v``: see :func:`attend`. ``with_bound=True`` returns ``(out, bound)``, bound
+    [S, (L,) H]: each row's sparse-V error bound (:func:`attend`).
     """
     q = to_f64(query)
     single = q.ndim == 3
@@ -68,15 +90,21 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *,
     num_seqs, head_dim = q.shape[0], q.shape[-1]
     scale = head_dim ** -0.5 if scale is None else scale
     out = np.zeros_like(q)
+    bounds = np.zeros(q.shape[:-1])
     for s in range(num_seqs):
         out[s] = _last_rows(q[s], kc, vc, tables[s], lens[s], scale=scale, softcap=softcap,
-                            sliding_window=sliding_window, sink_logits=sink_logits)
-    return out[:, 0] if single else out
+                            sliding_window=sliding_window, sink_logits=sink_logits, sparse_v=sparse_v,
+                            bounds=bounds[s])
+    if single:
+        out, bounds = out[:, 0], bounds[:, 0]
+    return (out, bounds) if with_bound else out
 
 
-def _last_rows(q, kc, vc, table, seq_len, *, scale, softcap, sliding_window, sink_logits) -> np.ndarray:
+def _last_rows(q, kc, vc, table, seq_len, *, scale, softcap, sliding_window, sink_logits, sparse_v=None,
+               bounds=None) -> np.ndarray:
     """One sequence's query rows q [n, H, D] as its last n cached positions, each
-    attending causally (and within the window); rows that see nothing stay zero."""
+    attending causally (and within the window); rows that see nothing stay zero.
+    ``bounds`` [n, H], if given, receives each row's sparse-V error bound."""
     num_rows, num_heads = q.shape[0], q.shape[1]
     group = num_heads // kc.shape[1]
     keys, values = sequence_rows(kc, table, seq_len), sequence_rows(vc, table, seq_len)
@@ -87,8 +115,12 @@ def _last_rows(q, kc, vc, table, seq_len, *, scale, softcap, sliding_window, sin
             continue
         first = 0 if sliding_window is None else max(0, last + 1 - sliding_window)
         for h in range(num_heads):
+            bound = [0.0]
             out[i, h] = attend(q[i, h], keys[h // group, first:last + 1], values[h // group, first:last + 1],
-                               scale=scale, softcap=softcap, sink=None if sink_logits is None else sink_logits[h])
+                               scale=scale, softcap=softcap, sink=None if sink_logits is None else sink_logits[h],
+                               sparse_v=sparse_v, bound=bound)
+            if bounds is not None:
+                bounds[i, h] = bound[0]
     return out
 
 
@@ -144,11 +176,13 @@ def paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, 
     return out
 
 
-def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None) -> np.ndarray:
+def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None, sparse_v=None,
+                     with_bound=False):
     """query [B, H, L, D], keys/values [B, Hkv, T, D] -> [B, H, L, D].
 
     Bottom-right-aligned causal mask (``mx.fast.scaled_dot_product_attention(mask="causal")``):
-    query row ``l`` sees keys ``t <= T - L + l``.
+    query row ``l`` sees keys ``t <= T - L + l``. ``sparse_v``/``with_bound`` as in
+    :func:`paged_attention` (bound [B, H, L]).
     """
     q, k, v = to_f64(query), to_f64(keys), to_f64(values)
     batch, num_heads, num_rows, head_dim = q.shape
@@ -157,16 +191,20 @@ def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=Non
     scale = head_dim ** -0.5 if scale is None else scale
     sink_logits = None if sinks is None else to_f64(sinks)
     out = np.zeros_like(q)
+    bounds = np.zeros(q.shape[:-1])
     for b in range(batch):
         for h in range(num_heads):
             for l in range(num_rows):
                 visible = num_tokens - num_rows + l + 1
                 if visible < 1:
                     continue
+                bound = [0.0]
                 out[b, h, l] = attend(q[b, h, l], k[b, h // group, :visible], v[b, h // group, :visible],
                                       scale=scale, softcap=softcap,
-                                      sink=None if sink_logits is None else sink_logits[h])
-    return out
+                                      sink=None if sink_logits is None else sink_logits[h], sparse_v=sparse_v,
+                                      bound=bound)
+                bounds[b, h, l] = bound[0]
+    return (out, bounds) if with_bound else out
 
 
 def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len=None):

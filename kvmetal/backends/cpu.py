@@ -59,14 +59,14 @@ def _write(rows, cache, slot_mapping):
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale, softcap, sliding_window,
-                    sinks, num_splits):
+                    sinks, num_splits, sparse_v=None):
     """Attention of the last L tokens per sequence over a paged cache: query ``[S, L, H, D]`` -> ``[S, L, H, D]``."""
     k, k_bits, k_group = _unpack(key_cache)
     v, v_bits, v_group = _unpack(value_cache)
     return _ext.paged_attention(
         query, k, k_bits, k_group, v, v_bits, v_group, block_tables, seq_lens,
         scale=scale, softcap=softcap, sliding_window=sliding_window or 0, sinks=sinks, num_splits=num_splits or 0,
-        min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT, sparse_v=sparse_v or 0.0,
     )
 
 
@@ -103,7 +103,7 @@ def gather_kv_cache(key_cache, value_cache, block_tables, seq_lens, *, max_len):
     return tuple(out)
 
 
-def decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits):
+def decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits, sparse_v=None):
     """Query ``[B, H, L, D]`` over contiguous ``[B, Hkv, T, D]`` keys/values (read in place, strides
     honoured), bottom-right causal: row l sees keys t <= T - L + l."""
     k, k_bits, k_group = _unpack(keys)
@@ -111,7 +111,7 @@ def decode_attention(query, keys, values, *, scale, softcap, sinks, num_splits):
     return _ext.decode_attention(
         query, k, k_bits, k_group, v, v_bits, v_group,
         scale=scale, softcap=softcap, sinks=sinks, num_splits=num_splits or 0,
-        min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT, sparse_v=sparse_v or 0.0,
     )
 
 

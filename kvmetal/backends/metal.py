@@ -236,7 +236,7 @@ class ParamStruct:
 ATTENTION_PARAMS = ParamStruct("KvAttnParams", (
     ("num_kv_heads", "i"), ("num_heads", "i"), ("query_len", "i"), ("num_splits", "i"), ("max_blocks", "i"),
     ("num_blocks", "i"), ("window", "i"), ("num_tokens", "i"), ("scale", "f"), ("softcap", "f"),
-    ("head_div", "i"), ("pad", "i")))
+    ("head_div", "i"), ("sparse_v", "f")))
 GATHER_PARAMS = ParamStruct("KvGatherParams", (
     ("num_kv_heads", "i"), ("max_blocks", "i"), ("max_len", "i"), ("num_blocks", "i")))
 
@@ -289,8 +289,9 @@ def _attention_geometry(*, splits, num_kv_heads, num_seqs, layout):
                     threadgroup_bytes=layout.threadgroup_bytes)
 
 
+# SV: 1 compiles sparse V (kv_pass_sparse; threshold KvAttnParams.sparse_v), 0 the exact path.
 _ATTENTION_TEMPLATE = ("TK", "TV", "D", "G", "QL", "NSG", "RPS", "LPK", "TT", "KBITS", "KGS", "KAW", "VBITS", "VGS",
-                       "VAW")
+                       "VAW", "SV")
 _KV_INPUTS = ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
 _PARTIALS = ("part_max", "part_sum", "part_acc")
 # Attention math mode: "relaxed" lets Metal use its fast exp2/tanh and contract
@@ -740,8 +741,9 @@ class KernelBackend:
     # -- attention
 
     def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, *, scale, softcap,
-                        sliding_window, sinks, num_splits):
-        """query [S, L, H, D] -> [S, L, H, D] (ops passes a one-token [S, H, D] query as L = 1)."""
+                        sliding_window, sinks, num_splits, sparse_v=None):
+        """query [S, L, H, D] -> [S, L, H, D] (ops passes a one-token [S, H, D] query as L = 1).
+        ``sparse_v``: None (the exact SV = 0 kernels) or tau in (0, 1) (SV = 1)."""
         num_seqs, query_len, num_heads, head_dim = query.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         max_blocks = block_tables.shape[1]
@@ -751,11 +753,12 @@ class KernelBackend:
         layout = layout_for(query, key_cache, value_cache, paged=True)
         splits = self._splits(num_splits, work, num_seqs * num_kv_heads, layout)
         gqa = num_heads // num_kv_heads
-        template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, gqa, query_len, layout)
+        template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, gqa, query_len, layout, sparse_v)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
-                                       window=sliding_window or 0, scale=scale, softcap=softcap or 0.0, head_div=1)
+                                       window=sliding_window or 0, scale=scale, softcap=softcap or 0.0, head_div=1,
+                                       sparse_v=sparse_v or 0.0)
         geometry = SPECS["paged_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                               num_seqs=num_seqs, layout=layout)
         rows = num_seqs * query_len * num_heads
@@ -765,16 +768,17 @@ class KernelBackend:
                                seq_lens=seq_lens, params=params)
         return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
 
-    def decode_attention(self, query, keys, values, *, scale, softcap, sinks, num_splits):
+    def decode_attention(self, query, keys, values, *, scale, softcap, sinks, num_splits, sparse_v=None):
         """query [B, H, L, D] -> [B, H, L, D]; keys/values [B, Hkv, T, D] read in place (any view)."""
         batch, num_heads, query_len, head_dim = query.shape
         _, num_kv_heads, num_tokens, _ = keys.shape
         layout = layout_for(query, keys, values, paged=False)
         splits = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout)
-        template, kv_buffers = self._kv_inputs(keys, values, head_dim, num_heads // num_kv_heads, query_len, layout)
+        template, kv_buffers = self._kv_inputs(keys, values, head_dim, num_heads // num_kv_heads, query_len, layout,
+                                               sparse_v)
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, num_tokens=num_tokens, scale=scale,
-                                       softcap=softcap or 0.0, head_div=query_len)
+                                       softcap=softcap or 0.0, head_div=query_len, sparse_v=sparse_v or 0.0)
         geometry = SPECS["decode_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                                num_seqs=batch, layout=layout)
         rows = batch * num_heads * query_len
@@ -901,13 +905,14 @@ class KernelBackend:
         return parts, splits
 
     @staticmethod
-    def _kv_inputs(keys, values, head_dim, gqa, query_len, layout) -> tuple:
+    def _kv_inputs(keys, values, head_dim, gqa, query_len, layout, sparse_v=None) -> tuple:
         """The template parameters and the K/V buffers both partials kernels take."""
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(keys)
         vd, vs, vb, vdt, vbits, vgs = _cache_parts(values)
         template = dict(TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
                         RPS=layout.rows_per_simdgroup, LPK=layout.lanes_per_key, TT=layout.tile, KBITS=kbits,
-                        KGS=kgs, KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words)
+                        KGS=kgs, KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words,
+                        SV=int(bool(sparse_v)))
         buffers = dict(key_data=kd, key_scales=ks, key_biases=kb, value_data=vd, value_scales=vs, value_biases=vb)
         return template, buffers
 

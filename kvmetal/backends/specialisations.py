@@ -28,8 +28,8 @@ from .. import quant
 
 # Template parameters that select code, per kernel (the others are sizes).
 PATH_PARAMETERS = {
-    "paged_attention_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT"),
-    "decode_attention_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT"),
+    "paged_attention_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
+    "decode_attention_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
     "attention_reduce": ("TQ", "HAS_SINKS"),
     "cache_rows_convert": ("TC",),
     "cache_rows_quantize": ("TC", "BITS", "GS"),
@@ -58,6 +58,7 @@ class Family:
     k_quant: tuple | None = None   # (bits, group_size) or None: float cache
     v_quant: tuple | None = None
     sinks: bool = False
+    sparse_v: float | None = None  # paged/decode attention: the sparse-V threshold (SV = 1 kernels)
     keys: frozenset = field(default=frozenset(), compare=False)  # the families reached
 
     @property
@@ -65,7 +66,7 @@ class Family:
         fmt = lambda q: f"q{q[0]}g{q[1]}" if q else "f"
         return (f"{self.op}-{self.dtype}-d{self.head_dim}-hkv{self.num_kv_heads}-g{self.gqa}-l{self.query_len}"
                 f"-bs{self.block_size}-t{self.tokens}-s{self.num_seqs}-k{fmt(self.k_quant)}-v{fmt(self.v_quant)}"
-                + ("-sinks" if self.sinks else ""))
+                + ("-sinks" if self.sinks else "") + (f"-sv{self.sparse_v:g}" if self.sparse_v else ""))
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -90,7 +91,7 @@ def family_inputs(f: Family, seed: int = 0) -> tuple:
         k = _cache(rng, (f.num_seqs, Hkv, f.tokens, D), dtype, f.k_quant)
         v = _cache(rng, (f.num_seqs, Hkv, f.tokens, D), dtype, f.v_quant)
         sinks = mx.array(rng.standard_normal(H).astype(np.float32)) if f.sinks else None
-        return ops.decode_attention, (q, k, v), dict(sinks=sinks)
+        return ops.decode_attention, (q, k, v), dict(sinks=sinks, sparse_v=f.sparse_v)
     blocks = -(-f.tokens // f.block_size)
     num_blocks = blocks * f.num_seqs + 1
     tables = mx.array(rng.permutation(num_blocks)[:blocks * f.num_seqs].reshape(f.num_seqs, blocks)
@@ -101,7 +102,7 @@ def family_inputs(f: Family, seed: int = 0) -> tuple:
     if f.op == "paged_attention":
         q = mx.array(rng.standard_normal((f.num_seqs, f.query_len, H, D)).astype(np.float32)).astype(dtype)
         sinks = mx.array(rng.standard_normal(H).astype(np.float32)) if f.sinks else None
-        return ops.paged_attention, (q, kc, vc, tables, lens), dict(sinks=sinks)
+        return ops.paged_attention, (q, kc, vc, tables, lens), dict(sinks=sinks, sparse_v=f.sparse_v)
     if f.op == "gather_kv_cache":
         return ops.gather_kv_cache, (kc, vc, tables, lens), {}
     if f.op == "reshape_and_cache":
@@ -169,6 +170,7 @@ def family_keys(calls) -> frozenset:
                 params[side + "GS"] = (bits, template[side + "GS"]) if bits else 0
                 keys.add((kernel, extra["mode"], side + "BITS", bits))
                 keys.add((kernel, extra["mode"], side + "T", _value(template["T" + side])))
+            keys.add((kernel, extra["mode"], "SV", template["SV"]))  # sparse V in each mode
         for name, value in params.items():
             keys.add((kernel, name, value))
         for name, value in extra.items():
@@ -203,6 +205,8 @@ def backend_call(f: Family) -> tuple:
     dtype = DTYPES[f.dtype]
     D, Hkv, H = f.head_dim, f.num_kv_heads, f.num_kv_heads * f.gqa
     opts = dict(scale=D ** -0.5, softcap=None, sinks=mx.zeros((H,)) if f.sinks else None, num_splits=None)
+    if f.sparse_v and f.op in ("paged_attention", "decode_attention"):
+        opts["sparse_v"] = f.sparse_v
     if f.op == "decode_attention":
         shape = (f.num_seqs, Hkv, f.tokens, D)
         return "decode_attention", (mx.zeros((f.num_seqs, H, f.query_len, D), dtype),
@@ -227,6 +231,7 @@ def backend_call(f: Family) -> tuple:
 
 # ----------------------------------------------------------------------------- candidates
 
+SPARSE_V_TAU = 1e-3  # the threshold sparse-V candidates run with (any tau in (0, 1) builds SV = 1)
 _QUANTS = (None, (2, 32), (2, 64), (3, 32), (4, 32), (4, 64), (4, 128), (5, 32), (6, 64), (8, 32), (8, 64),
            (8, 128), (2, 128), (3, 128), (5, 128), (6, 32))
 _ROWS = ((1, 1), (2, 2), (4, 1), (1, 5), (8, 1), (3, 3), (4, 4), (16, 1), (6, 8), (16, 8), (32, 8), (48, 8))
@@ -243,18 +248,22 @@ def _candidates():
     for op in ("paged_attention", "decode_attention"):
         grid = list(itertools.product(DTYPES, (64, 128, 256), _ROWS, _QUANTS, _QUANTS, (8, 16, 32)))
         rng.shuffle(grid)
-        for dtype, D, (g, L), kq, vq, bs in grid[:2500]:
+        for i, (dtype, D, (g, L), kq, vq, bs) in enumerate(grid[:2500]):
             if not (_fits(D, kq) and _fits(D, vq)):
                 continue
+            # Every 7th candidate compiles sparse V (SV = 1); chosen by position, so
+            # the seeded draws of the other axes stay as they were.
+            sparse_v = SPARSE_V_TAU if i % 7 == 3 else None
             if op == "decode_attention":
                 # Tiny T puts a quantized cache's arrays (scales at D = group size, 2-bit
                 # data at T = 1) under 8 elements: MLX binds them as `constant`.
                 tokens = int(rng.choice((1, 2, 5, 7, 40)))
-                out.append(Family(op, dtype, D, 1, g, min(L, tokens), 16, tokens, 1, kq, vq, bool(rng.integers(2))))
+                out.append(Family(op, dtype, D, 1, g, min(L, tokens), 16, tokens, 1, kq, vq, bool(rng.integers(2)),
+                                  sparse_v))
             else:
                 seqs = int(rng.choice((1, 3)))
                 out.append(Family(op, dtype, D, int(rng.choice((1, 2))), g, L, bs, int(rng.choice((L, 40))), seqs,
-                                  kq, vq, bool(rng.integers(2))))
+                                  kq, vq, bool(rng.integers(2)), sparse_v))
     for op, dtype, D, q, bs, seqs in itertools.product(("gather_kv_cache", "reshape_and_cache", "copy_blocks"),
                                                       DTYPES, (64, 128), _QUANTS, (8, 16, 32), (1, 3)):
         if _fits(D, q):

@@ -116,10 +116,10 @@ class PagedCacheHandle:
     """An active ``use_paged_cache`` patch; ``undo()`` (or leaving the ``with``) restores the model."""
 
     def __init__(self, model, *, block_size: int, num_blocks: int | None, k_bits: int | None, v_bits: int | None,
-                 k_group_size: int | None = None, v_group_size: int | None = None):
+                 k_group_size: int | None = None, v_group_size: int | None = None, sparse_v: float | None = None):
         self.model = model
         self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            k_group_size=k_group_size, v_group_size=v_group_size)
+                            k_group_size=k_group_size, v_group_size=v_group_size, sparse_v=sparse_v)
         self.active = False
         with _patch_lock:  # claim the model first: a second patch, from any thread, fails here
             if id(model) in _patched_models:
@@ -205,7 +205,7 @@ def _register_for_load_prompt_cache() -> None:
 
 def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
                     v_bits: int | None = None, k_group_size: int | None = None,
-                    v_group_size: int | None = None) -> PagedCacheHandle:
+                    v_group_size: int | None = None, sparse_v: float | None = None) -> PagedCacheHandle:
     """Make an mlx-lm ``model`` keep its KV cache in kvmetal's paged pools.
 
     Args:
@@ -214,6 +214,8 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
         num_blocks: blocks per pool; None grows the pool on demand.
         k_bits, v_bits: quantize K / V to these bits (None keeps the model's dtype).
         k_group_size, v_group_size: quantization group sizes along head_dim (None: 64).
+        sparse_v: sparse-V threshold tau of the decode passes (None or 0: exact); see
+            ``kvmetal.paged_attention`` and docs/kernels.md ("Sparse V").
     Returns:
         A handle: use it as a context manager or call ``undo()``.
     """
@@ -233,9 +235,10 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
             raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_GROUP_SIZES}, "
                              f"got {group!r}")
     _one_group_size(None, k_group_size, v_group_size)  # one pool, one group size: refuse a mismatch now
+    sparse_v = ops.sparse_v_threshold("use_paged_cache", sparse_v)
     _register_for_load_prompt_cache()
     return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            k_group_size=k_group_size, v_group_size=v_group_size)
+                            k_group_size=k_group_size, v_group_size=v_group_size, sparse_v=sparse_v)
 
 
 try:  # so that load_prompt_cache finds PagedLayerCache even before (or after) a patch

@@ -81,16 +81,20 @@ class PagedModelCache:
             ``paged_attention_cascade``, which reads each shared prefix once per step;
             ``cascade_steps`` counts those passes. Same tokens as the plain op (within
             rounding); docs/cascade.md has the rule and its thresholds.
+        sparse_v: the sparse-V threshold of the decode passes (``ops.paged_attention``'s
+            ``sparse_v``); None or 0: exact.
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
                  k_bits: int | None = None, v_bits: int | None = None, group_size: int | None = None,
-                 k_group_size: int | None = None, v_group_size: int | None = None, cascade: bool = CASCADE):
+                 k_group_size: int | None = None, v_group_size: int | None = None, cascade: bool = CASCADE,
+                 sparse_v: float | None = None):
         group_size = _one_group_size(group_size, k_group_size, v_group_size)
+        self.sparse_v = ops.sparse_v_threshold("PagedModelCache", sparse_v)
         self.specs = list(specs)
         self.growable = num_blocks is None
         self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            group_size=group_size, cascade=bool(cascade))
+                            group_size=group_size, cascade=bool(cascade), sparse_v=self.sparse_v)
         self.cascade_steps = 0  # one-token passes (per full-attention layer group) that ran the cascade op
         group_keys = []
         self.layer_group, self.layer_index = [], []
@@ -454,7 +458,8 @@ class PagedLayerCache:
             keys, values = self._gather(plan)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
-        if num_queries == 1 and window is None and self.model_cache.options["cascade"]:
+        # (the cascade op has no sparse-V option yet: a sparse-V cache runs the plain op)
+        if num_queries == 1 and window is None and self.model_cache.options["cascade"] and not self.model_cache.sparse_v:
             shared = self.model_cache._cascade_args(plan)
             if shared is not None:
                 out = ops.paged_attention_cascade(
@@ -466,7 +471,7 @@ class PagedLayerCache:
                 queries.transpose(0, 2, 1, 3),  # [B, L, H, D]
                 self.pool.key_caches[self._index], self.pool.value_caches[self._index],
                 plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
-                sinks=sinks, validate=False)  # ops casts sinks to float32
+                sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)  # ops casts sinks to float32
             return out.transpose(0, 2, 1, 3)
         # Sequence i owns query rows [i * L, (i + 1) * L): its last L cached positions.
         out = ops.paged_attention_varlen(

@@ -43,6 +43,7 @@ class Family:
     gqa: int = NUM_HEADS // NUM_KV_HEADS
     num_kv_heads: int = NUM_KV_HEADS
     tokens: int | None = None    # contiguous decode: T of the K/V views (default max(block_size - 1, L))
+    sparse_v: float | None = None  # paged/decode attention's sparse-V threshold (None: the exact SV = 0 kernels)
 
     @property
     def name(self) -> str:
@@ -50,7 +51,8 @@ class Family:
                 f"K {_fmt(self.k_quant)} V {_fmt(self.v_quant)}")
         if self.num_kv_heads != NUM_KV_HEADS:
             name += f" Hkv{self.num_kv_heads}"
-        return name + (f" T{self.tokens}" if self.tokens is not None else "")
+        name += f" T{self.tokens}" if self.tokens is not None else ""
+        return name + (f" sparse_v {self.sparse_v:g}" if self.sparse_v else "")
 
     def point(self) -> dict:
         """This family's point in the kernels' space, as the randomized sweep spells it."""
@@ -78,14 +80,15 @@ class Family:
                    k_quant=fmt(get("k_quant")), v_quant=fmt(get("v_quant")), query_len=int(get("query_len") or 1),
                    gqa=int(get("gqa") or NUM_HEADS // NUM_KV_HEADS),
                    num_kv_heads=int(get("num_kv_heads") or NUM_KV_HEADS),
-                   tokens=None if get("tokens") is None else int(get("tokens")))
+                   tokens=None if get("tokens") is None else int(get("tokens")),
+                   sparse_v=None if not get("sparse_v") else float(get("sparse_v")))
 
     def as_dict(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "head_dim": self.head_dim, "block_size": self.block_size,
                 "k_quant": list(self.k_quant) if self.k_quant else None,
                 "v_quant": list(self.v_quant) if self.v_quant else None,
                 "query_len": self.query_len, "gqa": self.gqa, "num_kv_heads": self.num_kv_heads,
-                "tokens": self.tokens}
+                "tokens": self.tokens, "sparse_v": self.sparse_v}
 
 
 class OpFamily:
@@ -281,8 +284,10 @@ def kernel_paths(family: Family, seed: int = 0) -> list:
     mx.eval(*flat_arrays((kc, vc, keys, values)), tables, lens, query, rows)
     paths = {
         "paged_attention": lambda: ops.paged_attention(query, kc, vc, tables, lens, scale=0.1, softcap=30.0,
-                                                       sliding_window=7, sinks=mx.zeros((heads,)), num_splits=3),
-        "decode_attention": lambda: ops.decode_attention(query.transpose(0, 2, 1, 3), keys, values, scale=0.1),
+                                                       sliding_window=7, sinks=mx.zeros((heads,)), num_splits=3,
+                                                       sparse_v=family.sparse_v),
+        "decode_attention": lambda: ops.decode_attention(query.transpose(0, 2, 1, 3), keys, values, scale=0.1,
+                                                         sparse_v=family.sparse_v),
         "gather_kv_cache": lambda: ops.gather_kv_cache(kc, vc, tables, lens),
         "reshape_and_cache": lambda: ops.reshape_and_cache(rows, rows, kc, vc,
                                                            mx.array(np.array([0, bs + 1, -1], np.int32))),

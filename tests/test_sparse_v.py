@@ -1,0 +1,194 @@
+"""Sparse V (``sparse_v=tau`` on paged_attention / decode_attention and the drop-in).
+
+The documented bound (docs/kernels.md, "Sparse V"): per output row, |sparse - exact|
+<= (weight of the keys with exp(s - max s) < tau) / denominator * max |v|, which the
+oracle computes (``reference.*(with_bound=True)``); a kernel compares against its
+running max (never above the final one), so it skips a subset of those keys. Checked
+on every backend here (cpu, sim) for random and peaked scores, float and quantized
+caches; tau = 0 is the exact path bit for bit; the simulator's counters show V rows
+really are skipped (V bytes, scales and biases drop; K bytes do not).
+"""
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvmetal as kv
+from kvmetal import reference
+
+from kvcases import TOLERANCE, backend_params, paged_attention_inputs, run_on
+
+BACKENDS = backend_params(("cpu", "sim", "metal"))
+K8V4 = ((8, 64), (4, 64))
+
+
+def _paged(rng, *, peak, quant=(None, None), gqa=4, query_len=None, lens=(300, 77)):
+    q, kc, vc, tables, lens, _ = paged_attention_inputs(
+        rng, lens=list(lens), num_kv_heads=2, gqa=gqa, head_dim=64, block_size=16, dtype=mx.float16,
+        k_quant=quant[0], v_quant=quant[1], query_len=query_len)
+    return (q * peak).astype(mx.float16), kc, vc, tables, lens
+
+
+def _check_bound(out, exact, bound, dtype):
+    """|out - exact| <= bound + the dtype's budget, per row (bound from the oracle)."""
+    out = np.array(out.astype(mx.float32), dtype=np.float64)
+    assert np.isfinite(out).all()
+    err = np.abs(out - exact).max(axis=-1)
+    slack = TOLERANCE[dtype] * np.abs(exact).max(axis=-1)
+    assert (err <= bound + slack).all(), f"worst excess {(err - bound - slack).max():.3g}"
+    return err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("quantized", [False, True], ids=["f16", "k8v4"])
+@pytest.mark.parametrize("peak", [1.0, 6.0], ids=["random", "peaked"])
+def test_paged_error_within_the_bound(backend, quantized, peak):
+    rng = np.random.default_rng(3)
+    args = _paged(rng, peak=peak, quant=K8V4 if quantized else (None, None))
+    tau = 1e-3
+    exact, bound = reference.paged_attention(*args, sparse_v=tau, with_bound=True)
+    with run_on(backend):
+        out = kv.paged_attention(*args, sparse_v=tau)
+        mx.eval(out)
+    _check_bound(out, reference.paged_attention(*args), bound, mx.float16)
+    if peak > 1:
+        assert bound.max() > 0  # keys really fall under tau: the check is not vacuous
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_attention_error_within_the_bound(backend):
+    rng = np.random.default_rng(5)
+    q = mx.array((rng.standard_normal((2, 8, 2, 64)) * 5).astype(np.float32)).astype(mx.float16)
+    k = mx.array(rng.standard_normal((2, 2, 200, 64)).astype(np.float32)).astype(mx.float16)
+    v = mx.array(rng.standard_normal((2, 2, 200, 64)).astype(np.float32)).astype(mx.float16)
+    exact, bound = reference.decode_attention(q, k, v, sparse_v=1e-3, with_bound=True)
+    with run_on(backend):
+        out = kv.decode_attention(q, k, v, sparse_v=1e-3)
+        mx.eval(out)
+    _check_bound(out, reference.decode_attention(q, k, v), bound, mx.float16)
+    assert bound.max() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_mode_rows_follow_the_rule(backend):
+    # G x L = 16 rows: the Metal kernel's shared-tile mode (V tiles still copied).
+    rng = np.random.default_rng(7)
+    args = _paged(rng, peak=6.0, query_len=4, lens=(150,))
+    exact, bound = reference.paged_attention(*args, sparse_v=1e-3, with_bound=True)
+    with run_on(backend):
+        out = kv.paged_attention(*args, sparse_v=1e-3)
+        mx.eval(out)
+    _check_bound(out, reference.paged_attention(*args), bound, mx.float16)
+
+
+def test_oracle_sparse_output_within_its_own_bound():
+    rng = np.random.default_rng(9)
+    args = _paged(rng, peak=6.0)
+    exact = reference.paged_attention(*args)
+    sparse, bound = reference.paged_attention(*args, sparse_v=1e-2, with_bound=True)
+    err = np.abs(sparse - exact).max(axis=-1)
+    assert (err <= bound + 1e-12).all() and err.max() > 0
+
+
+def test_sim_and_cpu_agree_within_the_bound():
+    rng = np.random.default_rng(11)
+    args = _paged(rng, peak=6.0, quant=K8V4)
+    _, bound = reference.paged_attention(*args, sparse_v=1e-3, with_bound=True)
+    outs = {}
+    for backend in ("cpu", "sim"):
+        with kv.use_backend(backend):
+            outs[backend] = np.array(kv.paged_attention(*args, sparse_v=1e-3).astype(mx.float32), np.float64)
+    diff = np.abs(outs["cpu"] - outs["sim"]).max(axis=-1)
+    slack = 2 * TOLERANCE[mx.float16] * np.abs(outs["cpu"]).max(axis=-1)
+    assert (diff <= 2 * bound + slack).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tau_zero_is_the_exact_path_bit_for_bit(backend):
+    rng = np.random.default_rng(13)
+    args = _paged(rng, peak=6.0)
+    with run_on(backend):
+        base = np.array(kv.paged_attention(*args))
+        for tau in (0, 0.0, None):
+            assert np.array_equal(np.array(kv.paged_attention(*args, sparse_v=tau)), base)
+
+
+def test_sim_sparse_kernel_that_skips_nothing_matches_exact_bit_for_bit():
+    # tau = 1e-30 compiles SV = 1 but no weight is that small here: same floats, same order.
+    rng = np.random.default_rng(15)
+    args = _paged(rng, peak=1.0)
+    with run_on("sim") as t:
+        base = np.array(kv.paged_attention(*args))
+        sparse = np.array(kv.paged_attention(*args, sparse_v=1e-30))
+    names = [c.name for c in t.calls if "partials" in c.name]
+    assert names[0].endswith("_sv0") and names[1].endswith("_sv1")
+    assert np.array_equal(base, sparse)
+
+
+def _v_traffic(args, tau):
+    with run_on("sim") as t:
+        mx.eval(kv.paged_attention(*args, sparse_v=tau))
+    call = next(c for c in t.calls if "paged_attention_partials" in c.name)
+    return {n: b.loaded for n, b in call.buffers.items()}
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f16", "k8v4"])
+def test_sim_skips_v_rows_but_not_k(quantized):
+    rng = np.random.default_rng(17)
+    args = _paged(rng, peak=8.0, quant=K8V4 if quantized else (None, None))
+    exact, sparse = _v_traffic(args, None), _v_traffic(args, 1e-3)
+    assert sparse["key_data"] == exact["key_data"]  # K is read whole: scores need every key
+    assert sparse["value_data"] < 0.75 * exact["value_data"]
+    if quantized:  # packed words, scales and biases of skipped rows are all left alone
+        assert sparse["key_scales"] == exact["key_scales"]
+        for name in ("value_scales", "value_biases"):
+            assert sparse[name] < 0.75 * exact[name]
+        fraction = lambda t: t["value_data"] / exact["value_data"]
+        assert abs(sparse["value_scales"] / exact["value_scales"] - fraction(sparse)) < 0.05
+    # A bigger tau skips more.
+    assert _v_traffic(args, 1e-1)["value_data"] < sparse["value_data"]
+
+
+@pytest.mark.parametrize("bad,error", [(-1e-3, ValueError), (float("nan"), ValueError), (1.0, ValueError),
+                                       (2, ValueError), (1e-45, ValueError), ("1e-6", TypeError),
+                                       (True, TypeError), (mx.array(1e-6), TypeError)],
+                         ids=["negative", "nan", "one", "two", "denormal", "str", "bool", "array"])
+def test_bad_sparse_v_is_refused_naming_it(bad, error):
+    rng = np.random.default_rng(19)
+    args = _paged(rng, peak=1.0)
+    with kv.use_backend("cpu"):
+        with pytest.raises(error, match=r"\[paged_attention\] sparse_v"):
+            kv.paged_attention(*args, sparse_v=bad)
+        q = mx.zeros((1, 4, 1, 64), mx.float16)
+        k = mx.zeros((1, 1, 8, 64), mx.float16)
+        with pytest.raises(error, match=r"\[decode_attention\] sparse_v"):
+            kv.decode_attention(q, k, k, sparse_v=bad)
+
+
+def test_drop_in_passes_tau_to_the_decode_calls(monkeypatch):
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvmetal import ops
+    from kvmetal.integrations.mlx_lm import use_paged_cache
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2,
+                                        intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                        rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=False))
+    with pytest.raises(ValueError, match=r"\[use_paged_cache\] sparse_v"):
+        use_paged_cache(model, sparse_v=1.5)
+    seen = []
+    original = ops.paged_attention
+    monkeypatch.setattr(ops, "paged_attention", lambda *a, **kw: seen.append(kw.get("sparse_v")) or original(*a, **kw))
+    with kv.use_backend("cpu"):
+        outs = {}
+        for tau in (None, 1e-6):
+            with use_paged_cache(model, sparse_v=tau):
+                cache = make_prompt_cache(model)
+                model(mx.array([list(range(1, 13))]), cache=cache)  # a 12-token prefill: varlen, exact
+                outs[tau] = np.array(model(mx.array([[9]]), cache=cache))  # decode: paged_attention
+    assert seen == [None, None, 1e-6, 1e-6]  # one decode pass, two layers, per tau
+    assert np.abs(outs[None] - outs[1e-6]).max() < 1e-2 * np.abs(outs[None]).max()
+    assert math.isfinite(float(outs[1e-6].sum()))
