@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "query_q8.h"
+#include "sparse_v.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
@@ -403,40 +404,14 @@ class ItemWalker {
         for (int d = 0; d < D_; ++d) acc[static_cast<int64_t>(j) * D_ + d] *= corr[j];
   }
 
-  // Sparse V: p holds exp(s - m_running) (m_running: the max over the keys so
-  // far, this tile included). Weights below the threshold are dropped from the
-  // accumulation (l keeps them); only runs of keys some row still needs are
-  // accumulated, so only their V rows are read (or dequantized).
+  // Sparse V (sparse_v.h): only the V rows of keys some query row still needs.
   void accumulate_sparse(const Tile& tile, int kvh, float* p, float* acc) {
-    const float tau = p_.sparse_v;
-    bool need[kMaxTileRows] = {};
-    for (int j = 0; j < R_; ++j) {
-      float* row = p + j * kMaxTileRows;
-      for (int r = 0; r < tile.rows; ++r) {
-        if (row[r] < tau) row[r] = 0.f;
-        else need[r] = true;
-      }
-    }
-    const float* corr = sc_.corr.data();
-    bool rescaled = false;  // the first run accumulated rescales; the others add on top
-    for (int i = 0, off = 0; i < tile.count; off += tile.seg[i++].n) {
-      const Segment& sg = tile.seg[i];
-      if (!sg.valid) continue;  // padding: its weights are 0, nothing needed
-      for (int a = 0; a < sg.n;) {
-        if (!need[off + a]) {
-          ++a;
-          continue;
-        }
-        int b = a + 1;
-        while (b < sg.n && need[off + b]) ++b;
-        accumulate_rows(sg, kvh, a, b - a, p + off + a, rescaled ? sc_.ones.data() : corr, acc);
-        rescaled = true;
-        a = b;
-      }
-    }
-    if (!rescaled)
-      for (int j = 0; j < R_; ++j)
-        for (int d = 0; d < D_; ++d) acc[static_cast<int64_t>(j) * D_ + d] *= corr[j];
+    accumulate_sparse_v(
+        p_.sparse_v, p, R_, D_, tile.rows, tile.count,
+        [&](int i) { return SparseVSegment{tile.seg[i].n, tile.seg[i].valid}; }, sc_.corr.data(), sc_.ones.data(),
+        acc, [&](int i, int r0, int n, const float* w, const float* c) {
+          accumulate_rows(tile.seg[i], kvh, r0, n, w, c, acc);
+        });
   }
 
   // acc = acc * c + p . V over rows [r0, r0 + n) of one segment.

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "sparse_v.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
@@ -29,8 +30,9 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> q, k_tile, v_tile, scores, corr;
+  std::vector<float> q, k_tile, v_tile, scores, corr, ones;
   void fit(int R, int D, int block_size) {
+    ones.assign(R, 1.f);
     q.resize(static_cast<size_t>(R) * D);
     k_tile.resize(static_cast<size_t>(block_size) * D);
     v_tile.resize(static_cast<size_t>(block_size) * D);
@@ -146,6 +148,15 @@ void run_item(const CascadeParams& p, const KVView& k, const KVView& v, const Ti
           x = p.softcap * std::tanh(x / p.softcap);
         }
     tk.softmax_update(scores, R, n, m, l, sc.corr.data());
+    if (p.sparse_v > 0.f) {  // only the V rows some member row still needs (sparse_v.h)
+      accumulate_sparse_v(
+          p.sparse_v, scores, R, D, n, 1, [n](int) { return SparseVSegment{n, true}; }, sc.corr.data(),
+          sc.ones.data(), acc, [&](int, int r0, int rn, const float* w, const float* c) {
+            const float* rows = v.tile(block, item.kvh, row0 + r0, rn, sc.v_tile.data(), &vs, tk);
+            tk.accumulate(w, c, R, rows, vs, rn, D, acc);
+          });
+      continue;
+    }
     const float* v_rows = v.tile(block, item.kvh, row0, n, sc.v_tile.data(), &vs, tk);
     tk.accumulate(scores, sc.corr.data(), R, v_rows, vs, n, D, acc);
   }

@@ -32,6 +32,7 @@ struct CascadeParams {
   bool has_softcap = false;
   float softcap = 0.f;
   int min_tokens_per_split = 1;  // no KV split of fewer tokens (from Python)
+  float sparse_v = 0.f;          // sparse V threshold tau (sparse_v.h; 0 = exact)
 
   int block_size = 0;
   int64_t num_blocks = 0;  // block ids outside [0, num_blocks) are padding

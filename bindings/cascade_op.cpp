@@ -75,6 +75,7 @@ void CascadeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, s
     p.has_softcap = opts.softcap.has_value();
     p.softcap = opts.softcap.value_or(0.f);
     p.min_tokens_per_split = opts.min_tokens_per_split;
+    p.sparse_v = opts.sparse_v;
     p.block_size = static_cast<int>(kt[0].shape[2]);
     p.num_blocks = std::min(kt[0].shape[0], vt[0].shape[0]);
     p.num_prefixes = static_cast<int>(pt.shape[0]);

@@ -10,7 +10,7 @@ namespace kvmetal {
 
 // Inputs as kvmetal.ops.paged_attention_cascade passes them: query [S, H, D];
 // prefix_tables [P, Mp], prefix_lens [P], prefix_of [S]; block_tables [S, M] and
-// seq_lens [S] (the sequences' own tokens). opts: scale, softcap, min_tokens_per_split.
+// seq_lens [S] (the sequences' own tokens). opts: scale, softcap, min_tokens_per_split, sparse_v.
 mx::array paged_attention_cascade(const mx::array& query, const std::vector<mx::array>& k, QuantSpec kq,
                                   const std::vector<mx::array>& v, QuantSpec vq, const mx::array& prefix_tables,
                                   const mx::array& prefix_lens, const mx::array& prefix_of,

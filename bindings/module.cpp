@@ -79,14 +79,14 @@ NB_MODULE(_ext, m) {
          const std::vector<mx::array>& v, int v_bits, int v_group, const mx::array& prefix_tables,
          const mx::array& prefix_lens, const mx::array& prefix_of, const mx::array& block_tables,
          const mx::array& seq_lens, float scale, std::optional<float> softcap, std::optional<mx::array> sinks,
-         int min_tokens_per_split) {
+         int min_tokens_per_split, float sparse_v) {
         return kvmetal::paged_attention_cascade(query, k, spec(k_bits, k_group), v, spec(v_bits, v_group),
                                                 prefix_tables, prefix_lens, prefix_of, block_tables, seq_lens,
-                                                options(scale, softcap, 0, 0, min_tokens_per_split), sinks);
+                                                options(scale, softcap, 0, 0, min_tokens_per_split, sparse_v), sinks);
       },
       "query"_a, "k"_a, "k_bits"_a, "k_group"_a, "v"_a, "v_bits"_a, "v_group"_a, "prefix_tables"_a,
       "prefix_lens"_a, "prefix_of"_a, "block_tables"_a, "seq_lens"_a, nb::kw_only(), "scale"_a,
-      "softcap"_a = nb::none(), "sinks"_a = nb::none(), "min_tokens_per_split"_a,
+      "softcap"_a = nb::none(), "sinks"_a = nb::none(), "min_tokens_per_split"_a, "sparse_v"_a = 0.f,
       "Shared-prefix decode attention: query [S, H, D]; sequence s attends to prefix prefix_of[s] "
       "(-1: none), then its own tokens -> [S, H, D].");
 

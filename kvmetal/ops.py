@@ -447,6 +447,9 @@ def paged_attention_varlen(query: mx.array, key_cache, value_cache, block_tables
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
                                  sinks=sinks, num_splits=None, max_splits=1)
     del options["num_splits"]
+    tau = sparse_v_threshold(op, sparse_v)
+    if tau is not None:  # as in paged_attention: a backend without the option fails loudly
+        options["sparse_v"] = tau
     options["sliding_window"] = _sliding_window(op, sliding_window, max_tokens=max_blocks * block_size)
     if validate:
         _check_varlen_indices(op, query_start_loc, block_tables, seq_lens, num_tokens=num_tokens,
@@ -559,7 +562,7 @@ def paged_attention_cascade(query: mx.array, key_cache, value_cache, prefix_bloc
                             prefix_lens: mx.array, prefix_of: mx.array, block_tables: mx.array, seq_lens: mx.array,
                             *, scale: float | None = None, softcap: float | None = None,
                             sinks: mx.array | None = None, sliding_window: int | None = None,
-                            validate: bool = True) -> mx.array:
+                            sparse_v: float | None = None, validate: bool = True) -> mx.array:
     """Decode attention of sequences that share prefixes ("cascade"): each shared
     prefix is read once for all its member sequences, not once per sequence.
 
@@ -574,6 +577,8 @@ def paged_attention_cascade(query: mx.array, key_cache, value_cache, prefix_bloc
         scale, softcap, sinks: as in :func:`paged_attention`.
         sliding_window: not supported (a window would cut into the shared prefix
             differently for every sequence); anything but None is a ValueError.
+        sparse_v: as in :func:`paged_attention`; the prefix and own-token passes each
+            compare against their own running maximum (docs/cascade.md).
         validate: check block ids, lengths and prefix_of on the host (before any cast).
             With ``validate=False`` the kernels clamp lengths to their tables, treat a block id
             outside [0, N) as padding and a prefix_of outside [0, P) as "no prefix".
@@ -613,6 +618,9 @@ def paged_attention_cascade(query: mx.array, key_cache, value_cache, prefix_bloc
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
                                  sinks=sinks, num_splits=None, max_splits=1)
     del options["num_splits"]
+    tau = sparse_v_threshold(op, sparse_v)
+    if tau is not None:  # as in paged_attention: a backend without the option fails loudly
+        options["sparse_v"] = tau
     if validate:
         _check_tables(op, prefix_block_tables, prefix_lens, num_blocks=num_blocks, block_size=block_size,
                       validate=True, min_len=0, names=("prefix_block_tables", "prefix_lens"))

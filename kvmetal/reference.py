@@ -150,11 +150,13 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens
 
 
 def paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of,
-                            block_tables, seq_lens, *, scale=None, softcap=None, sinks=None) -> np.ndarray:
+                            block_tables, seq_lens, *, scale=None, softcap=None, sinks=None, sparse_v=None,
+                            with_bound=False):
     """query [S, H, D] -> [S, H, D]: sequence s attends to its prefix's
     ``prefix_lens[prefix_of[s]]`` tokens (none for prefix_of -1) followed by its own
     ``seq_lens[s]`` tokens, i.e. one query row at the end of the concatenated token list.
-    The oracle concatenates the two token lists and runs the per-sequence oracle on them."""
+    The oracle concatenates the two token lists and runs the per-sequence oracle on them.
+    ``sparse_v``/``with_bound`` as in :func:`paged_attention` (bound [S, H])."""
     q = to_f64(query)
     kc, vc = to_f64(key_cache), to_f64(value_cache)
     ptables, plens, owner = to_int(prefix_block_tables), to_int(prefix_lens), to_int(prefix_of)
@@ -163,6 +165,7 @@ def paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     block_size = kc.shape[2]
     out = np.zeros_like(q)
+    bounds = np.zeros(q.shape[:-1])
     for s in range(q.shape[0]):
         # Token t of the concatenation, as (block id, offset): prefix tokens, then own ones.
         tokens = [] if owner[s] < 0 else [(ptables[owner[s], t // block_size], t % block_size)
@@ -172,8 +175,9 @@ def paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, 
         flat_k = np.stack([kc[b, :, o] for b, o in tokens])[:, :, None] if tokens else kc[:0]
         flat_v = np.stack([vc[b, :, o] for b, o in tokens])[:, :, None] if tokens else vc[:0]
         out[s] = _last_rows(q[s][None], flat_k, flat_v, np.arange(len(tokens)), len(tokens), scale=scale,
-                            softcap=softcap, sliding_window=None, sink_logits=sink_logits)[0]
-    return out
+                            softcap=softcap, sliding_window=None, sink_logits=sink_logits, sparse_v=sparse_v,
+                            bounds=bounds[s][None])[0]
+    return (out, bounds) if with_bound else out
 
 
 def decode_attention(query, keys, values, *, scale=None, softcap=None, sinks=None, sparse_v=None,

@@ -14,7 +14,7 @@ from kvmetal import reference, sim
 from kvmetal.backends import metal, metal_cascade
 from kvmetal.sim import traffic
 
-from kvcases import assert_close, backend_params, paged_case, run_on
+from kvcases import TOLERANCE, assert_close, backend_params, paged_case, run_on
 
 f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
 BACKENDS = backend_params(("cpu", "sim", "metal"))
@@ -240,3 +240,82 @@ def test_prefix_rows_loaded_once(kq, vq):
     plain_ratio = kv_loaded(t.calls, "paged_attention_partials") / live
     assert 0.999 <= cascade_ratio <= 1.05, cascade_ratio
     assert plain_ratio > 4.0, plain_ratio
+
+
+# ----------------------------------------------------------------------------- sparse V
+
+def _sparse_case(quant=(None, None), *, gqa=4, peak=6.0):
+    """Two prefixes (one with 3 members, one with 1) and a sequence without one; a
+    peaked query (scale ``peak``) puts many keys under tau."""
+    args, _ = cascade_case((64, 40), (30, 9, 17, 0, 21), (0, 0, 1, 0, -1), gqa=gqa, k_bits=quant[0],
+                           v_bits=quant[1], seed=4)
+    args["query"] = (args["query"] * peak).astype(f16)
+    return args
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kq,vq", [(None, None), (8, 4)], ids=["f16", "k8v4"])
+def test_sparse_v_error_within_the_bound(backend, kq, vq):
+    # Each pass compares against its own running max, never above the row's final one,
+    # so the oracle's bound (over the concatenated tokens, final max) holds.
+    args = _sparse_case((kq, vq))
+    tau = 1e-3
+    exact = reference.paged_attention_cascade(**args)
+    _, bound = reference.paged_attention_cascade(**args, sparse_v=tau, with_bound=True)
+    assert bound.max() > 0  # keys really fall under tau: the check is not vacuous
+    with run_on(backend):
+        out, plain = cascade(args, sparse_v=tau), cascade(args)
+        mx.eval(out, plain)
+    assert not np.array_equal(np.array(out), np.array(plain))  # the threshold reached the kernels
+    out = np.array(out.astype(f32), np.float64)
+    err = np.abs(out - exact).max(axis=-1)
+    slack = TOLERANCE[f16] * np.abs(exact).max(axis=-1)
+    assert np.isfinite(out).all() and (err <= bound + slack).all(), f"worst excess {(err - bound - slack).max():.3g}"
+
+
+def test_sparse_v_oracle_matches_paged_attention_oracle():
+    args = _sparse_case()
+    args["prefix_lens"] = mx.array([64, 32], mx.int32)  # whole blocks: the same token lists
+    table, lens = concatenated(args)
+    got, bound = reference.paged_attention_cascade(**args, sparse_v=1e-2, with_bound=True)
+    want, want_bound = reference.paged_attention(args["query"], args["key_cache"], args["value_cache"], table, lens,
+                                                 sparse_v=1e-2, with_bound=True)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(bound, want_bound, rtol=1e-12, atol=1e-12)
+    assert np.abs(got - reference.paged_attention_cascade(**args)).max() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sparse_v_tau_zero_is_the_exact_cascade_bit_for_bit(backend):
+    args = _sparse_case()
+    with run_on(backend):
+        base = np.array(cascade(args))
+        for tau in (0, 0.0, None):
+            assert np.array_equal(np.array(cascade(args, sparse_v=tau)), base)
+
+
+def test_sparse_v_sim_skips_v_rows_in_both_passes():
+    # gqa 2: a 3-member prefix chunk holds 2 x 4 = 8 rows, register mode (shared mode
+    # would still copy V tiles whole).
+    args = _sparse_case(gqa=2, peak=8.0)
+
+    def loaded(tau):
+        with run_on("sim") as t:
+            mx.eval(cascade(args, sparse_v=tau))
+        calls = [c for c in t.calls if "cascade_partials" in c.name]
+        assert len(calls) == 2  # the prefix pass and the own-token pass
+        return [{n: c.buffers[n].loaded for n in ("key_data", "value_data")} for c in calls]
+
+    exact, sparse = loaded(None), loaded(1e-3)
+    for e, s in zip(exact, sparse):
+        assert s["key_data"] == e["key_data"]  # scores need every key
+        assert s["value_data"] < 0.9 * e["value_data"]
+
+
+@pytest.mark.parametrize("bad,error", [(-1e-3, ValueError), (float("nan"), ValueError), (1.0, ValueError),
+                                       (1e-45, ValueError), ("1e-6", TypeError), (True, TypeError)],
+                         ids=["negative", "nan", "one", "denormal", "str", "bool"])
+def test_bad_sparse_v_names_it(bad, error):
+    args = _sparse_case()
+    with kv.use_backend("cpu"), pytest.raises(error, match=r"\[paged_attention_cascade\] sparse_v"):
+        cascade(args, sparse_v=bad)

@@ -38,7 +38,7 @@ Contract (shapes per docs/design.md; ``KV`` is a float ``mx.array`` or a
 
     paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of,
                             block_tables, seq_lens, *, scale: float, softcap: float | None,
-                            sinks: mx.array | None)
+                            sinks: mx.array | None, sparse_v: float | None = None)
         query [S, H, D] (S >= 1); prefix_block_tables int32 [P, Mp] (P >= 1), prefix_lens
         int32 [P]; prefix_of int32 [S] (-1: no prefix); block_tables int32 [S, M], seq_lens
         int32 [S]: each sequence's own tokens after its prefix (>= 0)

@@ -83,7 +83,7 @@ def paged_attention_varlen(query, key_cache, value_cache, block_tables, seq_lens
 
 
 def paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of, block_tables,
-                            seq_lens, *, scale, softcap, sinks):
+                            seq_lens, *, scale, softcap, sinks, sparse_v=None):
     """Query ``[S, H, D]``: sequence s attends to prefix ``prefix_of[s]`` (-1: none), then its own tokens
     (bindings/cascade.h: each prefix block is read once per kv head and split for all its members)."""
     k, k_bits, k_group = _unpack(key_cache)
@@ -91,6 +91,7 @@ def paged_attention_cascade(query, key_cache, value_cache, prefix_block_tables, 
     return _ext.paged_attention_cascade(
         query, k, k_bits, k_group, v, v_bits, v_group, prefix_block_tables, prefix_lens, prefix_of, block_tables,
         seq_lens, scale=scale, softcap=softcap, sinks=sinks, min_tokens_per_split=MIN_TOKENS_PER_SPLIT,
+        sparse_v=sparse_v or 0.0,
     )
 
 

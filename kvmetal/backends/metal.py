@@ -849,17 +849,18 @@ class KernelBackend:
         return mx.take(stacked, mx.array(plan.gather.astype(np.int32)), axis=0)
 
     def paged_attention_cascade(self, query, key_cache, value_cache, prefix_block_tables, prefix_lens, prefix_of,
-                                block_tables, seq_lens, *, scale, softcap, sinks):
+                                block_tables, seq_lens, *, scale, softcap, sinks, sparse_v=None):
         """query [S, H, D] -> [S, H, D]: one cascade_partials launch over the shared prefix
         chunks (each chunk's member query rows in one threadgroup), one over the sequences'
-        own tokens, one cascade_reduce; planned on the host (kvmetal/backends/metal_cascade.py)."""
+        own tokens, one cascade_reduce; planned on the host (kvmetal/backends/metal_cascade.py).
+        ``sparse_v``: as in paged_attention, for both partials passes."""
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
         schedule = cascade_plan(prefix_lens, prefix_of, gqa=num_heads // num_kv_heads,
                                 capacity=prefix_block_tables.shape[1] * block_size, max_rows=CASCADE_CHUNK_ROWS)
         own_work = int(np.clip(np.asarray(seq_lens), 0, block_tables.shape[1] * block_size).max(initial=0))
         own, own_splits = self._cascade_partials(query[:, None], key_cache, value_cache, block_tables, seq_lens,
-                                                 work=own_work, scale=scale, softcap=softcap)
+                                                 work=own_work, scale=scale, softcap=softcap, sparse_v=sparse_v)
         num_chunks = schedule.chunk_prefix.shape[0]
         if num_chunks:
             chunk = mx.array(schedule.chunk_prefix)
@@ -867,7 +868,8 @@ class KernelBackend:
             members = members.reshape(num_chunks, schedule.query_len, num_heads, head_dim)
             prefix, prefix_splits = self._cascade_partials(
                 members, key_cache, value_cache, mx.take(prefix_block_tables, chunk, axis=0),
-                mx.take(prefix_lens, chunk), work=schedule.prefix_work, scale=scale, softcap=softcap)
+                mx.take(prefix_lens, chunk), work=schedule.prefix_work, scale=scale, softcap=softcap,
+                sparse_v=sparse_v)
         else:  # no sequence has a prefix: placeholders the reduce never reads
             empty = mx.zeros((8,), dtype=mx.float32)
             prefix, prefix_splits = (empty, empty, empty), 1
@@ -882,7 +884,8 @@ class KernelBackend:
                              sinks=sinks if sinks is not None else _placeholder(mx.float32), params=params)
         return out.reshape(num_seqs, num_heads, head_dim)
 
-    def _cascade_partials(self, query4, key_cache, value_cache, tables, lens, *, work: int, scale, softcap):
+    def _cascade_partials(self, query4, key_cache, value_cache, tables, lens, *, work: int, scale, softcap,
+                          sparse_v=None):
         """cascade_partials over table rows ``tables``/``lens`` (every row of query [C, QL, H,
         D] sees its whole table row): (part_max, part_sum, part_acc) [C * QL * H, splits(, D)]
         and the split count. ``work``: the most tokens a table row holds."""
@@ -891,11 +894,11 @@ class KernelBackend:
         layout = layout_for(query4, key_cache, value_cache, paged=True)
         splits = self._splits(None, max(1, work), num_rows * num_kv_heads, layout)
         template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, num_heads // num_kv_heads, query_len,
-                                               layout)
+                                               layout, sparse_v)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=tables.shape[1], num_blocks=num_blocks, window=0,
-                                       scale=scale, softcap=softcap or 0.0, head_div=1)
+                                       scale=scale, softcap=softcap or 0.0, head_div=1, sparse_v=sparse_v or 0.0)
         geometry = SPECS["cascade_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads, num_seqs=num_rows,
                                                       layout=layout)
         rows = num_rows * query_len * num_heads

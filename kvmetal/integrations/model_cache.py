@@ -458,13 +458,12 @@ class PagedLayerCache:
             keys, values = self._gather(plan)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
-        # (the cascade op has no sparse-V option yet: a sparse-V cache runs the plain op)
-        if num_queries == 1 and window is None and self.model_cache.options["cascade"] and not self.model_cache.sparse_v:
+        if num_queries == 1 and window is None and self.model_cache.options["cascade"]:
             shared = self.model_cache._cascade_args(plan)
             if shared is not None:
                 out = ops.paged_attention_cascade(
                     queries[:, :, 0], self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                    *shared, scale=scale, sinks=sinks, validate=False)
+                    *shared, scale=scale, sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)
                 return out[:, :, None]
         if num_queries <= MAX_PAGED_QUERY_TOKENS:
             out = ops.paged_attention(

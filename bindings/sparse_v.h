@@ -1,0 +1,58 @@
+// Sparse V on the CPU (docs/kernels.md, "Sparse V"): one tile's V accumulation that
+// skips the keys no query row needs. Shared by the decode walker (attention.cpp) and
+// the cascade items (cascade.cpp), so both skip by the same rule.
+#pragma once
+
+#include "tile_math.h"
+
+namespace kvmetal {
+
+// One run of a tile's rows that a caller reads in one piece (a block's rows);
+// an invalid one is padding (its weights are 0, it is never read).
+struct SparseVSegment {
+  int n = 0;
+  bool valid = true;
+};
+
+// p: R query rows of the tile's `rows` weights exp(s - m_running), kMaxTileRows
+// apart (m_running: the max over the keys so far, this tile included). Weights
+// below tau are dropped from the accumulation (the denominator keeps them); only
+// runs of keys some row still needs are accumulated, so only their V rows are read.
+// segment_at(i) -> SparseVSegment, for i < count. accumulate_rows(i, r0, n, p_run, c):
+// acc = acc * c + p_run . V over rows [r0, r0 + n) of segment i. The first run
+// accumulated rescales by corr, the others add on top (c = ones, R ones); with no
+// run at all acc is rescaled here.
+template <typename SegmentAt, typename AccumulateRows>
+void accumulate_sparse_v(float tau, float* p, int R, int D, int rows, int count, SegmentAt segment_at,
+                         const float* corr, const float* ones, float* acc, AccumulateRows accumulate_rows) {
+  bool need[kMaxTileRows] = {};
+  for (int j = 0; j < R; ++j) {
+    float* row = p + j * kMaxTileRows;
+    for (int r = 0; r < rows; ++r) {
+      if (row[r] < tau) row[r] = 0.f;
+      else need[r] = true;
+    }
+  }
+  bool rescaled = false;
+  for (int i = 0, off = 0; i < count; ++i) {
+    const SparseVSegment sg = segment_at(i);
+    if (sg.valid)
+      for (int a = 0; a < sg.n;) {
+        if (!need[off + a]) {
+          ++a;
+          continue;
+        }
+        int b = a + 1;
+        while (b < sg.n && need[off + b]) ++b;
+        accumulate_rows(i, a, b - a, p + off + a, rescaled ? ones : corr);
+        rescaled = true;
+        a = b;
+      }
+    off += sg.n;
+  }
+  if (!rescaled)
+    for (int j = 0; j < R; ++j)
+      for (int d = 0; d < D; ++d) acc[static_cast<int64_t>(j) * D + d] *= corr[j];
+}
+
+}  // namespace kvmetal
