@@ -447,9 +447,6 @@ def paged_attention_varlen(query: mx.array, key_cache, value_cache, block_tables
     options = _attention_options(op, head_dim=head_dim, num_heads=num_heads, scale=scale, softcap=softcap,
                                  sinks=sinks, num_splits=None, max_splits=1)
     del options["num_splits"]
-    tau = sparse_v_threshold(op, sparse_v)
-    if tau is not None:  # as in paged_attention: a backend without the option fails loudly
-        options["sparse_v"] = tau
     options["sliding_window"] = _sliding_window(op, sliding_window, max_tokens=max_blocks * block_size)
     if validate:
         _check_varlen_indices(op, query_start_loc, block_tables, seq_lens, num_tokens=num_tokens,

@@ -307,9 +307,11 @@ def test_sparse_v_sim_skips_v_rows_in_both_passes():
         return [{n: c.buffers[n].loaded for n in ("key_data", "value_data")} for c in calls]
 
     exact, sparse = loaded(None), loaded(1e-3)
-    for e, s in zip(exact, sparse):
+    # Measured: own pass 0.63 of the exact V bytes, prefix pass 0.88 (a key is loaded
+    # when any of the chunk's 8 member rows needs it).
+    for e, s, most in zip(exact, sparse, (0.75, 0.95)):
         assert s["key_data"] == e["key_data"]  # scores need every key
-        assert s["value_data"] < 0.9 * e["value_data"]
+        assert s["value_data"] < most * e["value_data"]
 
 
 @pytest.mark.parametrize("bad,error", [(-1e-3, ValueError), (float("nan"), ValueError), (1.0, ValueError),

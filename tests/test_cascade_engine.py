@@ -101,6 +101,25 @@ def test_greedy_tokens_match_the_plain_op(monkeypatch, family, k_bits, v_bits):
     assert runs[True][1] == steps * full_groups
 
 
+def test_a_sparse_v_cache_passes_its_tau_to_the_cascade(monkeypatch):
+    from kvmetal import ops
+
+    monkeypatch.setattr(cascade_plan, "MIN_MEMBERS", 4)
+    monkeypatch.setattr(cascade_plan, "MIN_PREFIX_TOKENS", 48)
+    seen = []
+    original = ops.paged_attention_cascade
+    monkeypatch.setattr(ops, "paged_attention_cascade",
+                        lambda *a, **kw: seen.append(kw.get("sparse_v")) or original(*a, **kw))
+    model = tiny_models.build("llama")
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, 512, size=64).tolist()
+    prompts = [shared + rng.integers(0, 512, size=n).tolist() for n in (3, 7, 1, 12)]
+    with use_paged_cache(model) as handle:
+        cache = PagedModelCache(handle.specs, block_size=16, cascade=True, sparse_v=1e-6)
+        greedy(model, cache, prompts, 2)
+    assert cache.cascade_steps == 2 and seen and all(t == 1e-6 for t in seen)
+
+
 def test_below_the_thresholds_nothing_changes():
     model = tiny_models.build("llama")
     prompts = [[1, 2, 3, 4] * 8 + [s] for s in range(3)]   # 3 sequences, 2 shared blocks: under the defaults
