@@ -82,7 +82,7 @@ class PagedModelCache:
             ``cascade_steps`` counts those passes. Same tokens as the plain op (within
             rounding); docs/cascade.md has the rule and its thresholds.
         sparse_v: the sparse-V threshold of the decode passes (``ops.paged_attention``'s
-            ``sparse_v``); None or 0: exact.
+            and ``ops.paged_attention_cascade``'s ``sparse_v``); None or 0: exact.
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
