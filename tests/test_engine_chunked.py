@@ -138,3 +138,16 @@ def test_a_preempted_partly_prefilled_request_resumes_from_its_published_blocks(
         assert engine.prompt_tokens_computed == len(short) + computed_before + len(long) - resumed_at
         assert engine.requests[a].output == expected_short
         assert request.output == expected_long
+
+
+def test_engine_steps_bench_runs_and_counts_steps():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "engine_steps.py"
+    spec = importlib.util.spec_from_file_location("engine_steps", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.run_budget(tiny_models.build("llama"), 64, 200, 2, 512)
+    assert result["steps_to_first_token"] == math.ceil(200 / (64 - 2))
+    assert result["device_ms_per_step"] > 0 and result["host_ms_per_step"] > 0

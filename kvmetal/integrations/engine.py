@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,7 +50,7 @@ from ..cache import KVCacheFull, _is_int
 from .heads import body, lm_head
 from .mlx_lm import use_paged_cache
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # tokens one step computes (decodes included); see docs/serve.md
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256  # tokens one step computes (decodes included); measured: docs/integration.md
 
 
 class RequestTooLarge(ValueError):
@@ -286,6 +287,10 @@ class Engine:
         self.steps = 0  # forward passes (one per step that had work)
         self.decode_steps = 0  # steps that decoded at least one running request
         self.last_step_tokens = 0  # tokens of the last step's forward pass
+        # Seconds spent in steps, cumulative: "host" schedules, reserves blocks and builds the
+        # pass's graph (and index arrays); "device" evaluates it; "sample" picks tokens.
+        self.step_seconds = {"host": 0.0, "device": 0.0, "sample": 0.0}
+        self._step_start = 0.0
         self.preemptions = 0
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0  # tokens admissions found through prefix sharing
@@ -395,6 +400,7 @@ class Engine:
         """One forward pass: every running decode, then prefill chunks under the token
         budget. Returns the new tokens (and requests that ended without one)."""
         self._check_open("step")
+        self._step_start = time.perf_counter()
         events = []
         decodes = self._reserve_decodes(events)
         chunks = self._reserve_prefills(self.max_num_batched_tokens - len(decodes), events)
@@ -546,8 +552,10 @@ class Engine:
         rows of requests whose every token is now computed."""
         rows, inputs, sampled = 0, [], []
         for request, n in batch:
-            tokens = request.tokens[request.computed:request.computed + n]
-            inputs += tokens
+            if request.decoding:
+                inputs.append(request.output[-1])
+            else:
+                inputs += request.tokens[request.computed:request.computed + n]
             rows += n
             if request.computed + n == request.num_tokens:
                 sampled.append((request, rows - 1))
@@ -569,10 +577,18 @@ class Engine:
         self.decode_steps += decoded
         self.last_step_tokens = rows
         requests = [r for r, _ in sampled]
+        clock = self.step_seconds
+        built = time.perf_counter()
+        clock["host"] += built - self._step_start
+        # Evaluate the pass here (a step of prefill only writes its K/V), so that device time
+        # and sampling time are told apart.
+        mx.eval(logits if requests else [p.arrays() for p in self.cache.pools])
+        computed = time.perf_counter()
+        clock["device"] += computed - built
         if not requests:
-            mx.eval([p.arrays() for p in self.cache.pools])  # a step of prefill only: write its K/V now
             return []
         tokens, logprobs = self._sample(requests, logits)
+        clock["sample"] += time.perf_counter() - computed
         events = []
         for request, token, lp in zip(requests, tokens, logprobs):
             request.decoding = True
