@@ -2,11 +2,18 @@
 
     python bench/serve_load.py                     # the tiny test model, built offline
     python bench/serve_load.py --model DIR --requests 128 --concurrency 16 --kv-memory 2GB
+    python bench/serve_load.py --model DIR --long-prompts 4   # long prompts arrive beside 8 decode streams
 
 The workload (fixed by --seed): chats that share a long system prompt, two-turn chats
 whose second turn repeats the first (prefix reuse), and plain completions, with mixed
 prompt and output lengths, all greedy. Each server runs as its own subprocess on the
 same machine and gets the same requests from ``--concurrency`` streaming clients.
+
+With ``--long-prompts N`` the workload is instead ``--requests`` short completions
+decoding ``--max-tokens`` tokens each on ``--concurrency`` clients, while one more
+client sends N prompts of ``--long-words`` words (2,000-6,000 tokens on SmolLM2's
+tokenizer by default) one after another; the decode streams' TPOT shows how much the
+long prefills stall them, the long prompts' TTFT how fast they get in.
 
 Reported per server: requests/s, output tokens/s, p50/p95 time to first token (TTFT)
 and time per output token (TPOT), prefix hit rate (cached prompt tokens / prompt
@@ -66,6 +73,16 @@ def workload(n: int, seed: int, max_tokens: int) -> list:
     return bodies
 
 
+def long_workload(n_decode: int, n_long: int, seed: int, max_tokens: int, words: tuple) -> tuple:
+    """(decode bodies: short prompts, ``max_tokens`` out; long bodies: ``words`` words in, 8 out)."""
+    rng = random.Random(seed)
+    decode = [{"path": "/completions", "prompt": sentence(rng, rng.randint(10, 30)), "max_tokens": max_tokens}
+              for _ in range(n_decode)]
+    long = [{"path": "/completions", "prompt": sentence(rng, rng.randint(*words)), "max_tokens": 8}
+            for _ in range(n_long)]
+    return decode, long
+
+
 def one_request(url: str, model: str, body: dict) -> dict:
     """Stream one request; returns its timings and usage."""
     import httpx
@@ -107,16 +124,28 @@ def percentile(values: list, q: float):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def replay(url: str, model: str, bodies: list, concurrency: int) -> dict:
+def replay(url: str, model: str, bodies: list, concurrency: int, long_bodies: list | None = None) -> dict:
     start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
+    with ThreadPoolExecutor(concurrency) as pool, ThreadPoolExecutor(1) as long_pool:
+        arriving = long_pool.map(lambda b: one_request(url, model, b), long_bodies or [])
         results = list(pool.map(lambda b: one_request(url, model, b), bodies))
+        long_results = list(arriving)
     wall = time.perf_counter() - start
+    summary = _summary(results + long_results, wall)
+    if long_bodies:
+        decode, long = _summary(results, wall), _summary(long_results, wall)
+        summary.update(decode_tpot_p50_ms=decode["tpot_p50_ms"], decode_tpot_p95_ms=decode["tpot_p95_ms"],
+                       long_ttft_p50_ms=long["ttft_p50_ms"], long_ttft_p95_ms=long["ttft_p95_ms"],
+                       long_prompt_tokens=[r["prompt_tokens"] for r in long_results if "error" not in r])
+    return summary
+
+
+def _summary(results: list, wall: float) -> dict:
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
     prompt = sum(r["prompt_tokens"] for r in ok)
     summary = {
-        "requests": len(bodies), "errors": len(errors), "first_error": errors[0] if errors else None,
+        "requests": len(results), "errors": len(errors), "first_error": errors[0] if errors else None,
         "wall_s": wall, "requests_per_s": len(ok) / wall,
         "output_tokens_per_s": sum(r["completion_tokens"] for r in ok) / wall,
         "ttft_p50_ms": _ms(percentile([r["ttft"] for r in ok], 0.5)),
@@ -134,14 +163,14 @@ def _ms(x):
     return None if x is None else 1e3 * x
 
 
-def run_server(server, model: str, bodies: list, concurrency: int, metrics: bool) -> dict:
+def run_server(server, model: str, bodies: list, concurrency: int, metrics: bool, long_bodies=None) -> dict:
     """Start ``server`` (a ``ServerProcess``; it waits for /health), warm it up, replay, stop it.
 
     With ``metrics`` (kvmetal serve), the peak KV bytes come from the server's own peak
     gauges in one scrape at the end (they include the 4-token warm-up request)."""
     with server:
         one_request(server.url + "/v1", model, {"path": "/completions", "prompt": "warm up", "max_tokens": 4})
-        result = replay(server.url + "/v1", model, bodies, concurrency)
+        result = replay(server.url + "/v1", model, bodies, concurrency, long_bodies)
         if metrics:
             import httpx
 
@@ -165,6 +194,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--skip-mlx-lm", action="store_true", help="only kvmetal serve")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--long-prompts", type=int, default=0,
+                        help="long prompts that arrive one after another beside the decode streams (default 0: "
+                             "the chat mix)")
+    parser.add_argument("--long-words", default="1900,5650",
+                        help="words per long prompt, LOW,HIGH (default 1900,5650: about 2,000-6,000 SmolLM2 tokens)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers alternately this many times each (a shared host's noise shows)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,17 +212,27 @@ def main(argv=None) -> int:
             model = str(build_model_dir(tmp / "tiny-llama", max_position_embeddings=8192))
         from kvmetal.serve.server import ServerProcess
 
-        bodies = workload(args.requests, args.seed, args.max_tokens)
+        long_bodies = None
+        if args.long_prompts:
+            low, high = (int(w) for w in args.long_words.split(","))
+            bodies, long_bodies = long_workload(args.requests, args.long_prompts, args.seed, args.max_tokens,
+                                                (low, high))
+        else:
+            bodies = workload(args.requests, args.seed, args.max_tokens)
         results = {}
-        kvmetal = ServerProcess(model, free_port(), "--log-level", "WARNING", "--kv-memory", args.kv_memory,
-                                *args.kvmetal_args.split(), log_path=tmp / "kvmetal.log", start_timeout=300)
-        results["kvmetal serve"] = run_server(kvmetal, model, bodies, args.concurrency, True)
-        if not args.skip_mlx_lm:
-            port = free_port()
-            lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
-                      "--port", str(port), "--log-level", "WARNING"]
-            mlx_lm = ServerProcess(model, port, command=lm_cmd, log_path=tmp / "mlx_lm.log", start_timeout=300)
-            results["mlx_lm.server"] = run_server(mlx_lm, model, bodies, args.concurrency, False)
+        for r in range(args.rounds):
+            suffix = f" #{r + 1}" if args.rounds > 1 else ""
+            kvmetal = ServerProcess(model, free_port(), "--log-level", "WARNING", "--kv-memory", args.kv_memory,
+                                    *args.kvmetal_args.split(), log_path=tmp / "kvmetal.log", start_timeout=300)
+            results["kvmetal serve" + suffix] = run_server(kvmetal, model, bodies, args.concurrency, True,
+                                                           long_bodies)
+            if not args.skip_mlx_lm:
+                port = free_port()
+                lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
+                          "--port", str(port), "--log-level", "WARNING"]
+                mlx_lm = ServerProcess(model, port, command=lm_cmd, log_path=tmp / "mlx_lm.log", start_timeout=300)
+                results["mlx_lm.server" + suffix] = run_server(mlx_lm, model, bodies, args.concurrency, False,
+                                                               long_bodies)
     report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
@@ -197,10 +243,14 @@ def report(results: dict, args) -> None:
     print(f"{args.requests} requests, {args.concurrency} concurrent, greedy, max_tokens <= {args.max_tokens}")
     cols = ["requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms",
             "prefix_hit_rate", "errors"]
-    print(f"{'server':<15}" + "".join(f"{c:>20}" for c in cols))
+    if args.long_prompts:
+        cols += ["decode_tpot_p50_ms", "decode_tpot_p95_ms", "long_ttft_p50_ms", "long_ttft_p95_ms"]
+    print(f"{'server':<18}" + "".join(f"{c:>20}" for c in cols))
     for name, r in results.items():
-        print(f"{name:<15}" + "".join(f"{_fmt(r.get(c)):>20}" for c in cols))
-    kv = results.get("kvmetal serve")
+        print(f"{name:<18}" + "".join(f"{_fmt(r.get(c)):>20}" for c in cols))
+        if r.get("long_prompt_tokens"):
+            print(f"{'':<18}long prompts: {r['long_prompt_tokens']} tokens")
+    kv = next((r for name, r in results.items() if name.startswith("kvmetal serve")), None)
     if kv:
         print(f"kvmetal peak KV: {kv['peak_kv_used_bytes'] / 2**20:.2f} MiB used "
               f"(pool {kv['peak_kv_pool_bytes'] / 2**20:.2f} MiB) against a cap of "

@@ -282,7 +282,9 @@ class BlockAllocator:
     def free(self, seq_id) -> None:
         """Drop a sequence; its blocks go back at once (hashed ones stay findable)."""
         seq = self._seq("free", seq_id)
-        for b in seq.blocks:
+        # Tail first: a prefix's later blocks become the least recently used, so evictions
+        # cut a published chain from its end and its leading blocks stay shareable.
+        for b in reversed(seq.blocks):
             if b != HOLE:
                 self._release(b)
         del self._seqs[seq_id]

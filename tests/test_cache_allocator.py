@@ -256,7 +256,15 @@ def test_freed_blocks_stay_cached_and_are_recycled_least_recent_first():
     a.add("x", list(range(9)))  # blocks: 2 full (hashed) + 1 partial
     x_blocks = a.block_table("x")
     a.free("x")
-    assert a.cached_blocks() == x_blocks[:2] and x_blocks[2] in a.free_blocks()
+    # Released tail first: the chain's last block is the least recently used, so an
+    # eviction shortens a published prefix from its end and its head stays shareable.
+    assert a.cached_blocks() == x_blocks[:2][::-1] and x_blocks[2] in a.free_blocks()
+    a.add("v", [70] * 12)  # 3 blocks: the 2 free ones and the least recent cached one
+    assert a.cached_blocks() == [x_blocks[0]] and a.cached_prefix(list(range(9))) == 4
+    a.free("v")
+    a.add("x", list(range(9)))  # the tail block is recomputed, the head found again
+    x_blocks = a.block_table("x")
+    a.free("x")
     assert a.add("y", list(range(9))) == 8  # found again after its owner left
     assert a.block_table("y")[:2] == x_blocks[:2]
     a.free("y")

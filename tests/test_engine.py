@@ -1,6 +1,6 @@
 """Continuous batching: batched output equals one-at-a-time output, prefix sharing saves
 blocks without changing tokens, finished requests free their blocks at once, and every
-decode step makes one batched paged_attention call per layer."""
+step is one forward pass: one batched attention call per layer."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -79,27 +79,28 @@ def test_tight_pool_preempts_and_recomputes_without_changing_tokens(model_and_ex
         assert all(p.allocator.num_blocks == 12 for p in engine.cache.pools)  # a fixed pool never grows
 
 
-def test_one_batched_paged_attention_call_per_layer_per_decode_step(monkeypatch):
+def test_one_attention_call_per_layer_per_step(monkeypatch):
     model = tiny_models.build("llama")
     calls = []
-    real = model_cache.ops.paged_attention
-
-    def counting(query, *args, **kwargs):
-        calls.append(query.shape[0])
-        return real(query, *args, **kwargs)
-
-    monkeypatch.setattr(model_cache.ops, "paged_attention", counting)
+    for name in ("paged_attention", "paged_attention_varlen"):
+        real = getattr(model_cache.ops, name)
+        monkeypatch.setattr(model_cache.ops, name,
+                            lambda query, *a, _real=real, _name=name, **k: calls.append((_name, query.shape[0]))
+                            or _real(query, *a, **k))
+    num_layers = len(model.layers)
     with Engine(model) as engine:
-        # Prompts longer than MAX_PAGED_QUERY_TOKENS: their prefill runs paged_attention_varlen
-        # (no paged_attention call); shorter ones would go through paged_attention (L <= 8).
-        for prompt in (list(range(1, 10)), list(range(20, 32)), [9] * 20, list(range(40, 50))):
+        prompts = (list(range(1, 10)), list(range(20, 32)), [9] * 20, list(range(40, 50)))
+        for prompt in prompts:
             engine.add_request(prompt, max_tokens=6)
-        engine.step()  # admits all four (prefill: no paged_attention), then one decode step
-        num_layers = len(model.layers)
-        assert calls == [4] * num_layers
+        engine.step()  # all four prompts in one ragged pass: one varlen call per layer over every row
+        assert calls == [("paged_attention_varlen", sum(map(len, prompts)))] * num_layers
         calls.clear()
-        engine.step()
-        assert calls == [4] * num_layers
+        engine.step()  # decodes only: the decode kernel, one batched call per layer
+        assert calls == [("paged_attention", 4)] * num_layers
+        calls.clear()
+        engine.add_request(list(range(60, 75)), max_tokens=3)
+        engine.step()  # four decodes and a 15-token prompt: still one pass, one call per layer
+        assert calls == [("paged_attention_varlen", 4 + 15)] * num_layers
 
 
 def test_finished_requests_free_their_blocks_at_once():
@@ -107,7 +108,8 @@ def test_finished_requests_free_their_blocks_at_once():
     with Engine(model, block_size=16) as engine:
         short = engine.add_request(list(range(40)), max_tokens=2)
         long = engine.add_request(list(range(100, 140)), max_tokens=10)
-        engine.step()  # prefill both (token 1), decode both (token 2): short is done
+        engine.step()  # prefill both (token 1)
+        engine.step()  # decode both (token 2): short is done
         pool = engine.cache.pools[0]
         assert short not in pool and long in pool
         assert engine.cache.stats()["used_blocks"] == 3  # only the long request's 41 tokens
@@ -279,26 +281,28 @@ def test_quantized_sliding_window_layers_release_blocks_in_a_fixed_pool():
     assert max(w for w, _ in held[3:]) <= 24 // 8 + 3 and held[-1][0] < held[-1][1]
 
 
-def test_prefill_budget_spreads_admissions_over_steps_without_changing_tokens():
+def test_token_budget_chunks_prompts_over_steps_without_changing_tokens():
     model = tiny_models.build("llama")
     prompts = [list(range(i * 50, i * 50 + 40)) for i in range(4)]
     expected = [one_at_a_time(model, p, 6) for p in prompts]
-    with Engine(model, max_prefill_tokens=50) as engine:
+    with Engine(model, max_num_batched_tokens=50) as engine:
         ids = [engine.add_request(p, max_tokens=6) for p in prompts]
-        running = []
+        running, sizes = [], []
         while engine.has_work():
             engine.step()
-            running.append(len(engine.running))
-        assert running[:4] == [1, 2, 3, 4]  # one 40-token prompt per step, decode in between
+            running.append(sum(r.decoding for r in engine.running))
+            sizes.append(engine.last_step_tokens)
+        assert max(sizes) <= 50 and sizes[0] == 50  # 40 + a 10-token chunk of the second prompt
+        assert running[:4] == [1, 2, 3, 4]  # decodes go on while the next prompt is chunked in
         assert [engine.requests[i].output for i in ids] == expected
-    with pytest.raises(ValueError, match=r"max_prefill_tokens"):
-        Engine(model, max_prefill_tokens=0)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens"):
+        Engine(model, max_num_batched_tokens=0)
 
 
 def test_a_rejected_engine_leaves_the_model_unpatched():
     model = tiny_models.build("llama")
-    with pytest.raises(ValueError, match=r"max_prefill_tokens"):
-        Engine(model, max_prefill_tokens=0)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens"):
+        Engine(model, max_num_batched_tokens=0)
     assert "make_cache" not in vars(model)  # no instance patch left behind
     with Engine(model) as engine:  # a later patch of the same model works
         engine.close()  # closing twice (here and on exit) undoes once

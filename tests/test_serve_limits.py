@@ -35,10 +35,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def guarded(model_dir):
     """A server with a key, a 64 KiB body limit, a queue of 2, 200 queued prompt tokens,
-    and one prompt admitted per step (so concurrent requests really queue)."""
+    and a 16-token step budget (so concurrent requests really queue)."""
     server = ServerProcess(model_dir, free_port(), "--log-level", "WARNING", "--api-key", KEY,
                            "--max-body-bytes", str(BODY_LIMIT), "--max-queue", "2", "--max-prompt-tokens", "200",
-                           "--max-prefill-tokens", "16").start()
+                           "--max-num-batched-tokens", "16").start()
     server.model = str(model_dir)
     yield server
     assert server.stop() == 0, server.output

@@ -1,33 +1,45 @@
-"""Continuous batching over one paged cache.
+"""Continuous batching over one paged cache, one forward pass per step.
 
-Requests join and leave at any step. Each ``step()``:
+Requests join and leave at any step. Each ``step()`` builds ONE ragged batch under a
+token budget (``max_num_batched_tokens``) and runs it through the model once:
 
-1. admits waiting requests while the pool has room: a prompt's leading full blocks
-   that another request already computed are shared (prefix hashing), only the rest
-   runs through the model (one sequence per prefill pass);
-2. decodes every running request in ONE forward pass: one batched ``paged_attention``
-   call per layer over all of them;
-3. frees a finished request's blocks at once.
+1. every running decode (one token each) comes first;
+2. then the next chunk of each partly prefilled prompt (oldest first);
+3. then new prompts' first chunks, while the budget lasts. A prompt's leading full
+   blocks that another request already computed are shared (prefix hashing); a chunk
+   that completes a block publishes it at once, and a prompt whose next block another
+   request is still prefilling waits for it instead of computing it a second time.
 
-When a fixed-size pool runs dry mid-decode, the most recently admitted request is
-preempted: its blocks are freed and it waits to be recomputed from its tokens so far
-(vLLM's recompute preemption), so the output does not change. A request that could
-not grow even with the whole pool to itself finishes early with reason ``"length"``
-(the cache is full) while the others keep running; a prompt that cannot fit even in
-an empty pool is rejected by ``add_request``.
+The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
+position as the cache's ``offset``, so unmodified mlx-lm model code runs it; attention is
+one ``paged_attention_varlen`` call per layer (a step of decodes only runs
+``paged_attention``). Hidden states are sliced before the LM head: logits come only for
+rows that sample (decodes, and the last token of a prompt whose prefill completes). A
+long prompt therefore never stalls the running requests: they get a token every step
+while it is chunked in. A finished request's blocks are freed at once.
+
+When a fixed-size pool runs dry, the most recently admitted request (decoding or still
+prefilling) is preempted: its blocks are freed and it waits to be recomputed from its
+tokens so far (vLLM's recompute preemption), resuming from whatever of its blocks are
+still published, so the output does not change. A request that could not grow even
+with the whole pool to itself finishes early with reason ``"length"`` (the cache is
+full) while the others keep running; a prompt that cannot fit even in an empty pool is
+rejected by ``add_request``.
 
 Sampling is per request (``SamplingParams``): greedy, or temperature / top-p / top-k /
 min-p / XTC with the request's own random key, so a seeded request gives the same tokens
-whatever it is batched with and however often it is preempted. A request's logits
-processors (mlx-lm's repetition / presence / frequency penalties and logit bias) run on
-its own row of the batch's logits, over its own tokens; ``logprobs`` reports the chosen
-token's log-probability (and the top alternatives) under those processed logits.
+whatever it is batched with, however its prompt is chunked and however often it is
+preempted. A request's logits processors (mlx-lm's repetition / presence / frequency
+penalties and logit bias) run on its own row of the batch's logits, over its own tokens;
+``logprobs`` reports the chosen token's log-probability (and the top alternatives) under
+those processed logits.
 """
 from __future__ import annotations
 
 import itertools
 import math
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,7 +47,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import KVCacheFull, _is_int
+from .heads import body, lm_head
 from .mlx_lm import use_paged_cache
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256  # tokens one step computes (decodes included); measured: docs/integration.md
 
 
 class RequestTooLarge(ValueError):
@@ -173,6 +188,8 @@ class Request:
     logprobs: int | None = None  # report logprobs with this many top alternatives (None: none)
     processors: tuple = ()  # mlx-lm logits processors: (tokens, logits [1, V]) -> logits
     history: int | None = None  # trailing tokens the processors read (None: all)
+    computed: int = 0  # leading tokens whose K/V are in the cache (while running)
+    decoding: bool = False  # prefill done since the last admission: one token per step
 
     @property
     def plain(self) -> bool:
@@ -228,20 +245,23 @@ class Engine:
         keep_finished: keep finished requests in ``requests`` (a server turns this off).
         on_finish: called with a request that finished normally, before its blocks are
             freed (a prefix store reads them there).
-        max_prefill_tokens: prompt tokens one step may compute before it decodes (at least
-            one prompt is always admitted); bounds the pause running requests see when
-            many prompts arrive at once. None: admit everything that fits.
+        max_num_batched_tokens: tokens one step's forward pass computes: the running
+            decodes (one each, always all of them) and, in what is left, prefill chunks.
+            Bounds the time of a step, so running requests see no stall beyond it while
+            long prompts arrive.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
                  v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy,
-                 keep_finished: bool = True, on_finish=None, max_prefill_tokens: int | None = None,
+                 keep_finished: bool = True, on_finish=None,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  k_group_size: int | None = None, v_group_size: int | None = None):
         self.model = model
-        if max_prefill_tokens is not None:  # checked before the model is patched: a bad value leaks nothing
-            _check_count("Engine", "max_prefill_tokens", max_prefill_tokens)
+        # checked before the model is patched: a bad value leaks nothing
+        _check_count("Engine", "max_num_batched_tokens", max_num_batched_tokens)
+        self._body, self._head = body(model), lm_head(model)
         groups = {k: v for k, v in (("k_group_size", k_group_size), ("v_group_size", v_group_size)) if v is not None}
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
                                       v_bits=v_bits, **groups)
@@ -255,7 +275,7 @@ class Engine:
         self.sampler = sampler
         self.keep_finished = keep_finished
         self.on_finish = on_finish
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         # Across ranks (``kvmetal serve`` under mlx.launch): maps this rank's sampled tokens to
         # rank 0's, so that every rank appends the same tokens and stays in lockstep.
         self.token_sync = None
@@ -264,7 +284,13 @@ class Engine:
         self.requests: dict = {}
         self._ids = itertools.count()
         self.closed = False
-        self.decode_steps = 0
+        self.steps = 0  # forward passes (one per step that had work)
+        self.decode_steps = 0  # steps that decoded at least one running request
+        self.last_step_tokens = 0  # tokens of the last step's forward pass
+        # Seconds spent in steps, cumulative: "host" schedules, reserves blocks and builds the
+        # pass's graph (and index arrays); "device" evaluates it; "sample" picks tokens.
+        self.step_seconds = {"host": 0.0, "device": 0.0, "sample": 0.0}
+        self._step_start = 0.0
         self.preemptions = 0
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0  # tokens admissions found through prefix sharing
@@ -371,11 +397,15 @@ class Engine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list:
-        """Admit what fits, decode every running request once; returns the new tokens."""
+        """One forward pass: every running decode, then prefill chunks under the token
+        budget. Returns the new tokens (and requests that ended without one)."""
         self._check_open("step")
-        events = self._admit()
-        if self.running:
-            events += self._decode()
+        self._step_start = time.perf_counter()
+        events = []
+        decodes = self._reserve_decodes(events)
+        chunks = self._reserve_prefills(self.max_num_batched_tokens - len(decodes), events)
+        if decodes or chunks:
+            events += self._forward([(r, 1) for r in decodes] + chunks, bool(decodes))
         return events
 
     def run(self, prompts, max_tokens) -> list:
@@ -395,57 +425,24 @@ class Engine:
         if self.closed:
             raise RuntimeError(f"[Engine.{op}] the engine was closed; create a new Engine")
 
-    def _admit(self) -> list:
-        events = []
-        budget = self.max_prefill_tokens
-        computed = 0
-        while self.waiting:
-            request = self.waiting[0]
-            tokens = request.tokens  # a preempted request resumes from here
-            if budget is not None and computed and computed + len(tokens) > budget:
-                break  # decode first; the rest joins at the next steps
-            try:
-                if self.prefix_sharing:
-                    start = self.cache.add_sequence(request.request_id, tokens)
-                else:
-                    start = self.cache.add_sequence(request.request_id, num_tokens=len(tokens))
-            except KVCacheFull:
-                if self.running:
-                    break  # wait for running requests to finish
-                # Alone in the pool and still too big: only a resumed request that grew gets here.
-                self.waiting.popleft()
-                events.append(self._finish(request, "length"))
-                continue
-            self.waiting.popleft()
-            request.cached_prompt_tokens = start
-            self.prompt_tokens_cached += start
-            self.prompt_tokens_computed += len(tokens) - start
-            computed += len(tokens) - start
-            caches = self.cache.layer_caches([request.request_id], [start])
-            logits = self.model(mx.array(tokens[start:])[None], cache=caches)
-            [token], [logprobs] = self._sample([request], logits[:, -1, :])
-            events.append(self._emit(request, token, logprobs))
-            if not request.finished:
-                self.running.append(request)
-        return events
-
-    def _decode(self) -> list:
-        # Room for one more token per running request. One that could not grow even with
-        # the pool to itself ends ("length"); otherwise preempt the newest until all fit.
-        events = []
+    def _reserve_decodes(self, events: list) -> list:
+        """Room for one more token per decoding request. One that could not grow even with
+        the pool to itself ends ("length"); otherwise preempt the newest until all fit."""
         limit = self.max_sequence_tokens  # fixed within a step
         while True:
             appended = []
             try:
                 for request in self.running:
+                    if not request.decoding:
+                        continue
                     if limit is not None and request.num_tokens > limit:
                         raise _Outgrown(request)
-                    self._append(request)
+                    self._append(request, [request.output[-1]])
                     appended.append(request)
-                break
+                return appended
             except (KVCacheFull, _Outgrown) as e:
                 for request in appended:  # undo this step's appends, then make room
-                    self.cache.truncate(request.request_id, self.cache.num_tokens(request.request_id) - 1)
+                    self.cache.truncate(request.request_id, request.computed)
                 if isinstance(e, _Outgrown):
                     self.running.remove(e.request)
                     self.cache.free(e.request.request_id)
@@ -456,15 +453,146 @@ class Engine:
                     events.append(self._finish(request, "length"))
                 else:
                     self._preempt(self.running[-1])
-                if not self.running:
-                    return events
-        ids = [r.request_id for r in self.running]
-        offsets = [r.num_tokens - 1 for r in self.running]
-        inputs = mx.array([[r.output[-1]] for r in self.running])
-        logits = self.model(inputs, cache=self.cache.layer_caches(ids, offsets))
-        tokens, logprobs = self._sample(self.running, logits[:, -1, :])
-        self.decode_steps += 1
-        events += [self._emit(r, t, lp) for r, t, lp in zip(self.running, tokens, logprobs)]
+
+    def _reserve_prefills(self, budget: int, events: list) -> list:
+        """(request, tokens) chunks for this step: partly prefilled prompts first (oldest
+        first), then new ones, while ``budget`` tokens last and the pool has room."""
+        chunks = []
+        for request in [r for r in self.running if not r.decoding]:
+            if budget <= 0:
+                return chunks
+            if request not in self.running:
+                continue  # preempted below to make room for an older one
+            n = self._grow_chunk(request, min(budget, request.num_tokens - request.computed))
+            while not n and not chunks and not any(r.decoding for r in self.running):
+                # Nothing else runs this step: prefills hold the pool. Preempt the newest
+                # for the oldest (no deadlock); alone and still no room, it cannot fit.
+                if self.running[-1] is request:
+                    self.running.remove(request)
+                    self.cache.free(request.request_id)
+                    events.append(self._finish(request, "length"))
+                    break
+                self._preempt(self.running[-1])
+                n = self._grow_chunk(request, min(budget, request.num_tokens - request.computed))
+            if not n:
+                if request.finished:
+                    continue
+                return chunks  # the pool is full: decodes get what frees up first
+            chunks.append((request, n))
+            budget -= n
+        for request in list(self.waiting):
+            if budget <= 0:
+                break
+            if self._prefix_in_flight(request):
+                continue  # another request is computing its next block: share it next step
+            n = self._admit(request, budget, events, alone=not (self.running or chunks))
+            if n is None:
+                break  # no room: wait for running requests to finish
+            if n:
+                chunks.append((request, n))
+                budget -= n
+        return chunks
+
+    def _grow_chunk(self, request: Request, n: int) -> int:
+        """Reserve the next ``n`` tokens of a partly prefilled request, or as many as fit."""
+        tokens = request.tokens
+        while n:
+            try:
+                self._append(request, tokens[request.computed:request.computed + n])
+                return n
+            except KVCacheFull:
+                n //= 2
+        return 0
+
+    def _admit(self, request: Request, budget: int, events: list, *, alone: bool) -> int | None:
+        """Start a waiting request with a first chunk of at most ``budget`` tokens after its
+        cached prefix. Returns the chunk's length, 0 if the request ended, None if the pool
+        has no room for it now."""
+        tokens = request.tokens  # a preempted request resumes from here
+        start = self.cache.cached_prefix(tokens) if self.prefix_sharing else 0
+        n = min(budget, len(tokens) - start)
+        while n:
+            try:
+                if self.prefix_sharing:
+                    got = self.cache.add_sequence(request.request_id, tokens[:start + n])
+                else:
+                    got = self.cache.add_sequence(request.request_id, num_tokens=n)
+                break
+            except KVCacheFull:
+                n //= 2
+        if not n:
+            if not alone:
+                return None
+            # Alone in the pool and still too big: only a resumed request that grew gets here.
+            self.waiting.remove(request)
+            events.append(self._finish(request, "length"))
+            return 0
+        assert got == start, "the cached prefix of a prompt's first chunk is the prompt's"
+        self.waiting.remove(request)
+        request.computed = request.cached_prompt_tokens = start
+        self.prompt_tokens_cached += start
+        self.running.append(request)
+        return n
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """Whether a request still prefilling will publish this prompt's next full block
+        (so admitting it now would compute that block twice)."""
+        if not self.prefix_sharing:
+            return False
+        bs = self.block_size
+        tokens = request.tokens
+        end = self.cache.cached_prefix(tokens) + bs  # the next block this prompt could share
+        if end > len(tokens) - 1:  # a block holding the last token is never shared
+            return False
+        head = tokens[:end]
+        return any(not r.decoding and r.num_tokens >= end and r.tokens[:end] == head for r in self.running)
+
+    def _forward(self, batch: list, decoded: bool) -> list:
+        """Run ``batch`` [(request, new tokens)] as one pass (room is reserved); sample the
+        rows of requests whose every token is now computed."""
+        rows, inputs, sampled = 0, [], []
+        for request, n in batch:
+            if request.decoding:
+                inputs.append(request.output[-1])
+            else:
+                inputs += request.tokens[request.computed:request.computed + n]
+            rows += n
+            if request.computed + n == request.num_tokens:
+                sampled.append((request, rows - 1))
+        ids = [r.request_id for r, _ in batch]
+        starts = [r.computed for r, _ in batch]
+        if rows == len(batch):  # one token per sequence: the decode kernel
+            caches = self.cache.layer_caches(ids, starts)
+        else:
+            caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch])
+        hidden = self._body(mx.array(inputs, dtype=mx.int32)[:, None], caches)  # [T, 1, hidden]
+        if len(sampled) < rows:  # logits only for the rows that sample
+            hidden = hidden[mx.array([row for _, row in sampled], dtype=mx.int32)]
+        logits = self._head(hidden)[:, -1, :]
+        for request, n in batch:
+            if not request.decoding:
+                self.prompt_tokens_computed += n
+            request.computed += n
+        self.steps += 1
+        self.decode_steps += decoded
+        self.last_step_tokens = rows
+        requests = [r for r, _ in sampled]
+        clock = self.step_seconds
+        built = time.perf_counter()
+        clock["host"] += built - self._step_start
+        # Evaluate the pass here (a step of prefill only writes its K/V), so that device time
+        # and sampling time are told apart.
+        mx.eval(logits if requests else [p.arrays() for p in self.cache.pools])
+        computed = time.perf_counter()
+        clock["device"] += computed - built
+        if not requests:
+            return []
+        tokens, logprobs = self._sample(requests, logits)
+        clock["sample"] += time.perf_counter() - computed
+        events = []
+        for request, token, lp in zip(requests, tokens, logprobs):
+            request.decoding = True
+            events.append(self._emit(request, token, lp))
         self.running = [r for r in self.running if not r.finished]
         return events
 
@@ -504,16 +632,16 @@ class Engine:
         mx.eval(picks, *rows.values())
         return [int(t) for t in picks.tolist()], rows
 
-    def _append(self, request: Request) -> None:
-        token = request.output[-1]
+    def _append(self, request: Request, tokens: list) -> None:
         if self.prefix_sharing:
-            self.cache.append(request.request_id, [token])
+            self.cache.append(request.request_id, tokens)
         else:
-            self.cache.append(request.request_id, num_tokens=1)
+            self.cache.append(request.request_id, num_tokens=len(tokens))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.cache.free(request.request_id)
+        request.computed, request.decoding = 0, False
         self.waiting.appendleft(request)
         self.preemptions += 1
 

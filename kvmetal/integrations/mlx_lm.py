@@ -26,7 +26,7 @@ import threading
 import mlx.core as mx
 
 from .. import ops, quant
-from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, _one_group_size
+from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache, _one_group_size
 
 # model families whose attention we have checked token for token against mlx-lm
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss")
@@ -43,7 +43,7 @@ def model_family(model) -> str:
 
 def _paged_sdpa_for(original):
     def scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, sinks=None, **kwargs):
-        if isinstance(cache, PagedLayerCache):
+        if isinstance(cache, (PagedLayerCache, RaggedLayerCache)):
             if kwargs:
                 raise NotImplementedError(f"[use_paged_cache] attention options {sorted(kwargs)} are not supported")
             return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)

@@ -186,6 +186,21 @@ class PagedModelCache:
         offsets = [self.num_tokens(s) for s in seq_ids] if offsets is None else list(offsets)
         return [PagedLayerCache(self, layer, seq_ids, offsets) for layer in range(len(self.specs))]
 
+    def ragged_layer_caches(self, seq_ids, starts, counts) -> list:
+        """mlx-lm cache objects for ONE ragged pass: sequence i brings ``counts[i]`` new
+        tokens at positions ``starts[i]...``, each token a row of its own (inputs
+        ``[T, 1]``, T = sum(counts)), so that unmodified model code runs decodes and
+        prefill chunks together: ``offset`` is each row's position (RoPE), attention is
+        one ``paged_attention_varlen`` call per layer. The caller (the Engine) already
+        holds room for the new tokens (``add_sequence`` / ``append``)."""
+        batch = _RaggedBatch(self, list(seq_ids), [int(s) for s in starts], [int(c) for c in counts])
+        return [RaggedLayerCache(self, layer, batch) for layer in range(len(self.specs))]
+
+    def cached_prefix(self, tokens) -> int:
+        """Leading tokens of ``tokens`` every group already holds (what ``add_sequence``
+        would share); changes nothing."""
+        return min(p.allocator.cached_prefix(tokens) for p in self.pools)
+
     def owned_layer_caches(self, num_seqs: int = 1) -> list:
         """Layer caches over ``num_seqs`` new empty sequences that live as long as the caches do."""
         refs = [self._new_ref() for _ in range(num_seqs)]
@@ -343,6 +358,109 @@ class PagedModelCache:
             if m is mask:
                 return True, window
         return False, None
+
+
+class _RaggedBatch:
+    """The rows of one ragged pass and, per layer group, its index arrays: built by the
+    group's first layer, shared by the others (one host build per group and step)."""
+
+    def __init__(self, model_cache: PagedModelCache, seq_ids: list, starts: list, counts: list):
+        if not (len(seq_ids) == len(starts) == len(counts)) or min(counts, default=1) < 1:
+            raise ValueError("[ragged_layer_caches] seq_ids, starts and counts must have one entry per "
+                             "sequence, and every count must be >= 1")
+        self.model_cache = model_cache
+        self.seq_ids, self.starts, self.counts = seq_ids, starts, counts
+        self.num_rows = sum(counts)
+        self.positions = mx.array(np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
+                                  .astype(np.int32)) if seq_ids else mx.zeros((0,), dtype=mx.int32)
+        self._plans: dict = {}
+
+    def plan(self, g: int) -> _Plan:
+        plan = self._plans.get(g)
+        if plan is not None:
+            return plan
+        pool = self.model_cache.pools[g]
+        for seq, start, count in zip(self.seq_ids, self.starts, self.counts):
+            if pool.num_tokens(seq) != start + count:
+                raise ValueError(f"[RaggedLayerCache] sequence {seq!r} holds {pool.num_tokens(seq)} tokens in "
+                                 f"layer group {g}, expected {start + count}: reserve room before the pass")
+        slots = np.concatenate([pool.slots(s, o, o + c) for s, o, c in zip(self.seq_ids, self.starts, self.counts)])
+        tables, lens = pool.block_tables(self.seq_ids)
+        starts = mx.array(np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int32))
+        plan = _Plan(None, mx.array(slots.astype(np.int32)), tables, lens,
+                     max(s + c for s, c in zip(self.starts, self.counts)), starts)
+        self._plans[g] = plan
+        return plan
+
+
+class RaggedLayerCache:
+    """One layer's view of a ragged pass (see ``PagedModelCache.ragged_layer_caches``).
+
+    The model sees a batch of T one-token rows: ``offset`` is an int32 [T] array of
+    positions, ``update_and_fetch`` writes row t's K/V at its slot, ``attention`` runs
+    ``paged_attention_varlen`` with each sequence's rows as its last cached positions
+    (causal, within the layer's window). Only what a forward pass needs: no state,
+    trimming or batching operations."""
+
+    def __init__(self, model_cache: PagedModelCache, layer: int, batch: _RaggedBatch):
+        self.model_cache, self.layer, self.batch = model_cache, layer, batch
+        self._group = model_cache.layer_group[layer]
+        self._index = model_cache.layer_index[layer]
+
+    @property
+    def offset(self) -> mx.array:
+        return self.batch.positions
+
+    @property
+    def pool(self) -> PagedKVCache:
+        return self.model_cache.pools[self._group]
+
+    @property
+    def window(self) -> int | None:
+        return self.model_cache.windows[self._group]
+
+    def _check_rows(self, x: mx.array, what: str) -> None:
+        if x.ndim != 4 or x.shape[0] != self.batch.num_rows or x.shape[2] != 1:
+            raise ValueError(f"[RaggedLayerCache] {what} must be [T, heads, 1, D] with T = {self.batch.num_rows} "
+                             f"rows of one token, got {tuple(x.shape)}")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check_rows(keys, "keys")
+        plan = self.batch.plan(self._group)
+        self.pool._write_trusted(self._index, keys[:, :, 0], values[:, :, 0], plan.slots)
+        return keys, values
+
+    def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
+                  sinks: mx.array | None = None) -> mx.array:
+        self._check_rows(queries, "queries")
+        known, requested = self.model_cache._mask_window(mask)
+        if not known:
+            raise NotImplementedError("[RaggedLayerCache] a ragged pass takes only the masks its own make_mask "
+                                      "returns (causal, optionally windowed)")
+        plan = self.batch.plan(self._group)
+        out = ops.paged_attention_varlen(
+            queries[:, :, 0], self.pool.key_caches[self._index], self.pool.value_caches[self._index],
+            plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale,
+            sliding_window=_min_window(self.window, requested), sinks=sinks, validate=False)
+        return out[:, :, None]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """None (causal within the layer's window: the kernel's own rule), or for a
+        narrower requested window a marker array ``attention`` recognises."""
+        if N != 1:
+            raise ValueError(f"[RaggedLayerCache.make_mask] a ragged pass has rows of one token, got N={N}")
+        own = self.window
+        if window_size is None or (own is not None and window_size >= own):
+            return None
+        marker = mx.zeros((1,), dtype=mx.bool_)
+        self.model_cache._remember_mask(marker, window_size)
+        return marker
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
 
 
 def _synchronize_model_streams() -> None:

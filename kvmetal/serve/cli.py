@@ -77,6 +77,7 @@ def _add_limits(add) -> None:
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
+    from ..integrations.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from ..quant import SUPPORTED_BITS
 
     bits = sorted(SUPPORTED_BITS)
@@ -99,9 +100,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--kv-memory", help="hard cap on KV bytes, e.g. 8GB, 512MB, 4GiB, or a fraction such as 0.5 of the "
                             "recommended working set (default: no cap, the pool grows on demand)")
     add("--prompt-cache-dir", help="keep published prefix blocks in this directory across restarts")
-    add("--max-prefill-tokens", type=_positive_int, default=512,
-        help="prompt tokens one engine step may compute before decoding the running requests "
-             "(default 512; one prompt is always admitted)")
+    add("--max-num-batched-tokens", type=_positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="tokens one engine step's forward pass computes: every running decode, then prompt "
+             f"chunks in what is left (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}); lower keeps time per output "
+             "token steady while long prompts arrive, higher prefills them in fewer steps")
     add("--no-prefix-sharing", action="store_true", help="do not share prompt blocks between requests")
     add("--chat-template", help="a Jinja chat template that replaces the tokenizer's")
     add("--chat-template-args", help="JSON object of extra arguments for the chat template, "
