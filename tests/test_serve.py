@@ -47,6 +47,17 @@ def kv_layout_model():
     return _LAYOUT_MODEL[0]
 
 
+def test_the_kv_group_size_defaults_as_generate_picks_it():
+    from kvmetal.integrations.generate import default_group_size
+    from kvmetal.serve.server import _group_size
+
+    model = kv_layout_model()  # head_dim 64
+    assert _group_size(None, model) == default_group_size(64) == 32
+    assert _group_size(64, model) == 64
+    with pytest.raises(ValueError, match="--kv-group-size 128 does not divide the model's head_dim 64"):
+        _group_size(128, model)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

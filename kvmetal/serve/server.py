@@ -35,6 +35,21 @@ def _cache_bits(args) -> tuple:
     return k_bits, v_bits
 
 
+def _group_size(explicit, model) -> int:
+    """``--kv-group-size``, or the one ``kvmetal generate`` picks for the model's head_dim."""
+    from ..budget import largest_group_size
+    from ..integrations.generate import default_group_size
+    from ..integrations.mlx_lm import layer_specs
+
+    head_dim = layer_specs(model)[0].head_dim
+    group = explicit if explicit is not None else default_group_size(head_dim)
+    if head_dim % group == 0:
+        return group
+    if explicit is None and largest_group_size(head_dim):
+        return largest_group_size(head_dim)
+    raise ValueError(f"--kv-group-size {group} does not divide the model's head_dim {head_dim}")
+
+
 def build_server(args, sync=None):
     """Load the model, size the pool, load the prefix store; returns (worker, app), ready to run.
 
@@ -48,7 +63,6 @@ def build_server(args, sync=None):
     model_dir = Path(args.model)
     cap = parse_memory(args.kv_memory) if args.kv_memory else None
     k_bits, v_bits = _cache_bits(args)
-    groups = {"k_group_size": args.kv_group_size, "v_group_size": args.kv_group_size}
     loaded = {}
 
     def build():
@@ -63,7 +77,9 @@ def build_server(args, sync=None):
             model, tokenizer = sharded_load(str(model_dir), tensor_group=sync.group, tokenizer_config=config or None)
         loaded["tokenizer"] = tokenizer
         num_blocks = None
-        options = dict(block_size=args.block_size, k_bits=k_bits, v_bits=v_bits, **groups)
+        group = _group_size(args.kv_group_size, model) if (k_bits or v_bits) else None
+        options = dict(block_size=args.block_size, k_bits=k_bits, v_bits=v_bits, k_group_size=group,
+                       v_group_size=group)
         if cap is not None:  # a cap per rank: each rank's pools hold its own kv heads
             num_blocks = blocks_under_cap(lambda n: model_pool_bytes(model, n, **options), cap,
                                           block_size=args.block_size)
