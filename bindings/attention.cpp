@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "query_q8.h"
+#include "output_row.h"
 #include "sparse_v.h"
 #include "thread_pool.h"
 
@@ -493,17 +494,7 @@ void reduce_row(const AttentionParams& p, const TileKernels& tk, const float* pa
   for (int d = 0; d < D; ++d) tmp[d] *= inv;
 
   const int64_t row = p.row_offset(s, l, h);
-  switch (p.q_kind) {
-    case FloatKind::f32:
-      std::copy(tmp, tmp + D, reinterpret_cast<float*>(p.out) + row);
-      break;
-    case FloatKind::f16:
-      tk.f32_to_f16(tmp, D, reinterpret_cast<uint16_t*>(p.out) + row);
-      break;
-    default:
-      for (int d = 0; d < D; ++d) reinterpret_cast<uint16_t*>(p.out)[row + d] = f32_to_bf16(tmp[d]);
-      break;
-  }
+  store_output_row(tk, p.q_kind, tmp, D, p.out, row);
 }
 
 // How the work is cut: `splits` token ranges per sequence, and kv heads in

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "output_row.h"
 #include "sparse_v.h"
 #include "thread_pool.h"
 
@@ -200,17 +201,7 @@ void merge_row(const CascadeParams& p, const TileKernels& tk, const Groups& g, c
   const float inv = L > 0.f ? 1.f / L : 0.f;  // a row that saw nothing outputs zeros
   for (int d = 0; d < D; ++d) tmp[d] *= inv;
   const int64_t row = (static_cast<int64_t>(s) * p.num_heads + h) * D;
-  switch (p.q_kind) {
-    case FloatKind::f32:
-      std::copy(tmp, tmp + D, reinterpret_cast<float*>(p.out) + row);
-      break;
-    case FloatKind::f16:
-      tk.f32_to_f16(tmp, D, reinterpret_cast<uint16_t*>(p.out) + row);
-      break;
-    default:
-      for (int d = 0; d < D; ++d) reinterpret_cast<uint16_t*>(p.out)[row + d] = f32_to_bf16(tmp[d]);
-      break;
-  }
+  store_output_row(tk, p.q_kind, tmp, D, p.out, row);
 }
 
 }  // namespace

@@ -41,12 +41,8 @@ class CascadeAttentionPrimitive : public mx::Primitive {
 void CascadeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  size_t i = 0;
-  Tensor q = describe(inputs[i++]);
-  std::vector<Tensor> kt = describe_all(inputs, i, k_.num_arrays());
-  i += k_.num_arrays();
-  std::vector<Tensor> vt = describe_all(inputs, i, v_.num_arrays());
-  i += v_.num_arrays();
+  const AttentionInputs in = describe_attention_inputs(inputs, k_, v_);
+  size_t i = in.next;
   Tensor pt = describe(inputs[i++]);
   Tensor pl = describe(inputs[i++]);
   Tensor po = describe(inputs[i++]);
@@ -59,8 +55,11 @@ void CascadeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, s
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
-  enc.dispatch([q, kt, vt, pt, pl, po, bt, sl, sinks, out_ptr, kq = k_, vq = v_, opts = opts_,
+  enc.dispatch([in, pt, pl, po, bt, sl, sinks, out_ptr, kq = k_, vq = v_, opts = opts_,
                 has_sinks = has_sinks_]() {
+    const Tensor& q = in.q;
+    const std::vector<Tensor>& kt = in.k;
+    const std::vector<Tensor>& vt = in.v;
     Storage st;
     CascadeParams p;
     Tensor qm = row_major(q, new_slot(st));

@@ -28,6 +28,15 @@ KVView make_view(const std::vector<Tensor>& arrays, QuantSpec q, Storage& st);
 
 std::vector<Tensor> describe_all(const std::vector<mx::array>& inputs, size_t first, int count);
 
+// What every attention primitive's inputs start with: the query, then K's and V's
+// arrays (1 float or 3 quantized each); ``next`` is the index of what follows.
+struct AttentionInputs {
+  Tensor q;
+  std::vector<Tensor> k, v;
+  size_t next = 0;
+};
+AttentionInputs describe_attention_inputs(const std::vector<mx::array>& inputs, QuantSpec kq, QuantSpec vq);
+
 // Memory-safety checks of shapes and dtypes (kvmetal.ops does the user-facing ones).
 [[noreturn]] void fail(const char* op, const std::string& msg);
 void check_float(const mx::array& a, const char* op, const char* name);

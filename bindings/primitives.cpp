@@ -158,17 +158,22 @@ std::vector<Tensor> describe_all(const std::vector<mx::array>& inputs, size_t fi
   return out;
 }
 
+AttentionInputs describe_attention_inputs(const std::vector<mx::array>& inputs, QuantSpec kq, QuantSpec vq) {
+  AttentionInputs a;
+  a.q = describe(inputs[0]);
+  a.k = describe_all(inputs, 1, kq.num_arrays());
+  a.v = describe_all(inputs, 1 + kq.num_arrays(), vq.num_arrays());
+  a.next = 1 + kq.num_arrays() + vq.num_arrays();
+  return a;
+}
+
 // ---------------------------------------------------------------- attention
 
 void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  size_t i = 0;
-  Tensor q = describe(inputs[i++]);
-  std::vector<Tensor> kt = describe_all(inputs, i, k_.num_arrays());
-  i += k_.num_arrays();
-  std::vector<Tensor> vt = describe_all(inputs, i, v_.num_arrays());
-  i += v_.num_arrays();
+  const AttentionInputs in = describe_attention_inputs(inputs, k_, v_);
+  size_t i = in.next;
   Tensor bt, sl, sinks;
   if (paged_) {
     bt = describe(inputs[i++]);
@@ -180,8 +185,11 @@ void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
-  enc.dispatch([q, kt, vt, bt, sl, sinks, out_ptr, paged = paged_, kq = k_, vq = v_, opts = opts_,
+  enc.dispatch([in, bt, sl, sinks, out_ptr, paged = paged_, kq = k_, vq = v_, opts = opts_,
                 has_sinks = has_sinks_]() {
+    const Tensor& q = in.q;
+    const std::vector<Tensor>& kt = in.k;
+    const std::vector<Tensor>& vt = in.v;
     Storage st;
     AttentionParams p;
     Tensor qm = row_major(q, new_slot(st));
@@ -284,12 +292,8 @@ mx::array decode_attention(const mx::array& query, const std::vector<mx::array>&
 void VarlenAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  size_t i = 0;
-  Tensor q = describe(inputs[i++]);
-  std::vector<Tensor> kt = describe_all(inputs, i, k_.num_arrays());
-  i += k_.num_arrays();
-  std::vector<Tensor> vt = describe_all(inputs, i, v_.num_arrays());
-  i += v_.num_arrays();
+  const AttentionInputs in = describe_attention_inputs(inputs, k_, v_);
+  size_t i = in.next;
   Tensor bt = describe(inputs[i++]);
   Tensor sl = describe(inputs[i++]);
   Tensor qsl = describe(inputs[i++]);
@@ -300,7 +304,10 @@ void VarlenAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
-  enc.dispatch([q, kt, vt, bt, sl, qsl, sinks, out_ptr, kq = k_, vq = v_, opts = opts_, has_sinks = has_sinks_]() {
+  enc.dispatch([in, bt, sl, qsl, sinks, out_ptr, kq = k_, vq = v_, opts = opts_, has_sinks = has_sinks_]() {
+    const Tensor& q = in.q;
+    const std::vector<Tensor>& kt = in.k;
+    const std::vector<Tensor>& vt = in.v;
     Storage st;
     VarlenParams p;
     Tensor qm = row_major(q, new_slot(st));

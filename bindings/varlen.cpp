@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "output_row.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
@@ -150,17 +151,7 @@ class TileWalker {
 
   static void store_row(const VarlenParams& p, const TileKernels& tk, int row, int h, const float* x) {
     const int64_t at = (static_cast<int64_t>(row) * p.num_heads + h) * p.head_dim;
-    switch (p.q_kind) {
-      case FloatKind::f32:
-        std::copy(x, x + p.head_dim, reinterpret_cast<float*>(p.out) + at);
-        break;
-      case FloatKind::f16:
-        tk.f32_to_f16(x, p.head_dim, reinterpret_cast<uint16_t*>(p.out) + at);
-        break;
-      default:
-        for (int d = 0; d < p.head_dim; ++d) reinterpret_cast<uint16_t*>(p.out)[at + d] = f32_to_bf16(x[d]);
-        break;
-    }
+    store_output_row(tk, p.q_kind, x, p.head_dim, p.out, at);
   }
 
  private:

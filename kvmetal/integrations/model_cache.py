@@ -360,6 +360,21 @@ class PagedModelCache:
         return False, None
 
 
+class _LayerGroupView:
+    """A layer's pool and attention window, for the layer caches below (``_group``)."""
+
+    model_cache: PagedModelCache
+    _group: int
+
+    @property
+    def pool(self) -> PagedKVCache:
+        return self.model_cache.pools[self._group]
+
+    @property
+    def window(self) -> int | None:
+        return self.model_cache.windows[self._group]
+
+
 class _RaggedBatch:
     """The rows of one ragged pass and, per layer group, its index arrays: built by the
     group's first layer, shared by the others (one host build per group and step)."""
@@ -393,7 +408,7 @@ class _RaggedBatch:
         return plan
 
 
-class RaggedLayerCache:
+class RaggedLayerCache(_LayerGroupView):
     """One layer's view of a ragged pass (see ``PagedModelCache.ragged_layer_caches``).
 
     The model sees a batch of T one-token rows: ``offset`` is an int32 [T] array of
@@ -410,14 +425,6 @@ class RaggedLayerCache:
     @property
     def offset(self) -> mx.array:
         return self.batch.positions
-
-    @property
-    def pool(self) -> PagedKVCache:
-        return self.model_cache.pools[self._group]
-
-    @property
-    def window(self) -> int | None:
-        return self.model_cache.windows[self._group]
 
     def _check_rows(self, x: mx.array, what: str) -> None:
         if x.ndim != 4 or x.shape[0] != self.batch.num_rows or x.shape[2] != 1:
@@ -506,7 +513,7 @@ def _causal_window_mask(offsets: list, num_new: int, total: int, window) -> mx.a
     return mask
 
 
-class PagedLayerCache:
+class PagedLayerCache(_LayerGroupView):
     """One layer's view of a :class:`PagedModelCache` for a forward pass over ``seq_ids``.
 
     Implements mlx-lm's cache protocol. ``offset`` is an int while every sequence is at
@@ -534,14 +541,6 @@ class PagedLayerCache:
         if len(set(self._offsets)) == 1:
             return self._offsets[0]
         return mx.array(self._offsets, dtype=mx.int32)
-
-    @property
-    def pool(self) -> PagedKVCache:
-        return self.model_cache.pools[self._group]
-
-    @property
-    def window(self) -> int | None:
-        return self.model_cache.windows[self._group]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write the new rows ([B, Hkv, L, D]) into the pool and return them: ``attention``

@@ -13,6 +13,7 @@ form, one op-level configuration per family with a function building its inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -143,17 +144,21 @@ VARLEN_RUN = 12  # query rows of the one sequence: over 8, so the tiled kernel s
 
 
 @dataclass(frozen=True)
-class VarlenFamily:
+class _HostPlannedFamily:
+    """A kernel family planned on the host (varlen, cascade): one traced case per
+    dtype / cache kind; subclasses set ``LABEL``, ``QUERY_LEN`` and ``op``."""
+
+    LABEL: ClassVar[str]
+    QUERY_LEN: ClassVar[int]  # query tokens of the family's point in the decode ops' grid
     dtype: str
     head_dim: int
     block_size: int
     k_quant: tuple | None
     v_quant: tuple | None
-    op: str = "paged_attention_varlen"
 
     @property
     def name(self) -> str:
-        return (f"varlen {self.dtype} D{self.head_dim} bs{self.block_size} "
+        return (f"{self.LABEL} {self.dtype} D{self.head_dim} bs{self.block_size} "
                 f"K {_fmt(self.k_quant)} V {_fmt(self.v_quant)}")
 
     def as_dict(self) -> dict:
@@ -163,7 +168,14 @@ class VarlenFamily:
 
     def point(self) -> dict:
         return dict(dtype=self.dtype, d=self.head_dim, bs=self.block_size, hkv=NUM_KV_HEADS,
-                    g=NUM_HEADS // NUM_KV_HEADS, L=8, k=self.k_quant, v=self.v_quant)  # the decode ops' most
+                    g=NUM_HEADS // NUM_KV_HEADS, L=self.QUERY_LEN, k=self.k_quant, v=self.v_quant)
+
+
+@dataclass(frozen=True)
+class VarlenFamily(_HostPlannedFamily):
+    LABEL: ClassVar[str] = "varlen"
+    QUERY_LEN: ClassVar[int] = 8  # the decode ops' most
+    op: str = "paged_attention_varlen"
 
     def paths(self, seed: int = 0) -> list:
         from .. import ops
@@ -193,27 +205,10 @@ CASCADE_TRACES = (
 
 
 @dataclass(frozen=True)
-class CascadeFamily:
-    dtype: str
-    head_dim: int
-    block_size: int
-    k_quant: tuple | None
-    v_quant: tuple | None
+class CascadeFamily(_HostPlannedFamily):
+    LABEL: ClassVar[str] = "cascade"
+    QUERY_LEN: ClassVar[int] = 1
     op: str = "paged_attention_cascade"
-
-    @property
-    def name(self) -> str:
-        return (f"cascade {self.dtype} D{self.head_dim} bs{self.block_size} "
-                f"K {_fmt(self.k_quant)} V {_fmt(self.v_quant)}")
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "op": self.op, "dtype": self.dtype, "head_dim": self.head_dim,
-                "block_size": self.block_size, "k_quant": self.k_quant and list(self.k_quant),
-                "v_quant": self.v_quant and list(self.v_quant)}
-
-    def point(self) -> dict:
-        return dict(dtype=self.dtype, d=self.head_dim, bs=self.block_size, hkv=NUM_KV_HEADS,
-                    g=NUM_HEADS // NUM_KV_HEADS, L=1, k=self.k_quant, v=self.v_quant)
 
     def paths(self, seed: int = 0) -> list:
         from .. import ops
