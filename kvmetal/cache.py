@@ -82,6 +82,8 @@ class _Sequence:
     num_tokens: int = 0
     tokens: list | None = field(default_factory=list)  # token ids; None once unknown (no hashing)
     hashes: list = field(default_factory=list)  # chain hash of each full block, in order
+    # Lowest table index changed since a table mirror last read this sequence (0: all of it).
+    dirty_from: int = 0
 
 
 @dataclass
@@ -244,10 +246,19 @@ class BlockAllocator:
         """How many leading tokens ``add(tokens)`` would find cached (changes nothing)."""
         return len(self._plan_add([int(t) for t in tokens], len(tokens), None)[1]) * self.block_size
 
-    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> Append:
-        """Extend a sequence by ``tokens`` (ids) or ``num_tokens``; return their slots."""
+    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None, ids_later: bool = False) -> Append:
+        """Extend a sequence by ``tokens`` (ids) or ``num_tokens``; return their slots.
+
+        ``ids_later`` (with ``num_tokens``): the ids are not known yet (a token still being
+        sampled on the device); ``provide_ids`` gives them, and hashing of the blocks they
+        complete waits until then instead of stopping for good."""
         seq = self._seq("append", seq_id)
         tokens, count = _token_count("append", tokens, num_tokens)
+        if ids_later and tokens is not None:
+            raise ValueError("[append] ids_later takes num_tokens, not tokens")
+        if tokens is not None and seq.tokens is not None and len(seq.tokens) < seq.num_tokens:
+            raise ValueError(f"[append] sequence {seq_id!r} still waits for the ids of "
+                             f"{seq.num_tokens - len(seq.tokens)} tokens (provide_ids first)")
         needed = self._blocks_needed(seq, count)
         if needed > self.num_free:
             raise KVCacheFull(f"[append] sequence {seq_id!r} needs {needed} blocks for {count} tokens, "
@@ -256,16 +267,38 @@ class BlockAllocator:
         bs = self.block_size
         if count and seq.num_tokens % bs:
             copies += self._make_last_block_writable(seq)
+            seq.dirty_from = min(seq.dirty_from, len(seq.blocks) - 1)
         start = seq.num_tokens
+        seq.dirty_from = min(seq.dirty_from, len(seq.blocks))
         seq.blocks += self._take(-(-(start + count) // bs) - len(seq.blocks))
         seq.num_tokens += count
-        if seq.tokens is not None:
+        if seq.tokens is not None and not ids_later:
             if tokens is None:
                 seq.tokens = None  # ids unknown from here on: stop hashing this sequence
             else:
                 seq.tokens += tokens
         self._register_full_blocks(seq)
         return Append(self.slots(seq_id, start, start + count), copies)
+
+    def provide_ids(self, seq_id, tokens) -> None:
+        """The ids of tokens appended with ``ids_later``, oldest first; the blocks they
+        complete are published now. A sequence that stopped hashing ignores them."""
+        seq = self._seq("provide_ids", seq_id)
+        tokens, count = _token_count("provide_ids", tokens, None)
+        if seq.tokens is None:
+            return
+        if len(seq.tokens) + count > seq.num_tokens:
+            raise ValueError(f"[provide_ids] sequence {seq_id!r} waits for {seq.num_tokens - len(seq.tokens)} ids, "
+                             f"got {count}")
+        seq.tokens += tokens
+        self._register_full_blocks(seq)
+
+    def take_table_changes(self, seq_id) -> tuple:
+        """(the sequence's block list, lowest index changed since the last call): what a
+        table mirror must copy. Marks the sequence clean; one mirror per allocator."""
+        seq = self._seq("take_table_changes", seq_id)
+        first, seq.dirty_from = seq.dirty_from, len(seq.blocks)
+        return seq.blocks, first
 
     def fork(self, parent_id, child_id) -> None:
         """``child_id`` starts as a copy of ``parent_id`` sharing every block."""
@@ -302,6 +335,7 @@ class BlockAllocator:
             if seq.blocks[i] != HOLE:
                 self._release(seq.blocks[i])
                 seq.blocks[i] = HOLE
+                seq.dirty_from = min(seq.dirty_from, i)
                 released += 1
         return released
 
@@ -318,6 +352,7 @@ class BlockAllocator:
             if b != HOLE:
                 self._release(b)
         del seq.blocks[keep_blocks:]
+        seq.dirty_from = min(seq.dirty_from, keep_blocks)
         seq.num_tokens = int(num_tokens)
         del seq.hashes[num_tokens // bs:]
         if seq.tokens is not None:
@@ -419,7 +454,7 @@ class BlockAllocator:
         if seq.tokens is None:
             return
         bs = self.block_size
-        while len(seq.hashes) < seq.num_tokens // bs:
+        while len(seq.hashes) < len(seq.tokens) // bs:  # blocks whose every id is known
             i = len(seq.hashes)
             h = _chain_hash(seq.hashes[-1] if seq.hashes else b"", seq.tokens[i * bs:(i + 1) * bs])
             seq.hashes.append(h)
@@ -482,11 +517,15 @@ class PagedKVCache:
         leading tokens already cached through prefix sharing (skip writing those)."""
         return self.allocator.add(seq_id, tokens, num_tokens=num_tokens, share_limit=share_limit)
 
-    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> np.ndarray:
-        """Extend a sequence; returns the slots of the new tokens (copy-on-write applied)."""
-        result = self.allocator.append(seq_id, tokens, num_tokens=num_tokens)
+    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None, ids_later: bool = False) -> np.ndarray:
+        """Extend a sequence; returns the slots of the new tokens (copy-on-write applied).
+        ``ids_later``: see ``BlockAllocator.append`` (then ``provide_ids``)."""
+        result = self.allocator.append(seq_id, tokens, num_tokens=num_tokens, ids_later=ids_later)
         self._copy(result.copies)
         return result.slots
+
+    def provide_ids(self, seq_id, tokens) -> None:
+        self.allocator.provide_ids(seq_id, tokens)
 
     def fork(self, parent_id, child_id) -> None:
         self.allocator.fork(parent_id, child_id)

@@ -67,7 +67,8 @@ def run_kvmetal(model, work: Workload, *, block_size: int, k_bits, v_bits, prefi
 
     total = sum(work.max_tokens)
     progress = Progress("kvmetal", total, quiet=quiet)
-    with Engine(model, block_size=block_size, k_bits=k_bits, v_bits=v_bits, prefix_sharing=prefix_sharing) as engine:
+    with Engine(model, block_size=block_size, k_bits=k_bits, v_bits=v_bits, prefix_sharing=prefix_sharing,
+                async_steps=True) as engine:
         ids = [engine.add_request(p, max_tokens=m) for p, m in zip(work.prompts, work.max_tokens)]
         done = 0
         tic = time.perf_counter()

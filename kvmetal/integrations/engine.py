@@ -190,6 +190,8 @@ class Request:
     history: int | None = None  # trailing tokens the processors read (None: all)
     computed: int = 0  # leading tokens whose K/V are in the cache (while running)
     decoding: bool = False  # prefill done since the last admission: one token per step
+    pending: tuple | None = None  # (_Flight, row): its newest token, sampled but not read yet
+    input_later: bool = False  # the cache holds a slot for the pending token, its id not given yet
 
     @property
     def plain(self) -> bool:
@@ -203,12 +205,18 @@ class Request:
     @property
     def tokens(self) -> list:
         """Prompt and output so far: what a preempted request is recomputed from."""
+        assert self.pending is None, "a token still in flight has no id yet"
+        return self.prompt + self.output
+
+    @property
+    def known_tokens(self) -> list:
+        """Prompt and output ids read so far (a token still in flight is not among them)."""
         return self.prompt + self.output
 
     @property
     def num_tokens(self) -> int:
-        """``len(self.tokens)`` without building the list (read every decode step)."""
-        return len(self.prompt) + len(self.output)
+        """Prompt and output tokens, a pending one included (read every decode step)."""
+        return len(self.prompt) + len(self.output) + (self.pending is not None)
 
 
 @dataclass(frozen=True)
@@ -249,6 +257,14 @@ class Engine:
             decodes (one each, always all of them) and, in what is left, prefill chunks.
             Bounds the time of a step, so running requests see no stall beyond it while
             long prompts arrive.
+        async_steps: pipeline the steps: ``step()`` schedules and launches its forward pass
+            (``mx.async_eval``), feeding decodes the previous pass's sampled tokens on the
+            device, and only then reads the previous pass's tokens and returns them. The
+            host's scheduling, table building and event handling overlap the device's
+            compute; each step's events are the previous pass's (the first step returns
+            none), and a request that stops is computed one token past its end (dropped).
+            Off (default): ``step()`` returns the tokens of its own pass. Across ranks
+            (``token_sync``) steps are never pipelined.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
@@ -257,7 +273,7 @@ class Engine:
                  v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy,
                  keep_finished: bool = True, on_finish=None,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 k_group_size: int | None = None, v_group_size: int | None = None):
+                 k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False):
         self.model = model
         # checked before the model is patched: a bad value leaks nothing
         _check_count("Engine", "max_num_batched_tokens", max_num_batched_tokens)
@@ -276,6 +292,8 @@ class Engine:
         self.keep_finished = keep_finished
         self.on_finish = on_finish
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.async_steps = bool(async_steps)
+        self._flight = None  # the launched pass whose tokens were not read yet (async steps)
         # Across ranks (``kvmetal serve`` under mlx.launch): maps this rank's sampled tokens to
         # rank 0's, so that every rank appends the same tokens and stays in lockstep.
         self.token_sync = None
@@ -288,7 +306,9 @@ class Engine:
         self.decode_steps = 0  # steps that decoded at least one running request
         self.last_step_tokens = 0  # tokens of the last step's forward pass
         # Seconds spent in steps, cumulative: "host" schedules, reserves blocks and builds the
-        # pass's graph (and index arrays); "device" evaluates it; "sample" picks tokens.
+        # pass's graph (index arrays, sampling); "device" waits for the pass's tokens (with
+        # async steps only what did not overlap the host's work); "sample" turns the read
+        # tokens into events.
         self.step_seconds = {"host": 0.0, "device": 0.0, "sample": 0.0}
         self._step_start = 0.0
         self.preemptions = 0
@@ -392,7 +412,12 @@ class Engine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._flight is not None)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps overlap (``async_steps``, and not across ranks)."""
+        return self.async_steps and self.token_sync is None
 
     # ------------------------------------------------------------------ stepping
 
@@ -404,8 +429,17 @@ class Engine:
         events = []
         decodes = self._reserve_decodes(events)
         chunks = self._reserve_prefills(self.max_num_batched_tokens - len(decodes), events)
+        previous, self._flight = self._flight, None
+        flight = None
         if decodes or chunks:
-            events += self._forward([(r, 1) for r in decodes] + chunks, bool(decodes))
+            flight = self._forward([(r, 1) for r in decodes] + chunks, bool(decodes), previous)
+        if previous is not None:  # read while the device computes this step's pass
+            self._land(previous, events)
+        if flight is not None:
+            if self.pipelined:
+                self._flight = flight
+            else:
+                self._land(flight, events)
         return events
 
     def run(self, prompts, max_tokens) -> list:
@@ -435,14 +469,23 @@ class Engine:
                 for request in self.running:
                     if not request.decoding:
                         continue
+                    if request.pending is not None and len(request.output) + 1 >= request.max_tokens:
+                        continue  # its token in flight is its last
                     if limit is not None and request.num_tokens > limit:
                         raise _Outgrown(request)
-                    self._append(request, [request.output[-1]])
+                    self._append_input(request)
                     appended.append(request)
                 return appended
             except (KVCacheFull, _Outgrown) as e:
                 for request in appended:  # undo this step's appends, then make room
                     self.cache.truncate(request.request_id, request.computed)
+                    request.input_later = False
+                if self._flight is not None:
+                    # Making room needs every token's id (preemption recomputes from them):
+                    # read the pass in flight first, then schedule again.
+                    flight, self._flight = self._flight, None
+                    self._land(flight, events)
+                    continue
                 if isinstance(e, _Outgrown):
                     self.running.remove(e.request)
                     self.cache.free(e.request.request_id)
@@ -547,12 +590,20 @@ class Engine:
         head = tokens[:end]
         return any(not r.decoding and r.num_tokens >= end and r.tokens[:end] == head for r in self.running)
 
-    def _forward(self, batch: list, decoded: bool) -> list:
-        """Run ``batch`` [(request, new tokens)] as one pass (room is reserved); sample the
-        rows of requests whose every token is now computed."""
+    def _forward(self, batch: list, decoded: bool, previous) -> "_Flight | None":
+        """Launch ``batch`` [(request, new tokens)] as one pass (room is reserved) and the
+        sampling of the rows of requests whose every token is then computed. Decodes whose
+        input is still in flight (``previous``) take it on the device."""
         rows, inputs, sampled = 0, [], []
+        later_rows, later_src = [], []  # decode rows fed from the previous pass's tokens
         for request, n in batch:
-            if request.decoding:
+            if request.decoding and request.pending is not None:
+                flight, j = request.pending
+                assert flight is previous, "a pending input comes from the pass launched last"
+                later_rows.append(rows)
+                later_src.append(j)
+                inputs.append(0)
+            elif request.decoding:
                 inputs.append(request.output[-1])
             else:
                 inputs += request.tokens[request.computed:request.computed + n]
@@ -565,7 +616,10 @@ class Engine:
             caches = self.cache.layer_caches(ids, starts)
         else:
             caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch])
-        hidden = self._body(mx.array(inputs, dtype=mx.int32)[:, None], caches)  # [T, 1, hidden]
+        token_ids = mx.array(inputs, dtype=mx.int32)
+        if later_rows:
+            token_ids[mx.array(later_rows, dtype=mx.int32)] = previous.tokens[mx.array(later_src, dtype=mx.int32)]
+        hidden = self._body(token_ids[:, None], caches)  # [T, 1, hidden]
         if len(sampled) < rows:  # logits only for the rows that sample
             hidden = hidden[mx.array([row for _, row in sampled], dtype=mx.int32)]
         logits = self._head(hidden)[:, -1, :]
@@ -577,43 +631,64 @@ class Engine:
         self.decode_steps += decoded
         self.last_step_tokens = rows
         requests = [r for r, _ in sampled]
+        writes = [p.arrays() for p in self.cache.pools]
+        flight = None
+        if requests:
+            tokens, logprobs = self._sample(requests, logits)
+            flight = _Flight(requests, tokens, logprobs)
+            for i, request in enumerate(requests):
+                request.decoding = True
+                request.pending = (flight, i)
+        # Launch the pass (a step of prefill only writes its K/V); its tokens are read by
+        # _land, at once or, with async steps, during the next step.
+        mx.async_eval(writes if flight is None else [flight.tokens, flight.logprobs, writes])
+        if flight is None and not self.pipelined:
+            mx.eval(writes)
+        self.step_seconds["host"] += time.perf_counter() - self._step_start
+        return flight
+
+    def _land(self, flight: "_Flight", events: list) -> None:
+        """Read a launched pass's tokens and turn them into events. Requests that ended
+        while it was in flight (aborted, or stopped by the token before) drop theirs."""
         clock = self.step_seconds
-        built = time.perf_counter()
-        clock["host"] += built - self._step_start
-        # Evaluate the pass here (a step of prefill only writes its K/V), so that device time
-        # and sampling time are told apart.
-        mx.eval(logits if requests else [p.arrays() for p in self.cache.pools])
-        computed = time.perf_counter()
-        clock["device"] += computed - built
-        if not requests:
-            return []
-        tokens, logprobs = self._sample(requests, logits)
-        clock["sample"] += time.perf_counter() - computed
-        events = []
-        for request, token, lp in zip(requests, tokens, logprobs):
-            request.decoding = True
+        waited = time.perf_counter()
+        tokens = flight.tokens.tolist()
+        logprobs = _read_logprobs(flight.requests, flight.logprobs)
+        read = time.perf_counter()
+        clock["device"] += read - waited
+        for request, token, lp in zip(flight.requests, tokens, logprobs):
+            if request.pending is not None and request.pending[0] is flight:
+                request.pending = None
+            if request.finished:
+                continue
+            if request.input_later:  # the pass launched since took this token as input
+                request.input_later = False
+                self.cache.provide_ids(request.request_id, [token])
             events.append(self._emit(request, token, lp))
         self.running = [r for r in self.running if not r.finished]
-        return events
+        clock["sample"] += time.perf_counter() - read
 
     def _sample(self, requests: list, logits: mx.array) -> tuple:
-        """One token per row of ``logits`` [S, V], each by its request's sampling, and
-        each request's ``TokenLogprobs`` (None where it asked for none)."""
+        """One token per row of ``logits`` [S, V], each by its request's sampling (int32
+        [S], not evaluated), and the parts of each request's ``TokenLogprobs``."""
         tokens, rows = self._pick(requests, logits)
-        if self.token_sync is not None:
-            tokens = self.token_sync(tokens)  # logprobs then describe rank 0's tokens
-        return tokens, _token_logprobs(requests, rows, tokens)
+        if self.token_sync is not None:  # rank 0's tokens; logprobs then describe them
+            mx.eval(tokens, *rows.values())
+            tokens = mx.array(self.token_sync([int(t) for t in tokens.tolist()]))
+        tokens = tokens.astype(mx.int32)
+        return tokens, _logprob_parts(requests, rows, tokens)
 
     def _pick(self, requests: list, logits: mx.array) -> tuple:
-        """(token ids, {row: log-softmax of the processed row} for requests wanting logprobs)."""
+        """(token ids [S], {row: log-softmax of the processed row} for requests wanting
+        logprobs), as graphs: nothing is evaluated here."""
         if all(r.plain for r in requests):
-            return [int(t) for t in self.sampler(logits).tolist()], {}
+            return self.sampler(logits), {}
         picks, rows = [], {}
         argmax = None
         for i, r in enumerate(requests):
             row = logits[i:i + 1]
             if r.processors:  # this request's own penalties, on its own row
-                history = mx.array(r.tokens if r.history is None else r.tokens[-r.history:])
+                history = _history(r)
                 for processor in r.processors:
                     row = processor(history, row)
             if r.sampling is None:
@@ -628,9 +703,17 @@ class Engine:
                 picks.append(_sample_row(row[0], r.sampling, key))
             if r.logprobs is not None:
                 rows[i] = _log_softmax(row[0])
-        picks = mx.stack(picks)
-        mx.eval(picks, *rows.values())
-        return [int(t) for t in picks.tolist()], rows
+        return mx.stack(picks), rows
+
+    def _append_input(self, request: Request) -> None:
+        """Room for a decode's input token: its id, or a slot whose id comes when it lands."""
+        if request.pending is None:
+            self._append(request, [request.output[-1]])
+        elif self.prefix_sharing:
+            self.cache.append(request.request_id, num_tokens=1, ids_later=True)
+            request.input_later = True
+        else:
+            self.cache.append(request.request_id, num_tokens=1)
 
     def _append(self, request: Request, tokens: list) -> None:
         if self.prefix_sharing:
@@ -639,6 +722,7 @@ class Engine:
             self.cache.append(request.request_id, num_tokens=len(tokens))
 
     def _preempt(self, request: Request) -> None:
+        assert request.pending is None, "a preempted request is recomputed from known tokens"
         self.running.remove(request)
         self.cache.free(request.request_id)
         request.computed, request.decoding = 0, False
@@ -690,6 +774,26 @@ class Engine:
         return False
 
 
+@dataclass
+class _Flight:
+    """A launched pass: the requests it samples, their tokens and logprob parts (graphs)."""
+
+    requests: list
+    tokens: mx.array  # int32 [S]
+    logprobs: dict  # row -> (chosen logprob, top ids, top logprobs)
+
+
+def _history(request: Request) -> mx.array:
+    """The tokens a request's logits processors read: its last ``history`` (None: all),
+    the one still in flight included (taken on the device)."""
+    known = request.known_tokens
+    if request.pending is None:
+        return mx.array(known if request.history is None else known[-request.history:])
+    flight, j = request.pending
+    tail = known if request.history is None else (known[-(request.history - 1):] if request.history > 1 else [])
+    return mx.concatenate([mx.array(tail, dtype=mx.int32), flight.tokens[j:j + 1]])
+
+
 class _Outgrown(Exception):
     def __init__(self, request: Request):
         self.request = request
@@ -700,16 +804,21 @@ def _log_softmax(row: mx.array) -> mx.array:
     return row - mx.logsumexp(row, axis=-1, keepdims=True)
 
 
-def _token_logprobs(requests: list, rows: dict, tokens: list) -> list:
-    """Each request's ``TokenLogprobs`` for its chosen token (rows are evaluated)."""
-    out = [None] * len(requests)
-    if not rows:
-        return out
+def _logprob_parts(requests: list, rows: dict, tokens: mx.array) -> dict:
+    """{row: (chosen token's logprob, top ids, their logprobs)} as graphs."""
     wanted = {}
     for i, row in rows.items():
         n = min(requests[i].logprobs, row.shape[-1])
         top = mx.argpartition(-row, kth=n - 1)[:n] if n else mx.array([], dtype=mx.uint32)
         wanted[i] = (row[tokens[i]], top, row[top])
+    return wanted
+
+
+def _read_logprobs(requests: list, wanted: dict) -> list:
+    """Each request's ``TokenLogprobs`` (None where it asked for none)."""
+    out = [None] * len(requests)
+    if not wanted:
+        return out
     mx.eval(wanted)
     for i, (chosen, top, values) in wanted.items():
         pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))

@@ -24,6 +24,7 @@ import numpy as np
 from .. import ops, quant
 from ..cache import HOLE, KVCacheFull, PagedKVCache
 from . import cascade_plan
+from .table_mirror import BlockTableMirror
 
 INITIAL_BLOCKS = 64  # first size of a pool that grows on demand
 GROWTH = 0.25  # a full growable pool adds this fraction of its size: held bytes stay near the need
@@ -115,6 +116,7 @@ class PagedModelCache:
         self.block_size = block_size
         self._version = [0] * len(self.pools)  # bumped on every table change: plans go stale
         self._plans = [None] * len(self.pools)
+        self._mirrors = [BlockTableMirror(pool) for pool in self.pools]
         self.mutations = 0  # every table change; keys the memos that layers of one call share
         self.peak_used_bytes = 0
         self._next_id = 0
@@ -148,17 +150,24 @@ class PagedModelCache:
         self._touch()
         return start
 
-    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None) -> None:
+    def append(self, seq_id, tokens=None, *, num_tokens: int | None = None, ids_later: bool = False) -> None:
         """Extend a sequence in every group (window groups first drop what they no longer need).
-        Checks every group's room first: on ``KVCacheFull`` only evictions happened."""
+        Checks every group's room first: on ``KVCacheFull`` only evictions happened.
+        ``ids_later``: the ids of these ``num_tokens`` are still being sampled on the device;
+        the blocks they complete are published when ``provide_ids`` gives them."""
         count = len(tokens) if tokens is not None else num_tokens
         for g in range(len(self.pools)):
             self._evict_behind_window(g, seq_id)
         for g in range(len(self.pools)):
             self._ensure_room_for(g, seq_id, count, "append")
         for pool in self.pools:
-            pool.append(seq_id, tokens, num_tokens=num_tokens)
+            pool.append(seq_id, tokens, num_tokens=num_tokens, ids_later=ids_later)
         self._touch()
+
+    def provide_ids(self, seq_id, tokens) -> None:
+        """The ids of tokens appended with ``ids_later``, oldest first."""
+        for pool in self.pools:
+            pool.provide_ids(seq_id, tokens)
 
     def truncate(self, seq_id, num_tokens: int) -> None:
         for pool in self.pools:
@@ -323,12 +332,21 @@ class PagedModelCache:
                 raise ValueError(f"[PagedLayerCache] sequence {seq!r} holds {have} tokens in this layer group, "
                                  f"but the layer is at offset {off} with {num_new} new tokens")
         key = key[:3] + (self._version[g],)
-        slots = np.concatenate([pool.slots(s, o, o + num_new) for s, o in zip(seq_ids, offsets)])
-        tables, lens = pool.block_tables(seq_ids)
-        starts = mx.array((np.arange(len(seq_ids) + 1) * num_new).astype(np.int32))
-        plan = _Plan(key, mx.array(slots.astype(np.int32)), tables, lens, max(offsets) + num_new, starts)
+        plan = self._index_plan(g, seq_ids, offsets, [num_new] * len(seq_ids), key)
         self._plans[g] = plan
         return plan
+
+    def _index_plan(self, g: int, seq_ids: list, starts: list, counts: list, key=None) -> _Plan:
+        """Slots of the new tokens, block tables and lengths for one pass over group ``g``,
+        from the group's table mirror (only what changed since the last pass is copied)."""
+        mirror = self._mirrors[g]
+        rows, widths = mirror.rows(seq_ids)
+        starts, counts = np.asarray(starts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        slots = mirror.slots(rows, starts, counts)
+        lens = (starts + counts).astype(np.int32)
+        query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        return _Plan(key, mx.array(slots), mx.array(mirror.tables(rows, widths)), mx.array(lens),
+                     int(lens.max(initial=0)), mx.array(query_starts))
 
     def _cascade_args(self, plan: _Plan):
         """The cascade op's index arguments for this pass (planned once, shared by the
@@ -399,11 +417,7 @@ class _RaggedBatch:
             if pool.num_tokens(seq) != start + count:
                 raise ValueError(f"[RaggedLayerCache] sequence {seq!r} holds {pool.num_tokens(seq)} tokens in "
                                  f"layer group {g}, expected {start + count}: reserve room before the pass")
-        slots = np.concatenate([pool.slots(s, o, o + c) for s, o, c in zip(self.seq_ids, self.starts, self.counts)])
-        tables, lens = pool.block_tables(self.seq_ids)
-        starts = mx.array(np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int32))
-        plan = _Plan(None, mx.array(slots.astype(np.int32)), tables, lens,
-                     max(s + c for s, c in zip(self.starts, self.counts)), starts)
+        plan = self.model_cache._index_plan(g, self.seq_ids, self.starts, self.counts)
         self._plans[g] = plan
         return plan
 

@@ -106,6 +106,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="tokens one engine step's forward pass computes: every running decode, then prompt "
              f"chunks in what is left (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}); lower keeps time per output "
              "token steady while long prompts arrive, higher prefills them in fewer steps")
+    add("--sync-steps", action="store_true",
+        help="read each engine step's sampled tokens before scheduling the next one; by default steps "
+             "are pipelined (the host schedules step n+1 while the device computes step n, and each "
+             "token reaches its client one step later); across ranks steps are always synchronous")
     add("--no-prefix-sharing", action="store_true", help="do not share prompt blocks between requests")
     add("--chat-template", help="a Jinja chat template that replaces the tokenizer's")
     add("--chat-template-args", help="JSON object of extra arguments for the chat template, "

@@ -87,7 +87,8 @@ def build_server(args, sync=None):
             num_blocks = sync.share_int(num_blocks)  # identical pools, identical block tables
         loaded["num_blocks"] = num_blocks
         engine = Engine(model, num_blocks=num_blocks, prefix_sharing=not args.no_prefix_sharing,
-                        keep_finished=False, max_num_batched_tokens=args.max_num_batched_tokens, **options)
+                        keep_finished=False, max_num_batched_tokens=args.max_num_batched_tokens,
+                        async_steps=not getattr(args, "sync_steps", False), **options)
         if sync is not None:
             engine.token_sync = sync.share_tokens
         return engine

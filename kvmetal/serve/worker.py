@@ -359,7 +359,7 @@ class EngineWorker:
         seq = request.request_id
         held = self.engine.cache.num_tokens(seq)
         try:
-            self.store.record(seq, request.tokens[:held])
+            self.store.record(seq, request.known_tokens[:held])
         except Exception as e:  # persisting is best effort; serving goes on
             log.warning("prompt cache: could not save a prefix (%s)", e)
 
