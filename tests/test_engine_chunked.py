@@ -154,3 +154,24 @@ def test_engine_steps_bench_runs_and_counts_steps():
     result = bench.run_budget(tiny_models.build("llama"), 64, 200, 2, 512)
     assert result["steps_to_first_token"] == math.ceil(200 / (64 - 2))
     assert result["device_ms_per_step"] > 0 and result["host_ms_per_step"] > 0
+
+
+def test_a_new_request_leaves_a_block_per_running_decode_free():
+    # Admitting into the blocks the running decodes need at their next block boundary
+    # would only preempt one of them a few steps later.
+    model = tiny_models.build("llama")
+    with Engine(model, num_blocks=10, block_size=16, max_num_batched_tokens=256) as engine:
+        a = engine.add_request(list(range(1, 41)), max_tokens=20)  # 3 blocks each
+        b = engine.add_request(list(range(50, 90)), max_tokens=20)
+        engine.step()
+        assert engine.requests[a].decoding and engine.requests[b].decoding
+        assert engine.cache.free_blocks == 4
+        c = engine.add_request(list(range(100, 140)), max_tokens=2)
+        engine.step()
+        # 4 free blocks, 2 kept for the decodes: c's first chunk is 2 blocks, not its whole 40 tokens
+        assert engine.requests[c].computed == 32
+        assert engine.last_step_tokens == 2 + 32
+        while engine.has_work():
+            engine.step()
+        assert engine.preemptions == 0
+        assert len(engine.requests[c].output) == 2

@@ -551,9 +551,18 @@ class Engine:
         """Start a waiting request with a first chunk of at most ``budget`` tokens after its
         cached prefix. Returns the chunk's length, 0 if the request ended, None if the pool
         has no room for it now."""
+        room = self.cache.free_blocks  # None: the pool grows
+        if room is not None and not alone:
+            # Keep a block per running decode free (its next block boundary): admitting into
+            # the last blocks would only preempt someone a few steps later.
+            room -= sum(1 for r in self.running if r.decoding)
+            if room <= 0:
+                return None  # a new sequence takes at least one block: skip hashing its prompt
         tokens = request.tokens  # a preempted request resumes from here
         start = self.cache.cached_prefix(tokens) if self.prefix_sharing else 0
         n = min(budget, len(tokens) - start)
+        if room is not None and not alone:
+            n = min(n, room * self.block_size)  # more can never fit: fewer halvings below
         while n:
             try:
                 if self.prefix_sharing:

@@ -235,6 +235,11 @@ class PagedModelCache:
         return sum(p.nbytes for p in self.pools)
 
     @property
+    def free_blocks(self) -> int | None:
+        """Blocks every group can still hand out (free or cached), None for pools that grow."""
+        return None if self.growable else min(p.allocator.num_free for p in self.pools)
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of the blocks live sequences own (every group)."""
         return sum(p.used_bytes for p in self.pools)
