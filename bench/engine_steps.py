@@ -3,13 +3,17 @@ chunked in, for each token budget given.
 
     python bench/engine_steps.py                          # the tiny random llama
     python bench/engine_steps.py --model DIR --budgets 128,256,512,1024 --long 2000
+    python bench/engine_steps.py --budgets 256 --modes sync,async   # pipelined steps against synchronous
 
 Per budget: steps until the long prompt's first token, the mean time of a step that
 carried a prefill chunk (what each decode stream waits per token meanwhile), of a
 decode-only step, the prefill rate (long-prompt tokens per second of the steps that
 carried them), and where step time went: host (scheduling, block reservation, index
 arrays, graph build), device (evaluating the pass) and sampling, from
-``Engine.step_seconds``. Greedy; one warm-up pass per budget is not timed.
+``Engine.step_seconds``. Greedy; one warm-up pass per budget is not timed. ``--modes``
+runs each budget with synchronous steps, pipelined ones (``Engine(async_steps=True)``:
+then "device" is only the wait that did not overlap the host's work) or both,
+alternating.
 """
 from __future__ import annotations
 
@@ -30,13 +34,13 @@ def load(model_dir):
     return mlx_load(model_dir)[0]
 
 
-def run_budget(model, budget: int, long_len: int, streams: int, vocab: int) -> dict:
+def run_budget(model, budget: int, long_len: int, streams: int, vocab: int, async_steps: bool = False) -> dict:
     import numpy as np
 
     from kvmetal.integrations.engine import Engine
 
     rng = np.random.default_rng(0)
-    with Engine(model, max_num_batched_tokens=budget) as engine:
+    with Engine(model, max_num_batched_tokens=budget, async_steps=async_steps) as engine:
         decoders = [engine.add_request([int(t) for t in rng.integers(0, vocab, 24)], max_tokens=10_000)
                     for _ in range(streams)]
         while sum(r.decoding for r in engine.running) < streams:
@@ -58,7 +62,7 @@ def run_budget(model, budget: int, long_len: int, streams: int, vocab: int) -> d
             start = time.perf_counter()
             engine.step()
             decode_steps.append(time.perf_counter() - start)
-    return {"budget": budget, "steps_to_first_token": steps, "chunk_step_ms": 1e3 * statistics.mean(chunk_steps),
+    return {"budget": budget, "mode": "async" if async_steps else "sync", "steps_to_first_token": steps, "chunk_step_ms": 1e3 * statistics.mean(chunk_steps),
             "decode_step_ms": 1e3 * statistics.median(decode_steps),
             "prefill_tokens_per_s": long_len / sum(chunk_steps), "ttft_s": sum(chunk_steps),
             "host_ms_per_step": 1e3 * during["host"] / steps, "device_ms_per_step": 1e3 * during["device"] / steps,
@@ -71,13 +75,17 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", default="128,256,512,1024", help="max_num_batched_tokens values")
     parser.add_argument("--long", type=int, default=2000, help="long prompt tokens (default 2000)")
     parser.add_argument("--streams", type=int, default=8, help="decode streams (default 8)")
+    parser.add_argument("--modes", default="sync", help="sync, async or sync,async (default sync)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     model = load(args.model)
     vocab = model.args.vocab_size
     budgets = [int(b) for b in args.budgets.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not modes or any(m not in ("sync", "async") for m in modes):
+        parser.error(f"--modes takes sync and/or async, got {args.modes!r}")
     run_budget(model, budgets[0], min(args.long, 64), args.streams, vocab)  # warm-up
-    results = [run_budget(model, b, args.long, args.streams, vocab) for b in budgets]
+    results = [run_budget(model, b, args.long, args.streams, vocab, m == "async") for b in budgets for m in modes]
     cols = list(results[0])
     print(f"{args.streams} decode streams, a {args.long}-token prompt arrives")
     print("".join(f"{c:>22}" for c in cols))

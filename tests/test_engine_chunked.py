@@ -151,9 +151,13 @@ def test_engine_steps_bench_runs_and_counts_steps():
     spec = importlib.util.spec_from_file_location("engine_steps", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.run_budget(tiny_models.build("llama"), 64, 200, 2, 512)
+    model = tiny_models.build("llama")
+    result = bench.run_budget(model, 64, 200, 2, 512)
     assert result["steps_to_first_token"] == math.ceil(200 / (64 - 2))
     assert result["device_ms_per_step"] > 0 and result["host_ms_per_step"] > 0
+    pipelined = bench.run_budget(model, 64, 200, 2, 512, async_steps=True)
+    assert pipelined["mode"] == "async"
+    assert pipelined["steps_to_first_token"] == math.ceil(200 / (64 - 2)) + 1  # read one step later
 
 
 def test_a_new_request_leaves_a_block_per_running_decode_free():
