@@ -46,42 +46,74 @@ struct Avx2 {
   // y, with 0 in the lanes where x < lo.
   static Reg zero_below(Reg x, Reg lo, Reg y) { return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y); }
 
-  // NH query heads against the tile, two rows at a time (2 * NH independent
-  // accumulators keep both FMA ports busy).
-  template <int NH, typename T>
-  static void scores_heads(const float* q, const T* k, int64_t stride, int n, int D, float* out) {
-    int r = 0;
-    for (; r + 2 <= n; r += 2) {
-      const T* k0 = k + r * stride;
-      const T* k1 = k0 + stride;
-      __m256 a0[NH], a1[NH];
-      for (int h = 0; h < NH; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
-      for (int d = 0; d < D; d += 8) {
-        __m256 x0 = load(k0 + d);
-        __m256 x1 = load(k1 + d);
-        for (int h = 0; h < NH; ++h) {
-          __m256 qh = _mm256_loadu_ps(q + h * D + d);
-          a0[h] = _mm256_fmadd_ps(qh, x0, a0[h]);
-          a1[h] = _mm256_fmadd_ps(qh, x1, a1[h]);
-        }
-      }
-      if constexpr (NH == 4) {
-        // All 8 sums at once: lane 2h + j holds row r + j of head h.
-        __m256 v[8] = {a0[0], a1[0], a0[1], a1[1], a0[2], a1[2], a0[3], a1[3]};
-        alignas(32) float sums[8];
-        _mm256_store_ps(sums, hsum8(v));
-        for (int h = 0; h < 4; ++h) {
-          out[h * kMaxTileRows + r] = sums[2 * h];
-          out[h * kMaxTileRows + r + 1] = sums[2 * h + 1];
-        }
-      } else {
-        for (int h = 0; h < NH; ++h) {
-          out[h * kMaxTileRows + r] = hsum(a0[h]);
-          out[h * kMaxTileRows + r + 1] = hsum(a1[h]);
-        }
+  // One K row against NH query heads: s[h] holds head h's products summed
+  // down to 8 lanes. Two accumulators per head (alternate 8-column steps)
+  // give 2 * NH independent FMA chains, and each q load folds into its FMA
+  // (no register holds q). DC is head_dim when fixed at compile time (0: D).
+  template <int NH, int DC, typename T>
+  __attribute__((always_inline)) static void row_dots(const float* q, const T* kr, int D, __m256* s) {
+    const int Dn = DC ? DC : D;
+    __m256 a0[NH], a1[NH];
+    {
+      const __m256 x = load(kr);
+      for (int h = 0; h < NH; ++h) a0[h] = _mm256_mul_ps(_mm256_loadu_ps(q + h * Dn), x);
+    }
+    int d = 8;
+    if (Dn >= 16) {
+      const __m256 x = load(kr + 8);
+      for (int h = 0; h < NH; ++h) a1[h] = _mm256_mul_ps(_mm256_loadu_ps(q + h * Dn + 8), x);
+      d = 16;
+    } else {
+      for (int h = 0; h < NH; ++h) a1[h] = _mm256_setzero_ps();
+    }
+#pragma GCC unroll 16
+    for (; d + 16 <= Dn; d += 16) {
+      const __m256 x0 = load(kr + d), x1 = load(kr + d + 8);
+      for (int h = 0; h < NH; ++h) {
+        a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * Dn + d), x0, a0[h]);
+        a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * Dn + d + 8), x1, a1[h]);
       }
     }
-    scores_rows<Avx2, NH, T>(q, k, stride, r, n, D, out);
+    if (d < Dn) {  // D % 16 == 8
+      const __m256 x = load(kr + d);
+      for (int h = 0; h < NH; ++h) a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * Dn + d), x, a0[h]);
+    }
+    for (int h = 0; h < NH; ++h) s[h] = _mm256_add_ps(a0[h], a1[h]);
+  }
+
+  // NH query heads against rows [0, n) of the tile. Four heads go two rows at
+  // a time into one 8-way horizontal sum whose lanes (2h, 2h + 1) are head h's
+  // two scores, stored as one 8-byte pair.
+  template <int NH, int DC, typename T>
+  static void scores_heads_d(const float* q, const T* k, int64_t stride, int n, int D, float* out) {
+    int r = 0;
+    if constexpr (NH == 4) {
+      for (; r + 2 <= n; r += 2) {
+        __m256 s0[4], s1[4];
+        row_dots<4, DC>(q, k + r * stride, D, s0);
+        row_dots<4, DC>(q, k + (r + 1) * stride, D, s1);
+        const __m256 v[8] = {s0[0], s1[0], s0[1], s1[1], s0[2], s1[2], s0[3], s1[3]};
+        const __m256 t = hsum8(v);
+        const __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
+        _mm_storel_pi(reinterpret_cast<__m64*>(out + r), lo);
+        _mm_storeh_pi(reinterpret_cast<__m64*>(out + kMaxTileRows + r), lo);
+        _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * kMaxTileRows + r), hi);
+        _mm_storeh_pi(reinterpret_cast<__m64*>(out + 3 * kMaxTileRows + r), hi);
+      }
+    }
+    for (; r < n; ++r) {
+      __m256 s[NH];
+      row_dots<NH, DC>(q, k + r * stride, D, s);
+      for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = hsum(s[h]);
+    }
+  }
+
+  // The common head sizes get their column loop unrolled at compile time.
+  template <int NH, typename T>
+  static void scores_heads(const float* q, const T* k, int64_t stride, int n, int D, float* out) {
+    if (D == 128) scores_heads_d<NH, 128>(q, k, stride, n, D, out);
+    else if (D == 64) scores_heads_d<NH, 64>(q, k, stride, n, D, out);
+    else scores_heads_d<NH, 0>(q, k, stride, n, D, out);
   }
 
   // The tail goes through an 8-float buffer.

@@ -177,6 +177,7 @@ void accumulate_cols(const float* p, const float* corr, const T* v, int64_t stri
     const auto c = V::set1(corr[h]);
     for (int w = 0; w < W; ++w) a[h][w] = V::mul(V::load(acc + h * D + d + L * w), c);
   }
+#pragma GCC unroll 2
   for (int r = 0; r < n; ++r) {
     typename V::Reg x[W];
     for (int w = 0; w < W; ++w) x[w] = V::load(v + r * stride + d + L * w);
