@@ -17,16 +17,6 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// Horizontal sums of 8 registers at once: lane i of the result is the sum of
-// v[i] (21 uops instead of 8 separate reductions' 48).
-inline __m256 hsum8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  // u0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves of v0..v3), u1 likewise for v4..v7.
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 struct Avx2 {
   KVMETAL_X86_REGISTER_OPS(256)
   // NH (<= 4) heads x 2 column registers of accumulators, plus the rows, fit 16 registers.
@@ -92,13 +82,7 @@ struct Avx2 {
         __m256 s0[4], s1[4];
         row_dots<4, DC>(q, k + r * stride, D, s0);
         row_dots<4, DC>(q, k + (r + 1) * stride, D, s1);
-        const __m256 v[8] = {s0[0], s1[0], s0[1], s1[1], s0[2], s1[2], s0[3], s1[3]};
-        const __m256 t = hsum8(v);
-        const __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
-        _mm_storel_pi(reinterpret_cast<__m64*>(out + r), lo);
-        _mm_storeh_pi(reinterpret_cast<__m64*>(out + kMaxTileRows + r), lo);
-        _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * kMaxTileRows + r), hi);
-        _mm_storeh_pi(reinterpret_cast<__m64*>(out + 3 * kMaxTileRows + r), hi);
+        store_scores_4x2(s0, s1, out + r);
       }
     }
     for (; r < n; ++r) {
