@@ -19,8 +19,9 @@ inline float hmax(__m256 v) {
 
 struct Avx2 {
   KVMETAL_X86_REGISTER_OPS(256)
-  // NH (<= 4) heads x 2 column registers of accumulators, plus the rows, fit 16 registers.
-  static constexpr int kMaxColumnRegs = 2;
+  // NH (<= 4) heads x 3 column registers of accumulators, the 3 rows' values
+  // and one broadcast weight fill the 16 registers.
+  static constexpr int kMaxColumnRegs = 3;
 
   static __m128i load_half(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
   static void store_half(void* p, __m128i x) { _mm_storeu_si128(static_cast<__m128i*>(p), x); }

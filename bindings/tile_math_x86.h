@@ -220,6 +220,8 @@ void accumulate_heads(const float* p, const float* corr, const T* v, int64_t str
   int d = 0;
   if constexpr (V::kMaxColumnRegs >= 4)
     for (; d + 4 * L <= D; d += 4 * L) accumulate_cols<V, NH, 4, T>(p, corr, v, stride, n, D, d, acc);
+  if constexpr (V::kMaxColumnRegs == 3)
+    for (; d + 3 * L <= D; d += 3 * L) accumulate_cols<V, NH, 3, T>(p, corr, v, stride, n, D, d, acc);
   for (; d + 2 * L <= D; d += 2 * L) accumulate_cols<V, NH, 2, T>(p, corr, v, stride, n, D, d, acc);
   for (; d < D; d += L) accumulate_cols<V, NH, 1, T>(p, corr, v, stride, n, D, d, acc);
 }
@@ -411,9 +413,11 @@ inline void tile_floats(const void* base, int64_t row_stride, int groups, int n,
 // 8 lanes. qsum[h * kMaxQ8Groups + g] is head h's query over group g summed
 // down to 8 lanes (times the group's bias it gives b * sum(q)); sc / bi are
 // the row's scales and biases.
-template <int NH, int GS>
-__attribute__((always_inline)) inline void u8_row_dots(const float* q, const __m256* qsum, const uint8_t* w,
-                                                       const float* sc, const float* bi, int D, __m256* f) {
+template <int NH, int GS, int DC>
+__attribute__((always_inline)) inline void u8_row_dots(const float* __restrict q, const __m256* qsum, const uint8_t* w,
+                                                       const float* sc, const float* bi, int D_, __m256* f) {
+  const int D = DC ? DC : D_;
+#pragma GCC unroll 8
   for (int g = 0; g < D / GS; ++g) {
     __m256 a[NH];
 #pragma GCC unroll 16
@@ -431,8 +435,10 @@ __attribute__((always_inline)) inline void u8_row_dots(const float* q, const __m
   }
 }
 
-template <int NH, int GS, FloatKind KIND>
-void scores_u8_heads(const float* q, const QuantRows& k, int n, int D, float* out) {
+// DC: head_dim when fixed at compile time (0: D), so a row's groups unroll.
+template <int NH, int GS, FloatKind KIND, int DC>
+void scores_u8_heads(const float* __restrict q, const QuantRows& k, int n, int D_, float* __restrict out) {
+  const int D = DC ? DC : D_;
   const int groups = D / GS;
   __m256 qsum[NH * kMaxQ8Groups];
   for (int h = 0; h < NH; ++h)
@@ -448,14 +454,14 @@ void scores_u8_heads(const float* q, const QuantRows& k, int n, int D, float* ou
   if constexpr (NH == 4) {
     for (; r + 2 <= n; r += 2) {
       __m256 f0[4], f1[4];
-      u8_row_dots<4, GS>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f0);
-      u8_row_dots<4, GS>(q, qsum, k.bytes + (r + 1) * k.byte_stride, sc + (r + 1) * groups, bi + (r + 1) * groups, D, f1);
+      u8_row_dots<4, GS, DC>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f0);
+      u8_row_dots<4, GS, DC>(q, qsum, k.bytes + (r + 1) * k.byte_stride, sc + (r + 1) * groups, bi + (r + 1) * groups, D, f1);
       store_scores_4x2(f0, f1, out + r);
     }
   }
   for (; r < n; ++r) {
     __m256 f[NH];
-    u8_row_dots<NH, GS>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f);
+    u8_row_dots<NH, GS, DC>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f);
     for (int h = 0; h < NH; ++h) {
       __m128 x = _mm_add_ps(_mm256_castps256_ps128(f[h]), _mm256_extractf128_ps(f[h], 1));
       x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -555,7 +561,9 @@ template <int GS, FloatKind KIND>
 struct ScoresU8 {
   static void run(const float* q, int G, const QuantRows& k, int n, int D, float* out) {
     over_head_blocks(G, [&](auto nh, int g) {
-      scores_u8_heads<decltype(nh)::value, GS, KIND>(q + g * D, k, n, D, out + g * kMaxTileRows);
+      constexpr int NH = decltype(nh)::value;
+      if (D == 128) scores_u8_heads<NH, GS, KIND, 128>(q + g * D, k, n, D, out + g * kMaxTileRows);
+      else scores_u8_heads<NH, GS, KIND, 0>(q + g * D, k, n, D, out + g * kMaxTileRows);
     });
   }
 };
