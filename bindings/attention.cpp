@@ -119,23 +119,9 @@ class Prefetcher {
       per_step_ = (lines + pieces - 1) / std::max(1, pieces);
       if (count_) next_ = line_start(ranges_[0].begin);
     }
-    // The same lines in the same order as a line-by-line walk testing both
-    // limits, but each run within one range is counted first and issued in a
-    // plain loop (the two-condition walk cost 8 instructions a line).
-    for (int64_t left = per_step_; left > 0 && range_ < count_;) {
+    for (int64_t issued = 0; issued < per_step_ && range_ < count_;) {
       const char* end = ranges_[range_].end;
-      const int64_t run = std::min<int64_t>(left, (end - next_ + 63) / 64);
-      const char* p = next_;
-      int64_t i = 0;
-      for (; i + 4 <= run; i += 4, p += 256) {
-        __builtin_prefetch(p, 0, 2);
-        __builtin_prefetch(p + 64, 0, 2);
-        __builtin_prefetch(p + 128, 0, 2);
-        __builtin_prefetch(p + 192, 0, 2);
-      }
-      for (; i < run; ++i, p += 64) __builtin_prefetch(p, 0, 2);
-      next_ = p;
-      left -= run;
+      for (; issued < per_step_ && next_ < end; next_ += 64, ++issued) __builtin_prefetch(next_, 0, 2);
       if (next_ >= end && ++range_ < count_) next_ = line_start(ranges_[range_].begin);
     }
   }
