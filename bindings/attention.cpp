@@ -191,6 +191,8 @@ class ItemWalker {
         G_(p.num_heads / p.num_kv_heads), R_(G_ * p.query_len), D_(p.head_dim), len_(cached_len(p, s)),
         first_hi_(row_range(p, len_, 0).hi), last_lo_(row_range(p, len_, p.query_len - 1).lo),
         k_in_place_(in_place(k)), v_in_place_(in_place(v)), k_int8_(int8_scores(k)),
+        k_u8_(!k_int8_ && codes_in_place(k, 8, tk.scores_u8 != nullptr)),
+        v_u4_(p.sparse_v <= 0.f && codes_in_place(v, 4, tk.accumulate_u4 != nullptr)),
         k_half_scores_(k.kind == FloatKind::f16 ? tk.scores_f16 : tk.scores_bf16),
         v_half_accumulate_(v.kind == FloatKind::f16 ? tk.accumulate_f16 : tk.accumulate_bf16),
         sc_(scratch()) {}
@@ -215,9 +217,13 @@ class ItemWalker {
         else queue_prefetch(more ? &next : nullptr, kvh0_ + (kvh + A - kvh1_));
         step(cur, kvh, partial(kvh));
       }
-      if (!more) return;
+      if (!more) break;
       cur = next;
     }
+    // 4-bit V accumulated in nibble order (TileKernels::accumulate_u4) goes back to column order.
+    if (v_u4_)
+      for (int kvh = kvh0_; kvh < kvh1_; ++kvh)
+        for (int j = 0; j < R_; ++j) nibble_order_to_natural(partial(kvh) + 2 * R_ + static_cast<int64_t>(j) * D_, D_);
   }
 
  private:
@@ -237,6 +243,15 @@ class ItemWalker {
   // on and the CPU has a kernel for it; else K is dequantized and scored in float).
   bool int8_scores(const KVView& view) const {
     return int8_k_scores() && view.quantized && view.fmt.bits == 8 && tk_.scores_k8 && view.D % 32 == 0 &&
+           (view.fmt.group_size == 32 || view.fmt.group_size == 64 || view.fmt.group_size == 128) &&
+           view.D / view.fmt.group_size <= kMaxQ8Groups;
+  }
+
+  // K (8-bit) or V (4-bit) codes read in place by scores_u8 / accumulate_u4,
+  // never dequantized into scratch. Sparse V keeps the dequantizing path: it
+  // accumulates row ranges in column order.
+  bool codes_in_place(const KVView& view, int bits, bool have_kernel) const {
+    return have_kernel && view.quantized && view.fmt.bits == bits && view.D % 16 == 0 &&
            (view.fmt.group_size == 32 || view.fmt.group_size == 64 || view.fmt.group_size == 128) &&
            view.D / view.fmt.group_size <= kMaxQ8Groups;
   }
@@ -318,6 +333,11 @@ class ItemWalker {
         for (int r = 0; r < sg.n; r += kPieceRows) prefetcher_.step(pieces_);
         continue;
       }
+      if (k_u8_) {  // likewise: the kernel sums the query per group once per call
+        tk_.scores_u8(q, R_, k_.quant_rows(sg.outer, kvh, sg.row0), sg.n, D_, scores + off);
+        for (int r = 0; r < sg.n; r += kPieceRows) prefetcher_.step(pieces_);
+        continue;
+      }
       const float* k_rows = nullptr;
       int64_t k_stride = D_;
       if (!k_in_place_) k_rows = k_.tile(sg.outer, kvh, sg.row0, sg.n, sc_.k_tile.data(), &k_stride, tk_);
@@ -380,7 +400,7 @@ class ItemWalker {
   // acc = acc * corr + p . V over the tile.
   void accumulate(const Tile& tile, int kvh, const float* p, float* acc) {
     const float* corr = sc_.corr.data();
-    if (!v_in_place_) {
+    if (!v_in_place_ && !v_u4_) {
       const float* v_rows = convert_v(tile, kvh);
       for (int i = 0; i < tile.count; ++i) prefetcher_.step(pieces_);
       tk_.accumulate(p, corr, R_, v_rows, D_, tile.rows, D_, acc);
@@ -392,7 +412,9 @@ class ItemWalker {
       const Segment& sg = tile.seg[i];
       if (sg.valid) {
         const float* c = rescaled ? sc_.ones.data() : corr;
-        if (v_.kind == FloatKind::f32)
+        if (v_u4_)
+          tk_.accumulate_u4(p + off, c, R_, v_.quant_rows(sg.outer, kvh, sg.row0), sg.n, D_, acc);
+        else if (v_.kind == FloatKind::f32)
           tk_.accumulate(p + off, c, R_, v_.f32_row(sg.outer, kvh, sg.row0), v_.stride[2], sg.n, D_, acc);
         else
           v_half_accumulate_(p + off, c, R_, v_.u16_row(sg.outer, kvh, sg.row0), v_.stride[2], sg.n, D_, acc);
@@ -456,7 +478,7 @@ class ItemWalker {
   const int len_;
   const int first_hi_;  // every query row sees all of [last_lo_, first_hi_)
   const int last_lo_;
-  const bool k_in_place_, v_in_place_, k_int8_;
+  const bool k_in_place_, v_in_place_, k_int8_, k_u8_, v_u4_;
   decltype(TileKernels::scores_f16) k_half_scores_;
   decltype(TileKernels::accumulate_f16) v_half_accumulate_;
   Scratch& sc_;

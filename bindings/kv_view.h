@@ -49,7 +49,7 @@ struct KVView {
     return quantized ? static_cast<int64_t>(D) * fmt.bits / 8 : static_cast<int64_t>(D) * float_kind_size(kind);
   }
 
-  // Rows from `row` on of an 8-bit cache, as the integer scoring kernel reads them.
+  // Rows from `row` on of an 8- or 4-bit cache, as the kernels that read codes in place see them.
   QuantRows quant_rows(int64_t outer, int head, int row) const {
     const int sz = float_kind_size(fmt.scale_kind);
     return {reinterpret_cast<const uint8_t*>(row_address(outer, head, row)), stride[2] * 4,

@@ -31,7 +31,7 @@ struct QueryQ8 {
   const float* qi_sum;   // [rows, kMaxQ8Groups]: scale * sum(qi) of the group (times the K bias)
 };
 
-// n rows of an 8-bit MLX-affine cache: packed bytes, per-group scales and biases.
+// n rows of an 8- or 4-bit MLX-affine cache: packed bytes, per-group scales and biases.
 struct QuantRows {
   const uint8_t* bytes;
   int64_t byte_stride;
@@ -82,7 +82,31 @@ struct TileKernels {
   // implementation has none: K is then dequantized and scored in float).
   // Layout of scores as in `scores`; D % 32 == 0 and D / group_size <= kMaxQ8Groups.
   void (*scores_k8)(const QueryQ8& q, int G, const QuantRows& k, int n, int D, float* scores);
+  // Scores of G float query rows against n rows of 8-bit K read without
+  // dequantizing them: per group  s * (q . w) + b * sum(q)  with w the raw
+  // bytes widened to float, which is q . (s * w + b) regrouped (null when the
+  // implementation has none). Layout as in `scores`; D % 16 == 0 and
+  // D / group_size <= kMaxQ8Groups.
+  void (*scores_u8)(const float* q, int G, const QuantRows& k, int n, int D, float* scores);
+  // As accumulate, on n rows of 4-bit V read without dequantizing them:
+  // per group  sum_r (p_r s_r) w_r + sum_r p_r b_r. acc is kept in nibble
+  // order (nibble_order_to_natural below): every 16 columns, the 8 even ones
+  // then the 8 odd ones, which is how one byte's two nibbles widen. Null when
+  // the implementation has none; D % 16 == 0 and D / group_size <= kMaxQ8Groups.
+  void (*accumulate_u4)(const float* p, const float* corr, int G, const QuantRows& v, int n, int D, float* acc);
 };
+
+// A row of D accumulators (D % 16 == 0) from nibble order back to column order.
+inline void nibble_order_to_natural(float* row, int D) {
+  for (int c = 0; c < D; c += 16) {
+    float t[16];
+    for (int j = 0; j < 8; ++j) {
+      t[2 * j] = row[c + j];
+      t[2 * j + 1] = row[c + 8 + j];
+    }
+    for (int j = 0; j < 16; ++j) row[c + j] = t[j];
+  }
+}
 
 // The best implementation this CPU supports (chosen once) for head_dim D:
 // avx512 needs D % 16 == 0, avx2 D % 8 == 0; anything else runs portable.

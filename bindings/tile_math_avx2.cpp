@@ -17,20 +17,11 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-// Horizontal sums of 8 registers at once: lane i of the result is the sum of
-// v[i] (21 uops instead of 8 separate reductions' 48).
-inline __m256 hsum8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  // u0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves of v0..v3), u1 likewise for v4..v7.
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 struct Avx2 {
   KVMETAL_X86_REGISTER_OPS(256)
-  // NH (<= 4) heads x 2 column registers of accumulators, plus the rows, fit 16 registers.
-  static constexpr int kMaxColumnRegs = 2;
+  // NH (<= 4) heads x 3 column registers of accumulators, the 3 rows' values
+  // and one broadcast weight fill the 16 registers.
+  static constexpr int kMaxColumnRegs = 3;
 
   static __m128i load_half(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
   static void store_half(void* p, __m128i x) { _mm_storeu_si128(static_cast<__m128i*>(p), x); }
@@ -46,42 +37,68 @@ struct Avx2 {
   // y, with 0 in the lanes where x < lo.
   static Reg zero_below(Reg x, Reg lo, Reg y) { return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y); }
 
-  // NH query heads against the tile, two rows at a time (2 * NH independent
-  // accumulators keep both FMA ports busy).
-  template <int NH, typename T>
-  static void scores_heads(const float* q, const T* k, int64_t stride, int n, int D, float* out) {
-    int r = 0;
-    for (; r + 2 <= n; r += 2) {
-      const T* k0 = k + r * stride;
-      const T* k1 = k0 + stride;
-      __m256 a0[NH], a1[NH];
-      for (int h = 0; h < NH; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
-      for (int d = 0; d < D; d += 8) {
-        __m256 x0 = load(k0 + d);
-        __m256 x1 = load(k1 + d);
-        for (int h = 0; h < NH; ++h) {
-          __m256 qh = _mm256_loadu_ps(q + h * D + d);
-          a0[h] = _mm256_fmadd_ps(qh, x0, a0[h]);
-          a1[h] = _mm256_fmadd_ps(qh, x1, a1[h]);
-        }
-      }
-      if constexpr (NH == 4) {
-        // All 8 sums at once: lane 2h + j holds row r + j of head h.
-        __m256 v[8] = {a0[0], a1[0], a0[1], a1[1], a0[2], a1[2], a0[3], a1[3]};
-        alignas(32) float sums[8];
-        _mm256_store_ps(sums, hsum8(v));
-        for (int h = 0; h < 4; ++h) {
-          out[h * kMaxTileRows + r] = sums[2 * h];
-          out[h * kMaxTileRows + r + 1] = sums[2 * h + 1];
-        }
-      } else {
-        for (int h = 0; h < NH; ++h) {
-          out[h * kMaxTileRows + r] = hsum(a0[h]);
-          out[h * kMaxTileRows + r + 1] = hsum(a1[h]);
-        }
+  // One K row against NH query heads: s[h] holds head h's products summed
+  // down to 8 lanes. Two accumulators per head (alternate 8-column steps)
+  // give 2 * NH independent FMA chains, and each q load folds into its FMA
+  // (no register holds q). DC is head_dim when fixed at compile time (0: D).
+  template <int NH, int DC, typename T>
+  __attribute__((always_inline)) static void row_dots(const float* q, const T* kr, int D, __m256* s) {
+    const int Dn = DC ? DC : D;
+    __m256 a0[NH], a1[NH];
+    {
+      const __m256 x = load(kr);
+      for (int h = 0; h < NH; ++h) a0[h] = _mm256_mul_ps(_mm256_loadu_ps(q + h * Dn), x);
+    }
+    int d = 8;
+    if (Dn >= 16) {
+      const __m256 x = load(kr + 8);
+      for (int h = 0; h < NH; ++h) a1[h] = _mm256_mul_ps(_mm256_loadu_ps(q + h * Dn + 8), x);
+      d = 16;
+    } else {
+      for (int h = 0; h < NH; ++h) a1[h] = _mm256_setzero_ps();
+    }
+#pragma GCC unroll 16
+    for (; d + 16 <= Dn; d += 16) {
+      const __m256 x0 = load(kr + d), x1 = load(kr + d + 8);
+      for (int h = 0; h < NH; ++h) {
+        a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * Dn + d), x0, a0[h]);
+        a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * Dn + d + 8), x1, a1[h]);
       }
     }
-    scores_rows<Avx2, NH, T>(q, k, stride, r, n, D, out);
+    if (d < Dn) {  // D % 16 == 8
+      const __m256 x = load(kr + d);
+      for (int h = 0; h < NH; ++h) a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * Dn + d), x, a0[h]);
+    }
+    for (int h = 0; h < NH; ++h) s[h] = _mm256_add_ps(a0[h], a1[h]);
+  }
+
+  // NH query heads against rows [0, n) of the tile. Four heads go two rows at
+  // a time into one 8-way horizontal sum whose lanes (2h, 2h + 1) are head h's
+  // two scores, stored as one 8-byte pair.
+  template <int NH, int DC, typename T>
+  static void scores_heads_d(const float* q, const T* k, int64_t stride, int n, int D, float* out) {
+    int r = 0;
+    if constexpr (NH == 4) {
+      for (; r + 2 <= n; r += 2) {
+        __m256 s0[4], s1[4];
+        row_dots<4, DC>(q, k + r * stride, D, s0);
+        row_dots<4, DC>(q, k + (r + 1) * stride, D, s1);
+        store_scores_4x2(s0, s1, out + r);
+      }
+    }
+    for (; r < n; ++r) {
+      __m256 s[NH];
+      row_dots<NH, DC>(q, k + r * stride, D, s);
+      for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = hsum(s[h]);
+    }
+  }
+
+  // The common head sizes get their column loop unrolled at compile time.
+  template <int NH, typename T>
+  static void scores_heads(const float* q, const T* k, int64_t stride, int n, int D, float* out) {
+    if (D == 128) scores_heads_d<NH, 128>(q, k, stride, n, D, out);
+    else if (D == 64) scores_heads_d<NH, 64>(q, k, stride, n, D, out);
+    else scores_heads_d<NH, 0>(q, k, stride, n, D, out);
   }
 
   // The tail goes through an 8-float buffer.

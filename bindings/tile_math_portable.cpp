@@ -88,7 +88,7 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
 }
 
 const TileKernels kPortable{"portable",  f16_rows, bf16_rows, scores,  accumulate, exp_inplace,
-                            softmax_update, nullptr,  nullptr,   nullptr, nullptr, nullptr, to_f16, nullptr};
+                            softmax_update, nullptr,  nullptr,   nullptr, nullptr, nullptr, to_f16, nullptr, nullptr, nullptr};
 
 enum class Level { portable, avx2, avx512 };
 

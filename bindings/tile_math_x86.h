@@ -74,6 +74,29 @@ inline float scale_at(const void* base, int64_t i, FloatKind kind) {
   return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(bits) << 16)));
 }
 
+// Horizontal sums of 8 registers at once: lane i of the result is the sum of
+// v[i] (21 uops instead of 8 separate reductions' 48).
+inline __m256 hsum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high 128-bit halves of v0..v3), u1 likewise for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Scores of 4 heads for 2 rows: s0[h] / s1[h] hold head h's products for
+// rows 0 / 1 (summed down to 8 lanes). One 8-way horizontal sum puts head h's
+// two scores in lanes 2h, 2h + 1, stored as one 8-byte pair at out[h * kMaxTileRows].
+__attribute__((always_inline)) inline void store_scores_4x2(const __m256* s0, const __m256* s1, float* out) {
+  const __m256 v[8] = {s0[0], s1[0], s0[1], s1[1], s0[2], s1[2], s0[3], s1[3]};
+  const __m256 t = hsum8(v);
+  const __m128 lo = _mm256_castps256_ps128(t), hi = _mm256_extractf128_ps(t, 1);
+  _mm_storel_pi(reinterpret_cast<__m64*>(out), lo);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(out + kMaxTileRows), lo);
+  _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * kMaxTileRows), hi);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(out + 3 * kMaxTileRows), hi);
+}
+
 // One tile of quantized rows: packed words and their scales and biases.
 struct QuantTile {
   const uint32_t* words;
@@ -177,6 +200,7 @@ void accumulate_cols(const float* p, const float* corr, const T* v, int64_t stri
     const auto c = V::set1(corr[h]);
     for (int w = 0; w < W; ++w) a[h][w] = V::mul(V::load(acc + h * D + d + L * w), c);
   }
+#pragma GCC unroll 2
   for (int r = 0; r < n; ++r) {
     typename V::Reg x[W];
     for (int w = 0; w < W; ++w) x[w] = V::load(v + r * stride + d + L * w);
@@ -196,6 +220,8 @@ void accumulate_heads(const float* p, const float* corr, const T* v, int64_t str
   int d = 0;
   if constexpr (V::kMaxColumnRegs >= 4)
     for (; d + 4 * L <= D; d += 4 * L) accumulate_cols<V, NH, 4, T>(p, corr, v, stride, n, D, d, acc);
+  if constexpr (V::kMaxColumnRegs == 3)
+    for (; d + 3 * L <= D; d += 3 * L) accumulate_cols<V, NH, 3, T>(p, corr, v, stride, n, D, d, acc);
   for (; d + 2 * L <= D; d += 2 * L) accumulate_cols<V, NH, 2, T>(p, corr, v, stride, n, D, d, acc);
   for (; d < D; d += L) accumulate_cols<V, NH, 1, T>(p, corr, v, stride, n, D, d, acc);
 }
@@ -350,6 +376,215 @@ void scores_k8(const QueryQ8& q, int G, const QuantRows& k, int n, int D, float*
   }
 }
 
+// ---- 8-bit K and 4-bit V read without dequantizing them (256-bit, shared by
+// both tables). A group dequantizes to s * w + b, so
+//   q . (s w + b)             = s (q . w) + b sum(q)                    (scores)
+//   sum_r p_r (s_r w_r + b_r) = sum_r (p_r s_r) w_r + sum_r p_r b_r      (accumulate)
+// and the integer codes w are only widened to float in registers: no
+// dequantized row is written out and read back.
+
+// Rows [0, n) of a tile's per-group scales (or biases) as float32,
+// out[r * groups + g]; rows stored back to back convert 8 values at a time.
+template <FloatKind KIND>
+inline void tile_floats(const void* base, int64_t row_stride, int groups, int n, float* out) {
+  const int total = n * groups;
+  if (row_stride != groups) {
+    for (int r = 0; r < n; ++r)
+      for (int g = 0; g < groups; ++g) out[r * groups + g] = scale_at(base, r * row_stride + g, KIND);
+    return;
+  }
+  int i = 0;
+  if constexpr (KIND == FloatKind::f32) {
+    const float* src = static_cast<const float*>(base);
+    for (; i + 8 <= total; i += 8) _mm256_storeu_ps(out + i, _mm256_loadu_ps(src + i));
+  } else {
+    const __m128i* src = static_cast<const __m128i*>(base);
+    for (; i + 8 <= total; i += 8) {
+      const __m128i h = _mm_loadu_si128(src + i / 8);
+      _mm256_storeu_ps(out + i, KIND == FloatKind::f16
+                                    ? _mm256_cvtph_ps(h)
+                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+  }
+  for (; i < total; ++i) out[i] = scale_at(base, i, KIND);
+}
+
+// One 8-bit K row against NH heads: f[h] holds head h's score summed down to
+// 8 lanes. qsum[h * kMaxQ8Groups + g] is head h's query over group g summed
+// down to 8 lanes (times the group's bias it gives b * sum(q)); sc / bi are
+// the row's scales and biases.
+template <int NH, int GS, int DC>
+__attribute__((always_inline)) inline void u8_row_dots(const float* __restrict q, const __m256* qsum, const uint8_t* w,
+                                                       const float* sc, const float* bi, int D_, __m256* f) {
+  const int D = DC ? DC : D_;
+#pragma GCC unroll 8
+  for (int g = 0; g < D / GS; ++g) {
+    __m256 a[NH];
+#pragma GCC unroll 16
+    for (int step = 0; step < GS / 8; ++step) {
+      const int d = g * GS + 8 * step;
+      const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + d))));
+      for (int h = 0; h < NH; ++h)
+        a[h] = step ? _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), x, a[h]) : _mm256_mul_ps(_mm256_loadu_ps(q + h * D + d), x);
+    }
+    const __m256 s = _mm256_set1_ps(sc[g]), b = _mm256_set1_ps(bi[g]);
+    for (int h = 0; h < NH; ++h) {
+      f[h] = g ? _mm256_fmadd_ps(a[h], s, f[h]) : _mm256_mul_ps(a[h], s);
+      f[h] = _mm256_fmadd_ps(qsum[h * kMaxQ8Groups + g], b, f[h]);
+    }
+  }
+}
+
+// DC: head_dim when fixed at compile time (0: D), so a row's groups unroll.
+template <int NH, int GS, FloatKind KIND, int DC>
+void scores_u8_heads(const float* __restrict q, const QuantRows& k, int n, int D_, float* __restrict out) {
+  const int D = DC ? DC : D_;
+  const int groups = D / GS;
+  __m256 qsum[NH * kMaxQ8Groups];
+  for (int h = 0; h < NH; ++h)
+    for (int g = 0; g < groups; ++g) {
+      __m256 t = _mm256_loadu_ps(q + h * D + g * GS);
+      for (int d = 8; d < GS; d += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(q + h * D + g * GS + d));
+      qsum[h * kMaxQ8Groups + g] = t;
+    }
+  alignas(32) float sc[kMaxTileRows * kMaxQ8Groups], bi[kMaxTileRows * kMaxQ8Groups];
+  tile_floats<KIND>(k.scales, k.scale_stride, groups, n, sc);
+  tile_floats<KIND>(k.biases, k.bias_stride, groups, n, bi);
+  int r = 0;
+  if constexpr (NH == 4) {
+    for (; r + 2 <= n; r += 2) {
+      __m256 f0[4], f1[4];
+      u8_row_dots<4, GS, DC>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f0);
+      u8_row_dots<4, GS, DC>(q, qsum, k.bytes + (r + 1) * k.byte_stride, sc + (r + 1) * groups, bi + (r + 1) * groups, D, f1);
+      store_scores_4x2(f0, f1, out + r);
+    }
+  }
+  for (; r < n; ++r) {
+    __m256 f[NH];
+    u8_row_dots<NH, GS, DC>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f);
+    for (int h = 0; h < NH; ++h) {
+      __m128 x = _mm_add_ps(_mm256_castps256_ps128(f[h]), _mm256_extractf128_ps(f[h], 1));
+      x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+      out[h * kMaxTileRows + r] = _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+    }
+  }
+}
+
+// 4-bit V: the weights p_r s_r of every (head, group, row) and the bias terms
+// sum_r p_r b_r first (8 rows at a time), then the rows stream through NH
+// heads x 16 columns of accumulators: one 8-byte load is 16 values, its low
+// nibbles the even columns and its high nibbles the odd ones.
+template <int NH, int GS, FloatKind KIND>
+void accumulate_u4_heads(const float* p, const float* corr, const QuantRows& v, int n, int D, float* acc) {
+  const int groups = D / GS;
+  alignas(32) float sc[kMaxTileRows * kMaxQ8Groups], bi[kMaxTileRows * kMaxQ8Groups];
+  tile_floats<KIND>(v.scales, v.scale_stride, groups, n, sc);
+  tile_floats<KIND>(v.biases, v.bias_stride, groups, n, bi);
+  const int n8 = (n + 7) & ~7;
+  for (int i = n * groups; i < n8 * groups; ++i) sc[i] = bi[i] = 0.f;  // the gathers below read them
+  // pw[(h * groups + g) * kMaxTileRows + r] = p_hr * s_rg; bsum[h * groups + g] sums p_hr * b_rg.
+  alignas(32) float pw[NH * kMaxQ8Groups * kMaxTileRows];
+  __m256 bsum[NH * kMaxQ8Groups];
+  for (int i = 0; i < NH * groups; ++i) bsum[i] = _mm256_setzero_ps();
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i idx = _mm256_mullo_epi32(iota, _mm256_set1_epi32(groups));
+  for (int r0 = 0; r0 < n; r0 += 8) {
+    // Rows past n are not this call's: masked loads read zeros there.
+    const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - r0), iota);
+    __m256 pv[NH];
+    for (int h = 0; h < NH; ++h) pv[h] = _mm256_maskload_ps(p + h * kMaxTileRows + r0, live);
+    for (int g = 0; g < groups; ++g) {
+      const __m256 s = _mm256_i32gather_ps(sc + r0 * groups + g, idx, 4);
+      const __m256 b = _mm256_i32gather_ps(bi + r0 * groups + g, idx, 4);
+      for (int h = 0; h < NH; ++h) {
+        _mm256_store_ps(pw + (h * groups + g) * kMaxTileRows + r0, _mm256_mul_ps(pv[h], s));
+        bsum[h * groups + g] = _mm256_fmadd_ps(pv[h], b, bsum[h * groups + g]);
+      }
+    }
+  }
+  float beta[NH * kMaxQ8Groups];
+  for (int i = 0; i < NH * groups; ++i) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(bsum[i]), _mm256_extractf128_ps(bsum[i], 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    beta[i] = _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+  const __m256i low = _mm256_set1_epi32(0xF);
+  const int64_t stride = v.byte_stride;
+  for (int c = 0; c < D / 16; ++c) {
+    const int g = c * 16 / GS;
+    __m256 a[NH][2];
+    for (int h = 0; h < NH; ++h) {
+      const __m256 cv = _mm256_set1_ps(corr[h]), bv = _mm256_set1_ps(beta[h * groups + g]);
+      a[h][0] = _mm256_fmadd_ps(_mm256_loadu_ps(acc + h * D + 16 * c), cv, bv);
+      a[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(acc + h * D + 16 * c + 8), cv, bv);
+    }
+    const float* wt = pw + g * kMaxTileRows;  // head h's weights h * groups * kMaxTileRows further
+    const uint8_t* w = v.bytes + 8 * c;
+#pragma GCC unroll 2
+    for (int r = 0; r < n; ++r, w += stride) {
+      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
+      const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(x, low));
+      const __m256 odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
+      for (int h = 0; h < NH; ++h) {
+        const __m256 ph = _mm256_broadcast_ss(wt + h * groups * kMaxTileRows + r);
+        a[h][0] = _mm256_fmadd_ps(ph, even, a[h][0]);
+        a[h][1] = _mm256_fmadd_ps(ph, odd, a[h][1]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      _mm256_storeu_ps(acc + h * D + 16 * c, a[h][0]);
+      _mm256_storeu_ps(acc + h * D + 16 * c + 8, a[h][1]);
+    }
+  }
+}
+
+// Group size and scale dtype become template arguments (F is a functor
+// template taking <GS, KIND>).
+template <template <int, FloatKind> class F, typename... A>
+inline void with_group_and_kind(int group_size, FloatKind kind, A&&... a) {
+  auto by_kind = [&](auto gs) {
+    constexpr int GS = decltype(gs)::value;
+    switch (kind) {
+      case FloatKind::f32: F<GS, FloatKind::f32>::run(a...); break;
+      case FloatKind::f16: F<GS, FloatKind::f16>::run(a...); break;
+      default: F<GS, FloatKind::bf16>::run(a...); break;
+    }
+  };
+  switch (group_size) {
+    case 32: by_kind(std::integral_constant<int, 32>{}); break;
+    case 64: by_kind(std::integral_constant<int, 64>{}); break;
+    default: by_kind(std::integral_constant<int, 128>{}); break;
+  }
+}
+
+template <int GS, FloatKind KIND>
+struct ScoresU8 {
+  static void run(const float* q, int G, const QuantRows& k, int n, int D, float* out) {
+    over_head_blocks(G, [&](auto nh, int g) {
+      constexpr int NH = decltype(nh)::value;
+      if (D == 128) scores_u8_heads<NH, GS, KIND, 128>(q + g * D, k, n, D, out + g * kMaxTileRows);
+      else scores_u8_heads<NH, GS, KIND, 0>(q + g * D, k, n, D, out + g * kMaxTileRows);
+    });
+  }
+};
+
+template <int GS, FloatKind KIND>
+struct AccumulateU4 {
+  static void run(const float* p, const float* corr, int G, const QuantRows& v, int n, int D, float* acc) {
+    over_head_blocks(G, [&](auto nh, int g) {
+      accumulate_u4_heads<decltype(nh)::value, GS, KIND>(p + g * kMaxTileRows, corr + g, v, n, D, acc + g * D);
+    });
+  }
+};
+
+void scores_u8(const float* q, int G, const QuantRows& k, int n, int D, float* out) {
+  with_group_and_kind<ScoresU8>(k.group_size, k.scale_kind, q, G, k, n, D, out);
+}
+
+void accumulate_u4(const float* p, const float* corr, int G, const QuantRows& v, int n, int D, float* acc) {
+  with_group_and_kind<AccumulateU4>(v.group_size, v.scale_kind, p, corr, G, v, n, D, acc);
+}
+
 // Bit width and group size become template arguments, so each group's steps
 // unroll into straight-line code.
 template <typename V, int BITS>
@@ -388,7 +623,9 @@ constexpr TileKernels make_tile_kernels(const char* name) {
                      scores_bf16<V>,
                      accumulate_bf16<V>,
                      to_f16<V>,
-                     scores_k8};
+                     scores_k8,
+                     scores_u8,
+                     accumulate_u4};
 }
 
 }  // namespace

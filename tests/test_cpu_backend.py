@@ -376,6 +376,25 @@ def test_quantized_attention_every_group_size(bits, group_size, level):
     assert_close(_paged(case, num_splits=2), _paged_ref(case), mx.float16)
 
 
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("head_dim", [d for d in ops.SUPPORTED_HEAD_DIMS if d % 32 == 0])
+def test_k8v4_read_from_codes_every_head_dim(head_dim, dtype, level):
+    # On the x86 levels 8-bit K is scored and 4-bit V accumulated from their codes
+    # (scores_u8 / accumulate_u4 in tile_math_x86.h, V in nibble order until the
+    # item ends): head_dim 128 has its own unrolled kernel, the others the generic
+    # one; group 32 gives up to 8 groups a row; block sizes 8 and 32 and lengths
+    # off the 8-row steps exercise the masked weight loads. Sparse V keeps the
+    # dequantizing path: both against the oracle on the same cache.
+    _ext.cap_simd_level(level)
+    block_size = 8 if dtype == mx.float16 else 32
+    case = paged_case([6, 45, 97], num_heads=10, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
+                      dtype=dtype, k_bits=8, v_bits=4, group_size=32, seed=head_dim)
+    assert_close(_paged(case, num_splits=2), _paged_ref(case), dtype)
+    assert_close(_paged(case, sliding_window=20), _paged_ref(case, sliding_window=20), dtype)
+    assert_close(_paged(case, sparse_v=1e-6), _paged_ref(case, sparse_v=1e-6), dtype)
+
+
 # ------------------------------------------------------------------ 8-bit K against int8 queries (opt-in)
 
 
