@@ -306,9 +306,9 @@ class Engine:
         self.decode_steps = 0  # steps that decoded at least one running request
         self.last_step_tokens = 0  # tokens of the last step's forward pass
         # Seconds spent in steps, cumulative: "host" schedules, reserves blocks and builds the
-        # pass's graph (index arrays, sampling); "device" waits for the pass's tokens (with
-        # async steps only what did not overlap the host's work); "sample" turns the read
-        # tokens into events.
+        # pass's graph (index arrays, sampling); "device" launches the pass and waits for its
+        # tokens (with async steps, only what did not overlap the host's work); "sample"
+        # turns the read tokens into events.
         self.step_seconds = {"host": 0.0, "device": 0.0, "sample": 0.0}
         self._step_start = 0.0
         self.preemptions = 0
@@ -649,11 +649,14 @@ class Engine:
                 request.decoding = True
                 request.pending = (flight, i)
         # Launch the pass (a step of prefill only writes its K/V); its tokens are read by
-        # _land, at once or, with async steps, during the next step.
+        # _land, at once or, with async steps, during the next step. The launch counts as
+        # device time: on MLX's CPU backend async_eval returns only once most of it ran.
+        built = time.perf_counter()
+        self.step_seconds["host"] += built - self._step_start
         mx.async_eval(writes if flight is None else [flight.tokens, flight.logprobs, writes])
         if flight is None and not self.pipelined:
             mx.eval(writes)
-        self.step_seconds["host"] += time.perf_counter() - self._step_start
+        self.step_seconds["device"] += time.perf_counter() - built
         return flight
 
     def _land(self, flight: "_Flight", events: list) -> None:
