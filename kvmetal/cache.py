@@ -267,7 +267,6 @@ class BlockAllocator:
         bs = self.block_size
         if count and seq.num_tokens % bs:
             copies += self._make_last_block_writable(seq)
-            seq.dirty_from = min(seq.dirty_from, len(seq.blocks) - 1)
         start = seq.num_tokens
         seq.dirty_from = min(seq.dirty_from, len(seq.blocks))
         seq.blocks += self._take(-(-(start + count) // bs) - len(seq.blocks))
@@ -404,6 +403,7 @@ class BlockAllocator:
             fresh = self._take(1)[0]
             self._release(last)
             seq.blocks[-1] = fresh
+            seq.dirty_from = min(seq.dirty_from, len(seq.blocks) - 1)
             return [(last, fresh)]
         self._unpublish(last)
         return []

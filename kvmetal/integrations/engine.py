@@ -206,7 +206,7 @@ class Request:
     def tokens(self) -> list:
         """Prompt and output so far: what a preempted request is recomputed from."""
         assert self.pending is None, "a token still in flight has no id yet"
-        return self.prompt + self.output
+        return self.known_tokens
 
     @property
     def known_tokens(self) -> list:
