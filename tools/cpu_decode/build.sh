@@ -18,6 +18,6 @@ g++ $F -mavx512f -mavx2 -mfma -mf16c -c $src/tile_math_avx512.cpp -o $o/x5.o
 for f in attention tile_math_portable quant_rows thread_pool query_q8; do
   [ -f $src/$f.cpp ] && g++ $F -c $src/$f.cpp -o $o/$f.o
 done
-g++ $F -c $here/cpu_decode.cpp -o $o/main.o
+g++ $F -mavx2 -c $here/cpu_decode.cpp -o $o/main.o  # its streaming read uses AVX2 loads
 g++ -O3 $o/*.o -o $out -lpthread
 echo "built $out"

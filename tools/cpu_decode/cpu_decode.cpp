@@ -1,6 +1,11 @@
 // Standalone driver of kvmetal's CPU decode without Python or MLX (its half-type
 // header only), for profiling (cachegrind, perf) and A/B timing: the bench workload
 // (1 sequence, T tokens, H 32 / Hkv 8, D 128, block 16, shuffled blocks).
+// HOT=n alternates, call by call in one process, three things over the same bytes:
+// the decode on the shuffled pool (cold), the decode with every block id taken mod
+// n (hot: n blocks, 64 KiB each in float16, stay in L2), and a streaming read of a
+// buffer that size on the same threads. Cold minus hot is what memory costs the
+// decode; hot alone is its arithmetic. Alternating cancels the drift of a shared host.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -12,6 +17,7 @@
 #include <string>
 #include <vector>
 #include <ctime>
+#include <immintrin.h>
 #include "attention.h"
 #include "float_convert.h"
 #include "quant_rows.h"
@@ -19,6 +25,25 @@
 using namespace kvmetal;
 static double cpu_s() { timespec t; clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 static double wall_s() { timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+// One pass over buf split across the pool's threads: 4 independent 32-byte loads per step.
+static float stream_read(const std::vector<float>& buf) {
+  const int64_t parts = ThreadPool::instance().num_threads(), n = static_cast<int64_t>(buf.size());
+  std::vector<float> sums(parts);
+  ThreadPool::instance().parallel_for(parts, [&](int64_t t) {
+    const float* a = buf.data() + n * t / parts;
+    const float* e = buf.data() + n * (t + 1) / parts - 31;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (; a < e; a += 32) {
+      s0 = _mm256_add_ps(s0, _mm256_loadu_ps(a)); s1 = _mm256_add_ps(s1, _mm256_loadu_ps(a + 8));
+      s2 = _mm256_add_ps(s2, _mm256_loadu_ps(a + 16)); s3 = _mm256_add_ps(s3, _mm256_loadu_ps(a + 24));
+    }
+    alignas(32) float o[8];
+    _mm256_store_ps(o, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    sums[t] = o[0];
+  });
+  return std::accumulate(sums.begin(), sums.end(), 0.f);
+}
+static double median(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
 int main(int argc, char** argv) {
   std::string kind = argv[1]; int T = atoi(argv[2]); int threads = atoi(argv[3]); int reps = atoi(argv[4]);
   const char* level = argc > 5 ? argv[5] : "avx512";
@@ -62,6 +87,30 @@ int main(int argc, char** argv) {
     quant(kv, kf, 8, kw, ks, kb); quant(vv, vf, 4, vw, vs, vb);
   }
   fprintf(stderr, "kernels: %s\n", tile_kernels(D).name);
+  if (const char* hot_env = getenv("HOT")) {
+    std::vector<int32_t> hot(table);
+    for (auto& b : hot) b %= std::max(1, atoi(hot_env));
+    std::vector<float> buf(bytes / 4, 1.f);
+    std::vector<double> cold_s, hot_s, read_s;
+    volatile float sink = 0;
+    for (int i = 0; i <= reps; ++i) {  // the first round warms up and is not counted
+      double t0 = wall_s();
+      p.block_tables = table.data(); decode_attention(p, kv, vv);
+      double t1 = wall_s();
+      p.block_tables = hot.data(); decode_attention(p, kv, vv);
+      double t2 = wall_s();
+      sink = sink + stream_read(buf);
+      double t3 = wall_s();
+      if (i) { cold_s.push_back(t1 - t0); hot_s.push_back(t2 - t1); read_s.push_back(t3 - t2); }
+    }
+    const double c = median(cold_s), h = median(hot_s), r = median(read_s);
+    printf("%s T=%d thr=%d %s, medians of %d alternating rounds: cold %.2f ms (%.2f GB/s), hot %.2f ms, "
+           "read of the same bytes %.2f ms (%.2f GB/s)\n  the decode reads at %.2f of the read bandwidth; the hot run "
+           "(arithmetic alone) takes %.2f of the cold one; memory adds %.2f ms\n",
+           kind.c_str(), T, threads, level, reps, c * 1e3, bytes / c / 1e9, h * 1e3, r * 1e3, bytes / r / 1e9, r / c,
+           h / c, (c - h) * 1e3);
+    return 0;
+  }
   decode_attention(p, kv, vv);  // warm
   std::vector<double> c, w;
   for (int i = 0; i < reps; ++i) { double c0 = cpu_s(), w0 = wall_s(); decode_attention(p, kv, vv); c.push_back(cpu_s() - c0); w.push_back(wall_s() - w0); }
