@@ -8,6 +8,7 @@
 
 #include "query_q8.h"
 #include "output_row.h"
+#include "split_merge.h"
 #include "sparse_v.h"
 #include "thread_pool.h"
 
@@ -19,7 +20,6 @@ constexpr int kItemsPerThread = 8;  // enough items to balance uneven ones (and
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct TokenRange {
   int lo = 0, hi = 0;  // [lo, hi)
@@ -497,23 +497,14 @@ void reduce_row(const AttentionParams& p, const TileKernels& tk, const float* pa
   const int64_t first_item = (static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits;
   auto item = [&](int i) { return partials + (first_item + i) * lay.floats_per_item(); };
 
-  float M = kNegInf;
-  for (int i = 0; i < splits; ++i) M = std::max(M, item(i)[j]);
-  if (p.sinks) M = std::max(M, p.sinks[h]);
-
-  std::fill(tmp, tmp + D, 0.f);
-  float L = 0.f;
-  for (int i = 0; i < splits; ++i) {
-    const float* part = item(i);
-    if (part[R + j] == 0.f) continue;  // a split that saw nothing
-    const float w = std::exp(part[j] - M);
-    L += part[R + j] * w;
-    const float* acc = part + 2 * R + static_cast<int64_t>(j) * D;
-    for (int d = 0; d < D; ++d) tmp[d] += acc[d] * w;
-  }
-  if (p.sinks) L += std::exp(p.sinks[h] - M);
-  const float inv = L > 0.f ? 1.f / L : 0.f;  // a row that saw nothing outputs zeros
-  for (int d = 0; d < D; ++d) tmp[d] *= inv;
+  merge_partials(
+      [&](auto f) {
+        for (int i = 0; i < splits; ++i) {
+          const float* part = item(i);
+          f(part[j], part[R + j], part + 2 * R + static_cast<int64_t>(j) * D);
+        }
+      },
+      D, p.sinks ? p.sinks + h : nullptr, tmp);
 
   const int64_t row = p.row_offset(s, l, h);
   store_output_row(tk, p.q_kind, tmp, D, p.out, row);

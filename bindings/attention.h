@@ -24,43 +24,32 @@
 
 #include <cstdint>
 
+#include "head_params.h"
 #include "kv_view.h"
 
 namespace kvmetal {
 
-struct AttentionParams {
-  int num_seqs = 0;      // S (paged) or B (contiguous)
-  int query_len = 1;     // L, query tokens per sequence
-  int num_heads = 0;     // H, query heads
-  int num_kv_heads = 0;  // Hkv, H % Hkv == 0
-  int head_dim = 0;      // D
-  float scale = 1.f;
-  bool has_softcap = false;
-  float softcap = 0.f;
+struct AttentionParams : HeadParams {
+  // num_seqs is S (paged) or B (contiguous).
+  int query_len = 1;       // L, query tokens per sequence
   int sliding_window = 0;  // 0: none; else a query row sees only its last w tokens
-  int num_splits = 0;      // 0: pick a count that keeps every core busy
-  int min_tokens_per_split = 1;  // with num_splits 0: no split of fewer tokens (from Python)
+  int num_splits = 0;      // 0: pick a count that keeps every core busy (no split below min_tokens_per_split)
   // Sparse V (0 = exact): after a tile's softmax step, a query row whose weight
   // exp(s - m_running) of a key is below this does not accumulate the key's V row
   // (the weight stays in l), and a key no row of the tile needs has its V row
   // neither read nor prefetched.
   float sparse_v = 0.f;
 
-  // Where each sequence's tokens are.
+  // Where each sequence's tokens are (block_size, num_blocks: HeadParams).
   bool paged = false;
-  int block_size = 0;                      // paged
-  int64_t num_blocks = 0;                  // paged: block ids outside [0, num_blocks) are padding
   const int32_t* block_tables = nullptr;   // paged, [S, max_blocks] row-major
   int64_t max_blocks = 0;                  // paged
   const int32_t* seq_lens = nullptr;       // paged, [S]
   int contiguous_len = 0;                  // contiguous: T, the same for all
 
-  // Query and output rows, q_kind, row-major: [S, L, H, D] when paged,
-  // [B, H, L, D] when contiguous (the layout of mx.fast.scaled_dot_product_attention).
-  const char* query = nullptr;
-  FloatKind q_kind = FloatKind::f32;
-  const float* sinks = nullptr;  // [H] or null, shared by the L rows of a head
-  char* out = nullptr;
+  // Query and output rows (HeadParams) are row-major [S, L, H, D] when paged,
+  // [B, H, L, D] when contiguous (the layout of mx.fast.scaled_dot_product_attention);
+  // the sinks are shared by the L rows of a head.
 
   // First element of query/output row (s, l, h).
   int64_t row_offset(int s, int l, int h) const {

@@ -6,13 +6,13 @@
 #include <vector>
 
 #include "output_row.h"
+#include "split_merge.h"
 #include "sparse_v.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kItemsPerThread = 8;  // as in attention.cpp: enough items to balance uneven ones
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -184,22 +184,14 @@ void merge_row(const CascadeParams& p, const TileKernels& tk, const Groups& g, c
     for (int64_t i = first_item[st.group]; i < first_item[st.group + 1]; ++i)
       if (items[i].kvh == kvh) fn(partials.data() + items[i].offset, st.R, st.j);
   };
-  float M = p.sinks ? p.sinks[h] : kNegInf;
-  for (int c = 0; c < count; ++c)
-    for_each_item(states[c], [&](const float* part, int, int j) { M = std::max(M, part[j]); });
-  std::fill(tmp, tmp + D, 0.f);
-  float L = 0.f;
-  for (int c = 0; c < count; ++c)
-    for_each_item(states[c], [&](const float* part, int R, int j) {
-      if (part[R + j] == 0.f) return;  // a split that saw nothing
-      const float w = std::exp(part[j] - M);
-      L += part[R + j] * w;
-      const float* a = part + 2 * R + static_cast<int64_t>(j) * D;
-      for (int d = 0; d < D; ++d) tmp[d] += a[d] * w;
-    });
-  if (p.sinks) L += std::exp(p.sinks[h] - M);
-  const float inv = L > 0.f ? 1.f / L : 0.f;  // a row that saw nothing outputs zeros
-  for (int d = 0; d < D; ++d) tmp[d] *= inv;
+  merge_partials(
+      [&](auto f) {
+        for (int c = 0; c < count; ++c)
+          for_each_item(states[c], [&](const float* part, int R, int j) {
+            f(part[j], part[R + j], part + 2 * R + static_cast<int64_t>(j) * D);
+          });
+      },
+      D, p.sinks ? p.sinks + h : nullptr, tmp);
   const int64_t row = (static_cast<int64_t>(s) * p.num_heads + h) * D;
   store_output_row(tk, p.q_kind, tmp, D, p.out, row);
 }

@@ -19,23 +19,14 @@
 
 #include <cstdint>
 
+#include "head_params.h"
 #include "kv_view.h"
 
 namespace kvmetal {
 
-struct CascadeParams {
-  int num_seqs = 0;      // S
-  int num_heads = 0;     // H
-  int num_kv_heads = 0;  // Hkv, H % Hkv == 0
-  int head_dim = 0;      // D
-  float scale = 1.f;
-  bool has_softcap = false;
-  float softcap = 0.f;
-  int min_tokens_per_split = 1;  // no KV split of fewer tokens (from Python)
-  float sparse_v = 0.f;          // sparse V threshold tau (sparse_v.h; 0 = exact)
-
-  int block_size = 0;
-  int64_t num_blocks = 0;  // block ids outside [0, num_blocks) are padding
+struct CascadeParams : HeadParams {
+  // num_seqs is S; query, sinks and out (HeadParams) are [S, H, D] row-major.
+  float sparse_v = 0.f;  // sparse V threshold tau (sparse_v.h; 0 = exact)
 
   int num_prefixes = 0;                    // P
   const int32_t* prefix_tables = nullptr;  // [P, prefix_width] row-major
@@ -46,11 +37,6 @@ struct CascadeParams {
   const int32_t* block_tables = nullptr;  // [S, width] row-major: the sequences' own blocks
   int64_t width = 0;
   const int32_t* seq_lens = nullptr;  // [S]: own tokens
-
-  const char* query = nullptr;  // [S, H, D] row-major, q_kind
-  FloatKind q_kind = FloatKind::f32;
-  const float* sinks = nullptr;  // [H] or null
-  char* out = nullptr;           // [S, H, D] row-major, q_kind
 };
 
 void paged_attention_cascade(const CascadeParams& p, const KVView& k, const KVView& v);

@@ -62,21 +62,10 @@ void CascadeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, s
     const std::vector<Tensor>& vt = in.v;
     Storage st;
     CascadeParams p;
-    Tensor qm = row_major(q, new_slot(st));
-    p.query = qm.ptr;
-    p.q_kind = float_kind(qm.dtype, "kvmetal");
-    p.out = out_ptr;
+    fill_head_params(p, q, kt, vt, opts, has_sinks ? &sinks : nullptr, true, st, out_ptr);
     p.num_seqs = static_cast<int>(q.shape[0]);
     p.num_heads = static_cast<int>(q.shape[1]);
-    p.head_dim = static_cast<int>(q.shape[2]);
-    p.num_kv_heads = static_cast<int>(kt[0].shape[1]);
-    p.scale = opts.scale;
-    p.has_softcap = opts.softcap.has_value();
-    p.softcap = opts.softcap.value_or(0.f);
-    p.min_tokens_per_split = opts.min_tokens_per_split;
     p.sparse_v = opts.sparse_v;
-    p.block_size = static_cast<int>(kt[0].shape[2]);
-    p.num_blocks = std::min(kt[0].shape[0], vt[0].shape[0]);
     p.num_prefixes = static_cast<int>(pt.shape[0]);
     p.prefix_tables = int32_data(pt, st);
     p.prefix_width = pt.shape[1];
@@ -85,7 +74,6 @@ void CascadeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, s
     p.block_tables = int32_data(bt, st);
     p.width = bt.shape[1];
     p.seq_lens = int32_data(sl, st);
-    if (has_sinks) p.sinks = reinterpret_cast<const float*>(row_major(sinks, new_slot(st)).ptr);
     KVView k = make_view(kt, kq, st);
     KVView v = make_view(vt, vq, st);
     paged_attention_cascade(p, k, v);
@@ -102,11 +90,7 @@ mx::array paged_attention_cascade(const mx::array& query, const std::vector<mx::
   const char* op = "paged_attention_cascade";
   check_float(query, op, "query");
   if (query.ndim() != 3) fail(op, "query must have rank 3 [S, H, D]");
-  const int D = query.shape(2);
-  if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
-    fail(op, "key/value head_dim must equal the query's " + std::to_string(D));
-  const int hkv = k[0].shape(1);
-  if (v[0].shape(1) != hkv || hkv == 0 || query.shape(1) % hkv) fail(op, "num_heads must be a multiple of num_kv_heads");
+  std::vector<mx::array> inputs = attention_inputs(op, query, query.shape(1), k, kq, v, vq);
   if (k[0].shape(2) != v[0].shape(2)) fail(op, "key and value block sizes differ");
   const int S = query.shape(0);
   if (prefix_tables.ndim() != 2 || prefix_lens.ndim() != 1 || prefix_lens.shape(0) != prefix_tables.shape(0))
@@ -114,18 +98,11 @@ mx::array paged_attention_cascade(const mx::array& query, const std::vector<mx::
   if (prefix_of.ndim() != 1 || prefix_of.shape(0) != S) fail(op, "prefix_of must be [S]");
   if (block_tables.ndim() != 2 || block_tables.shape(0) != S) fail(op, "block_tables must be [S, M]");
   if (seq_lens.ndim() != 1 || seq_lens.shape(0) != S) fail(op, "seq_lens must be [S]");
-  std::vector<mx::array> inputs{query};
-  inputs.insert(inputs.end(), k.begin(), k.end());
-  inputs.insert(inputs.end(), v.begin(), v.end());
   for (const mx::array* a : {&prefix_tables, &prefix_lens, &prefix_of, &block_tables, &seq_lens}) {
     if (a->dtype() != mx::int32 && a->dtype() != mx::int64) fail(op, "index arrays must be int32 or int64");
     inputs.push_back(*a);
   }
-  if (sinks) {
-    if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(query.shape(1)))
-      fail(op, "sinks must be float32 [num_heads]");
-    inputs.push_back(*sinks);
-  }
+  append_sinks(op, sinks, query.shape(1), inputs);
   auto prim = std::make_shared<CascadeAttentionPrimitive>(cpu_stream(), kq, vq, opts, sinks.has_value());
   return mx::array(query.shape(), query.dtype(), prim, inputs);
 }

@@ -3,9 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "head_params.h"
 #include "kv_view.h"
 #include "mlx/array.h"
 #include "primitives.h"
@@ -25,6 +27,25 @@ const int32_t* int32_data(const Tensor& t, Storage& st);
 
 // The KVView of a cache given as 1 (float) or 3 (data, scales, biases) arrays.
 KVView make_view(const std::vector<Tensor>& arrays, QuantSpec q, Storage& st);
+
+// The HeadParams every attention primitive fills alike: the query (row-major,
+// copied into st if it is not) and the output, head_dim (the query's last axis),
+// kv heads, scale, softcap, the split floor, the sinks (null: none) and, for a
+// paged cache [blocks, Hkv, block_size, D], its block shape. num_seqs and
+// num_heads depend on the op's query layout: the caller sets them.
+void fill_head_params(HeadParams& p, const Tensor& q, const std::vector<Tensor>& k, const std::vector<Tensor>& v,
+                      const AttentionOptions& opts, const Tensor* sinks, bool paged, Storage& st, char* out);
+
+// The checks every attention op makes of its caches against the query (head_dim
+// the query's last axis, num_heads a multiple of the kv heads), and the inputs
+// it starts with: the query, then K's and V's arrays.
+std::vector<mx::array> attention_inputs(const char* op, const mx::array& query, int num_heads,
+                                        const std::vector<mx::array>& k, QuantSpec kq,
+                                        const std::vector<mx::array>& v, QuantSpec vq);
+
+// The sinks (float32 [num_heads]) appended to inputs, if given.
+void append_sinks(const char* op, const std::optional<mx::array>& sinks, int num_heads,
+                  std::vector<mx::array>& inputs);
 
 std::vector<Tensor> describe_all(const std::vector<mx::array>& inputs, size_t first, int count);
 

@@ -152,6 +152,47 @@ int check_cache(const std::vector<mx::array>& c, QuantSpec q, const char* op, co
   return D;
 }
 
+void fill_head_params(HeadParams& p, const Tensor& q, const std::vector<Tensor>& k, const std::vector<Tensor>& v,
+                      const AttentionOptions& opts, const Tensor* sinks, bool paged, Storage& st, char* out) {
+  const Tensor qm = row_major(q, new_slot(st));
+  p.query = qm.ptr;
+  p.q_kind = float_kind(qm.dtype, "kvmetal");
+  p.out = out;
+  p.head_dim = static_cast<int>(q.shape.back());
+  p.num_kv_heads = static_cast<int>(k[0].shape[1]);
+  p.scale = opts.scale;
+  p.has_softcap = opts.softcap.has_value();
+  p.softcap = opts.softcap.value_or(0.f);
+  p.min_tokens_per_split = opts.min_tokens_per_split;
+  if (paged) {
+    p.block_size = static_cast<int>(k[0].shape[2]);
+    p.num_blocks = std::min(k[0].shape[0], v[0].shape[0]);  // ops checks they match
+  }
+  if (sinks) p.sinks = reinterpret_cast<const float*>(row_major(*sinks, new_slot(st)).ptr);
+}
+
+std::vector<mx::array> attention_inputs(const char* op, const mx::array& query, int num_heads,
+                                        const std::vector<mx::array>& k, QuantSpec kq,
+                                        const std::vector<mx::array>& v, QuantSpec vq) {
+  const int D = query.shape(-1);
+  if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
+    fail(op, "key/value head_dim must equal the query's " + std::to_string(D));
+  const int hkv = k[0].shape(1);
+  if (v[0].shape(1) != hkv || hkv == 0 || num_heads % hkv) fail(op, "num_heads must be a multiple of num_kv_heads");
+  std::vector<mx::array> inputs{query};
+  inputs.insert(inputs.end(), k.begin(), k.end());
+  inputs.insert(inputs.end(), v.begin(), v.end());
+  return inputs;
+}
+
+void append_sinks(const char* op, const std::optional<mx::array>& sinks, int num_heads,
+                  std::vector<mx::array>& inputs) {
+  if (!sinks) return;
+  if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(num_heads))
+    fail(op, "sinks must be float32 [num_heads]");
+  inputs.push_back(*sinks);
+}
+
 std::vector<Tensor> describe_all(const std::vector<mx::array>& inputs, size_t first, int count) {
   std::vector<Tensor> out;
   for (int i = 0; i < count; ++i) out.push_back(describe(inputs[first + i]));
@@ -192,35 +233,23 @@ void DecodeAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
     const std::vector<Tensor>& vt = in.v;
     Storage st;
     AttentionParams p;
-    Tensor qm = row_major(q, new_slot(st));
-    p.query = qm.ptr;
-    p.q_kind = float_kind(qm.dtype, "kvmetal");
-    p.out = out_ptr;
+    fill_head_params(p, q, kt, vt, opts, has_sinks ? &sinks : nullptr, paged, st, out_ptr);
     // Paged queries are [S, L, H, D] (or [S, H, D]: L = 1), contiguous ones [B, H, L, D].
     const bool rank4 = q.shape.size() == 4;
     p.num_seqs = static_cast<int>(q.shape[0]);
     p.query_len = paged ? (rank4 ? static_cast<int>(q.shape[1]) : 1) : static_cast<int>(q.shape[2]);
     p.num_heads = static_cast<int>(paged ? q.shape[q.shape.size() - 2] : q.shape[1]);
-    p.head_dim = static_cast<int>(q.shape.back());
-    p.num_kv_heads = static_cast<int>(kt[0].shape[1]);
-    p.scale = opts.scale;
-    p.has_softcap = opts.softcap.has_value();
-    p.softcap = opts.softcap.value_or(0.f);
     p.sliding_window = opts.sliding_window;
     p.num_splits = opts.num_splits;
-    p.min_tokens_per_split = opts.min_tokens_per_split;
     p.sparse_v = opts.sparse_v;
     p.paged = paged;
     if (paged) {
-      p.block_size = static_cast<int>(kt[0].shape[2]);
-      p.num_blocks = std::min(kt[0].shape[0], vt[0].shape[0]);  // ops checks they match
       p.block_tables = int32_data(bt, st);
       p.max_blocks = bt.shape[1];
       p.seq_lens = int32_data(sl, st);
     } else {
       p.contiguous_len = static_cast<int>(kt[0].shape[2]);
     }
-    if (has_sinks) p.sinks = reinterpret_cast<const float*>(row_major(sinks, new_slot(st)).ptr);
     KVView k = make_view(kt, kq, st);
     KVView v = make_view(vt, vq, st);
     decode_attention(p, k, v);
@@ -245,16 +274,8 @@ static mx::array attention_op(const char* op, bool paged, const mx::array& query
   if (paged ? (qrank != 3 && qrank != 4) : qrank != 4)
     fail(op, std::string("query must have rank ") + (paged ? "3 or 4 ([S, H, D] or [S, L, H, D])" : "4 ([B, H, L, D])") +
                  ", got " + shape_str(query.shape()));
-  const int D = query.shape(-1);
-  if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
-    fail(op, "key/value head_dim must equal the query's " + std::to_string(D));
-  const int hkv = k[0].shape(1);
   const int num_heads = paged ? query.shape(-2) : query.shape(1);
-  if (v[0].shape(1) != hkv || hkv == 0 || num_heads % hkv)
-    fail(op, "num_heads must be a multiple of num_kv_heads");
-  std::vector<mx::array> inputs{query};
-  inputs.insert(inputs.end(), k.begin(), k.end());
-  inputs.insert(inputs.end(), v.begin(), v.end());
+  std::vector<mx::array> inputs = attention_inputs(op, query, num_heads, k, kq, v, vq);
   if (paged) {
     if (block_tables->ndim() != 2 || block_tables->shape(0) != query.shape(0)) fail(op, "block_tables must be [S, max_blocks]");
     if (seq_lens->ndim() != 1 || seq_lens->shape(0) != query.shape(0)) fail(op, "seq_lens must be [S]");
@@ -265,11 +286,7 @@ static mx::array attention_op(const char* op, bool paged, const mx::array& query
     if (k[0].shape(0) != query.shape(0) || v[0].shape(0) != query.shape(0) || k[0].shape(2) != v[0].shape(2))
       fail(op, "keys/values must be [B, Hkv, T, D] matching the query");
   }
-  if (sinks) {
-    if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(num_heads))
-      fail(op, "sinks must be float32 [num_heads]");
-    inputs.push_back(*sinks);
-  }
+  append_sinks(op, sinks, num_heads, inputs);
   auto prim = std::make_shared<DecodeAttentionPrimitive>(cpu_stream(), paged, kq, vq, opts, sinks.has_value());
   return mx::array(query.shape(), query.dtype(), prim, inputs);
 }
@@ -310,27 +327,15 @@ void VarlenAttentionPrimitive::eval_cpu(const std::vector<mx::array>& inputs, st
     const std::vector<Tensor>& vt = in.v;
     Storage st;
     VarlenParams p;
-    Tensor qm = row_major(q, new_slot(st));
-    p.query = qm.ptr;
-    p.q_kind = float_kind(qm.dtype, "kvmetal");
-    p.out = out_ptr;
+    fill_head_params(p, q, kt, vt, opts, has_sinks ? &sinks : nullptr, true, st, out_ptr);
     p.num_tokens = static_cast<int>(q.shape[0]);
     p.num_heads = static_cast<int>(q.shape[1]);
-    p.head_dim = static_cast<int>(q.shape[2]);
     p.num_seqs = static_cast<int>(bt.shape[0]);
-    p.num_kv_heads = static_cast<int>(kt[0].shape[1]);
-    p.scale = opts.scale;
-    p.has_softcap = opts.softcap.has_value();
-    p.softcap = opts.softcap.value_or(0.f);
     p.sliding_window = opts.sliding_window;
-    p.min_tokens_per_split = opts.min_tokens_per_split;
-    p.block_size = static_cast<int>(kt[0].shape[2]);
-    p.num_blocks = std::min(kt[0].shape[0], vt[0].shape[0]);  // ops checks they match
     p.block_tables = int32_data(bt, st);
     p.max_blocks = bt.shape[1];
     p.seq_lens = int32_data(sl, st);
     p.query_start_loc = int32_data(qsl, st);
-    if (has_sinks) p.sinks = reinterpret_cast<const float*>(row_major(sinks, new_slot(st)).ptr);
     KVView k = make_view(kt, kq, st);
     KVView v = make_view(vt, vq, st);
     paged_attention_varlen(p, k, v);
@@ -353,11 +358,7 @@ mx::array paged_attention_varlen(const mx::array& query, const std::vector<mx::a
   const char* op = "paged_attention_varlen";
   check_float(query, op, "query");
   if (query.ndim() != 3) fail(op, "query must have rank 3 ([T, H, D]), got " + shape_str(query.shape()));
-  const int D = query.shape(2);
-  if (check_cache(k, kq, op, "key_cache") != D || check_cache(v, vq, op, "value_cache") != D)
-    fail(op, "key/value head_dim must equal the query's " + std::to_string(D));
-  const int hkv = k[0].shape(1);
-  if (v[0].shape(1) != hkv || hkv == 0 || query.shape(1) % hkv) fail(op, "num_heads must be a multiple of num_kv_heads");
+  std::vector<mx::array> inputs = attention_inputs(op, query, query.shape(1), k, kq, v, vq);
   if (k[0].shape(2) != v[0].shape(2)) fail(op, "key and value block sizes differ");
   if (block_tables.ndim() != 2) fail(op, "block_tables must be [S, max_blocks]");
   const int S = block_tables.shape(0);
@@ -365,17 +366,10 @@ mx::array paged_attention_varlen(const mx::array& query, const std::vector<mx::a
   if (query_start_loc.ndim() != 1 || query_start_loc.shape(0) != S + 1) fail(op, "query_start_loc must be [S + 1]");
   for (const mx::array* a : {&block_tables, &seq_lens, &query_start_loc})
     if (a->dtype() != mx::int32 && a->dtype() != mx::int64) fail(op, "index arrays must be int32 or int64");
-  std::vector<mx::array> inputs{query};
-  inputs.insert(inputs.end(), k.begin(), k.end());
-  inputs.insert(inputs.end(), v.begin(), v.end());
   inputs.push_back(block_tables);
   inputs.push_back(seq_lens);
   inputs.push_back(query_start_loc);
-  if (sinks) {
-    if (sinks->dtype() != mx::float32 || sinks->size() != static_cast<size_t>(query.shape(1)))
-      fail(op, "sinks must be float32 [num_heads]");
-    inputs.push_back(*sinks);
-  }
+  append_sinks(op, sinks, query.shape(1), inputs);
   auto prim = std::make_shared<VarlenAttentionPrimitive>(cpu_stream(), kq, vq, opts, sinks.has_value());
   return mx::array(query.shape(), query.dtype(), prim, inputs);
 }

@@ -8,12 +8,12 @@
 #include <vector>
 
 #include "output_row.h"
+#include "split_merge.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
 namespace {
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kKeyTile = kMaxTileRows;  // keys per step: whole blocks, as block_size divides 32
 constexpr int kItemsPerThread = 8;      // items enough to balance uneven ones
 
@@ -246,26 +246,14 @@ void reduce(const VarlenParams& p, const TileKernels& tk, const Run& run, const 
   const float* first = partials + (tile.partial + static_cast<int64_t>(kvh) * tile.splits) * slot_floats;
   for (int j = 0; j < R; ++j) {
     const int h = kvh * G + j % G;
-    float M = kNegInf;
-    for (int k = 0; k < tile.splits; ++k) {
-      const float* part = first + k * slot_floats;
-      if (part[R + j] > 0.f) M = std::max(M, part[j]);
-    }
-    if (p.sinks) M = std::max(M, p.sinks[h]);
-    std::fill(tmp.begin(), tmp.end(), 0.f);
-    float L = 0.f;
-    for (int k = 0; k < tile.splits; ++k) {
-      const float* part = first + k * slot_floats;
-      if (part[R + j] == 0.f) continue;  // a split that saw nothing
-      const float w = std::exp(part[j] - M);
-      L += part[R + j] * w;
-      const float* acc = part + 2 * R + static_cast<int64_t>(j) * D;
-      for (int d = 0; d < D; ++d) tmp[d] += acc[d] * w;
-    }
-    const bool seen = L > 0.f;
-    if (p.sinks) L += std::exp(p.sinks[h] - M);
-    const float inv = seen ? 1.f / L : 0.f;  // a row that saw nothing outputs zeros
-    for (int d = 0; d < D; ++d) tmp[d] *= inv;
+    merge_partials(
+        [&](auto f) {
+          for (int k = 0; k < tile.splits; ++k) {
+            const float* part = first + k * slot_floats;
+            f(part[j], part[R + j], part + 2 * R + static_cast<int64_t>(j) * D);
+          }
+        },
+        D, p.sinks ? p.sinks + h : nullptr, tmp.data());
     TileWalker::store_row(p, tk, run.row0 + tile.i0 + j / G, h, tmp.data());
   }
 }

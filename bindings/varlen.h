@@ -24,33 +24,19 @@
 
 #include <cstdint>
 
+#include "head_params.h"
 #include "kv_view.h"
 
 namespace kvmetal {
 
-struct VarlenParams {
-  int num_seqs = 0;      // S
-  int num_tokens = 0;    // T, query rows
-  int num_heads = 0;     // H
-  int num_kv_heads = 0;  // Hkv, H % Hkv == 0
-  int head_dim = 0;      // D
-  float scale = 1.f;
-  bool has_softcap = false;
-  float softcap = 0.f;
-  int sliding_window = 0;        // 0: none
-  int min_tokens_per_split = 1;  // no KV split of fewer tokens (from Python)
-
-  int block_size = 0;
-  int64_t num_blocks = 0;                 // block ids outside [0, num_blocks) are padding
+struct VarlenParams : HeadParams {
+  // num_seqs is S; query, sinks and out (HeadParams) are [T, H, D] row-major.
+  int num_tokens = 0;        // T, query rows
+  int sliding_window = 0;    // 0: none
   const int32_t* block_tables = nullptr;  // [S, max_blocks] row-major
   int64_t max_blocks = 0;
   const int32_t* seq_lens = nullptr;         // [S]
   const int32_t* query_start_loc = nullptr;  // [S + 1]
-
-  const char* query = nullptr;  // [T, H, D] row-major, q_kind
-  FloatKind q_kind = FloatKind::f32;
-  const float* sinks = nullptr;  // [H] or null
-  char* out = nullptr;           // [T, H, D] row-major, q_kind
 };
 
 void paged_attention_varlen(const VarlenParams& p, const KVView& k, const KVView& v);
