@@ -2,14 +2,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstdint>
 #include <vector>
 
 #include "query_q8.h"
 #include "output_row.h"
-#include "split_merge.h"
 #include "sparse_v.h"
+#include "split_merge.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
@@ -19,7 +18,6 @@ constexpr int kItemsPerThread = 8;  // enough items to balance uneven ones (and
                                     // threads that the OS pauses)
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
-
 
 struct TokenRange {
   int lo = 0, hi = 0;  // [lo, hi)

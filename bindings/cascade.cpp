@@ -2,12 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "output_row.h"
-#include "split_merge.h"
 #include "sparse_v.h"
+#include "split_merge.h"
 #include "thread_pool.h"
 
 namespace kvmetal {
