@@ -36,7 +36,7 @@ int cached_len(const AttentionParams& p, int s) {
 // sliding window w only t > p_l - w. Empty when p_l < 0.
 TokenRange row_range(const AttentionParams& p, int len, int l) {
   const int64_t hi = static_cast<int64_t>(len) - p.query_len + l + 1;
-  const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, hi - p.sliding_window) : 0;
+  const int64_t lo = p.first_visible(hi - 1);
   return {static_cast<int>(lo), static_cast<int>(std::max<int64_t>(hi, 0))};
 }
 
@@ -310,7 +310,7 @@ class ItemWalker {
     float* acc = part + 2 * R_;
     float* scores = sc_.scores.data();
     score(tile, kvh, sc_.q.data() + static_cast<int64_t>(kvh - kvh0_) * R_ * D_, scores);
-    if (p_.has_softcap) apply_softcap(scores, tile.rows);
+    p_.cap_scores(scores, R_, tile.rows, kMaxTileRows);
     mask(tile, scores);
     // Online softmax: new running max, rescale factors, probabilities.
     tk_.softmax_update(scores, R_, tile.rows, m, l, sc_.corr.data());
@@ -362,14 +362,6 @@ class ItemWalker {
     q.scale += j * kMaxQ8Groups;
     q.qi_sum += j * kMaxQ8Groups;
     return q;
-  }
-
-  void apply_softcap(float* scores, int n) const {
-    for (int j = 0; j < R_; ++j)
-      for (int r = 0; r < n; ++r) {
-        float& x = scores[j * kMaxTileRows + r];
-        x = p_.softcap * std::tanh(x / p_.softcap);
-      }
   }
 
   // -inf where a query row must not look: padding segments, and tokens

@@ -32,7 +32,6 @@ namespace kvmetal {
 struct AttentionParams : HeadParams {
   // num_seqs is S (paged) or B (contiguous).
   int query_len = 1;       // L, query tokens per sequence
-  int sliding_window = 0;  // 0: none; else a query row sees only its last w tokens
   int num_splits = 0;      // 0: pick a count that keeps every core busy (no split below min_tokens_per_split)
   // Sparse V (0 = exact): after a tile's softmax step, a query row whose weight
   // exp(s - m_running) of a key is below this does not accumulate the key's V row

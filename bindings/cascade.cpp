@@ -141,12 +141,7 @@ void run_item(const CascadeParams& p, const KVView& k, const KVView& v, const Ti
     const float* k_rows = k.tile(block, item.kvh, row0, n, sc.k_tile.data(), &ks, tk);
     float* scores = sc.scores.data();
     tk.scores(sc.q.data(), R, k_rows, ks, n, D, scores);
-    if (p.has_softcap)
-      for (int j = 0; j < R; ++j)
-        for (int r = 0; r < n; ++r) {
-          float& x = scores[j * kMaxTileRows + r];
-          x = p.softcap * std::tanh(x / p.softcap);
-        }
+    p.cap_scores(scores, R, n, kMaxTileRows);
     tk.softmax_update(scores, R, n, m, l, sc.corr.data());
     if (p.sparse_v > 0.f) {  // only the V rows some member row still needs (sparse_v.h)
       accumulate_sparse_v(

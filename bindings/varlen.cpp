@@ -63,7 +63,7 @@ int64_t position(const Run& r, int i) { return static_cast<int64_t>(r.len) - r.n
 
 KeyRange visible_keys(const VarlenParams& p, const Run& r, int i0, int i1) {
   const int64_t hi = std::max<int64_t>(0, position(r, i1 - 1) + 1);
-  const int64_t lo = p.sliding_window > 0 ? std::clamp<int64_t>(position(r, i0) - p.sliding_window + 1, 0, hi) : 0;
+  const int64_t lo = std::min(p.first_visible(position(r, i0)), hi);
   return KeyRange{static_cast<int>(lo), static_cast<int>(hi)};
 }
 
@@ -192,12 +192,7 @@ class TileWalker {
     float* scores = sc_.scores.data();
     load_tile(k_, t0, t1, sc_.k.data());
     tk_.scores(sc_.q.data(), R_, sc_.k.data(), D_, n, D_, scores);
-    if (p_.has_softcap)
-      for (int j = 0; j < R_; ++j)
-        for (int r = 0; r < n; ++r) {
-          float& x = scores[j * kMaxTileRows + r];
-          x = p_.softcap * std::tanh(x / p_.softcap);
-        }
+    p_.cap_scores(scores, R_, n, kMaxTileRows);
     mask(t0, n, scores);
     tk_.softmax_update(scores, R_, n, st.m, st.l, sc_.corr.data());
     load_tile(v_, t0, t1, sc_.v.data());
@@ -216,7 +211,7 @@ class TileWalker {
     if (t0 + n <= first + 1 && (w == 0 || t0 > last - w)) return;  // every row sees the whole tile
     for (int i = tile_.i0; i < tile_.i1; ++i) {
       const int64_t pos = position(run_, i);
-      const int64_t a = std::clamp<int64_t>(w > 0 ? pos - w + 1 - t0 : 0, 0, n);
+      const int64_t a = std::clamp<int64_t>(p_.first_visible(pos) - t0, 0, n);
       const int64_t b = std::clamp<int64_t>(pos + 1 - t0, a, n);
       for (int g = 0; g < G_; ++g) {
         float* row = scores + ((i - tile_.i0) * G_ + g) * kMaxTileRows;

@@ -32,7 +32,6 @@ namespace kvmetal {
 struct VarlenParams : HeadParams {
   // num_seqs is S; query, sinks and out (HeadParams) are [T, H, D] row-major.
   int num_tokens = 0;        // T, query rows
-  int sliding_window = 0;    // 0: none
   const int32_t* block_tables = nullptr;  // [S, max_blocks] row-major
   int64_t max_blocks = 0;
   const int32_t* seq_lens = nullptr;         // [S]

@@ -206,7 +206,7 @@ struct KvRowState {
 // the key is not visible to the row.
 template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4>
 inline float kv_score_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
-                          int r, int t, bool ok, int window, float softcap, int kl) {
+                          int r, int t, bool ok, KvVariant var, int kl) {
   constexpr int KAE = KAE4 * 4;
   constexpr int KNAR = D / KAE;
   float s = 0.0f;
@@ -222,17 +222,15 @@ inline float kv_score_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thre
   for (int off = 1; off < LPK; off <<= 1) {
     s += simd_shuffle_xor(s, ushort(off));
   }
-  if (softcap > 0.0f) {
-    s = softcap * KV_LOG2E * kv_tanh(s / softcap);
-  }
-  const bool visible = ok && t <= st.pos[r] && (window <= 0 || t > st.pos[r] - window);
+  s = var.logit(s);
+  const bool visible = ok && var.visible(t, st.pos[r]);
   s = visible ? s : KV_NEG_BIG;
   float m_pass = s;
   for (int off = LPK; off < 32; off <<= 1) {
     m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
   }
   if (m_pass > st.m[r]) {  // uniform: rescale only when the pass raises the max
-    const float correction = exp2(st.m[r] - m_pass);
+    const float correction = kv_weight(st.m[r], m_pass);
     st.l[r] *= correction;
     for (int c = 0; c < VNA; c++) {
       for (int j = 0; j < VAE4; j++) {
@@ -242,7 +240,7 @@ inline float kv_score_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thre
     }
     st.m[r] = m_pass;
   }
-  return visible ? exp2(s - st.m[r]) : 0.0f;
+  return visible ? kv_weight(s, st.m[r]) : 0.0f;
 }
 
 // Add p * v (this lane's V atoms) to row r's accumulator.
@@ -268,9 +266,9 @@ inline void kv_accumulate_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, 
 // the running state of every row. The exact path: V was loaded with K.
 template <int D, int RPS, int LPK, int KBITS, int VBITS, int KNA, int KAE4, int VNA, int VAE4>
 inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
-                    thread const KvAtoms<VNA, VAE4>& v, int t, bool ok, int window, float softcap, int kl) {
+                    thread const KvAtoms<VNA, VAE4>& v, int t, bool ok, KvVariant var, int kl) {
   for (int r = 0; r < RPS; r++) {
-    const float p = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, window, softcap, kl);
+    const float p = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, var, kl);
     st.l[r] += p;
     kv_accumulate_row<D, RPS, LPK, VBITS>(st, v, r, p, kl);
   }
@@ -287,12 +285,12 @@ inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread con
 template <int D, int RPS, int LPK, int KBITS, int VBITS, int VGS, int VAW, int KNA, int KAE4, int VNA, int VAE4,
           typename PVD, typename PVS>
 inline void kv_pass_sparse(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
-                           PVD vdata, PVS vscales, PVS vbiases, KvAt va, KvSteps vsteps, int t, bool ok, int window,
-                           float softcap, float tau, int kl, int kg) {
+                           PVD vdata, PVS vscales, PVS vbiases, KvAt va, KvSteps vsteps, int t, bool ok, KvVariant var,
+                           float tau, int kl, int kg) {
   float p[RPS];
   bool need = false;
   for (int r = 0; r < RPS; r++) {
-    p[r] = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, window, softcap, kl);
+    p[r] = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, var, kl);
     st.l[r] += p[r];
     need = need || p[r] >= tau;
   }
@@ -374,7 +372,7 @@ struct KvSplitRange {
 };
 
 inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits) {
-  const int first = window > 0 ? max(0, len - L + 1 - window) : 0;
+  const int first = kv_first_visible(len - L, window);
   const int start = (first / 32) * 32;
   const int units = (len - start + 31) / 32;
   const int per = (units + num_splits - 1) / num_splits * 32;
@@ -516,7 +514,8 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
   constexpr int VNG = VBITS ? D / VGS : 1;
   const int kl = lane % LPK;
   const int kg = lane / LPK;
-  const float qscale = softcap > 0.0f ? scale : scale * KV_LOG2E;
+  const KvVariant var = kv_variant(scale, softcap, window);
+  const float qscale = var.q_scale;
 
   KvRowState<RPS, KNA, KAE4, VNA, VAE4> st;
 
@@ -544,7 +543,7 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
         const KvAtoms<KNA, KAE4> k_next =
             kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
         kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW>(st, k, vdata, vscales, vbiases, va_now, vsteps, t, ok,
-                                                            window, softcap, sparse_v, kl, kg);
+                                                            var, sparse_v, kl, kg);
         k = k_next;
         t = t_next;
         ok = ok_next;
@@ -558,7 +557,7 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
             kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
         const KvAtoms<VNA, VAE4> v_next =
             kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
-        kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+        kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
         k = k_next;
         v = v_next;
         t = t_next;
@@ -614,11 +613,11 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
           if (SV) {
             // The tile already holds V (copied with K): sparse V skips the
             // accumulation and the tile reads, not the device loads.
-            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW>(st, k, tvd, tvs, tvb, va, unit, t, ok, window,
-                                                                softcap, sparse_v, kl, kg);
+            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW>(st, k, tvd, tvs, tvb, va, unit, t, ok, var,
+                                                                sparse_v, kl, kg);
           } else {
             const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(tvd, tvs, tvb, va, unit, ok, kl, kg);
-            kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, window, softcap, kl);
+            kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
           }
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -649,7 +648,7 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
         l = l * mg.scale_a + merge_stats[(s * RPS + r) * 2 + 1] * mg.scale_b;
         m = mg.m;
       }
-      const float mine = exp2(st.m[r] - m);
+      const float mine = kv_weight(st.m[r], m);
       // Simdgroups 1.. publish their scaled accumulators; simdgroup 0 adds them.
       if (sg > 0 && kg == 0) {
         for (int c = 0; c < VNA; c++) {
@@ -853,7 +852,7 @@ constexpr int CPL = (D / 4 + 31) / 32;
 float m = KV_NEG_BIG;
 float denom = 0.0f;
 if (HAS_SINKS) {
-  m = sinks[head] * KV_LOG2E;
+  m = kv_sink_logit(sinks[head]);
   denom = 1.0f;
 }
 float4 o[CPL];

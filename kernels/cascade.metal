@@ -106,7 +106,7 @@ constexpr int CPL = (D / 4 + 31) / 32;
 float m = KV_NEG_BIG;
 float denom = 0.0f;
 if (HAS_SINKS) {
-  m = sinks[head] * KV_LOG2E;
+  m = kv_sink_logit(sinks[head]);
   denom = 1.0f;
 }
 float4 o[CPL];

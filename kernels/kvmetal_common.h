@@ -209,6 +209,78 @@ struct KvGatherParams {
 // every exponential is one exp2.
 static constant constexpr const float KV_LOG2E = 1.44269504088896341f;
 
+// ------------------------------------------------------- attention variant
+//
+// What an attention kernel does to a score, defined once for decode, varlen and
+// cascade (after FlashInfer's attention variants): the query's pre-scale, the
+// softcap, the causal and sliding-window masks, the sinks' place in the
+// softmax, and the exponential. Kernels call these and never spell the math
+// themselves: tools/msl_check.py fails on exp2 / exp / tanh / log / rsqrt
+// called anywhere but in the one helper that owns it (kv_exp2 below), because
+// the attention kernels build with relaxed (fast) math on macOS 15+, where a
+// bare tanh is NaN past |x| ~ 44 and silently drops the highest-scoring keys.
+
+// The kernels' one exponential. Every argument is a difference of log2-unit
+// scores (<= 0 once the running max is in) or a bounded tanh argument, where
+// fast exp2 is exact enough and cannot overflow into the result.
+inline float kv_exp2(float x) {
+  return exp2(x);
+}
+
+// tanh that stays finite under fast math. Metal's fast tanh is (e^2x - 1) /
+// (e^2x + 1), NaN once e^2x overflows (x > ~44); with e = 2^(-2 log2(e) |x|) in
+// (0, 1] nothing overflows, and a NaN argument still gives NaN.
+inline float kv_tanh(float x) {
+  const float e = kv_exp2(-2.0f * KV_LOG2E * fabs(x));
+  return copysign((1.0f - e) / (1.0f + e), x);
+}
+
+// The first key a query at position pos sees under a sliding window (0 = off).
+inline int kv_first_visible(int pos, int window) {
+  return window > 0 ? max(0, pos - window + 1) : 0;
+}
+
+// The score path of one launch (from KvAttnParams' scale, softcap, window).
+struct KvVariant {
+  float q_scale;   // on the query: scale * log2(e), or scale alone under a softcap
+  float softcap;   // 0 = off
+  float cap_log2;  // softcap * log2(e)
+  int window;      // sliding window, 0 = off
+
+  // q_scale-scaled q . k -> the key's logit in log2 units (softcap through kv_tanh).
+  float logit(float s) const {
+    return softcap > 0.0f ? cap_log2 * kv_tanh(s / softcap) : s;
+  }
+  // Whether a query at position pos sees key t (causal, sliding window).
+  bool visible(int t, int pos) const {
+    return t <= pos && (window <= 0 || t > pos - window);
+  }
+  // The first key a query at position pos sees.
+  int first_visible(int pos) const {
+    return kv_first_visible(pos, window);
+  }
+};
+
+inline KvVariant kv_variant(float scale, float softcap, int window) {
+  KvVariant v;
+  v.softcap = softcap > 0.0f ? softcap : 0.0f;
+  v.q_scale = v.softcap > 0.0f ? scale : scale * KV_LOG2E;
+  v.cap_log2 = v.softcap * KV_LOG2E;
+  v.window = window;
+  return v;
+}
+
+// A key's weight against the running max m (both in log2 units).
+inline float kv_weight(float s, float m) {
+  return kv_exp2(s - m);
+}
+
+// A sink (one logit per query head, natural units) joins the softmax
+// denominator as a key with no value: the state (max, sum) it starts a row with.
+inline float kv_sink_logit(float sink) {
+  return sink * KV_LOG2E;
+}
+
 // The one softmax-state merge: states (m_a, l_a, o_a) and (m_b, l_b, o_b), with
 // maxima in log2 units, combine as m = max(m_a, m_b), l = l_a * scale_a +
 // l_b * scale_b, o = o_a * scale_a + o_b * scale_b. Used by the simdgroup merge
@@ -221,8 +293,8 @@ struct KvSoftmaxMerge {
 inline KvSoftmaxMerge kv_softmax_merge(float m_a, float m_b) {
   KvSoftmaxMerge r;
   r.m = max(m_a, m_b);
-  r.scale_a = exp2(m_a - r.m);
-  r.scale_b = exp2(m_b - r.m);
+  r.scale_a = kv_weight(m_a, r.m);
+  r.scale_b = kv_weight(m_b, r.m);
   return r;
 }
 
@@ -349,14 +421,6 @@ inline void kv_copy16(const constant T* src, threadgroup T* dst) {
   for (int e = 0; e < int(16 / sizeof(T)); e++) {
     dst[e] = src[e];
   }
-}
-
-// tanh that stays finite under fast math. Metal's fast tanh is (e^2x - 1) /
-// (e^2x + 1), NaN once e^2x overflows (x > ~44); with e = 2^(-2 log2(e) |x|) in
-// (0, 1] nothing overflows, and a NaN argument still gives NaN.
-inline float kv_tanh(float x) {
-  const float e = exp2(-2.0f * KV_LOG2E * fabs(x));
-  return copysign((1.0f - e) / (1.0f + e), x);
 }
 
 // Value e of a run of BITS-bit values packed little-endian in 32-bit words

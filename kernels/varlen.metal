@@ -156,7 +156,8 @@ const bool row_ok = r < r_end && q_row >= 0 && q_row < p.num_tokens && o_row >= 
 // Keys of the tile: [lo, hi); the split's share in whole K/V tiles.
 const int pos_first = len - n + min(r0, max(rows - 1, 0)) / G;
 const int pos_last = len - n + max(r_end - 1, 0) / G;
-const int lo = p.window > 0 ? max(0, pos_first - p.window + 1) : 0;
+const KvVariant var = kv_variant(p.scale, p.softcap, p.window);
+const int lo = var.first_visible(pos_first);
 const int hi = r_end > r0 ? pos_last + 1 : 0;
 const int t_start = lo / BK * BK;
 const int n_tiles = hi > t_start ? (hi - t_start + BK - 1) / BK : 0;
@@ -165,7 +166,7 @@ const int t_begin = t_start + split * per_split * BK;
 const int t_end = min(hi, t_begin + per_split * BK);
 
 // Q fragments (rows x dims), pre-scaled: scores in log2 units unless softcapped.
-const float qscale = p.softcap > 0.0f ? p.scale : p.scale * KV_LOG2E;
+const float qscale = var.q_scale;
 simdgroup_float8x8 qf[DF];
 simdgroup_float8x8 of[DF];
 for (int j = 0; j < DF; j++) {
@@ -205,12 +206,8 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     for (int e = 0; e < 2; e++) {
       const int c = kb * 8 + fn + e;
       const int t = t0 + c;
-      const bool vis = row_ok && tile_ok[c] != 0 && t <= pos && (p.window <= 0 || t > pos - p.window);
-      float s = sf[kb].thread_elements()[e];
-      if (p.softcap > 0.0f) {
-        s = p.softcap * KV_LOG2E * tanh(s / p.softcap);
-      }
-      s = vis ? s : KV_NEG_BIG;
+      const bool vis = row_ok && tile_ok[c] != 0 && var.visible(t, pos);
+      const float s = vis ? var.logit(sf[kb].thread_elements()[e]) : KV_NEG_BIG;
       sf[kb].thread_elements()[e] = s;
       tile_max = max(tile_max, s);
     }
@@ -218,12 +215,12 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
   tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
   const float m_new = max(m, tile_max);
-  const float factor = exp2(m - m_new);
+  const float factor = kv_weight(m, m_new);
   float tile_sum = 0.0f;
   for (int kb = 0; kb < KF; kb++) {
     for (int e = 0; e < 2; e++) {
       const float s = sf[kb].thread_elements()[e];
-      const float pr = s > 0.5f * KV_NEG_BIG ? exp2(s - m_new) : 0.0f;
+      const float pr = s > 0.5f * KV_NEG_BIG ? kv_weight(s, m_new) : 0.0f;
       sf[kb].thread_elements()[e] = pr;
       tile_sum += pr;
     }

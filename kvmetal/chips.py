@@ -15,6 +15,16 @@ from dataclasses import dataclass
 # passes the memory limit to its runtime, rt.cpp, as a compile-time define).
 THREADGROUP_MEMORY_LIMIT = 32 * 1024
 THREADS_PER_THREADGROUP_LIMIT = 1024
+# What kvmetal's own kernels launch at most. Apple lowers a pipeline's
+# maxTotalThreadsPerThreadgroup below 1024 when its lanes hold many registers: M1/M2
+# report about 384 for a pipeline of ~200 live 32-bit values per lane, and MLX then
+# refuses the launch ("Thread group size ... is greater than the maximum allowed").
+# Every specialisation stays at or under 384 threads and under PIPELINE_REGISTER_LIMIT
+# estimated live registers per lane (kvmetal/backends/metal.py, docs/kernels.md), so
+# the limit a Mac reports can never be below what we launch; the sim backend refuses
+# larger launches as such a pipeline would.
+PIPELINE_THREAD_LIMIT = 384
+PIPELINE_REGISTER_LIMIT = 200
 
 
 def _is_core_count(tag: str) -> bool:  # "30c": a binned variant's GPU core count

@@ -23,6 +23,30 @@ def test_lint_catches_what_metal_rejects(tmp_path):
         assert what in findings
 
 
+def test_lint_catches_bare_transcendentals_outside_their_owner(tmp_path):
+    # The issue-30 defect: varlen.metal's softcap with a bare tanh (NaN under fast math
+    # past |x| ~ 44). Any kernel file, present or future, is held to the rule.
+    scratch = tmp_path / "scratch.metal"
+    scratch.write_text("inline float kv_exp2(float x) { return exp2(x); }\n"   # the owner: allowed
+                       "inline float cap(float s, float c) { return c * tanh(s / c); }\n"
+                       "inline float w(float s, float m) { return exp2(s - m) + kv_exp2(s) + var.logit(s); }\n"
+                       "inline float n(float x) { return metal::fast::exp(x) + rsqrt(x) + log(x); }\n")
+    findings = msl_check.lint([scratch])
+    assert [f.split(": ")[1].split(" (")[0] for f in findings] == [
+        "bare tanh", "bare exp2", "bare exp", "bare rsqrt", "bare log"]
+    assert all(f.startswith(f"{scratch}:") for f in findings)
+    assert ":1:" not in "".join(findings)  # kv_exp2's own exp2 is the one allowed call
+
+
+def test_every_kernel_file_is_linted():
+    # lint() takes every kernels/*.metal and *.h: a new kernel file is checked without a list.
+    kernels = Path(msl_check.__file__).resolve().parent.parent / "kernels"
+    from kvmetal.backends import metal
+
+    families = {spec.family for spec in metal.SPECS.values()}
+    assert {p.stem for p in kernels.glob("*.metal")} == families
+
+
 needs_clang = pytest.mark.skipif(shutil.which("clang") is None, reason="clang not installed (apt: clang)")
 
 

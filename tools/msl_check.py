@@ -4,7 +4,13 @@ The simulator compiles the kernels as C++, which accepts things Metal rejects.
 Two checks close part of that gap:
 
 1. ``lint``: the MSL sources in ``kernels/`` must not use ``double``, ``std::``,
-   dynamic allocation, exceptions, function pointers or recursion.
+   dynamic allocation, exceptions, function pointers or recursion; and no
+   transcendental (``exp2``, ``exp``, ``tanh``, ``log``, ``rsqrt``...) may be
+   called outside the one helper of ``kernels/kvmetal_common.h`` that owns it
+   (:data:`MATH_OWNERS`). The attention kernels build with relaxed (fast) math on
+   macOS 15+, where a bare ``tanh`` is NaN past |x| ~ 44: the guarded forms live
+   in the attention variant there, and every kernel, present and future, must
+   go through them.
 2. ``syntax``: the exact sources MLX would compile (captured from
    ``mx.fast.metal_kernel(..., verbose=True)`` while tracing the metal backend
    over every specialisation family, ``kvmetal.backends.specialisations``:
@@ -42,6 +48,38 @@ FORBIDDEN = [
 ]
 
 
+# Transcendentals and the one helper allowed to call each (None: no kernel may call it;
+# add a guarded helper to kvmetal_common.h first). Everything else calls the helper.
+MATH_OWNERS = {"exp2": "kv_exp2", "exp": None, "tanh": None, "log": None, "log2": None, "rsqrt": None,
+               "pow": None, "powr": None, "exp10": None}
+_MATH_CALL = re.compile(r"(?<![\w.])(" + "|".join(MATH_OWNERS) + r")\s*\(")
+
+
+def _blank_owner_bodies(code: str) -> str:
+    """``code`` with the bodies of the MATH_OWNERS helpers blanked (line numbers kept)."""
+    for owner in filter(None, MATH_OWNERS.values()):
+        for match in re.finditer(rf"\b{owner}\s*\([^;{{}}]*\)\s*\{{", code):
+            depth, end = 0, match.end() - 1
+            for end in range(match.end() - 1, len(code)):
+                depth += code[end] == "{"
+                depth -= code[end] == "}"
+                if depth == 0:
+                    break
+            body = code[match.end():end]
+            code = code[:match.end()] + re.sub(r"[^\n]", " ", body) + code[end:]
+    return code
+
+
+def _math_findings(path, code: str) -> list:
+    findings = []
+    for lineno, line in enumerate(_blank_owner_bodies(code).splitlines(), 1):
+        for match in _MATH_CALL.finditer(line):
+            owner = MATH_OWNERS[match.group(1)]
+            where = f"call {owner}" if owner else "add a guarded helper to kernels/kvmetal_common.h"
+            findings.append(f"{path}:{lineno}: bare {match.group(1)} (fast math; {where}): {line.strip()}")
+    return findings
+
+
 def strip_comments(text: str) -> str:
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     return re.sub(r"//[^\n]*", "", text)
@@ -75,6 +113,7 @@ def lint(paths=None) -> list:
         for name, body in _function_bodies(code):
             if re.search(rf"\b{re.escape(name)}\s*(<[^;()]*>)?\s*\(", body):
                 findings.append(f"{path}: function {name} calls itself (no recursion in MSL)")
+        findings += _math_findings(path, code)
     return findings
 
 

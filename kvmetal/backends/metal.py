@@ -35,11 +35,12 @@ from .metal_cascade import plan as cascade_plan
 
 REGISTER_SIMDGROUPS = 4             # simdgroups per threadgroup in register mode (128 threads)
 ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in registers
-# Shared mode: at most this many simdgroups (512 threads). Metal refuses more than
-# 1024 threads per threadgroup, and a pipeline's maxTotalThreadsPerThreadgroup may
-# be lower for register-heavy variants; more rows take several passes over the split.
-MAX_SHARED_SIMDGROUPS = 16
-REGISTER_BUDGET = 128               # 32-bit registers per lane for the rows' q + accumulators
+# Shared mode: at most this many simdgroups (384 threads, chips.PIPELINE_THREAD_LIMIT:
+# what M1/M2 allow a register-heavy pipeline); more rows take several passes over the split.
+MAX_SHARED_SIMDGROUPS = chips.PIPELINE_THREAD_LIMIT // 32
+# 32-bit registers per lane for the rows' q + accumulators. With the rest of a lane's
+# state (estimated_registers) every layout stays under chips.PIPELINE_REGISTER_LIMIT.
+REGISTER_BUDGET = 96
 LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
 TILE_MEMORY_BUDGET = {128: 8 * 1024 - 512, 256: 16 * 1024 - 512}  # shared-mode K/V tiles, by max head_dim
 MAX_TILE_TOKENS = 16
@@ -431,8 +432,9 @@ def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups:
                         if bk * (head_dim * (k_itemsize + v_itemsize) + 2 * VARLEN_ROW_PAD) <= VARLEN_TILE_MEMORY),
                        VARLEN_BLOCK_K[-1])
     tiles = VarlenTiles(simdgroups or VARLEN_SIMDGROUPS, block_k)
-    if tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= 32:
-        raise ValueError(f"[metal] varlen tiles need BK a multiple of 8 and 1..32 simdgroups, got {tiles}")
+    if tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= MAX_SHARED_SIMDGROUPS:
+        raise ValueError(f"[metal] varlen tiles need BK a multiple of 8 and 1..{MAX_SHARED_SIMDGROUPS} simdgroups "
+                         f"(chips.PIPELINE_THREAD_LIMIT threads), got {tiles}")
     used = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
                                     v_itemsize=v_itemsize)
     if used > 32 * 1024:
@@ -968,6 +970,8 @@ def sim_backend(macos: int | None = None) -> KernelBackend:
         if ("sim", macos) not in _backends:
             from .. import sim
 
-            _backends[("sim", macos)] = KernelBackend("sim", functools.partial(sim.metal_kernel, macos=macos),
-                                                      macos=macos)
+            # Refuses a launch past PIPELINE_THREAD_LIMIT, as an M1 pipeline of that size would.
+            make = functools.partial(sim.metal_kernel, macos=macos,
+                                     max_threads_per_threadgroup=chips.PIPELINE_THREAD_LIMIT)
+            _backends[("sim", macos)] = KernelBackend("sim", make, macos=macos)
         return _backends[("sim", macos)]

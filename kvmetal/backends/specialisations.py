@@ -1,5 +1,5 @@
 """The specialisation families of the metal backend's kernels, derived from their
-template parameters.
+template parameters: the one registry of what must be compiled, checked and run.
 
 A *specialisation family* is a set of kernel variants that share one code path:
 the same template values where a value selects code (element type, quantized
@@ -13,7 +13,12 @@ keeps, greedily, the candidates that add a family not yet seen.
 
 ``tools/msl_check.py`` compiles the exact MLX source of every family with
 clang's address-space check; :func:`family_inputs` builds random inputs of one
-family for running it (e.g. on the simulator against the float64 oracles).
+family for running it (e.g. on the simulator against the float64 oracles), and
+the hardening tests, the kernel mutants and ``kvmetal selfcheck`` run every
+kernel of :data:`~kvmetal.backends.metal.SPECS` through it. Every kernel in
+SPECS must have its code-selecting parameters in :data:`PATH_PARAMETERS` and be
+reached by some family (both checked by tests/test_metal_registry.py), so a
+new kernel cannot be missed by any of them.
 """
 from __future__ import annotations
 
@@ -35,10 +40,16 @@ PATH_PARAMETERS = {
     "cache_rows_quantize": ("TC", "BITS", "GS"),
     "gather_kv_rows": ("TE", "BITS", "GS", "BS"),
     "copy_blocks_gather": ("T",),
+    "paged_varlen_partials": ("TQ", "TK", "TV", "KBITS", "VBITS", "NSG", "BK"),
+    "cascade_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
+    "cascade_reduce": ("TQ", "HAS_SINKS"),
 }
 MAX_CONSTANT_ELEMENTS = 8  # MLX binds inputs with fewer elements as `constant`
 
-OPS = ("paged_attention", "decode_attention", "gather_kv_cache", "reshape_and_cache", "copy_blocks")
+OPS = ("paged_attention", "decode_attention", "paged_attention_varlen", "paged_attention_cascade",
+       "gather_kv_cache", "reshape_and_cache", "copy_blocks")
+# The ops whose kernels compute attention scores (softcap, masks, sinks apply).
+ATTENTION_OPS = OPS[:4]
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -51,10 +62,10 @@ class Family:
     head_dim: int
     num_kv_heads: int = 1
     gqa: int = 1
-    query_len: int = 1
+    query_len: int = 1        # varlen: new rows of each sequence (over 8: the tiled kernel)
     block_size: int = 16
-    tokens: int = 40          # paged/gather: each sequence's length; decode: T
-    num_seqs: int = 1
+    tokens: int = 40          # paged/gather/varlen: each sequence's length; decode: T; cascade: the prefix's
+    num_seqs: int = 1         # cascade: the prefix's member sequences
     k_quant: tuple | None = None   # (bits, group_size) or None: float cache
     v_quant: tuple | None = None
     sinks: bool = False
@@ -99,9 +110,18 @@ def family_inputs(f: Family, seed: int = 0) -> tuple:
     lens = mx.array(np.full(f.num_seqs, f.tokens, np.int32))
     shape = (num_blocks, Hkv, f.block_size, D)
     kc, vc = _cache(rng, shape, dtype, f.k_quant), _cache(rng, shape, dtype, f.v_quant)
+    sinks = mx.array(rng.standard_normal(H).astype(np.float32)) if f.sinks else None
+    if f.op == "paged_attention_varlen":
+        q = mx.array(rng.standard_normal((f.num_seqs * f.query_len, H, D)).astype(np.float32)).astype(dtype)
+        qsl = mx.array((np.arange(f.num_seqs + 1) * f.query_len).astype(np.int32))
+        return ops.paged_attention_varlen, (q, kc, vc, tables, lens, qsl), dict(sinks=sinks)
+    if f.op == "paged_attention_cascade":
+        q = mx.array(rng.standard_normal((f.num_seqs, H, D)).astype(np.float32)).astype(dtype)
+        prefix_tables, prefix_lens, prefix_of, own_tables, own_lens = _cascade_tables(f, tables)
+        return ops.paged_attention_cascade, (q, kc, vc, prefix_tables, prefix_lens, prefix_of, own_tables,
+                                             own_lens), dict(sinks=sinks, sparse_v=f.sparse_v)
     if f.op == "paged_attention":
         q = mx.array(rng.standard_normal((f.num_seqs, f.query_len, H, D)).astype(np.float32)).astype(dtype)
-        sinks = mx.array(rng.standard_normal(H).astype(np.float32)) if f.sinks else None
         return ops.paged_attention, (q, kc, vc, tables, lens), dict(sinks=sinks, sparse_v=f.sparse_v)
     if f.op == "gather_kv_cache":
         return ops.gather_kv_cache, (kc, vc, tables, lens), {}
@@ -113,6 +133,17 @@ def family_inputs(f: Family, seed: int = 0) -> tuple:
         pairs = rng.permutation(num_blocks)[:2 * min(f.num_seqs, num_blocks // 2)].astype(np.int32)
         return ops.copy_blocks, (kc, vc, mx.array(pairs[0::2]), mx.array(pairs[1::2])), {}
     raise ValueError(f"unknown op {f.op!r}")
+
+
+def _cascade_tables(f: Family, tables: mx.array) -> tuple:
+    """A cascade call's index arrays from a family's [S, blocks] tables: every one of the
+    S sequences is a member of one prefix (sequence 0's table row, f.tokens long), and
+    each owns its own row's first block, holding block_size // 2 + s % 3 tokens."""
+    prefix_tables = tables[:1]
+    prefix_lens = mx.array([f.tokens], dtype=mx.int32)
+    prefix_of = mx.zeros((f.num_seqs,), dtype=mx.int32)
+    own_lens = mx.array([min(f.block_size, f.block_size // 2 + s % 3) for s in range(f.num_seqs)], dtype=mx.int32)
+    return prefix_tables, prefix_lens, prefix_of, tables[:, :1], own_lens
 
 
 # ----------------------------------------------------------------------------- recording backend
@@ -159,6 +190,9 @@ def family_keys(calls) -> frozenset:
     keys = set()
     for variant, template, constant, _, _ in calls:
         kernel = _spec_name(variant)
+        if kernel not in PATH_PARAMETERS:
+            raise KeyError(f"[specialisations] kernel {kernel!r} of SPECS has no PATH_PARAMETERS entry: "
+                           "list the template parameters that select its code")
         params = {k: _value(template[k]) for k in PATH_PARAMETERS[kernel]}
         extra = {}
         if "RPS" in template:
@@ -217,6 +251,15 @@ def backend_call(f: Family) -> tuple:
     kc, vc = _zeros_cache(shape, dtype, f.k_quant), _zeros_cache(shape, dtype, f.v_quant)
     tables = mx.zeros((f.num_seqs, blocks), mx.int32)
     lens = mx.full((f.num_seqs,), f.tokens, mx.int32)
+    if f.op == "paged_attention_varlen":
+        qsl = mx.array((np.arange(f.num_seqs + 1) * f.query_len).astype(np.int32))
+        return "paged_attention_varlen", (mx.zeros((f.num_seqs * f.query_len, H, D), dtype), kc, vc, tables, lens,
+                                          qsl), dict(scale=opts["scale"], softcap=None, sliding_window=None,
+                                                     sinks=opts["sinks"])
+    if f.op == "paged_attention_cascade":
+        return "paged_attention_cascade", (mx.zeros((f.num_seqs, H, D), dtype), kc, vc,
+                                           *_cascade_tables(f, tables)), \
+            dict(scale=opts["scale"], softcap=None, sinks=opts["sinks"], sparse_v=opts.get("sparse_v"))
     if f.op == "paged_attention":
         return "paged_attention", (mx.zeros((f.num_seqs, f.query_len, H, D), dtype), kc, vc, tables, lens), \
             dict(opts, sliding_window=None)
@@ -264,6 +307,23 @@ def _candidates():
                 seqs = int(rng.choice((1, 3)))
                 out.append(Family(op, dtype, D, int(rng.choice((1, 2))), g, L, bs, int(rng.choice((L, 40))), seqs,
                                   kq, vq, bool(rng.integers(2)), sparse_v))
+    # Varlen: runs of 9-40 new rows (the tiled kernel; shorter runs are the decode
+    # partials above) at every dtype, head_dim and cache format.
+    grid = list(itertools.product(DTYPES, (64, 128, 256), (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
+    rng.shuffle(grid)
+    for dtype, D, g, kq, vq, bs in grid[:600]:
+        if _fits(D, kq) and _fits(D, vq):
+            n = int(rng.choice((9, 17, 40)))
+            out.append(Family("paged_attention_varlen", dtype, D, int(rng.choice((1, 2))), g, n, bs,
+                              n + int(rng.choice((0, 23))), int(rng.choice((1, 2))), kq, vq, bool(rng.integers(2))))
+    # Cascade: prefixes of 1-100 members (the chunking), every dtype and cache format.
+    grid = list(itertools.product(DTYPES, (64, 128, 256), (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
+    rng.shuffle(grid)
+    for i, (dtype, D, g, kq, vq, bs) in enumerate(grid[:600]):
+        if _fits(D, kq) and _fits(D, vq):
+            members = int(rng.choice((1, 3, 16, 100)))
+            out.append(Family("paged_attention_cascade", dtype, D, 1, g, 1, bs, int(rng.choice((bs, 40))), members,
+                              kq, vq, bool(rng.integers(2)), SPARSE_V_TAU if i % 7 == 3 else None))
     for op, dtype, D, q, bs, seqs in itertools.product(("gather_kv_cache", "reshape_and_cache", "copy_blocks"),
                                                       DTYPES, (64, 128), _QUANTS, (8, 16, 32), (1, 3)):
         if _fits(D, q):

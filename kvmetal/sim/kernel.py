@@ -8,6 +8,7 @@ import numpy as np
 
 from . import build, launch, signature, trace as trace_mod, translate
 from .errors import CompileError, ThreadgroupSizeError
+from ..chips import THREADS_PER_THREADGROUP_LIMIT
 
 _MATH_MODES = ("safe", "relaxed", "fast")
 # The macOS version the simulator stands in for unless a kernel is given one:
@@ -49,7 +50,7 @@ class SimKernel:
     """What kvmetal.sim.metal_kernel returns; call it like an mx.fast.metal_kernel object."""
 
     def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, compile_options=None, *, macos=None):
+                 atomic_outputs=False, compile_options=None, *, macos=None, max_threads_per_threadgroup=None):
         if not isinstance(name, str) or not name:
             raise ValueError("[metal_kernel] name must be a non-empty string")
         if not output_names:
@@ -59,8 +60,14 @@ class SimKernel:
             raise ValueError(f"[metal_kernel] Invalid Metal math mode {mode!r}")
         if macos is not None and (isinstance(macos, bool) or not isinstance(macos, int) or macos < 1):
             raise ValueError(f"[metal_kernel] macos must be a positive int (a macOS major version), got {macos!r}")
+        if max_threads_per_threadgroup is not None and (
+                isinstance(max_threads_per_threadgroup, bool) or not isinstance(max_threads_per_threadgroup, int)
+                or not 1 <= max_threads_per_threadgroup <= THREADS_PER_THREADGROUP_LIMIT):
+            raise ValueError(f"[metal_kernel] max_threads_per_threadgroup must be an int in "
+                             f"[1, {THREADS_PER_THREADGROUP_LIMIT}], got {max_threads_per_threadgroup!r}")
         self.math_mode = mode
         self.macos = DEFAULT_MACOS if macos is None else macos
+        self.max_threads_per_threadgroup = max_threads_per_threadgroup or THREADS_PER_THREADGROUP_LIMIT
         self.name = name
         self.input_names = list(input_names)
         self.output_names = list(output_names)
@@ -144,7 +151,8 @@ class SimKernel:
             print(f"Generated source code for `{self.name}`:\n```\n{msl}\n```", flush=True)
 
         tg_threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
-        limit = trace_mod.max_threads_per_threadgroup()  # the pipeline's maxTotalThreadsPerThreadgroup
+        # The pipeline's maxTotalThreadsPerThreadgroup: the kernel's own, lowered by a trace block's.
+        limit = min(self.max_threads_per_threadgroup, trace_mod.max_threads_per_threadgroup())
         if tg_threads > limit:
             raise ThreadgroupSizeError(
                 f"[metal_kernel] Thread group size ({tg_threads}) is greater than the maximum allowed threads per "
@@ -179,7 +187,8 @@ class SimKernel:
 
 
 def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
-                 atomic_outputs=False, compile_options=None, *, macos=None) -> SimKernel:
+                 atomic_outputs=False, compile_options=None, *, macos=None,
+                 max_threads_per_threadgroup=None) -> SimKernel:
     """Same signature as ``mx.fast.metal_kernel``; the kernel runs on the CPU simulator.
 
     Calling the result takes MLX's keyword arguments (``inputs, output_shapes,
@@ -188,6 +197,9 @@ def metal_kernel(name, input_names, output_names, source, header="", ensure_row_
     ``kvmetal.sim.trace``), and returns a list of ``mx.array``. ``macos`` (a
     simulator extension) is the macOS major version to stand in for (default
     DEFAULT_MACOS): below 15 ``math_mode="relaxed"`` fails as it does in MLX.
+    ``max_threads_per_threadgroup`` (also a simulator extension; default Metal's 1024)
+    is the pipeline's maxTotalThreadsPerThreadgroup: a larger launch raises
+    ``ThreadgroupSizeError`` as MLX does.
     """
     return SimKernel(name, input_names, output_names, source, header, ensure_row_contiguous, atomic_outputs,
-                     compile_options, macos=macos)
+                     compile_options, macos=macos, max_threads_per_threadgroup=max_threads_per_threadgroup)
