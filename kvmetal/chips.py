@@ -27,6 +27,15 @@ PIPELINE_THREAD_LIMIT = 384
 PIPELINE_REGISTER_LIMIT = 200
 
 
+def max_threads_for_registers(registers: int) -> int:
+    """The threads per threadgroup a pipeline of ``registers`` live 32-bit registers per
+    lane is assumed to allow: the register file that gives 384 threads at 200 registers
+    (the one figure reported for M1/M2), in whole simdgroups, at most Metal's 1024. A model,
+    not Apple's formula: ``kvmetal selfcheck`` on a Mac reports the real limit."""
+    per_threadgroup = PIPELINE_THREAD_LIMIT * PIPELINE_REGISTER_LIMIT
+    return max(32, min(THREADS_PER_THREADGROUP_LIMIT, per_threadgroup // max(registers, 1) // 32 * 32))
+
+
 def _is_core_count(tag: str) -> bool:  # "30c": a binned variant's GPU core count
     return tag.endswith("c") and tag[:-1].isdigit()
 

@@ -10,7 +10,11 @@ configuration applies, on the cpu backend against the same float64 oracle.
    `device` pointers (a compile error in Metal).
 4. Softcap's tanh under Metal's fast math overflows to NaN past |x| ~ 44.
 5. math_mode="relaxed" needs macOS 15; below it the kernels build "safe".
-6. Shared mode launched ceil(G * L / 8) simdgroups, past 1024 threads for G * L > 256.
+6. Shared mode launched ceil(G * L / 8) simdgroups, past 1024 threads for G * L > 256
+   (since issue 30 the cap is 384 threads, chips.PIPELINE_THREAD_LIMIT).
+
+Issue 30 runs rules 1, 3, 4 and 6 over every kernel of the registry
+(tests/test_metal_rules.py); the cases here stay as the original reproducers.
 """
 import mlx.core as mx
 import numpy as np
@@ -18,6 +22,7 @@ import pytest
 
 import kvmetal as kv
 import kvmetal.sim as sim
+from kvmetal import chips
 from kvmetal import reference as ref
 from kvmetal.backends import metal
 
@@ -174,8 +179,8 @@ def test_layout_caps_the_threadgroup_and_walks_row_blocks():
         layout = metal.attention_layout(head_dim=128, gqa=gqa, query_len=query_len, k_bits=0, k_group=32,
                                         k_itemsize=2, v_bits=0, v_group=32, v_itemsize=2, block_size=16)
         rows = gqa * query_len
-        assert layout.threads <= metal.MAX_SHARED_SIMDGROUPS * 32 <= 1024
-        assert layout.rows_per_simdgroup <= metal.ROW_REGISTER_LIMIT
+        assert layout.threads <= metal.MAX_SHARED_SIMDGROUPS * 32 == chips.PIPELINE_THREAD_LIMIT == 384
+        assert layout.rows_per_simdgroup <= metal.SHARED_ROW_LIMIT
         assert layout.row_passes * layout.simdgroups * layout.rows_per_simdgroup >= rows
         assert (layout.row_passes - 1) * layout.simdgroups * layout.rows_per_simdgroup < rows
     assert metal.attention_layout(head_dim=128, gqa=16, query_len=8, k_bits=0, k_group=32, k_itemsize=2,
@@ -185,8 +190,8 @@ def test_layout_caps_the_threadgroup_and_walks_row_blocks():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["paged", "decode"])
 def test_48_query_heads_per_kv_head_with_8_query_tokens(backend, op):
-    # 384 rows: 3 passes of 16 simdgroups x 8 rows. The simulated pipeline allows only
-    # 512 threads per threadgroup (as Apple may for a register-heavy variant).
+    # 384 rows: 3 passes of 12 simdgroups x 11 rows. The sim backend's pipelines allow
+    # only chips.PIPELINE_THREAD_LIMIT = 384 threads (what M1/M2 allow register-heavy ones).
     rng = np.random.default_rng(48)
     if op == "paged":
         query, kc, vc, tables, lens, _ = paged_attention_inputs(
@@ -200,8 +205,7 @@ def test_48_query_heads_per_kv_head_with_8_query_tokens(backend, op):
         expected = ref.decode_attention(query, k, v)
         args, fn, kernel = (query, k, v), kv.decode_attention, "decode_attention_partials"
     if backend == "sim":
-        with sim.trace(max_threads_per_threadgroup=metal.MAX_SHARED_SIMDGROUPS * 32):
-            calls = run_checked(backend, fn, expected, *args, num_splits=2, kernel=kernel)
-        assert all(c.threadgroup[0] == 512 for c in calls)
+        calls = run_checked(backend, fn, expected, *args, num_splits=2, kernel=kernel)
+        assert all(c.threadgroup[0] == chips.PIPELINE_THREAD_LIMIT for c in calls)
     else:
         run_checked(backend, fn, expected, *args, num_splits=2, kernel=kernel)

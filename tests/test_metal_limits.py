@@ -52,16 +52,27 @@ def test_attention_limits_every_configuration(head_dim):
             rows = gqa * query_len
             for name in ("paged_attention_partials", "decode_attention_partials"):
                 _within_limits(metal.SPECS[name].geometry(splits=3, num_kv_heads=8, num_seqs=2, layout=layout))
-            # Issue 9's threadgroup memory budget: 2 KiB for one-token GQA <= 8 at
-            # D <= 128, 8 KiB at D <= 128, 16 KiB at D 256.
-            if query_len == 1 and gqa <= 8 and head_dim <= 128:
+            # Registers (estimated_registers): register mode within REGISTER_MODE_LIMIT (one
+            # row: the fewest its atoms allow), shared mode within chips.PIPELINE_REGISTER_LIMIT;
+            # every launch within what a pipeline of that many registers allows.
+            per = layout.rows_per_simdgroup
+            registers = layout.registers(head_dim=head_dim, k_bits=kbits, v_bits=vbits)
+            if per < rows:
+                assert per <= metal.SHARED_ROW_LIMIT and registers <= chips.PIPELINE_REGISTER_LIMIT, layout
+            else:
+                assert per <= metal.ROW_REGISTER_LIMIT
+                assert registers <= metal.REGISTER_MODE_LIMIT or rows == 1, (layout, registers)
+            assert layout.threads <= min(chips.PIPELINE_THREAD_LIMIT, chips.max_threads_for_registers(registers))
+            # Up to 8 rows at D <= 128, float and 4/8-bit caches stay in register mode; only
+            # wide atoms (3/5/6 bits: 32 values, 2 bits: 16) or wide heads may need shared
+            # mode's smaller row blocks.
+            if rows <= metal.ROW_REGISTER_LIMIT and head_dim <= 128 and kbits in (0, 4, 8) and vbits in (0, 4, 8):
+                assert per == rows, layout
+            # Issue 9's threadgroup memory budget: 2 KiB for one-token GQA <= 8 at D <= 128
+            # (register mode), 8 KiB at D <= 128, 16 KiB at D 256.
+            if query_len == 1 and gqa <= 8 and head_dim <= 128 and per == rows:
                 assert layout.threadgroup_bytes <= 2048, layout
             assert layout.threadgroup_bytes <= (8192 if head_dim <= 128 else 16384), layout
-            # Register budget: the rows a simdgroup serves fit (else 32 lanes per key).
-            per = layout.rows_per_simdgroup
-            assert per <= metal.ROW_REGISTER_LIMIT
-            assert (per * 2 * head_dim // layout.lanes_per_key <= metal.REGISTER_BUDGET
-                    or layout.lanes_per_key == 32), layout
             assert per * layout.simdgroups * layout.row_passes >= rows  # shared mode past 128 rows: passes
             if per < rows:  # shared mode: tiles never straddle a block
                 assert layout.tile >= 1 and block_size % layout.tile == 0 and metal.SPLIT_UNIT % layout.tile == 0

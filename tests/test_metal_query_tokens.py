@@ -47,7 +47,7 @@ def test_paged_attention_query_tokens(case, backend):
     options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
     expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
     layout = metal.layout_for(query, kc, vc, paged=True)
-    assert (layout.rows_per_simdgroup < gqa * L) == (gqa * L > metal.ROW_REGISTER_LIMIT)
+    assert gqa * L <= metal.ROW_REGISTER_LIMIT or layout.rows_per_simdgroup < gqa * L  # past 8 rows: shared
     for call in run_checked(backend, kv.paged_attention, expected, query, kc, vc, tables, seq_lens,
                             num_splits=splits, kernel="paged_attention_partials", **options):
         assert call.threadgroup_memory == layout.threadgroup_bytes

@@ -38,9 +38,15 @@ ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in 
 # Shared mode: at most this many simdgroups (384 threads, chips.PIPELINE_THREAD_LIMIT:
 # what M1/M2 allow a register-heavy pipeline); more rows take several passes over the split.
 MAX_SHARED_SIMDGROUPS = chips.PIPELINE_THREAD_LIMIT // 32
-# 32-bit registers per lane for the rows' q + accumulators. With the rest of a lane's
-# state (estimated_registers) every layout stays under chips.PIPELINE_REGISTER_LIMIT.
-REGISTER_BUDGET = 96
+SHARED_ROW_LIMIT = 16               # shared mode: most query rows one simdgroup serves (registers permitting)
+# Register mode: 32-bit registers per lane for the rows' q + accumulators (the launch is 128
+# threads, within what chips.max_threads_for_registers allows at any estimate in the table).
+REGISTER_BUDGET = 128
+# Register mode is taken while the estimate (estimated_registers) stays within this; past
+# it (3/5/6-bit atoms at several rows) the rows go to shared mode. The common layouts
+# estimate 150-240; whether spilling past Apple's per-thread registers beats shared mode's
+# tiles is for a Mac to settle (docs/kernels.md, "Threads and registers").
+REGISTER_MODE_LIMIT = 256
 LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
 TILE_MEMORY_BUDGET = {128: 8 * 1024 - 512, 256: 16 * 1024 - 512}  # shared-mode K/V tiles, by max head_dim
 MAX_TILE_TOKENS = 16
@@ -114,6 +120,12 @@ class AttentionLayout:
     def threads(self) -> int:
         return self.simdgroups * 32
 
+    def registers(self, *, head_dim: int, k_bits: int, v_bits: int, sparse_v: bool = False) -> int:
+        """Estimated live registers per lane (:func:`estimated_registers`) of this layout."""
+        return estimated_registers("paged_attention_partials", dict(
+            D=head_dim, RPS=self.rows_per_simdgroup, LPK=self.lanes_per_key, KBITS=k_bits, VBITS=v_bits,
+            KAW=self.key_atom_words, VAW=self.value_atom_words, G=self.rows, QL=1, SV=int(sparse_v)))
+
     @property
     def row_passes(self) -> int:
         """Walks over the split (shared mode past MAX_SHARED_SIMDGROUPS x 8 rows: K/V read that often)."""
@@ -164,22 +176,44 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
                      v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None) -> AttentionLayout:
     """The layout of one partial-kernel specialisation.
 
-    Register budget rule: a lane keeps, per row it serves, its share of the
-    pre-scaled query and of the accumulator, 2 * head_dim / lanes_per_key
-    floats; the narrowest key group with rows * 2 * head_dim / lanes_per_key <=
-    REGISTER_BUDGET wins (narrow groups score more keys per pass). More than
-    ROW_REGISTER_LIMIT rows go to shared mode: ceil(rows / 8) simdgroups, each
-    with at most 8 rows, capped at MAX_SHARED_SIMDGROUPS; past that the rows are
-    served in ``row_passes`` blocks of simdgroups x rows_per_simdgroup.
+    Register mode (up to ROW_REGISTER_LIMIT rows: every one of REGISTER_SIMDGROUPS
+    simdgroups holds all rows; 128 threads): the narrowest key group whose query and
+    accumulator shares, rows * 2 * head_dim / lanes_per_key floats, fit REGISTER_BUDGET
+    (narrow groups score more keys per pass) and whose whole estimate stays within
+    REGISTER_MODE_LIMIT (one row: the group of fewest registers, always register mode).
+
+    Shared mode (more rows: simdgroups split the rows and share K/V tiles; up to
+    PIPELINE_THREAD_LIMIT threads): the most rows per simdgroup (up to
+    SHARED_ROW_LIMIT) for which some key group keeps the estimated live registers
+    (:func:`estimated_registers`) within chips.PIPELINE_REGISTER_LIMIT, so that no Mac
+    lowers the pipeline's thread limit below what is launched; ceil(rows / per)
+    simdgroups capped at MAX_SHARED_SIMDGROUPS, and past that the rows are served in
+    ``row_passes`` blocks of simdgroups x rows_per_simdgroup (K/V read once a block).
     """
     rows = gqa * query_len
-    if rows <= ROW_REGISTER_LIMIT:
+
+    def registers(per: int, lanes: int) -> int:
+        return estimated_registers("paged_attention_partials", dict(
+            D=head_dim, RPS=per, LPK=lanes, KBITS=k_bits, VBITS=v_bits, G=rows, QL=1, SV=0,
+            KAW=_atom_words(head_dim, k_bits, k_group, lanes), VAW=_atom_words(head_dim, v_bits, v_group, lanes)))
+
+    def fitting_lanes(per: int):
+        return next((w for w in LANES_PER_KEY if registers(per, w) <= chips.PIPELINE_REGISTER_LIMIT), None)
+
+    lanes = next((w for w in LANES_PER_KEY if rows * 2 * head_dim // w <= REGISTER_BUDGET
+                  and registers(rows, w) <= REGISTER_MODE_LIMIT), None)
+    if rows == 1 and lanes is None:  # one row with wide atoms: the key group of fewest registers
+        lanes = min(LANES_PER_KEY, key=lambda w: registers(rows, w))
+    if rows <= ROW_REGISTER_LIMIT and lanes is not None:
         simdgroups, per = REGISTER_SIMDGROUPS, rows
     else:
-        simdgroups = min(-(-rows // ROW_REGISTER_LIMIT), MAX_SHARED_SIMDGROUPS)
-        passes = -(-rows // (simdgroups * ROW_REGISTER_LIMIT))
+        # (Few rows land here only with 3/5/6-bit atoms of 32 values: their register-mode
+        # copies of q and o pass REGISTER_MODE_LIMIT, so fewer rows per simdgroup.)
+        most = next((p for p in range(min(SHARED_ROW_LIMIT, rows - 1), 1, -1) if fitting_lanes(p)), 1)
+        simdgroups = min(-(-rows // most), MAX_SHARED_SIMDGROUPS)
+        passes = -(-rows // (simdgroups * most))
         per = -(-rows // (simdgroups * passes))
-    lanes = next((w for w in LANES_PER_KEY if per * 2 * head_dim // w <= REGISTER_BUDGET), LANES_PER_KEY[-1])
+        lanes = fitting_lanes(per) or min(LANES_PER_KEY, key=lambda w: registers(per, w))
     k_row = head_dim * k_bits // 8 if k_bits else head_dim * k_itemsize
     v_row = head_dim * v_bits // 8 if v_bits else head_dim * v_itemsize
     k_scales = head_dim // k_group * k_itemsize if k_bits else 0
@@ -210,6 +244,51 @@ def layout_for(query, keys, values, *, paged: bool) -> AttentionLayout:
     return attention_layout(head_dim=query.shape[-1], gqa=num_heads // num_kv_heads, query_len=query_len,
                             k_bits=kbits, k_group=kgs, k_itemsize=ksize, v_bits=vbits, v_group=vgs,
                             v_itemsize=vsize, block_size=tuple(keys.shape)[2] if paged else None)
+
+
+# ----------------------------------------------------------------------------- registers per lane
+
+REGISTER_OVERHEAD = 32  # assumed per lane: indices, loop counters, 64-bit buffer addresses
+
+
+def _atoms(head_dim: int, bits: int, atom_words: int, lanes_per_key: int) -> tuple:
+    """(atoms per lane, elements per atom) of one side's rows (kv_fetch's NA, AE)."""
+    per_atom = atom_words * 32 // bits if bits else 4
+    return -(-(head_dim // per_atom) // lanes_per_key), per_atom
+
+
+def estimated_registers(kernel: str, template: dict) -> int:
+    """Estimated live 32-bit registers per lane of one specialisation: the arrays a lane
+    keeps across its key loop (from the kernel's data layout) plus REGISTER_OVERHEAD.
+
+    An estimate, not the compiler's count: what keeps every layout under
+    chips.PIPELINE_REGISTER_LIMIT, where M1/M2 still allow PIPELINE_THREAD_LIMIT threads
+    per threadgroup. ``kvmetal selfcheck`` on a Mac reports the real limits. The table
+    for every family is in docs/kernels.md ("Threads and registers")."""
+    D = int(template.get("D", 0))
+    if "RPS" in template:  # decode / paged / cascade partials (kv_attend)
+        rps, lanes = int(template["RPS"]), int(template["LPK"])
+        kbits, vbits = int(template["KBITS"]), int(template["VBITS"])
+        kna, kae = _atoms(D, kbits, int(template["KAW"]), lanes)
+        vna, vae = _atoms(D, vbits, int(template["VAW"]), lanes)
+        # KvRowState: q and o shares, qsum / ob (quantized), m, l, pos.
+        row = kna * kae + vna * vae + 3 + (kna if kbits else 0) + (vna if vbits else 0)
+        k_atoms, v_atoms = kna * kae + 2 * kna, vna * vae + 2 * vna  # KvAtoms: values and (scale, bias)
+        shared = rps < int(template["G"]) * int(template["QL"])
+        # Register mode keeps the next pass's atoms in flight (software pipeline).
+        in_flight = k_atoms + v_atoms if shared else 2 * k_atoms + v_atoms * (1 if template["SV"] else 2)
+        words = max(int(template["KAW"]), int(template["VAW"]))  # packed words being unpacked
+        return rps * row + in_flight + words + REGISTER_OVERHEAD
+    if kernel == "paged_varlen_partials":
+        frag = D // 8
+        q = 0 if template.get("QTG") else 2 * frag  # Q fragments (in threadgroup memory when QTG)
+        # O and S fragments (2 floats a lane each), the K/V fragment being loaded, m, l and the tile's sums.
+        return q + 2 * frag + 2 * (int(template["BK"]) // 8) + 4 + 6 + REGISTER_OVERHEAD
+    if kernel in ("attention_reduce", "cascade_reduce"):
+        return 4 * -(-(D // 4) // 32) + 8 + REGISTER_OVERHEAD  # float4 chunks of the row, m, denom
+    if kernel == "cache_rows_quantize":
+        return 4 + REGISTER_OVERHEAD  # a group is read twice from memory, not held
+    return 8 + REGISTER_OVERHEAD
 
 
 # ----------------------------------------------------------------------------- kernel parameters

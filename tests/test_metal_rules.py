@@ -1,0 +1,171 @@
+"""Issue 30: the rules of issue 17 held by every kernel family, derived from the one
+registry (``kvmetal.backends.metal.SPECS``, reached through
+``specialisations.specialisation_families``), never from a list in this file. A kernel
+added to SPECS gets every rule here without anyone editing a test: it must name its
+code-selecting parameters and be reached by a family (the first test), and then each
+rule below runs it.
+
+Rules, each on the simulator (strict, both schedule seeds) against the float64 oracle:
+softcap with scores far past fast tanh's overflow on macOS 15 (relaxed math) and 14;
+inputs under 8 elements bound as `constant`; splits with no work; K/V as strided views
+for kernels that read strides; and no launch past the pipeline limits of an M1.
+"""
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvmetal as kv
+from kvmetal import chips, quant
+from kvmetal import reference as ref
+from kvmetal.backends import metal, specialisations
+
+from kvcases import assert_close, run_on, SEEDS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import kernel_limits  # noqa: E402
+
+SCORE_KERNELS = sorted(name for name, spec in metal.SPECS.items() if "query" in spec.inputs)
+STRIDED_KERNELS = sorted(name for name, spec in metal.SPECS.items() if not spec.row_contiguous)
+
+
+def _cost(f: specialisations.Family) -> int:
+    rows = f.num_seqs * f.query_len * f.gqa * f.num_kv_heads
+    return rows * f.tokens * f.head_dim * (2 if f.dtype == "float32" else 1)
+
+
+def cheapest(kernel: str, where=lambda f, keys: True) -> specialisations.Family:
+    """The cheapest family of the registry that launches ``kernel`` (and satisfies ``where``)."""
+    found = [f for f in specialisations.specialisation_families()
+             if f.op in specialisations.ATTENTION_OPS and any(k[0] == kernel for k in f.keys) and where(f, f.keys)]
+    assert found, f"no family of the registry launches {kernel} with the property asked for"
+    return min(found, key=_cost)
+
+
+def run_family(f, *, seed=0, scale_query=1.0, **options):
+    """Run family ``f`` on the simulator under every schedule seed against the oracle;
+    returns the names of the kernels launched."""
+    fn, args, kwargs = specialisations.family_inputs(f, seed=seed)
+    query = args[0] * scale_query
+    args = (query, *args[1:])
+    kwargs = {**kwargs, **options}
+    expected = getattr(ref, fn.__name__)(*args, **kwargs)
+    launched = set()
+    for schedule in SEEDS:
+        with run_on("sim", seed=schedule) as trace:
+            out = fn(*args, **kwargs)
+            mx.eval(out)
+        assert out.shape == query.shape and out.dtype == query.dtype
+        assert_close(out, expected, query.dtype)
+        launched |= {c.name for c in trace.calls}
+    return launched
+
+
+def _launched(names, kernel) -> bool:
+    return any(kernel in n for n in names)
+
+
+# ----------------------------------------------------------------------------- the registry
+
+def test_registry_reaches_every_kernel():
+    assert set(specialisations.PATH_PARAMETERS) == set(metal.SPECS)
+    reached = {key[0] for key in specialisations.all_family_keys()}
+    assert reached == set(metal.SPECS)
+    # The families the rules below run: decode, paged, varlen and cascade all score.
+    assert {"paged_attention_partials", "decode_attention_partials", "paged_varlen_partials",
+            "cascade_partials"} <= set(SCORE_KERNELS)
+
+
+def test_every_kernel_file_has_specs():
+    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    assert {p.stem for p in kernels.glob("*.metal")} == {spec.family for spec in metal.SPECS.values()}
+
+
+# ----------------------------------------------------------------------------- fast-math softcap
+
+@pytest.mark.parametrize("macos", [15, 14])
+@pytest.mark.parametrize("kernel", SCORE_KERNELS)
+def test_softcap_with_scores_far_past_fast_tanh_overflow(kernel, macos, monkeypatch):
+    # Queries x 300 with softcap 5: tanh's argument reaches hundreds; Metal's fast tanh
+    # (relaxed math, macOS 15+) is NaN past ~44 and would drop the highest-scoring keys.
+    monkeypatch.setattr(metal, "default_macos_version", lambda: macos)
+    f = cheapest(kernel)
+    launched = run_family(f, scale_query=300.0, softcap=5.0)
+    assert _launched(launched, kernel)
+    assert metal.math_mode_for(metal.SPECS[kernel].math_mode, macos) == ("relaxed" if macos >= 15 else "safe")
+
+
+# ----------------------------------------------------------------------------- `constant` inputs
+
+def _constant_kernels():
+    keys = set().union(*(f.keys for f in specialisations.specialisation_families()
+                         if f.op in specialisations.ATTENTION_OPS))
+    return sorted({k[0] for k in keys if k[1] == "constant"})
+
+
+def test_every_attention_kernel_is_reached_with_constant_inputs():
+    assert set(SCORE_KERNELS) | {"attention_reduce", "cascade_reduce"} <= set(_constant_kernels())
+
+
+@pytest.mark.parametrize("kernel", _constant_kernels())
+def test_inputs_under_8_elements_bound_as_constant(kernel):
+    f = cheapest(kernel, lambda f, keys: any(k[:2] == (kernel, "constant") for k in keys))
+    assert _launched(run_family(f), kernel)
+
+
+# ----------------------------------------------------------------------------- empty splits
+
+@pytest.mark.parametrize("kernel", SCORE_KERNELS)
+def test_more_splits_than_work(kernel, monkeypatch):
+    # Every launch asks for MAX_SPLITS: splits past the work see no token (and must
+    # neither read past a table nor write a partial the reduce takes as real).
+    monkeypatch.setattr(metal, "choose_num_splits", lambda *a, **k: metal.MAX_SPLITS)
+    f = cheapest(kernel)
+    assert _launched(run_family(f, seed=1), kernel)
+
+
+# ----------------------------------------------------------------------------- strided views
+
+@pytest.mark.parametrize("kernel", STRIDED_KERNELS)
+def test_strided_kernels_read_views_with_8_byte_aligned_rows(kernel):
+    # K and V are views into rows 8 bytes wider (8-byte aligned, not 16): a kernel that
+    # reads strides must not assume 16-byte rows.
+    f = cheapest(kernel, lambda f, keys: not f.k_quant and not f.v_quant)
+    fn, (query, k, v), kwargs = specialisations.family_inputs(f)
+    pad = 8 // k.dtype.size
+    wide = lambda x: mx.concatenate([x, mx.zeros((*x.shape[:-1], pad), x.dtype)], axis=-1)[..., :x.shape[-1]]
+    kw, vw = wide(k), wide(v)
+    expected = getattr(ref, fn.__name__)(query, k, v, **kwargs)
+    for schedule in SEEDS:
+        with run_on("sim", seed=schedule) as trace:
+            out = fn(query, kw, vw, **kwargs)
+            mx.eval(out)
+        assert_close(out, expected, query.dtype)
+        assert any(kernel in c.name for c in trace.calls)
+
+
+# ----------------------------------------------------------------------------- thread and register limits
+
+def test_every_launch_within_the_pipeline_limits():
+    rows = kernel_limits.launches()
+    assert {r[1] for r in rows} == set(metal.SPECS)
+    over = [r for r in rows if r[3] > min(chips.PIPELINE_THREAD_LIMIT, chips.max_threads_for_registers(r[4]))]
+    assert over == []
+
+
+def test_sim_backend_refuses_a_launch_over_the_thread_limit():
+    from kvmetal.sim.errors import ThreadgroupSizeError
+
+    backend = metal.sim_backend()
+    tiles = metal.VarlenTiles(simdgroups=metal.MAX_SHARED_SIMDGROUPS + 1, block_k=8)  # 416 threads
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((12, 1, 64)).astype(np.float32))
+    kc = mx.array(rng.standard_normal((2, 1, 8, 64)).astype(np.float32))
+    with pytest.raises(ThreadgroupSizeError, match=r"Thread group size \(416\) is greater than the maximum allowed"):
+        backend.paged_attention_varlen(q, kc, kc, mx.array([[0, 1]], mx.int32), mx.array([12], mx.int32),
+                                       mx.array([0, 12], mx.int32), scale=0.125, softcap=None, sliding_window=None,
+                                       sinks=None, tiles=tiles)
+    with pytest.raises(ValueError, match="simdgroups"):
+        metal.varlen_tiles(head_dim=64, k_itemsize=4, v_itemsize=4, simdgroups=metal.MAX_SHARED_SIMDGROUPS + 1)
