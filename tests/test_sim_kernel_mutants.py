@@ -7,8 +7,10 @@ allows it (budget 1e-5, so a dropped rescale or a wrong scale cannot hide in rou
 both attention modes (register: rows fit in registers; shared: more query rows than
 that, tiles in threadgroup memory), multi-token queries, windows, softcap, sinks,
 uneven split counts, quantized K/V with codes that straddle words, strided views, and
-bit-exact writes. Test names carry the kernel family (``attention``, ``write``,
-``gather``, ``copy``) so the mutation tool can pick the tests of the file it mutated.
+bit-exact writes. Test names carry the kernel family, the name of its file in kernels/
+(``attention``, ``varlen``, ``cascade``, ``cache_write``, ``cache_copy``), so the
+mutation tool picks the tests of every family a mutated file reaches (the families
+come from ``kvmetal.backends.metal.SPECS``; tests/test_metal_rules.py runs too).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from kvmetal import quant
 from kvmetal import reference as ref
 from kvmetal.backends import metal
 from kvcases import maybe_quantize, paged_attention_inputs, paged_cache, random, run_checked, run_on
+from test_cascade import cascade_case
+from test_metal_varlen import varlen_inputs
 
 f32, f16 = mx.float32, mx.float16
 
@@ -81,8 +85,53 @@ def test_attention_decode_view(case):
                 num_splits=splits, kernel="decode_attention_partials")
 
 
+# dtype, D, BS, Hkv, G, seq lens, new rows per sequence, query scale, softcap, sinks, window, K, V quant
+VARLEN = [
+    # n > 8: the tiled kernel; scores past fast tanh's overflow (|s / softcap| >> 44).
+    ("tiled-softcap-big-sinks", f32, 64, 8, 1, 2, (20, 45), (12, 17), 40.0, 5.0, True, None, None, None),
+    ("tiled-window-k8v4", f32, 64, 16, 2, 1, (37, 30), (10, 3), 1.0, None, False, 9, (8, 32), (4, 32)),
+    ("mixed-decode-rows", f32, 64, 8, 1, 4, (9, 26, 5), (9, 2, 5), 1.0, 3.0, False, None, None, None),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN, ids=[c[0] for c in VARLEN])
+def test_varlen(case):
+    _, dtype, head_dim, block_size, kv_heads, gqa, lens, counts, qscale, softcap, use_sinks, window, kq, vq = case
+    rng = np.random.default_rng(sum(lens))
+    query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
+        rng, lens=lens, counts=counts, num_kv_heads=kv_heads, gqa=gqa, head_dim=head_dim, block_size=block_size,
+        dtype=dtype, k_quant=kq, v_quant=vq, use_sinks=use_sinks)
+    query = query * qscale
+    options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
+    expected = ref.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, **options)
+    calls = run_checked("sim", kv.paged_attention_varlen, expected, query, kc, vc, tables, seq_lens, qsl,
+                        kernel="paged_varlen_partials", **options)
+    assert calls
+
+
+# prefix lens, own lens, prefix of each sequence, GQA, query scale, softcap, sinks, K, V quant, dtype
+CASCADE = [
+    # Two prefixes (3 members and 1), a sequence without one; scores past fast tanh's overflow.
+    ("members-softcap-big-sinks", (32, 16), (3, 17, 0, 5, 9), (0, 0, 1, 0, -1), 4, 40.0, 5.0, True, None, None,
+     f32),
+    ("chunks-k8v4", (48,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13), (0,) * 13, 8, 1.0, None, False, 8, 4, f32),
+]
+
+
+@pytest.mark.parametrize("case", CASCADE, ids=[c[0] for c in CASCADE])
+def test_cascade(case):
+    _, prefix_lens, own_lens, prefix_of, gqa, qscale, softcap, use_sinks, k_bits, v_bits, dtype = case
+    args, sinks = cascade_case(prefix_lens, own_lens, prefix_of, num_kv_heads=1, gqa=gqa, head_dim=64,
+                               block_size=16, dtype=dtype, k_bits=k_bits, v_bits=v_bits, group_size=32,
+                               seed=len(own_lens), sinks=use_sinks)
+    args["query"] = args["query"] * qscale
+    options = dict(softcap=softcap, sinks=sinks)
+    expected = ref.paged_attention_cascade(*args.values(), **options)
+    run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials", **options)
+
+
 @pytest.mark.parametrize("qspec", [None, (3, 32)], ids=["float", "k3"])
-def test_gather_rows(qspec):
+def test_cache_copy_gather_rows(qspec):
     rng = np.random.default_rng(5)
     kc, vc, tables, seq_lens = paged_cache(rng, lens=(1, 37, 16), num_kv_heads=2, head_dim=64, block_size=8,
                                            dtype=f32)
@@ -98,7 +147,7 @@ def test_gather_rows(qspec):
 
 @pytest.mark.parametrize("bits,group_size,rows_dtype", [(None, None, f32), (8, 64, f32), (3, 32, f16),
                                                         (5, 32, f32)], ids=["convert", "q8", "q3", "q5"])
-def test_write_rows_bit_exact(bits, group_size, rows_dtype):
+def test_cache_write_rows_bit_exact(bits, group_size, rows_dtype):
     rng = np.random.default_rng(bits or 0)
     slots = [5, -1, 0, 17, 30, 12]
     rows = random(rng, (len(slots), 2, 64), rows_dtype) * 3
@@ -122,7 +171,7 @@ def test_write_rows_bit_exact(bits, group_size, rows_dtype):
         np.testing.assert_array_equal(np.array(got), want)
 
 
-def test_copy_blocks_exact():
+def test_cache_copy_blocks_exact():
     rng = np.random.default_rng(6)
     kc = quant.quantize(random(rng, (6, 2, 8, 64), f16), bits=4, group_size=32)
     vc = random(rng, (6, 2, 8, 64), f32)

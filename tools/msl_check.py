@@ -134,78 +134,17 @@ def flat(out):
         res.extend(o.arrays() if isinstance(o, quant.QuantizedKV) else [o])
     return res
 
-# One traced call per specialisation family (kvmetal/backends/specialisations.py):
-# the inputs are zeros of the family's shapes, captured as constants (sizes, and so
-# MLX's `constant` vs `device` binding, are what they are in a real call).
+# One traced call per specialisation family (kvmetal/backends/specialisations.py, the one
+# registry: decode, paged, varlen, cascade, cache write/gather/copy): the inputs are zeros
+# of the family's shapes (the index arrays hold real values, which the host-planned varlen
+# and cascade schedules read), captured as constants (sizes, and so MLX's `constant` vs
+# `device` binding, are what they are in a real call).
 for family in specialisations.specialisation_families():
     method, args, kwargs = specialisations.backend_call(family)
     print("family:", family.name, flush=True)
     fn = lambda anchor: flat(getattr(backend, method)(*args, **kwargs)) + [anchor]
     mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))
 
-# The tiled varlen kernel is host-planned (its tile table is built from the lengths), so it
-# is launched directly, once per dtype/cache kind: one tile, 2 splits, and a block table
-# small enough (under 8 entries) to be bound as a `constant` buffer.
-def qkv(x, bits, gs):
-    return quant.quantize(x, bits=bits, group_size=gs)
-
-H, Hkv, N, M = 8, 2, 16, 4
-for dtype, D, bs, kq, vq in [(mx.float16, 128, 16, None, None), (mx.bfloat16, 80, 8, None, None),
-                             (mx.float32, 256, 32, None, None), (mx.float16, 128, 16, (8, 64), (4, 64)),
-                             (mx.bfloat16, 96, 32, (3, 32), (6, 32)), (mx.float16, 64, 8, (5, 32), None)]:
-    kc = mx.zeros((N, Hkv, bs, D), dtype=dtype)
-    kk = qkv(kc, *kq) if kq else kc
-    vv = qkv(kc, *vq) if vq else kc
-    kd, ks, kb, kdt, kbits, kgs = metal._cache_parts(kk)
-    vd, vs, vb, vdt, vbits, vgs = metal._cache_parts(vv)
-    tiles = metal.varlen_tiles(head_dim=D, k_itemsize=kdt.size, v_itemsize=vdt.size)
-    def varlen(q, bt, sl, table, *arrs):
-        tg = metal.varlen_threadgroup_bytes(head_dim=D, block_k=tiles.block_k, k_itemsize=kdt.size,
-                                            v_itemsize=vdt.size)
-        geometry = metal.SPECS["paged_varlen_partials"].geometry(num_tiles=1, num_kv_heads=Hkv, splits=2,
-                                                                 tiles=tiles, threadgroup_bytes=tg)
-        template = dict(TQ=dtype, TK=kdt, TV=vdt, D=D, G=H // Hkv, BS=bs, NSG=tiles.simdgroups, BK=tiles.block_k,
-                        KBITS=kbits, KGS=kgs, VBITS=vbits, VGS=vgs)
-        bufs = dict(zip(("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases"),
-                        arrs))
-        params = metal.ATTENTION_PARAMS.pack(num_kv_heads=Hkv, num_heads=H, query_len=9, num_splits=2,
-                                             max_blocks=M, num_blocks=N, num_tokens=9, scale=0.1, head_div=1)
-        return tuple(backend.launch("paged_varlen_partials", template, geometry,
-                              *backend._partial_outputs(9 * H, 2, D), query=q, block_tables=bt, seq_lens=sl,
-                              tiles=table, params=params, **bufs))
-    bt1 = mx.zeros((1, 2), dtype=mx.int32)           # under 8 entries: a `constant` buffer
-    print("family: varlen", dtype, D, bs, kq, vq, flush=True)
-    varlen_args = (mx.zeros((9, H, D), dtype=dtype), bt1, mx.array([9], dtype=mx.int32),
-                   mx.array([[0, 0, 0, 0, 9, 0, 0, 0]], dtype=mx.int32), kd, ks, kb, vd, vs, vb)
-    fn = lambda anchor: flat(varlen(*varlen_args)) + [anchor]
-    mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))
-
-# The cascade kernels are host-planned too: their launches directly, as
-# kvmetal.selfcheck.families.CASCADE_TRACES runs them (a prefix pass of QL 4 over two
-# prefixes, the own-token pass of QL 1, the reduce with sinks; small index arrays bound
-# as `constant` buffers).
-from kvmetal.selfcheck.families import CASCADE_TRACES, DTYPES
-for tr in CASCADE_TRACES:
-    dtype, D, bs = DTYPES[tr["dtype"]], tr["head_dim"], tr["block_size"]
-    kc = mx.zeros((N, Hkv, bs, D), dtype=dtype)
-    kk = qkv(kc, *tr["k_quant"]) if tr["k_quant"] else kc
-    vv = qkv(kc, *tr["v_quant"]) if tr["v_quant"] else kc
-    def cascade(q):
-        prefix, sp = backend._cascade_partials(q.reshape(2, 4, H, D), kk, vv, mx.zeros((2, 2), mx.int32),
-                                             mx.array([bs, 2 * bs], mx.int32), work=2 * bs, scale=0.1, softcap=30.0)
-        own, so = backend._cascade_partials(q[:5, None], kk, vv, mx.zeros((5, 2), mx.int32),
-                                          mx.array([3, 0, 5, 9, 1], mx.int32), work=2 * bs, scale=0.1, softcap=30.0)
-        params = metal.CASCADE_REDUCE_PARAMS.pack(num_heads=H, prefix_splits=sp, own_splits=so,
-                                                          prefix_slots=8, num_seqs=5)
-        (out,) = backend.launch("cascade_reduce", dict(TQ=dtype, D=D, HAS_SINKS=True),
-                                metal.SPECS["cascade_reduce"].geometry(rows=5 * H), [(5 * H, D)], [dtype],
-                                prefix_max=prefix[0], prefix_sum=prefix[1], prefix_acc=prefix[2], own_max=own[0],
-                                own_sum=own[1], own_acc=own[2], slot_of=mx.array([0, 1, 4, 2, -1], mx.int32),
-                                sinks=mx.zeros((H,)), params=params)
-        return out
-    print("family: cascade", tr, flush=True)
-    fn = lambda anchor: [cascade(mx.zeros((8, H, D), dtype=dtype)), anchor]
-    mx.export_function(os.path.join(tempfile.mkdtemp(), "f.mlxfn"), fn, mx.zeros((1,)))
 """
 
 

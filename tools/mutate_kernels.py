@@ -8,13 +8,20 @@ and run the simulator kernel tests against each; a mutant is killed when a test 
 
 Each mutant replaces one snippet of one kernel file (off-by-ones in the causal, window
 and split bounds, a dropped rescale, swapped K/V scale and bias, a wrong shuffle offset,
-a skipped merge term, a wrong group index, quantizer and packing slips...). The mutated
-copy of kernels/ goes to a temporary directory and a small pytest plugin points
-``kvmetal.backends.metal.kernel_dirs`` at it, so the installed package is untouched. The
-tests are tests/test_sim_kernel_mutants.py (few specialisations, strict float32 checks),
-narrowed to the kernel family of the mutated file, run with ``-x``: the first failure
-kills the mutant. A mutant the tests cannot kill is a survivor: kill it with a new test,
-or list it in EQUIVALENT with the reason it cannot change any output.
+a skipped merge term, a wrong group index, a bare fast-math tanh, quantizer and packing
+slips...). The mutated copy of kernels/ goes to a temporary directory and a small pytest
+plugin points ``kvmetal.backends.metal.kernel_dirs`` at it, so the installed package is
+untouched.
+
+A mutant is run against every kernel family its file reaches, each on its own: the
+families are those of ``kvmetal.backends.metal.SPECS`` (a kernel's family is its file
+in kernels/; a family whose kernels ``use`` another's helper section is reached by that
+file too; kvmetal_common.h reaches them all), so a new kernel family gets mutants' runs
+without editing a list here. The tests are tests/test_sim_kernel_mutants.py and
+tests/test_metal_rules.py, narrowed with ``-k <family>``, run with ``-x``: the first
+failure kills the mutant for that family. The table gives a mutation score per family.
+A mutant no test can kill is a survivor: kill it with a new test, or list it in
+EQUIVALENT with the reason it cannot change any output.
 
 Run it from the repository root with kvmetal installed (``pip install .``); it needs
 g++ (the simulator) and takes about 20-60 s per mutant on a quiet 2-core machine.
@@ -33,14 +40,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST_MODULE = "tests/test_sim_kernel_mutants.py"
-# Tests of each kernel file (pytest -k); the common header reaches every kernel.
-TESTS_FOR = {
-    "attention.metal": "attention",
-    "cache_write.metal": "write",
-    "cache_copy.metal": "gather or copy",
-    "kvmetal_common.h": "",
-}
+TEST_MODULES = ["tests/test_sim_kernel_mutants.py", "tests/test_metal_rules.py"]
+COMMON_HEADER = "kvmetal_common.h"
+
+
+def families_reached(file: str) -> list:
+    """The kernel families (kernels/<family>.metal) whose kernels a mutation of ``file`` reaches."""
+    sys.path.insert(0, str(ROOT))
+    from kvmetal.backends.metal import SPECS
+
+    families = sorted({spec.family for spec in SPECS.values()})
+    if file == COMMON_HEADER:
+        return families
+    family = file.rsplit(".", 1)[0]
+    users = {spec.family for spec in SPECS.values() if family in spec.uses}
+    return sorted({family} | users)
 
 
 @dataclass(frozen=True)
@@ -55,13 +69,7 @@ class Mutant:
 M = Mutant
 MUTANTS = [
     # --- attention.metal: bounds
-    M("causal-lt", "attention.metal", "ok && t <= st.pos[r] &&", "ok && t < st.pos[r] &&",
-      "causal bound off by one (a row misses its own token)"),
-    M("causal-plus1", "attention.metal", "ok && t <= st.pos[r] &&", "ok && t <= st.pos[r] + 1 &&",
-      "causal bound off by one (a row sees the next token)"),
-    M("window-ge", "attention.metal", "t > st.pos[r] - window)", "t >= st.pos[r] - window)",
-      "window bound off by one (one token too many)"),
-    M("window-first", "attention.metal", "max(0, len - L + 1 - window)", "max(0, len - L + 2 - window)",
+    M("window-first", "attention.metal", "kv_first_visible(len - L, window)", "kv_first_visible(len - L + 1, window)",
       "split range starts one token inside the window"),
     M("split-hi", "attention.metal", "r.hi = min(len, begin + per);", "r.hi = min(len - 1, begin + per);",
       "split range drops the last token"),
@@ -89,22 +97,16 @@ MUTANTS = [
     M("sum-shuffle", "attention.metal", "for (int off = LPK; off < 32; off <<= 1) {\n    for (int r = 0; r < RPS; r++) {",
       "for (int off = LPK; off < 16; off <<= 1) {\n    for (int r = 0; r < RPS; r++) {",
       "key-group sums miss half the groups"),
-    M("softcap-log2e", "attention.metal", "s = softcap * KV_LOG2E * kv_tanh(s / softcap);",
-      "s = softcap * kv_tanh(s / softcap);", "softcap score left in natural-log units"),
-    M("qscale", "attention.metal", "softcap > 0.0f ? scale : scale * KV_LOG2E", "softcap > 0.0f ? scale : scale",
-      "query not pre-scaled to log2 units"),
     M("merge-sum", "attention.metal", "merge_stats[(s * RPS + r) * 2 + 1] * mg.scale_b",
       "merge_stats[(s * RPS + r) * 2 + 1] * mg.scale_a", "simdgroup merge scales a sum by the wrong max"),
-    M("merge-mine", "attention.metal", "const float mine = exp2(st.m[r] - m);",
-      "const float mine = exp2(m - st.m[r]);", "simdgroup merge rescale inverted"),
+    M("merge-mine", "attention.metal", "const float mine = kv_weight(st.m[r], m);",
+      "const float mine = kv_weight(m, st.m[r]);", "simdgroup merge rescale inverted"),
     M("merge-skip", "attention.metal", "for (int s = 1; s < NSG; s++) {\n                for (int e",
       "for (int s = 2; s < NSG; s++) {\n                for (int e", "simdgroup merge skips a term"),
     M("reduce-skip", "attention.metal", "for (int s = 0; s < num_splits; s++) {", "for (int s = 1; s < num_splits; s++) {",
       "split reduce skips the first split"),
     M("reduce-sum", "attention.metal", "part_sum[at] * mg.scale_b", "part_sum[at] * mg.scale_a",
       "split reduce scales a sum by the wrong max"),
-    M("sink-log2e", "attention.metal", "m = sinks[head] * KV_LOG2E;", "m = sinks[head];",
-      "sink logit left in natural-log units"),
     M("sink-denom", "attention.metal", "  denom = 1.0f;\n}", "  denom = 0.0f;\n}", "sink dropped from the denominator"),
     M("sink-head", "attention.metal", "const int head = (row / p.head_div) % p.num_heads;",
       "const int head = row % p.num_heads;", "reduce reads the wrong head's sink"),
@@ -136,8 +138,57 @@ MUTANTS = [
       "rows past seq_len are not zero"),
     M("copy-src", "cache_copy.metal", "blocks[size_t(src[i]) * width + elem]", "blocks[size_t(src[i]) * width]",
       "block copy repeats one element"),
-    # --- kvmetal_common.h
-    M("merge-helper", "kvmetal_common.h", "r.scale_b = exp2(m_b - r.m);", "r.scale_b = exp2(m_a - r.m);",
+    # --- varlen.metal
+    M("varlen-rescale-l", "varlen.metal", "l = l * factor + tile_sum;", "l = l + tile_sum;",
+      "varlen: running sum not rescaled"),
+    M("varlen-rescale-o", "varlen.metal", "of[j].thread_elements()[0] *= factor;", ";",
+      "varlen: accumulator (even column) not rescaled"),
+    M("varlen-max-shuffle", "varlen.metal", "tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));",
+      "tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(2)));", "varlen: row max from the wrong lanes"),
+    M("varlen-sum-shuffle", "varlen.metal", "tile_sum += simd_shuffle_xor(tile_sum, ushort(1));", ";",
+      "varlen: row sum misses its odd columns"),
+    M("varlen-hi", "varlen.metal", "const int hi = r_end > r0 ? pos_last + 1 : 0;",
+      "const int hi = r_end > r0 ? pos_last : 0;", "varlen: the tile's last key is never loaded"),
+    M("varlen-pos", "varlen.metal", "const int pos = len - n + pos_i;", "const int pos = len - n + pos_i - 1;",
+      "varlen: a row's position one early (misses its own token)"),
+    M("varlen-head", "varlen.metal", "const int head = kvh * G + r % G;", "const int head = kvh * G + r / G % G;",
+      "varlen: rows mapped to the wrong query head"),
+    M("varlen-split", "varlen.metal", "const int per_split = (n_tiles + num_splits - 1) / num_splits;",
+      "const int per_split = n_tiles / num_splits;", "varlen: split length rounds down (tiles fall between splits)"),
+    M("varlen-zero-row", "varlen.metal", "dst[e] = TT(0.0f);", "dst[e] = TT(1.0f);",
+      "varlen: rows outside the range are not zero in the tile"),
+    M("varlen-qscale", "varlen.metal", "const float qscale = var.q_scale;", "const float qscale = p.scale;",
+      "varlen: query not pre-scaled to log2 units"),
+    # --- cascade.metal
+    M("cascade-rows-past", "cascade.metal", "len + QL - 1, range", "len - 1, range",
+      "cascade: member rows placed inside the prefix (causal cut of the shared prefix)"),
+    M("cascade-slot", "cascade.metal", "const bool has_prefix = slot >= 0 && slot < p.prefix_slots;",
+      "const bool has_prefix = slot > 0 && slot < p.prefix_slots;", "cascade: member slot 0 loses its prefix"),
+    M("cascade-own-at", "cascade.metal", ": size_t(row) * p.own_splits + (s - n_prefix);",
+      ": size_t(row) * p.own_splits + s;", "cascade: own partials read from the wrong split"),
+    M("cascade-sum", "cascade.metal", "denom = denom * mg.scale_a + part_l * mg.scale_b;",
+      "denom = denom * mg.scale_a + part_l * mg.scale_a;", "cascade reduce scales a sum by the wrong max"),
+    M("cascade-sink", "cascade.metal", "m = kv_sink_logit(sinks[head]);", "m = sinks[head];",
+      "cascade reduce: sink logit left in natural-log units"),
+    # --- kvmetal_common.h: the attention variant (every attention family)
+    M("causal-lt", "kvmetal_common.h", "return t <= pos && (window", "return t < pos && (window",
+      "causal bound off by one (a row misses its own token)"),
+    M("causal-plus1", "kvmetal_common.h", "return t <= pos && (window", "return t <= pos + 1 && (window",
+      "causal bound off by one (a row sees the next token)"),
+    M("window-ge", "kvmetal_common.h", "t > pos - window);", "t >= pos - window);",
+      "window bound off by one (one token too many)"),
+    M("window-start", "kvmetal_common.h", "max(0, pos - window + 1)", "max(0, pos - window + 2)",
+      "window start one token late"),
+    M("softcap-log2e", "kvmetal_common.h", "v.cap_log2 = v.softcap * KV_LOG2E;", "v.cap_log2 = v.softcap;",
+      "softcap score left in natural-log units"),
+    M("softcap-bare-tanh", "kvmetal_common.h", "cap_log2 * kv_tanh(s / softcap)", "cap_log2 * tanh(s / softcap)",
+      "softcap through fast-math tanh (NaN past |x| ~ 44: the issue-30 defect)"),
+    M("qscale", "kvmetal_common.h", "v.softcap > 0.0f ? scale : scale * KV_LOG2E", "v.softcap > 0.0f ? scale : scale",
+      "query not pre-scaled to log2 units"),
+    M("sink-log2e", "kvmetal_common.h", "return sink * KV_LOG2E;", "return sink;", "sink logit left in natural-log units"),
+    M("weight-sign", "kvmetal_common.h", "return kv_exp2(s - m);", "return kv_exp2(m - s);",
+      "a key's weight against the max inverted"),
+    M("merge-helper", "kvmetal_common.h", "r.scale_b = kv_weight(m_b, r.m);", "r.scale_b = kv_weight(m_a, r.m);",
       "softmax merge scales the second state by the first max"),
     M("unpack-straddle", "kvmetal_common.h", "if (sh + BITS > 32) {", "if (sh + BITS >= 32) {",
       "unpack joins the next word when a code ends on a word boundary"),
@@ -190,7 +241,8 @@ def run_tests(kernels: Path, plugin_dir: Path, cache: Path, keyword: str, timeou
     """(returncode, first failing test or '', seconds)."""
     env = dict(os.environ, KVMETAL_MUTANT_KERNELS=str(kernels), KVMETAL_SIM_CACHE=str(cache),
                PYTHONPATH=os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")])))
-    cmd = ["pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "kvmetal_mutant_plugin", TEST_MODULE]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "kvmetal_mutant_plugin",
+           *TEST_MODULES]
     if keyword:
         cmd += ["-k", keyword]
     start = time.monotonic()
@@ -200,7 +252,9 @@ def run_tests(kernels: Path, plugin_dir: Path, cache: Path, keyword: str, timeou
         return -1, "timeout (a hang counts as killed)", time.monotonic() - start
     first = next((line.split(" - ")[0] for line in proc.stdout.splitlines()
                   if line.startswith(("FAILED", "ERROR"))), "")
-    return proc.returncode, first.replace(TEST_MODULE + "::", ""), time.monotonic() - start
+    for module in TEST_MODULES:
+        first = first.replace(module + "::", "")
+    return proc.returncode, first, time.monotonic() - start
 
 
 def main(argv=None) -> int:
@@ -210,11 +264,14 @@ def main(argv=None) -> int:
     parser.add_argument("--write", help="also write the markdown table to this file")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per mutant (a hang is a kill)")
     parser.add_argument("--cache", help="simulator build cache (default: a fresh temporary directory)")
+    parser.add_argument("--families", default="", help="only these kernel families (comma-separated)")
     args = parser.parse_args(argv)
     mutants = [m for m in MUTANTS if any(m.name.startswith(p) for p in args.only.split(","))]
+    wanted = set(filter(None, args.families.split(",")))
+    plan = [(m, f) for m in mutants for f in families_reached(m.file) if not wanted or f in wanted]
     if args.list:
-        for m in mutants:
-            print(f"{m.name:16s} {m.file:18s} {m.what}")
+        for m, family in plan:
+            print(f"{m.name:18s} {m.file:18s} {family:12s} {m.what}")
         return 0
     work = Path(tempfile.mkdtemp(prefix="kvmetal-mutants-"))
     (work / "kvmetal_mutant_plugin.py").write_text(PLUGIN)
@@ -226,40 +283,45 @@ def main(argv=None) -> int:
         print(line, flush=True)
 
     # The unmutated kernels must pass, or every "kill" would mean nothing.
-    apply(Mutant("baseline", "attention.metal", "", "", ""), source, work / "kernels")
+    apply(Mutant("baseline", COMMON_HEADER, "", "", ""), source, work / "kernels")
     code, first, seconds = run_tests(work / "kernels", work, cache, "", args.timeout)
     if code != 0:
         report(f"baseline FAILS ({first}); fix the tests first")
         return 1
     report(f"baseline passes ({seconds:.0f} s)")
-    for m in mutants:
+    for m, family in plan:
         if not apply(m, source, work / "kernels"):
-            rows.append((m, "not applicable", "snippet not in the kernel (the kernel changed)", 0.0))
-            report(f"{m.name:16s} not applicable")
+            rows.append((m, family, "not applicable", "snippet not in the kernel (the kernel changed)", 0.0))
+            report(f"{m.name:18s} {family:12s} not applicable")
             continue
-        code, first, seconds = run_tests(work / "kernels", work, cache, TESTS_FOR[m.file], args.timeout)
-        if code == 0:
+        code, first, seconds = run_tests(work / "kernels", work, cache, family, args.timeout)
+        if code == 5:  # the family has no test selected: a gap, never a pass
+            status, first = "NO TESTS", f"no test matches -k {family}"
+        elif code == 0:
             status = "equivalent" if m.name in EQUIVALENT else "SURVIVED"
             first = EQUIVALENT.get(m.name, "no test failed")
         else:
             status = "killed"
-        rows.append((m, status, first, seconds))
-        report(f"{m.name:16s} {status:10s} {seconds:5.0f} s  {first}")
+        rows.append((m, family, status, first, seconds))
+        report(f"{m.name:18s} {family:12s} {status:10s} {seconds:5.0f} s  {first}")
     shutil.rmtree(work, ignore_errors=True)
-    applicable = [r for r in rows if r[1] != "not applicable"]
-    killed = sum(r[1] == "killed" for r in applicable)
-    survivors = [r for r in applicable if r[1] == "SURVIVED"]
-    equivalent = sum(r[1] == "equivalent" for r in applicable)
-    scored = len(applicable) - equivalent
-    lines = ["| mutant | file | mutation | result | first failing test |", "|---|---|---|---|---|"]
-    lines += [f"| {m.name} | {m.file} | {m.what} | {status} | {first} |" for m, status, first, _ in rows]
-    summary = (f"{len(applicable)} mutants applied, {killed} killed, {len(survivors)} survived, "
-               f"{equivalent} equivalent: score {killed / max(scored, 1):.0%} of non-equivalent mutants")
-    table = "\n".join(lines + ["", summary])
+    lines = ["| mutant | file | family | mutation | result | first failing test |", "|---|---|---|---|---|---|"]
+    lines += [f"| {m.name} | {m.file} | {fam} | {m.what} | {status} | {first} |" for m, fam, status, first, _ in rows]
+    lines += ["", "| family | applied | killed | survived | equivalent | score |", "|---|---|---|---|---|---|"]
+    failing = False
+    for family in sorted({r[1] for r in rows}):
+        mine = [r for r in rows if r[1] == family and r[2] != "not applicable"]
+        killed = sum(r[2] == "killed" for r in mine)
+        equivalent = sum(r[2] == "equivalent" for r in mine)
+        survived = len(mine) - killed - equivalent
+        failing = failing or survived > 0
+        score = killed / max(len(mine) - equivalent, 1)
+        lines.append(f"| {family} | {len(mine)} | {killed} | {survived} | {equivalent} | {score:.0%} |")
+    table = "\n".join(lines)
     print("\n" + table)
     if args.write:
         Path(args.write).write_text(table + "\n")
-    return 0 if not survivors else 3
+    return 3 if failing else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ form, one op-level configuration per family with a function building its inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -126,108 +125,7 @@ def specialisation_families() -> list:
     (derived from the kernels' specialisation parameters in
     kvmetal/backends/specialisations.py), one op-level configuration per family."""
     from ..backends.specialisations import family_inputs, specialisation_families as derived
-    return ([OpFamily(f, family_inputs) for f in derived()] + [VarlenFamily(**p) for p in VARLEN_TRACES]
-            + [CascadeFamily(**p) for p in CASCADE_TRACES])
-
-
-# The tiled varlen kernel is planned on the host from the lengths, so it is not in the
-# derived list: one family per dtype / cache kind, as tools/msl_check.py traces it.
-VARLEN_TRACES = (
-    dict(dtype="f16", head_dim=128, block_size=16, k_quant=None, v_quant=None),
-    dict(dtype="bf16", head_dim=80, block_size=8, k_quant=None, v_quant=None),
-    dict(dtype="f32", head_dim=256, block_size=32, k_quant=None, v_quant=None),
-    dict(dtype="f16", head_dim=128, block_size=16, k_quant=(8, 64), v_quant=(4, 64)),
-    dict(dtype="bf16", head_dim=96, block_size=32, k_quant=(3, 32), v_quant=(6, 32)),
-    dict(dtype="f16", head_dim=64, block_size=8, k_quant=(5, 32), v_quant=None),
-)
-VARLEN_RUN = 12  # query rows of the one sequence: over 8, so the tiled kernel serves it
-
-
-@dataclass(frozen=True)
-class _HostPlannedFamily:
-    """A kernel family planned on the host (varlen, cascade): one traced case per
-    dtype / cache kind; subclasses set ``LABEL``, ``QUERY_LEN`` and ``op``."""
-
-    LABEL: ClassVar[str]
-    QUERY_LEN: ClassVar[int]  # query tokens of the family's point in the decode ops' grid
-    dtype: str
-    head_dim: int
-    block_size: int
-    k_quant: tuple | None
-    v_quant: tuple | None
-
-    @property
-    def name(self) -> str:
-        return (f"{self.LABEL} {self.dtype} D{self.head_dim} bs{self.block_size} "
-                f"K {_fmt(self.k_quant)} V {_fmt(self.v_quant)}")
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "op": self.op, "dtype": self.dtype, "head_dim": self.head_dim,
-                "block_size": self.block_size, "k_quant": self.k_quant and list(self.k_quant),
-                "v_quant": self.v_quant and list(self.v_quant)}
-
-    def point(self) -> dict:
-        return dict(dtype=self.dtype, d=self.head_dim, bs=self.block_size, hkv=NUM_KV_HEADS,
-                    g=NUM_HEADS // NUM_KV_HEADS, L=self.QUERY_LEN, k=self.k_quant, v=self.v_quant)
-
-
-@dataclass(frozen=True)
-class VarlenFamily(_HostPlannedFamily):
-    LABEL: ClassVar[str] = "varlen"
-    QUERY_LEN: ClassVar[int] = 8  # the decode ops' most
-    op: str = "paged_attention_varlen"
-
-    def paths(self, seed: int = 0) -> list:
-        from .. import ops
-
-        rng = np.random.default_rng(seed)
-        dtype, shape = DTYPES[self.dtype], (NUM_BLOCKS, NUM_KV_HEADS, self.block_size, self.head_dim)
-        kc = _maybe_quantize(_random(rng, shape, dtype), self.k_quant)
-        vc = _maybe_quantize(_random(rng, shape, dtype), self.v_quant)
-        length = 2 * self.block_size + 3
-        tables = mx.array(rng.permutation(NUM_BLOCKS)[:MAX_BLOCKS][None].astype(np.int32))
-        query = _random(rng, (VARLEN_RUN, NUM_HEADS, self.head_dim), dtype)
-        lens, starts = mx.array([length], dtype=mx.int32), mx.array([0, VARLEN_RUN], dtype=mx.int32)
-        mx.eval(*flat_arrays((kc, vc)), tables, query)
-        return [(self.op, lambda: ops.paged_attention_varlen(query, kc, vc, tables, lens, starts, softcap=30.0,
-                                                             sliding_window=20, sinks=mx.zeros((NUM_HEADS,))))]
-
-
-# The cascade kernels are planned on the host too (member chunks from prefix_of): one
-# family per dtype / cache kind. Each traces the prefix pass over two prefixes of 3 and
-# 1 members (QL 4: shared mode at G 4), the own-token pass (QL 1: register mode) and the
-# reduce with sinks.
-CASCADE_TRACES = (
-    dict(dtype="f16", head_dim=128, block_size=16, k_quant=None, v_quant=None),
-    dict(dtype="bf16", head_dim=80, block_size=8, k_quant=None, v_quant=None),
-    dict(dtype="f16", head_dim=128, block_size=16, k_quant=(8, 64), v_quant=(4, 64)),
-)
-
-
-@dataclass(frozen=True)
-class CascadeFamily(_HostPlannedFamily):
-    LABEL: ClassVar[str] = "cascade"
-    QUERY_LEN: ClassVar[int] = 1
-    op: str = "paged_attention_cascade"
-
-    def paths(self, seed: int = 0) -> list:
-        from .. import ops
-
-        rng = np.random.default_rng(seed)
-        dtype, shape = DTYPES[self.dtype], (NUM_BLOCKS, NUM_KV_HEADS, self.block_size, self.head_dim)
-        kc = _maybe_quantize(_random(rng, shape, dtype), self.k_quant)
-        vc = _maybe_quantize(_random(rng, shape, dtype), self.v_quant)
-        ids = rng.permutation(NUM_BLOCKS).astype(np.int32)
-        prefix_tables = mx.array(ids[:4].reshape(2, 2))
-        prefix_lens = mx.array([2 * self.block_size, self.block_size], dtype=mx.int32)
-        prefix_of = mx.array([0, 0, 1, 0, -1], dtype=mx.int32)
-        tables = mx.array(ids[4:14].reshape(5, 2))
-        lens = mx.array([3, self.block_size + 1, 0, 5, 9], dtype=mx.int32)
-        query = _random(rng, (5, NUM_HEADS, self.head_dim), dtype)
-        mx.eval(*flat_arrays((kc, vc)), query)
-        return [(self.op, lambda: ops.paged_attention_cascade(query, kc, vc, prefix_tables, prefix_lens, prefix_of,
-                                                              tables, lens, softcap=30.0,
-                                                              sinks=mx.zeros((NUM_HEADS,))))]
+    return [OpFamily(f, family_inputs) for f in derived()]
 
 
 # ----------------------------------------------------------------------------- tracing one family
