@@ -183,12 +183,14 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
     REGISTER_MODE_LIMIT (one row: the group of fewest registers, always register mode).
 
     Shared mode (more rows: simdgroups split the rows and share K/V tiles; up to
-    PIPELINE_THREAD_LIMIT threads): the most rows per simdgroup (up to
-    SHARED_ROW_LIMIT) for which some key group keeps the estimated live registers
-    (:func:`estimated_registers`) within chips.PIPELINE_REGISTER_LIMIT, so that no Mac
-    lowers the pipeline's thread limit below what is launched; ceil(rows / per)
-    simdgroups capped at MAX_SHARED_SIMDGROUPS, and past that the rows are served in
-    ``row_passes`` blocks of simdgroups x rows_per_simdgroup (K/V read once a block).
+    PIPELINE_THREAD_LIMIT threads): every simdgroup's estimated live registers
+    (:func:`estimated_registers`) stay within chips.PIPELINE_REGISTER_LIMIT, so that no
+    Mac lowers the pipeline's thread limit below what is launched. The fewest
+    ``row_passes`` (blocks of simdgroups x rows_per_simdgroup rows; K/V read once a
+    block) come first, with up to SHARED_ROW_LIMIT rows per simdgroup where the cap of
+    MAX_SHARED_SIMDGROUPS needs it; then the narrowest key group that fits (a wider
+    one repeats every key's exp2 and shuffles on more lanes), at the most rows per
+    simdgroup (up to 8) it allows.
     """
     rows = gqa * query_len
 
@@ -207,11 +209,22 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
     if rows <= ROW_REGISTER_LIMIT and lanes is not None:
         simdgroups, per = REGISTER_SIMDGROUPS, rows
     else:
-        # (Few rows land here only with 3/5/6-bit atoms of 32 values: their register-mode
-        # copies of q and o pass REGISTER_MODE_LIMIT, so fewer rows per simdgroup.)
-        most = next((p for p in range(min(SHARED_ROW_LIMIT, rows - 1), 1, -1) if fitting_lanes(p)), 1)
-        simdgroups = min(-(-rows // most), MAX_SHARED_SIMDGROUPS)
-        passes = -(-rows // (simdgroups * most))
+        # (Few rows land here only with wide atoms: their register-mode copies of q and o
+        # pass REGISTER_MODE_LIMIT, so fewer rows per simdgroup.) Fewest passes over K/V
+        # first (each pass reads the split again), then up to 8 rows per simdgroup (fewer
+        # simdgroups reading each tile) at the narrowest key group that fits.
+        cap = min(ROW_REGISTER_LIMIT, rows - 1)
+        per, passes = 1, -(-rows // MAX_SHARED_SIMDGROUPS)
+        for p in range(1, -(-rows // MAX_SHARED_SIMDGROUPS) + 1):
+            least = -(-rows // (MAX_SHARED_SIMDGROUPS * p))
+            if least <= cap:  # narrowest key group, then the most rows (fewest simdgroups)
+                fits = [(fitting_lanes(r), -r, r) for r in range(least, cap + 1) if fitting_lanes(r)]
+            else:  # all simdgroups busy: narrowest key group, then the fewest rows
+                fits = [(fitting_lanes(r), r, r) for r in range(least, SHARED_ROW_LIMIT + 1) if fitting_lanes(r)]
+            if fits:
+                per, passes = min(fits)[2], p
+                break
+        simdgroups = min(-(-rows // (per * passes)), MAX_SHARED_SIMDGROUPS)
         per = -(-rows // (simdgroups * passes))
         lanes = fitting_lanes(per) or min(LANES_PER_KEY, key=lambda w: registers(per, w))
     k_row = head_dim * k_bits // 8 if k_bits else head_dim * k_itemsize
@@ -273,7 +286,9 @@ def estimated_registers(kernel: str, template: dict) -> int:
         vna, vae = _atoms(D, vbits, int(template["VAW"]), lanes)
         # KvRowState: q and o shares, qsum / ob (quantized), m, l, pos.
         row = kna * kae + vna * vae + 3 + (kna if kbits else 0) + (vna if vbits else 0)
-        k_atoms, v_atoms = kna * kae + 2 * kna, vna * vae + 2 * vna  # KvAtoms: values and (scale, bias)
+        # KvAtoms: values, and (scale, bias) per atom for a quantized side (dead code for a float one).
+        k_atoms = kna * kae + (2 * kna if kbits else 0)
+        v_atoms = vna * vae + (2 * vna if vbits else 0)
         shared = rps < int(template["G"]) * int(template["QL"])
         # Register mode keeps the next pass's atoms in flight (software pipeline).
         in_flight = k_atoms + v_atoms if shared else 2 * k_atoms + v_atoms * (1 if template["SV"] else 2)
