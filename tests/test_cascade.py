@@ -113,7 +113,7 @@ def test_many_members_are_chunked(monkeypatch):
     """More members than a threadgroup's rows hold: several chunks of one prefix, same result."""
     monkeypatch.setattr(metal, "CASCADE_CHUNK_ROWS", 8)   # 2 members of G = 4 per chunk
     schedule = metal_cascade.plan([32], [0, 0, 0, 0, 0], gqa=4, capacity=64, max_rows=8)
-    assert list(schedule.chunk_prefix) == [0, 0, 0] and schedule.query_len == 2
+    assert list(schedule.chunk_prefix) == [0, 0, 0] and [g.query_len for g in schedule.groups] == [2, 1]
     args, _ = cascade_case([32], [2, 5, 0, 9, 1], [0, 0, 0, 0, 0], seed=5)
     with run_on("sim"):
         out = cascade(args)
@@ -123,10 +123,26 @@ def test_many_members_are_chunked(monkeypatch):
 
 def test_plan_skips_unused_and_empty_prefixes():
     schedule = metal_cascade.plan([16, 0, 32, 8], [2, 1, -1, 2, 7, 0], gqa=4, capacity=32, max_rows=128)
-    assert list(schedule.chunk_prefix) == [0, 2]          # prefix 1 is empty, 3 unused, 7 out of range
-    assert schedule.query_len == 2 and schedule.prefix_work == 32
-    assert list(schedule.slot_of) == [2, -1, -1, 3, -1, 0]  # chunk 1 starts at slot 2
-    assert list(schedule.member_rows) == [5, 0, 0, 3]       # slot 1 of chunk 0 is padding
+    assert sorted(schedule.chunk_prefix) == [0, 2]        # prefix 1 is empty, 3 unused, 7 out of range
+    assert schedule.prefix_work == 32 and schedule.prefix_slots == 3
+    # Chunks sized per prefix: prefix 2's two members take QL 2, prefix 0's one takes QL 1.
+    assert [(g.query_len, list(g.chunk_prefix), list(g.member_rows)) for g in schedule.groups] == [
+        (2, [2], [0, 3]), (1, [0], [5])]
+    assert list(schedule.slot_of) == [0, -1, -1, 1, -1, 2]
+
+
+def test_chunks_are_sized_per_prefix():
+    # A one-member prefix beside a 32-member one computes no padding rows.
+    schedule = metal_cascade.plan([16, 16], [0] * 32 + [1], gqa=2, capacity=16, max_rows=96)
+    assert [(g.query_len, g.chunk_prefix.shape[0]) for g in schedule.groups] == [(32, 1), (1, 1)]
+    assert schedule.prefix_slots == 33
+    args, _ = cascade_case([16, 16], [3] * 5 + [2], [0] * 5 + [1], seed=8, gqa=2, num_kv_heads=1)
+    with run_on("sim") as trace:
+        out = cascade(args)
+        mx.eval(out)
+    assert_close(out, oracle(args), f16)
+    prefix_calls = [c for c in trace.calls if "cascade_partials" in c.name and "_ql1_" not in c.name]
+    assert sorted(c.name.split("_ql")[1].split("_")[0] for c in prefix_calls) == ["8"]  # 5 members: QL 8
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -303,8 +319,11 @@ def test_sparse_v_sim_skips_v_rows_in_both_passes():
         with run_on("sim") as t:
             mx.eval(cascade(args, sparse_v=tau))
         calls = [c for c in t.calls if "cascade_partials" in c.name]
-        assert len(calls) == 2  # the prefix pass and the own-token pass
-        return [{n: c.buffers[n].loaded for n in ("key_data", "value_data")} for c in calls]
+        # The own-token pass, then the prefix passes, one per chunk size (QL 4: the
+        # 3-member prefix; QL 1: the 1-member one).
+        assert len(calls) == 3 and "_ql4_" in calls[1].name and "_ql1_" in calls[2].name
+        loads = [{n: c.buffers[n].loaded for n in ("key_data", "value_data")} for c in calls]
+        return [loads[0], {n: loads[1][n] + loads[2][n] for n in loads[0]}]
 
     exact, sparse = loaded(None), loaded(1e-3)
     # Measured: own pass 0.63 of the exact V bytes, prefix pass 0.88 (a key is loaded

@@ -957,20 +957,25 @@ class KernelBackend:
         own_work = int(np.clip(np.asarray(seq_lens), 0, block_tables.shape[1] * block_size).max(initial=0))
         own, own_splits = self._cascade_partials(query[:, None], key_cache, value_cache, block_tables, seq_lens,
                                                  work=own_work, scale=scale, softcap=softcap, sparse_v=sparse_v)
-        num_chunks = schedule.chunk_prefix.shape[0]
-        if num_chunks:
-            chunk = mx.array(schedule.chunk_prefix)
-            members = mx.take(query, mx.array(schedule.member_rows), axis=0)
-            members = members.reshape(num_chunks, schedule.query_len, num_heads, head_dim)
-            prefix, prefix_splits = self._cascade_partials(
+        parts, prefix_splits = [], None
+        for group in schedule.groups:  # largest QL first: its split count is every group's
+            chunk = mx.array(group.chunk_prefix)
+            members = mx.take(query, mx.array(group.member_rows), axis=0)
+            members = members.reshape(group.chunk_prefix.shape[0], group.query_len, num_heads, head_dim)
+            part, prefix_splits = self._cascade_partials(
                 members, key_cache, value_cache, mx.take(prefix_block_tables, chunk, axis=0),
                 mx.take(prefix_lens, chunk), work=schedule.prefix_work, scale=scale, softcap=softcap,
-                sparse_v=sparse_v)
+                sparse_v=sparse_v, splits=prefix_splits)
+            parts.append(part)
+        if len(parts) > 1:
+            prefix = tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
+        elif parts:
+            prefix = parts[0]
         else:  # no sequence has a prefix: placeholders the reduce never reads
             empty = mx.zeros((8,), dtype=mx.float32)
             prefix, prefix_splits = (empty, empty, empty), 1
         params = CASCADE_REDUCE_PARAMS.pack(num_heads=num_heads, prefix_splits=prefix_splits, own_splits=own_splits,
-                                            prefix_slots=num_chunks * schedule.query_len, num_seqs=num_seqs)
+                                            prefix_slots=schedule.prefix_slots, num_seqs=num_seqs)
         rows = num_seqs * num_heads
         template = dict(TQ=query.dtype, D=head_dim, HAS_SINKS=sinks is not None)
         geometry = SPECS["cascade_reduce"].geometry(rows=rows)
@@ -981,14 +986,16 @@ class KernelBackend:
         return out.reshape(num_seqs, num_heads, head_dim)
 
     def _cascade_partials(self, query4, key_cache, value_cache, tables, lens, *, work: int, scale, softcap,
-                          sparse_v=None):
+                          sparse_v=None, splits: int | None = None):
         """cascade_partials over table rows ``tables``/``lens`` (every row of query [C, QL, H,
         D] sees its whole table row): (part_max, part_sum, part_acc) [C * QL * H, splits(, D)]
-        and the split count. ``work``: the most tokens a table row holds."""
+        and the split count. ``work``: the most tokens a table row holds; ``splits``: the
+        split count to use exactly (launches whose partials are concatenated), else chosen."""
         num_rows, query_len, num_heads, head_dim = query4.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         layout = layout_for(query4, key_cache, value_cache, paged=True)
-        splits = self._splits(None, max(1, work), num_rows * num_kv_heads, layout)
+        if splits is None:
+            splits = self._splits(None, max(1, work), num_rows * num_kv_heads, layout)
         template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, num_heads // num_kv_heads, query_len,
                                                layout, sparse_v)
         template["BS"] = block_size

@@ -239,7 +239,7 @@ def backend_call(f: Family) -> tuple:
     dtype = DTYPES[f.dtype]
     D, Hkv, H = f.head_dim, f.num_kv_heads, f.num_kv_heads * f.gqa
     opts = dict(scale=D ** -0.5, softcap=None, sinks=mx.zeros((H,)) if f.sinks else None, num_splits=None)
-    if f.sparse_v and f.op in ("paged_attention", "decode_attention"):
+    if f.sparse_v and f.op in ("paged_attention", "decode_attention", "paged_attention_cascade"):
         opts["sparse_v"] = f.sparse_v
     if f.op == "decode_attention":
         shape = (f.num_seqs, Hkv, f.tokens, D)

@@ -25,6 +25,7 @@ _DTYPE_TAGS = {**{v: k for k, v in DTYPES.items()}, "float16": "f16", "bfloat16"
 # The trace shape every family runs at (tools/msl_check.py's): S sequences, H query
 # heads over Hkv kv heads (GQA 4), N cache blocks, M blocks per table row.
 NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, NUM_BLOCKS, MAX_BLOCKS = 2, 8, 2, 16, 4
+MAX_QUERY_TOKENS = 8  # the decode ops' most query tokens per sequence
 SEQ_LENS = (5, 9)  # raised to L where a family has more query rows (ops requires seq_len >= L)
 
 
@@ -112,8 +113,11 @@ class OpFamily:
         return {"name": self.name, **out}
 
     def point(self) -> dict:
-        """As Family.point (the fields a configuration lacks take the Family defaults)."""
-        return Family.from_params(self.config).point()
+        """As Family.point (the fields a configuration lacks take the Family defaults). A
+        varlen family's new rows (9 and more: the tiled kernel) become the decode ops' most,
+        8 query tokens, where the randomized sweep reuses the point for every op."""
+        point = Family.from_params(self.config).point()
+        return dict(point, L=min(point["L"], MAX_QUERY_TOKENS))
 
     def paths(self, seed: int = 0) -> list:
         fn, args, kwargs = self._build_inputs(self.config, seed)
