@@ -16,6 +16,10 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Full unrolling of a loop over register arrays (fragments, rows): an array the
+// compiler cannot index with constants after unrolling goes to memory.
+#define KV_UNROLL _Pragma("clang loop unroll(full)")
+
 // A finite stand-in for -inf: Metal compiles with fast math, which may assume
 // no infinities, and exp(KV_NEG_BIG - m) still underflows to exactly 0.
 static constant constexpr const float KV_NEG_BIG = -1.0e30f;
@@ -303,6 +307,22 @@ inline KvSoftmaxMerge kv_softmax_merge(float m_a, float m_b) {
 // Four elements of a float cache in one load of their storage type: half4
 // (8 bytes), float4 (16 bytes), or bfloat as ushort4 (8 bytes; a bfloat is the
 // top half of a float, so widening is a shift and works on every Metal version).
+// Two adjacent threadgroup elements in one load of their storage type (half2,
+// float2, or bfloat as ushort2): an 8x8 fragment's two columns of one lane.
+template <typename T>
+struct KvVec2 {
+  static float2 load(const threadgroup T* p) {
+    return float2(*reinterpret_cast<const threadgroup vec<T, 2>*>(p));
+  }
+};
+template <>
+struct KvVec2<bfloat16_t> {
+  static float2 load(const threadgroup bfloat16_t* p) {
+    const ushort2 v = *reinterpret_cast<const threadgroup ushort2*>(p);
+    return kv_float2(as_type<float>(uint(v.x) << 16), as_type<float>(uint(v.y) << 16));
+  }
+};
+
 template <typename T>
 struct KvVec4 {
   typedef float4 type;

@@ -17,10 +17,13 @@
 //   reduction is simd_shuffle_xor by 1 and 8.
 // - K/V tiles of BK tokens are copied from the paged blocks into threadgroup
 //   memory in the storage type (quantized rows dequantized once into the tile,
-//   in the scales' float type); lanes read fragments from the tile by their own
-//   coordinates (rows padded by 16 bytes against bank conflicts). Two barriers
-//   per tile (load, use); no double buffer, so the tiles fit the budget at
-//   BK = 32 for D = 128 half.
+//   in the scales' float type, by every thread in runs of whole words); lanes
+//   read fragments from the tile by their own coordinates, each fragment's two
+//   elements in one vector load: V row-major, K transposed (KT = 1, dims as
+//   rows) so that a K fragment's two keys are adjacent (rows padded by 16 bytes
+//   against bank conflicts). Fragment loops are unrolled (KV_UNROLL). Two
+//   barriers per tile (load, use); no double buffer, so the tiles fit the budget
+//   at BK = 32 for D = 128 half.
 // - Key range of a tile: [first visible key of its first row, last row's
 //   position]: tiles above the causal diagonal are never visited, tiles before
 //   the sliding window never loaded. Splits cut that range in whole K/V tiles;
@@ -49,21 +52,65 @@ struct KvVarlenStride {
   static constant constexpr const int LD = D + 16 / int(sizeof(TT));
 };
 
+// The transposed K tile (KT = 1): dim d of key r at d * LDT + r, so a lane's two
+// fragment columns (keys fn, fn + 1 of one dim) are adjacent: one vector load. Rows
+// are padded by 8 bytes (keeps them 8-byte aligned for float2, and costs little at
+// small BK), which spreads a fragment's 8 rows over the banks.
+template <int BK, typename TT>
+struct KvVarlenStrideT {
+  static constant constexpr const int LDT = BK + 8 / int(sizeof(TT));
+};
+
+// Elements per task of a tile fill: 8 for a float row (one or two 16-byte copies).
+// A quantized row is dequantized in runs of whole words within one group, as long
+// as the threadgroup's NT threads all get work (a group per task left half of them
+// idle at D 128, group 64): the group halved while a thread would get fewer than
+// `per_thread` elements, down to the shortest run (2, 4, 8 bits: 16, 8, 8 values;
+// 3, 5, 6 bits: 32). Longer runs read each scale and bias fewer times.
+constexpr int kv_fill_run(int bits) {
+  return 32 % bits != 0 ? 32 : (32 / bits > 8 ? 32 / bits : 8);
+}
+constexpr int kv_fill_halve(int task, int run, int per_thread) {
+  return task / 2 >= run && task > per_thread ? task / 2 : task;
+}
+constexpr int kv_fill_task(int bits, int group, int per_thread) {
+  // (No loop: groups are 32..128 values, so four halvings reach any run; and the
+  // simulator instruments loops, which a constexpr function may not hold.)
+  return bits == 0 ? 8
+                   : kv_fill_halve(kv_fill_halve(kv_fill_halve(kv_fill_halve(
+                         group, kv_fill_run(bits), per_thread), kv_fill_run(bits), per_thread),
+                         kv_fill_run(bits), per_thread), kv_fill_run(bits), per_thread);
+}
+
+// Element i of a run written down a column of the transposed tile (stride LDT).
+template <typename TT>
+struct KvTileColumn {
+  threadgroup TT* p;
+  int stride;
+  threadgroup TT& operator[](int i) const {
+    return p[i * stride];
+  }
+};
+
 // Copy the tile of tokens [t0, t0 + BK) of one (sequence, kv head) into
-// threadgroup memory (rows LD apart): rows outside [lo, hi) or in a block
-// outside [0, N) are zeros (never NaN into the MMA) with ok = 0.
-template <int BK, int D, int BS, int BITS, int GS, typename TT, typename PD, typename PS, typename PB, typename PT>
+// threadgroup memory: row-major (rows LD apart), or transposed (KT: columns LDT
+// apart; the threads of a simdgroup then take consecutive keys, so their stores
+// land on consecutive columns). Rows outside [lo, hi) or in a block outside
+// [0, N) are zeros (never NaN into the MMA) with ok = 0.
+template <int BK, int D, int BS, int BITS, int GS, bool KT, int NT, typename TT, typename PD, typename PS,
+          typename PB, typename PT>
 inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num_blocks,
                                 int num_kv_heads, int kvh, int t0, int lo, int hi, threadgroup TT* tile,
-                                threadgroup int* ok, int tid, int nthreads, bool write_ok) {
+                                threadgroup int* ok, int tid, bool write_ok) {
   constexpr int W = BITS ? D * BITS / 32 : D;   // data elements per row
   constexpr int NG = BITS ? D / GS : 1;         // groups per row
-  constexpr int TASK = BITS ? GS : 8;           // elements per task
+  constexpr int TASK = kv_fill_task(BITS, GS, D * BK / NT);  // elements per task
   constexpr int TASKS = D / TASK;
   constexpr int LD = KvVarlenStride<D, TT>::LD;
-  for (int i = tid; i < BK * TASKS; i += nthreads) {
-    const int r = i / TASKS;
-    const int task = i % TASKS;
+  constexpr int LDT = KvVarlenStrideT<BK, TT>::LDT;
+  for (int i = tid; i < BK * TASKS; i += NT) {
+    const int r = KT ? i % BK : i / TASKS;
+    const int task = KT ? i / BK : i % TASKS;
     const int t = t0 + r;
     bool good = t >= lo && t < hi;
     size_t row = 0;
@@ -72,22 +119,33 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
       good = uint(block) < uint(num_blocks);
       row = (size_t(good ? block : 0) * uint(num_kv_heads) + uint(kvh)) * BS + uint(t % BS);
     }
-    threadgroup TT* dst = tile + r * LD + task * TASK;
+    KvTileColumn<TT> dst;
+    dst.p = KT ? tile + task * TASK * LDT + r : tile + r * LD + task * TASK;
+    dst.stride = KT ? LDT : 1;
     if (!good) {
       for (int e = 0; e < TASK; e++) {
         dst[e] = TT(0.0f);
       }
     } else if (BITS) {
-      const float s = float(scales[row * NG + task]);
-      const float b = float(biases[row * NG + task]);
-      kv_dequant_group<BITS ? BITS : 1, GS, TT>(data + row * W + task * (GS * BITS / 32), 1, s, b, dst);
+      const int group = task * TASK / GS;
+      const float s = float(scales[row * NG + group]);
+      const float b = float(biases[row * NG + group]);
+      kv_dequant_group<BITS ? BITS : 1, TASK, TT>(data + row * W + task * (TASK * BITS / 32), 1, s, b, dst);
     } else {
-      // 8 elements: one 16-byte copy (half, bfloat) or two (float), in the storage type.
+      // 8 elements: one 16-byte load (half, bfloat) or two (float), in the storage type.
       constexpr int U = TASK * int(sizeof(TT)) / 16;
+      constexpr int PER = 16 / int(sizeof(TT));
       const device uint4* src = reinterpret_cast<const device uint4*>(data + row * W + task * TASK);
-      threadgroup uint4* to = reinterpret_cast<threadgroup uint4*>(dst);
       for (int u = 0; u < U; u++) {
-        to[u] = src[u];
+        if (KT) {
+          uint4 w = src[u];
+          const thread TT* e = reinterpret_cast<const thread TT*>(&w);
+          for (int k = 0; k < PER; k++) {
+            dst[u * PER + k] = e[k];
+          }
+        } else {
+          *reinterpret_cast<threadgroup uint4*>(dst.p + u * PER) = src[u];
+        }
       }
     }
     if (write_ok && task == 0) {
@@ -121,8 +179,9 @@ const int out_rows = p.query_len;  // partial rows / H
 // Threadgroup memory (metal.py mirrors it in varlen_threadgroup_bytes).
 // The tiles are uint4 arrays (16-byte aligned rows for the copies), used as TK / TV.
 constexpr int KLD = KvVarlenStride<D, TK>::LD;
+constexpr int KLDT = KvVarlenStrideT<BK, TK>::LDT;
 constexpr int VLD = KvVarlenStride<D, TV>::LD;
-constexpr int TILE_K16 = (BK * KLD * int(sizeof(TK)) + 15) / 16;
+constexpr int TILE_K16 = ((KT ? D * KLDT : BK * KLD) * int(sizeof(TK)) + 15) / 16;
 constexpr int TILE_V16 = (BK * VLD * int(sizeof(TV)) + 15) / 16;
 threadgroup uint4 tile_k_raw[TILE_K16];
 threadgroup uint4 tile_v_raw[TILE_V16];
@@ -169,7 +228,9 @@ const int t_end = min(hi, t_begin + per_split * BK);
 const float qscale = var.q_scale;
 simdgroup_float8x8 qf[DF];
 simdgroup_float8x8 of[DF];
+KV_UNROLL
 for (int j = 0; j < DF; j++) {
+  KV_UNROLL
   for (int e = 0; e < 2; e++) {
     const float x = row_ok ? float(query[(size_t(q_row) * num_heads + head) * D + j * 8 + fn + e]) : 0.0f;
     qf[j].thread_elements()[e] = x * qscale;
@@ -180,29 +241,39 @@ float m = KV_NEG_BIG;
 float l = 0.0f;
 
 for (int t0 = t_begin; t0 < t_end; t0 += BK) {
-  kv_varlen_load_tile<BK, D, BS, KBITS, KGS, TK>(key_data, key_scales, key_biases, table, p.num_blocks,
-                                                  p.num_kv_heads, kvh, t0, lo, t_end, tile_k, tile_ok, tid, NT,
-                                                  true);
-  kv_varlen_load_tile<BK, D, BS, VBITS, VGS, TV>(value_data, value_scales, value_biases, table, p.num_blocks,
-                                                  p.num_kv_heads, kvh, t0, lo, t_end, tile_v, tile_ok, tid, NT,
-                                                  false);
+  kv_varlen_load_tile<BK, D, BS, KBITS, KGS, KT != 0, NT, TK>(key_data, key_scales, key_biases, table,
+                                                              p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
+                                                              tile_k, tile_ok, tid, true);
+  kv_varlen_load_tile<BK, D, BS, VBITS, VGS, false, NT, TV>(value_data, value_scales, value_biases, table,
+                                                             p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
+                                                             tile_v, tile_ok, tid, false);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // S = Q K^T: fragment kb holds keys t0 + 8 kb + [0, 8) of the simdgroup's rows.
   simdgroup_float8x8 sf[KF];
+  KV_UNROLL
   for (int kb = 0; kb < KF; kb++) {
     sf[kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    KV_UNROLL
     for (int j = 0; j < DF; j++) {
       simdgroup_float8x8 kt;  // (dim, key) = K[key][dim]
-      kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * KLD + j * 8 + fm]);
-      kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * KLD + j * 8 + fm]);
+      if (KT) {  // keys fn, fn + 1 of dim j * 8 + fm: adjacent in the transposed tile
+        const float2 x = KvVec2<TK>::load(tile_k + (j * 8 + fm) * KLDT + kb * 8 + fn);
+        kt.thread_elements()[0] = x.x;
+        kt.thread_elements()[1] = x.y;
+      } else {
+        kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * KLD + j * 8 + fm]);
+        kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * KLD + j * 8 + fm]);
+      }
       simdgroup_multiply_accumulate(sf[kb], qf[j], kt, sf[kb]);
     }
   }
 
   // Online softmax over the tile: mask, row max, probabilities, row sum.
   float tile_max = KV_NEG_BIG;
+  KV_UNROLL
   for (int kb = 0; kb < KF; kb++) {
+    KV_UNROLL
     for (int e = 0; e < 2; e++) {
       const int c = kb * 8 + fn + e;
       const int t = t0 + c;
@@ -217,7 +288,9 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   const float m_new = max(m, tile_max);
   const float factor = kv_weight(m, m_new);
   float tile_sum = 0.0f;
+  KV_UNROLL
   for (int kb = 0; kb < KF; kb++) {
+    KV_UNROLL
     for (int e = 0; e < 2; e++) {
       const float s = sf[kb].thread_elements()[e];
       const float pr = s > 0.5f * KV_NEG_BIG ? kv_weight(s, m_new) : 0.0f;
@@ -231,13 +304,16 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   m = m_new;
 
   // O = O * factor + P V: fragment j holds dims 8 j + [0, 8).
+  KV_UNROLL
   for (int j = 0; j < DF; j++) {
     of[j].thread_elements()[0] *= factor;
     of[j].thread_elements()[1] *= factor;
+    KV_UNROLL
     for (int kb = 0; kb < KF; kb++) {
-      simdgroup_float8x8 vf;  // (key, dim)
-      vf.thread_elements()[0] = float(tile_v[(kb * 8 + fm) * VLD + j * 8 + fn]);
-      vf.thread_elements()[1] = float(tile_v[(kb * 8 + fm) * VLD + j * 8 + fn + 1]);
+      simdgroup_float8x8 vf;  // (key, dim): dims fn, fn + 1 adjacent in the row-major tile
+      const float2 x = KvVec2<TV>::load(tile_v + (kb * 8 + fm) * VLD + j * 8 + fn);
+      vf.thread_elements()[0] = x.x;
+      vf.thread_elements()[1] = x.y;
       simdgroup_multiply_accumulate(of[j], sf[kb], vf, of[j]);
     }
   }
@@ -251,6 +327,7 @@ if (row_ok) {
     part_max[at] = m;
     part_sum[at] = l;
   }
+  KV_UNROLL
   for (int j = 0; j < DF; j++) {
     part_acc[at * D + j * 8 + fn] = of[j].thread_elements()[0];
     part_acc[at * D + j * 8 + fn + 1] = of[j].thread_elements()[1];

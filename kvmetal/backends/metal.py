@@ -453,7 +453,7 @@ SPECS = {
 # The tiled varlen kernel (kernels/varlen.metal), next to SPECS' decode kernels.
 SPECS["paged_varlen_partials"] = KernelSpec(
     "paged_varlen_partials", "varlen", ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "tiles", "params"),
-    _PARTIALS, ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KBITS", "KGS", "VBITS", "VGS"),
+    _PARTIALS, ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KT", "KBITS", "KGS", "VBITS", "VGS"),
     lambda *, num_tiles, num_kv_heads, splits, tiles, threadgroup_bytes: Geometry(
         grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
         threadgroup_bytes=threadgroup_bytes),
@@ -491,15 +491,22 @@ VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 *
 VARLEN_BLOCK_K = (32, 16, 8)             # candidate K/V tile tokens, largest first
 VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer each, rows padded)
 VARLEN_ROW_PAD = 16                      # bytes added to each tile row (kernels: KvVarlenStride)
+VARLEN_TRANSPOSED_PAD = 8                # bytes added to each row of the transposed K tile (KvVarlenStrideT)
 VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVarlenTile)
 
 
 @dataclass(frozen=True)
 class VarlenTiles:
-    """Tile sizes of the tiled varlen kernel (template parameters NSG, BK)."""
+    """Tile sizes of the tiled varlen kernel (template parameters NSG, BK, KT).
+
+    ``transposed_k`` (KT): the K tile holds dims as rows, so a K fragment's two keys are
+    one vector load (and the fill's stores go down columns); False keeps K row-major
+    like V (two scalar loads per K fragment, 16-byte stores). The default is the
+    pattern of the fast kernels; only a Mac can time the two (``tiles=`` override)."""
 
     simdgroups: int
     block_k: int
+    transposed_k: bool = True
 
     @property
     def block_q(self) -> int:
@@ -510,11 +517,14 @@ class VarlenTiles:
         return 32 * self.simdgroups
 
 
-def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int) -> int:
-    """Threadgroup memory of paged_varlen_partials: K tile, V tile (tile element types, rows
-    padded by VARLEN_ROW_PAD bytes), ok flags."""
-    return (_round16(block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
-            + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(4 * block_k))
+def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int,
+                             transposed_k: bool = True) -> int:
+    """Threadgroup memory of paged_varlen_partials: K tile (transposed: head_dim rows of
+    block_k keys, padded by VARLEN_TRANSPOSED_PAD bytes), V tile (rows padded by
+    VARLEN_ROW_PAD bytes; both in the tile element types), ok flags."""
+    k_tile = (head_dim * (block_k * k_itemsize + VARLEN_TRANSPOSED_PAD) if transposed_k
+              else block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
+    return _round16(k_tile) + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(4 * block_k)
 
 
 def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups: int | None = None,
@@ -523,14 +533,15 @@ def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups:
     padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16)."""
     if block_k is None:
         block_k = next((bk for bk in VARLEN_BLOCK_K
-                        if bk * (head_dim * (k_itemsize + v_itemsize) + 2 * VARLEN_ROW_PAD) <= VARLEN_TILE_MEMORY),
+                        if varlen_threadgroup_bytes(head_dim=head_dim, block_k=bk, k_itemsize=k_itemsize,
+                                                    v_itemsize=v_itemsize) - _round16(4 * bk) <= VARLEN_TILE_MEMORY),
                        VARLEN_BLOCK_K[-1])
     tiles = VarlenTiles(simdgroups or VARLEN_SIMDGROUPS, block_k)
     if tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= MAX_SHARED_SIMDGROUPS:
         raise ValueError(f"[metal] varlen tiles need BK a multiple of 8 and 1..{MAX_SHARED_SIMDGROUPS} simdgroups "
                          f"(chips.PIPELINE_THREAD_LIMIT threads), got {tiles}")
     used = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
-                                    v_itemsize=v_itemsize)
+                                    v_itemsize=v_itemsize, transposed_k=tiles.transposed_k)
     if used > 32 * 1024:
         raise ValueError(f"[metal] varlen tiles {tiles} need {used} bytes of threadgroup memory (> 32 KiB)")
     return tiles
@@ -905,7 +916,7 @@ class KernelBackend:
         outs = []
         if plan.tiles.shape[0]:
             tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=kdt.size,
-                                                v_itemsize=vdt.size)
+                                                v_itemsize=vdt.size, transposed_k=tiles.transposed_k)
             useful = max(1, -(-plan.max_work // tiles.block_k))
             if num_splits is None:
                 splits = choose_num_splits(plan.max_work, plan.tiles.shape[0] * num_kv_heads,
@@ -918,7 +929,8 @@ class KernelBackend:
                                            num_blocks=num_blocks, window=sliding_window or 0,
                                            num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1)
             template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
-                            NSG=tiles.simdgroups, BK=tiles.block_k, KBITS=kbits, KGS=kgs, VBITS=vbits, VGS=vgs)
+                            NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), KBITS=kbits, KGS=kgs,
+                            VBITS=vbits, VGS=vgs)
             geometry = SPECS["paged_varlen_partials"].geometry(
                 num_tiles=plan.tiles.shape[0], num_kv_heads=num_kv_heads, splits=splits, tiles=tiles,
                 threadgroup_bytes=tg_bytes)
