@@ -310,9 +310,18 @@ inline KvSoftmaxMerge kv_softmax_merge(float m_a, float m_b) {
 // Two adjacent threadgroup elements in one load of their storage type (half2,
 // float2, or bfloat as ushort2): an 8x8 fragment's two columns of one lane.
 template <typename T>
-struct KvVec2 {
-  static float2 load(const threadgroup T* p) {
-    return float2(*reinterpret_cast<const threadgroup vec<T, 2>*>(p));
+struct KvVec2;
+template <>
+struct KvVec2<float> {
+  static float2 load(const threadgroup float* p) {
+    return *reinterpret_cast<const threadgroup float2*>(p);
+  }
+};
+template <>
+struct KvVec2<half> {
+  static float2 load(const threadgroup half* p) {
+    const half2 v = *reinterpret_cast<const threadgroup half2*>(p);
+    return kv_float2(float(v.x), float(v.y));
   }
 };
 template <>

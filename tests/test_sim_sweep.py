@@ -1,4 +1,4 @@
-"""The standing randomized sweep of the decode attention kernels on the simulator
+"""The standing randomized sweep of the attention kernels on the simulator
 (kvmetal/sim/sweep.py): a fixed-seed, bounded sample in CI. Longer runs:
 ``python -m kvmetal.sim.sweep --fuzz N [--seed S]``; every failure prints a
 one-line reproducer (``python -m kvmetal.sim.sweep --case '<json>'``)."""
@@ -24,13 +24,21 @@ def test_fixed_seed_sweep_matches_the_oracle():
 def test_the_draws_cover_the_space():
     # Over a longer draw (no kernel runs) every axis the issue lists is reached.
     cs = sweep.configs(600, seed=CI_SEED, pool=150)
-    assert {c.op for c in cs} == {"paged", "decode"}
+    # Every attention op of the registry is drawn (the sweep refuses to start otherwise).
+    from kvmetal.backends.specialisations import ATTENTION_OPS
+
+    assert {c.op for c in cs} == {sweep.OPS[op] for op in ATTENTION_OPS} == {"paged", "decode", "varlen", "cascade"}
     assert min(c.gqa for c in cs) == 1 and max(c.gqa for c in cs) >= 40
-    assert {c.query_len for c in cs} == set(range(1, 9))
+    assert {c.query_len for c in cs if c.op in ("paged", "decode")} == set(range(1, 9))
+    varlen = [c for c in cs if c.op == "varlen"]
+    assert any(n > 8 for c in varlen for n in c.counts) and any(0 < n <= 8 for c in varlen for n in c.counts)
+    cascade = [c for c in cs if c.op == "cascade"]
+    assert any(len(c.prefix_of) >= 24 for c in cascade) and any(-1 in c.prefix_of for c in cascade)
+    assert any(0 in c.prefix_lens for c in cascade) and any(0 in c.lens for c in cascade)
     assert {c.head_dim for c in cs} == set(sweep.HEAD_DIMS)
     assert {c.block_size for c in cs if c.op == "paged"} == set(sweep.BLOCK_SIZES)
     assert {c.splits for c in cs} >= set(range(1, 8)) | {None}
-    assert min(min(c.lens) for c in cs) == 1 and any(n % 2 for c in cs for n in c.lens)
+    assert min(min(c.lens) for c in cs if c.op in ("paged", "decode")) == 1 and any(n % 2 for c in cs for n in c.lens)
     assert {c.view for c in cs if c.op == "decode"} == set(sweep.VIEWS)
     bits = {q[0] for c in cs for q in (c.k_quant, c.v_quant) if q}
     sizes = {q[1] for c in cs for q in (c.k_quant, c.v_quant) if q}

@@ -1,12 +1,17 @@
-"""A randomized sweep of the decode attention kernels on the simulator, against
-the float64 oracles (kvmetal.reference).
+"""A randomized sweep of the attention kernels on the simulator, against the
+float64 oracles (kvmetal.reference): every attention op of the specialisation
+registry (``specialisations.ATTENTION_OPS``: paged and contiguous decode, varlen,
+cascade), so a new attention op must be drawn here or the sweep refuses to start.
 
 Each configuration is drawn over the whole space the ops accept: G 1-48 query
 heads per kv head, L 1-8 query tokens, head_dim 64/80/96/128/256, block sizes
 8/16/32, 1-7 splits (or automatic), tiny and odd lengths, every K/V bit width and
 group size (float and quantized K and V mixed), sliding window, softcap (with
 scores large enough to overflow an unguarded fast tanh now and then), sinks, and
-for ``decode_attention`` strided and offset views. Slots no sequence owns are
+for ``decode_attention`` strided and offset views; for ``paged_attention_varlen``
+ragged batches of decode rows and prefill runs (1-64 new rows per sequence, the
+tiled kernel past 8); for ``paged_attention_cascade`` 1-3 shared prefixes of up to
+40 members (chunked), sequences without one, and empty own lengths. Slots no sequence owns are
 NaN (so is everything a view hides), and each configuration runs on the strict
 simulator under two schedule seeds.
 
@@ -48,7 +53,7 @@ _MX = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    op: str                    # "paged" or "decode"
+    op: str                    # "paged", "decode", "varlen" or "cascade" (OPS)
     dtype: str
     head_dim: int
     gqa: int
@@ -66,6 +71,9 @@ class Config:
     view: str = "contiguous"   # decode
     pad: int = 0               # decode padded/offset views: elements of padding per row
     data_seed: int = 0
+    counts: tuple | None = None       # varlen: new rows of each sequence (its last cached positions)
+    prefix_lens: tuple | None = None  # cascade: the shared prefixes' lengths (lens: own tokens)
+    prefix_of: tuple | None = None    # cascade: each sequence's prefix, -1 for none
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -73,7 +81,7 @@ class Config:
     @staticmethod
     def from_json(text: str) -> "Config":
         d = json.loads(text)
-        for k in ("k_quant", "v_quant", "lens"):
+        for k in ("k_quant", "v_quant", "lens", "counts", "prefix_lens", "prefix_of"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return Config(**d)
@@ -96,14 +104,30 @@ def _draw_quant(rng, head_dim):
     return tuple(int(x) for x in options[rng.integers(len(options))]) if options else None
 
 
-def draw_shape(rng) -> dict:
-    """The kernel-selecting half of a configuration."""
+# The sweep's name of each attention op of the registry (specialisations.ATTENTION_OPS).
+OPS = {"paged_attention": "paged", "decode_attention": "decode", "paged_attention_varlen": "varlen",
+       "paged_attention_cascade": "cascade"}
+
+
+def _check_ops():
+    from ..backends.specialisations import ATTENTION_OPS
+
+    missing = set(ATTENTION_OPS) - set(OPS)
+    if missing:
+        raise RuntimeError(f"[kvmetal.sim.sweep] attention op(s) {sorted(missing)} of the registry are not drawn")
+
+
+def draw_shape(rng, ops=None) -> dict:
+    """The kernel-selecting half of a configuration (ops: the sweep names to draw from)."""
+    ops = tuple(ops or OPS.values())
     r = rng.random()
     gqa = int(rng.integers(1, 9) if r < 0.5 else rng.integers(9, 17) if r < 0.85 else rng.integers(17, 49))
     head_dim = int(rng.choice(HEAD_DIMS))
-    return dict(op="paged" if rng.random() < 0.6 else "decode", dtype=str(rng.choice(DTYPES)), head_dim=head_dim,
-                gqa=gqa, query_len=int(rng.integers(1, 9)), k_quant=_draw_quant(rng, head_dim),
-                v_quant=_draw_quant(rng, head_dim), block_size=int(rng.choice(BLOCK_SIZES)))
+    op = str(ops[int(rng.integers(len(ops)))])
+    return dict(op=op, dtype=str(rng.choice(DTYPES)), head_dim=head_dim,
+                gqa=gqa, query_len=int(rng.integers(1, 9)) if op in ("paged", "decode") else 1,
+                k_quant=_draw_quant(rng, head_dim), v_quant=_draw_quant(rng, head_dim),
+                block_size=int(rng.choice(BLOCK_SIZES)))
 
 
 def _draw_len(rng, query_len, block_size):
@@ -134,6 +158,20 @@ def draw_config(rng, shape: dict) -> Config:
         lens = tuple(_draw_len(rng, L, shape["block_size"]) for _ in range(seqs))
         window = int(rng.integers(1, max(lens) + 8)) if rng.random() < 0.25 else None
         return Config(**kw, lens=lens, window=window)
+    if shape["op"] == "varlen":
+        seqs = 1 if shape["gqa"] > 16 else int(rng.integers(1, 4))
+        counts = tuple(int(rng.choice((0, 1, 3, 8, 9, 17, 33, 64))) for _ in range(seqs))
+        lens = tuple(max(n, _draw_len(rng, max(n, 1), shape["block_size"]) if rng.random() < 0.7 else n)
+                     for n in counts)
+        window = int(rng.integers(1, max(lens) + 8)) if rng.random() < 0.25 else None
+        return Config(**dict(kw, splits=None), lens=lens, counts=counts, window=window)
+    if shape["op"] == "cascade":
+        prefixes = int(rng.integers(1, 4))
+        prefix_lens = tuple(int(rng.choice((0, 1, 16, 37, 64, 150))) for _ in range(prefixes))
+        members = int(rng.integers(1, 41)) if shape["gqa"] <= 8 else int(rng.integers(1, 9))
+        prefix_of = tuple(int(rng.integers(-1, prefixes)) for _ in range(members))
+        lens = tuple(int(rng.choice((0, 1, 5, 17, 40))) for _ in range(members))
+        return Config(**dict(kw, splits=None), lens=lens, prefix_lens=prefix_lens, prefix_of=prefix_of)
     tokens = _draw_len(rng, L, 16)
     view = str(rng.choice(VIEWS))
     pad = int(rng.choice((1, 2, 4, 8))) if view in ("padded", "offset") else 0
@@ -159,19 +197,21 @@ def _make_cache(values: np.ndarray, dtype, spec, hidden: np.ndarray):
     return q.replace(q.data, mx.array(scales).astype(dtype), q.biases)
 
 
-def paged_inputs(c: Config, rng):
-    """(query [S, L, H, D], key cache, value cache, block_tables, seq_lens, sinks)."""
+def _pool(c: Config, rng, lens):
+    """(key cache, value cache, block_tables) holding sequences of ``lens`` tokens in
+    shuffled blocks; every slot no sequence owns is NaN, padding table entries point at
+    an all-NaN block or out of range."""
     dtype = _MX[c.dtype]
     bs, D, Hkv = c.block_size, c.head_dim, c.num_kv_heads
-    per_seq = [-(-n // bs) for n in c.lens]
+    per_seq = [max(1, -(-n // bs)) for n in lens]
     num_blocks = sum(per_seq) + 2
     ids = rng.permutation(num_blocks)
     spare = int(ids[-1])  # never handed out: all NaN
     pad = spare if rng.random() < 0.5 else num_blocks + 1000  # padding entries: NaN block or out of range
-    tables = np.full((len(c.lens), max(per_seq) + int(rng.integers(0, 3))), pad, np.int32)
+    tables = np.full((len(lens), max(per_seq) + int(rng.integers(0, 3))), pad, np.int32)
     owned = np.zeros((num_blocks, bs), bool)
     cursor = 0
-    for s, (n, nb) in enumerate(zip(c.lens, per_seq)):
+    for s, (n, nb) in enumerate(zip(lens, per_seq)):
         tables[s, :nb] = ids[cursor:cursor + nb]
         cursor += nb
         for t in range(n):
@@ -180,10 +220,39 @@ def paged_inputs(c: Config, rng):
     shape = (num_blocks, Hkv, bs, D)
     kc = _make_cache(_rand(rng, shape), dtype, c.k_quant, hidden)
     vc = _make_cache(_rand(rng, shape), dtype, c.v_quant, hidden)
-    H = Hkv * c.gqa
-    q = _rand(rng, (len(c.lens), c.query_len, H, D)) * (40.0 if c.big_scores else 1.0)
-    sinks = mx.array(_rand(rng, (H,))) if c.sinks else None
-    return mx.array(q).astype(dtype), kc, vc, mx.array(tables), mx.array(np.array(c.lens, np.int32)), sinks
+    return kc, vc, mx.array(tables)
+
+
+def _query(c: Config, rng, shape):
+    q = _rand(rng, shape) * (40.0 if c.big_scores else 1.0)
+    sinks = mx.array(_rand(rng, (shape[-2],))) if c.sinks else None
+    return mx.array(q).astype(_MX[c.dtype]), sinks
+
+
+def paged_inputs(c: Config, rng):
+    """(query [S, L, H, D], key cache, value cache, block_tables, seq_lens, sinks)."""
+    kc, vc, tables = _pool(c, rng, c.lens)
+    q, sinks = _query(c, rng, (len(c.lens), c.query_len, c.num_kv_heads * c.gqa, c.head_dim))
+    return q, kc, vc, tables, mx.array(np.array(c.lens, np.int32)), sinks
+
+
+def varlen_inputs(c: Config, rng):
+    """(query [T, H, D], key cache, value cache, block_tables, seq_lens, query_start_loc, sinks)."""
+    kc, vc, tables = _pool(c, rng, c.lens)
+    qsl = np.concatenate([[0], np.cumsum(c.counts)]).astype(np.int32)
+    q, sinks = _query(c, rng, (int(qsl[-1]), c.num_kv_heads * c.gqa, c.head_dim))
+    return q, kc, vc, tables, mx.array(np.array(c.lens, np.int32)), mx.array(qsl), sinks
+
+
+def cascade_inputs(c: Config, rng) -> tuple:
+    """(positional args of paged_attention_cascade, sinks): the prefixes' rows of the pool
+    first, then each sequence's own."""
+    P = len(c.prefix_lens)
+    kc, vc, tables = _pool(c, rng, tuple(c.prefix_lens) + tuple(c.lens))
+    q, sinks = _query(c, rng, (len(c.lens), c.num_kv_heads * c.gqa, c.head_dim))
+    args = (q, kc, vc, tables[:P], mx.array(np.array(c.prefix_lens, np.int32)),
+            mx.array(np.array(c.prefix_of, np.int32)), tables[P:], mx.array(np.array(c.lens, np.int32)))
+    return args, sinks
 
 
 def _view(c: Config, rng, dtype, spec, B, Hkv, T, D):
@@ -248,6 +317,15 @@ def run_config(c: Config, seeds=SCHEDULE_SEEDS) -> float:
         expected = ref.paged_attention(q, kc, vc, tables, lens, softcap=c.softcap, sinks=sinks,
                                        sliding_window=c.window)
         fn = lambda: kv.paged_attention(q, kc, vc, tables, lens, sinks=sinks, sliding_window=c.window, **options)
+    elif c.op == "varlen":
+        args = varlen_inputs(c, rng)
+        opts = dict(softcap=c.softcap, sinks=args[-1], sliding_window=c.window)
+        expected = ref.paged_attention_varlen(*args[:-1], **opts)
+        fn = lambda: kv.paged_attention_varlen(*args[:-1], **opts)
+    elif c.op == "cascade":
+        args, sinks = cascade_inputs(c, rng)
+        expected = ref.paged_attention_cascade(*args, softcap=c.softcap, sinks=sinks)
+        fn = lambda: kv.paged_attention_cascade(*args, softcap=c.softcap, sinks=sinks)
     else:
         q, k, v, sinks = decode_inputs(c, rng)
         expected = ref.decode_attention(q, k, v, softcap=c.softcap, sinks=sinks)
@@ -265,21 +343,23 @@ def run_config(c: Config, seeds=SCHEDULE_SEEDS) -> float:
     return worst
 
 
-def configs(count: int, seed: int, pool: int) -> list:
-    """``count`` configurations drawn with ``seed`` over a pool of ``pool`` kernel shapes."""
+def configs(count: int, seed: int, pool: int, ops=None) -> list:
+    """``count`` configurations drawn with ``seed`` over a pool of ``pool`` kernel shapes
+    (of the sweep ops ``ops``; default every attention op of the registry)."""
+    _check_ops()
     rng = np.random.default_rng(seed)
-    shapes = [draw_shape(rng) for _ in range(max(1, pool))]
+    shapes = [draw_shape(rng, ops) for _ in range(max(1, pool))]
     return [draw_config(rng, shapes[int(rng.integers(len(shapes)))]) for _ in range(count)]
 
 
 def sweep(count: int, *, seed: int = 0, pool: int = 32, out=sys.stdout, budget_s: float | None = None,
-          progress: int = 0, skip: int = 0) -> dict:
+          progress: int = 0, skip: int = 0, ops=None) -> dict:
     """Run ``count`` configurations; prints one reproducer line per failure. Returns
     {"ran", "failed", "seconds", "failures": [(config, message)]}. ``budget_s`` stops
     early (reporting how many ran)."""
     t0 = time.perf_counter()
     failures, ran = [], 0
-    for c in configs(skip + count, seed, pool)[skip:]:
+    for c in configs(skip + count, seed, pool, ops)[skip:]:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
         try:
@@ -304,12 +384,18 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=0, metavar="K",
                    help="start at configuration K of the seed's sequence (to split one sweep over processes)")
     p.add_argument("--case", type=str, default=None, help="rerun one configuration (a reproducer's JSON)")
+    p.add_argument("--ops", type=str, default="", help=f"only these ops, comma-separated: {', '.join(OPS.values())}")
     args = p.parse_args(argv)
     if args.case:
         c = Config.from_json(args.case)
         print(f"max relative error {run_config(c):.3g}: ok")
         return 0
-    result = sweep(args.fuzz, seed=args.seed, pool=args.pool, budget_s=args.budget, progress=100, skip=args.skip)
+    ops = [o for o in args.ops.split(",") if o]
+    unknown = set(ops) - set(OPS.values())
+    if unknown:
+        p.error(f"--ops: unknown op(s) {sorted(unknown)}; choose from {', '.join(OPS.values())}")
+    result = sweep(args.fuzz, seed=args.seed, pool=args.pool, budget_s=args.budget, progress=25, skip=args.skip,
+                   ops=ops or None)
     print(f"sweep: {result['ran']} configurations, {result['failed']} failed, {result['seconds']:.0f} s "
           f"(seed {args.seed}, pool {args.pool}, from configuration {args.skip})")
     return 1 if result["failed"] else 0
