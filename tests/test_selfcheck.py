@@ -315,3 +315,27 @@ def test_varlen_and_cascade_checks_run_when_kvmetal_has_them(monkeypatch):
         with kv.use_backend("cpu"):
             error, budget = correctness.RUNNERS[case["op"]](case, np.random.default_rng(i))
         assert error <= budget, (case, error)
+
+
+def test_a_pipeline_thread_limit_refusal_is_recorded_and_reported():
+    # What MLX raises on a Mac when a launch passes the pipeline's maxTotalThreadsPerThreadgroup.
+    def refuse():
+        def kernel(**_):
+            raise ValueError("[metal_kernel] Thread group size (512) is greater than the maximum allowed threads "
+                             "per threadgroup (384).")
+        return kernel
+
+    ledger = compiling.Ledger(family="f")
+    k = compiling.IsolatedKernel("kvmetal_paged_attention_partials_x", refuse, ledger)
+    k(inputs=[mx.zeros((1,))], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(512, 1, 1),
+      threadgroup=(512, 1, 1))
+    rec = ledger.specialisations["kvmetal_paged_attention_partials_x"]
+    assert rec["status"] == "failed" and rec["threads"] == 512 and rec["max_threads"] == 384
+    ok = dict(rec, name="kvmetal_attention_reduce_y", status="ok", threads=32, max_threads=None, error=None)
+    comp = {"families": [], "specialisations": [rec, ok], "path_errors": [], "seconds": 0.0}
+    from kvmetal.selfcheck import report
+
+    lines = report.compile_lines(comp)
+    assert any("at most 512 launched; 1 specialisations refused by their pipeline's limit (lowest 384)" in line
+               for line in lines), lines
+    assert any("FAILED kvmetal_paged_attention_partials_x" in line for line in lines)

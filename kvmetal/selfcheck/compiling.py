@@ -11,6 +11,8 @@ reduce kernel after a failed partials kernel, say) and every other family go on.
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -46,14 +48,23 @@ class Ledger:
     specialisations: dict = field(default_factory=dict)   # variant -> record
     path_errors: list = field(default_factory=list)       # errors outside any kernel
 
-    def record(self, variant: str, *, ok: bool, seconds: float, math_mode: str | None, error: str | None = None):
+    def record(self, variant: str, *, ok: bool, seconds: float, math_mode: str | None, error: str | None = None,
+               threads: int | None = None):
+        limit = _THREAD_LIMIT.search(error or "")
         self.specialisations[variant] = {"name": variant, "kernel": kernel_of(variant), "family": self.family,
                                          "status": "ok" if ok else "failed", "seconds": round(seconds, 4),
-                                         "math_mode": math_mode, "error": error}
+                                         "math_mode": math_mode, "error": error, "threads": threads,
+                                         # The pipeline's maxTotalThreadsPerThreadgroup, where MLX refused the launch.
+                                         "max_threads": int(limit.group(2)) if limit else None}
 
     def failed(self, variant: str) -> bool:
         rec = self.specialisations.get(variant)
         return rec is not None and rec["status"] == "failed"
+
+
+# MLX's refusal of a launch past the pipeline's maxTotalThreadsPerThreadgroup.
+_THREAD_LIMIT = re.compile(r"Thread group size \((\d+)\) is greater than the maximum allowed threads per "
+                           r"threadgroup \((\d+)\)")
 
 
 class IsolatedKernel:
@@ -70,6 +81,7 @@ class IsolatedKernel:
         if not self._ledger.failed(self.variant):
             mx.eval(*inputs)  # so that the evaluation below builds and runs this kernel only
             start = time.perf_counter()
+            threads = math.prod(kwargs["threadgroup"]) if "threadgroup" in kwargs else None
             try:
                 if self._kernel is None:
                     self._kernel = self._build()
@@ -78,11 +90,11 @@ class IsolatedKernel:
                 mx.eval(*outs)
             except Exception as exc:  # noqa: BLE001 - any failure of this one specialisation is the finding
                 self._ledger.record(self.variant, ok=False, seconds=time.perf_counter() - start,
-                                    math_mode=self.math_mode, error=_message(exc))
+                                    math_mode=self.math_mode, error=_message(exc), threads=threads)
             else:
                 if self.variant not in self._ledger.specialisations:
                     self._ledger.record(self.variant, ok=True, seconds=time.perf_counter() - start,
-                                        math_mode=self.math_mode)
+                                        math_mode=self.math_mode, threads=threads)
                 return outs
         # Stand-in outputs let the rest of the op run (and build its other kernels).
         return [mx.zeros(tuple(shape), dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]

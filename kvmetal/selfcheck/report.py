@@ -78,6 +78,31 @@ def _fmt_error(x) -> str:
     return f"{x:.1e}" if x else "0"
 
 
+def compile_lines(comp: dict) -> list:
+    """The Compile stage's lines: counts, the largest threadgroup launched and any pipeline
+    that refused its launch (a Mac's thread limits), then each failure."""
+    lines = []
+    n_ok = sum(s["status"] == "ok" for s in comp["specialisations"])
+    lines.append(f"Compile  {len(comp['families'])} families, {len(comp['specialisations'])} specialisations: "
+                 f"{n_ok} ok, {len(comp['specialisations']) - n_ok} failed"
+                 + (f", {len(comp['path_errors'])} op errors" if comp["path_errors"] else "")
+                 + f"   [{comp['seconds']:.1f} s]")
+    threads = [s.get("threads") for s in comp["specialisations"] if s.get("threads")]
+    refused = [s for s in comp["specialisations"] if s.get("max_threads")]
+    if threads:
+        lines.append(f"  threads per threadgroup: at most {max(threads)} launched"
+                     + (f"; {len(refused)} specialisations refused by their pipeline's limit (lowest "
+                        f"{min(s['max_threads'] for s in refused)}): report them" if refused
+                        else "; no pipeline refused its launch"))
+    for s in comp["specialisations"]:
+        if s["status"] != "ok":
+            lines.append(f"  FAILED {s['name']} (family {s['family']}):")
+            lines += [f"    {line}" for line in (s["error"] or "").splitlines()[:6]]
+    for e in comp["path_errors"]:
+        lines.append(f"  FAILED {e['path']} of family {e['family']}: {e['error'].splitlines()[0][:300]}")
+    return lines
+
+
 def summary_lines(report: dict) -> list:
     lines = []
     prov = report["provenance"]
@@ -88,18 +113,7 @@ def summary_lines(report: dict) -> list:
                  f"{where}; backend {report['backend']}" + (f", macOS {prov['macos']}" if prov.get("macos") else ""))
     lines.append("math mode: " + ", ".join(f"{k} {v}" for k, v in prov["math_mode"].items()))
     lines.append("")
-    comp = report["compile"]
-    n_ok = sum(s["status"] == "ok" for s in comp["specialisations"])
-    lines.append(f"Compile  {len(comp['families'])} families, {len(comp['specialisations'])} specialisations: "
-                 f"{n_ok} ok, {len(comp['specialisations']) - n_ok} failed"
-                 + (f", {len(comp['path_errors'])} op errors" if comp["path_errors"] else "")
-                 + f"   [{comp['seconds']:.1f} s]")
-    for s in comp["specialisations"]:
-        if s["status"] != "ok":
-            lines.append(f"  FAILED {s['name']} (family {s['family']}):")
-            lines += [f"    {line}" for line in (s["error"] or "").splitlines()[:6]]
-    for e in comp["path_errors"]:
-        lines.append(f"  FAILED {e['path']} of family {e['family']}: {e['error'].splitlines()[0][:300]}")
+    lines += compile_lines(report["compile"])
     corr = report["correct"]
     lines.append(f"Correct  {len(corr['ops'])} ops, {corr['cases']} cases ({corr['sweep']['cases']} randomized, "
                  f"seed {corr['sweep']['seed']})   [{corr['seconds']:.1f} s]")
