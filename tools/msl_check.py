@@ -55,16 +55,22 @@ MATH_OWNERS = {"exp2": "kv_exp2", "exp": None, "tanh": None, "log": None, "log2"
 _MATH_CALL = re.compile(r"(?<![\w.])(" + "|".join(MATH_OWNERS) + r")\s*\(")
 
 
+def _closing_brace(code: str, start: int) -> int:
+    """The index of the brace closing the one at ``start`` (the end of ``code`` if none)."""
+    depth = 0
+    for i in range(start, len(code)):
+        depth += code[i] == "{"
+        depth -= code[i] == "}"
+        if depth == 0:
+            return i
+    return len(code)
+
+
 def _blank_owner_bodies(code: str) -> str:
     """``code`` with the bodies of the MATH_OWNERS helpers blanked (line numbers kept)."""
     for owner in filter(None, MATH_OWNERS.values()):
         for match in re.finditer(rf"\b{owner}\s*\([^;{{}}]*\)\s*\{{", code):
-            depth, end = 0, match.end() - 1
-            for end in range(match.end() - 1, len(code)):
-                depth += code[end] == "{"
-                depth -= code[end] == "}"
-                if depth == 0:
-                    break
+            end = _closing_brace(code, match.end() - 1)
             body = code[match.end():end]
             code = code[:match.end()] + re.sub(r"[^\n]", " ", body) + code[end:]
     return code
@@ -91,13 +97,7 @@ def _function_bodies(code: str):
         name = match.group(1)
         if name in ("if", "for", "while", "switch", "return", "sizeof"):
             continue
-        depth, i = 0, match.end() - 1
-        for i in range(match.end() - 1, len(code)):
-            depth += code[i] == "{"
-            depth -= code[i] == "}"
-            if depth == 0:
-                break
-        yield name, code[match.end():i]
+        yield name, code[match.end():_closing_brace(code, match.end() - 1)]
 
 
 def lint(paths=None) -> list:
