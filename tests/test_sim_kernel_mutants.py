@@ -110,6 +110,22 @@ def test_varlen(case):
     assert calls
 
 
+def test_varlen_uneven_splits():
+    # 3 K/V tiles of one query tile cut in 2 splits (the split length must round up).
+    rng = np.random.default_rng(11)
+    query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
+        rng, lens=(90,), counts=(10,), num_kv_heads=1, gqa=1, head_dim=64, block_size=16, dtype=f32)
+    expected = ref.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl)
+    with run_on("sim", seed=1) as trace:
+        out = metal.sim_backend().paged_attention_varlen(
+            query, kc, vc, tables, seq_lens, qsl, scale=64 ** -0.5, softcap=None, sliding_window=None, sinks=None,
+            tiles=metal.VarlenTiles(2, 32), num_splits=2)
+        mx.eval(out)
+    np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)
+    (call,) = [c for c in trace.calls if "paged_varlen_partials" in c.name]
+    assert call.grid[2] == 2
+
+
 # prefix lens, own lens, prefix of each sequence, GQA, query scale, softcap, sinks, K, V quant, dtype
 CASCADE = [
     # Two prefixes (3 members and 1), a sequence without one; scores past fast tanh's overflow.
