@@ -17,6 +17,18 @@ THREADGROUP_MEMORY_LIMIT = 32 * 1024
 THREADS_PER_THREADGROUP_LIMIT = 1024
 
 
+def metal_device_info() -> dict:
+    """MLX's description of the Apple GPU, {} without one. ``mx.device_info(mx.gpu)`` where MLX
+    has it (``mx.metal.device_info`` is deprecated since 0.32), else the old call."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return {}
+    if hasattr(mx, "device_info"):
+        return mx.device_info(mx.gpu)
+    return mx.metal.device_info()
+
+
 def _is_core_count(tag: str) -> bool:  # "30c": a binned variant's GPU core count
     return tag.endswith("c") and tag[:-1].isdigit()
 
@@ -30,7 +42,7 @@ class Chip:
 
     @property
     def device_name(self) -> str:
-        """The name ``mx.metal.device_info()["device_name"]`` reports for this chip."""
+        """The name ``metal_device_info()["device_name"]`` reports for this chip."""
         family, *tier = self.name.split("-")
         tier = [t for t in tier if not _is_core_count(t)]
         return " ".join(["Apple", family.upper(), *(t.capitalize() for t in tier)])

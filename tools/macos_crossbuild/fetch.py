@@ -2,6 +2,7 @@
 PyPI fails transiently, and unpacked once."""
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 import time
@@ -33,8 +34,15 @@ def pip_download(dest: Path, specs: list, *, platform: str | None = None, tries:
 def mlx_wheels(cache: Path, version: str) -> Path:
     """The unpacked mlx + mlx-metal macOS arm64 wheels: <cache>/mlx-<version>/mlx/..."""
     root = cache / f"mlx-{version}-{PLATFORM}-py{sys.version_info.major}{sys.version_info.minor}"
-    if (root / ".complete").exists():
-        return root
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # concurrent runs share the cache
+        if not (root / ".complete").exists():
+            _download(cache, root, version)
+    return root
+
+
+def _download(cache: Path, root: Path, version: str):
     dl = cache / "downloads"
     dl.mkdir(parents=True, exist_ok=True)
     pip_download(dl, [f"mlx=={version}", f"mlx-metal=={version}"], platform=PLATFORM)
@@ -48,4 +56,3 @@ def mlx_wheels(cache: Path, version: str) -> Path:
         with zipfile.ZipFile(w) as z:
             z.extractall(root)
     (root / ".complete").touch()
-    return root

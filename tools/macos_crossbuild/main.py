@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -124,8 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=Path, default=Path(os.environ.get(
         "KVMETAL_CROSSBUILD_CACHE", Path.home() / ".cache" / "kvmetal-crossbuild")),
         help="downloads and zig's cache, kept between runs (default ~/.cache/kvmetal-crossbuild)")
-    p.add_argument("--work", type=Path, default=Path("/tmp/kvmetal-crossbuild"),
-                   help="build directory, emptied first (default /tmp/kvmetal-crossbuild)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="build directory, emptied first (default: a new /tmp/kvmetal-crossbuild-*)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--reuse-build", action="store_true",
                    help="check the wheel a previous run left in --work instead of building (development)")
@@ -141,7 +142,9 @@ def main(argv=None) -> int:
     if not int_:
         print("FAIL setup: llvm-install-name-tool not found (apt-get install llvm)")
         return 1
-    if not args.reuse_build:
+    if args.work is None:
+        args.work = Path(tempfile.mkdtemp(prefix="kvmetal-crossbuild-"))
+    elif not args.reuse_build:
         shutil.rmtree(args.work, ignore_errors=True)
         args.work.mkdir(parents=True)
     rewrites = args.work / "rewrites.txt"
@@ -160,6 +163,8 @@ def main(argv=None) -> int:
     core_path = next((mlx_root / "mlx").glob("core.cpython-*-darwin.so"))
     libmlx, core = macho.read(lib_path), macho.read(core_path)
     standin = cross_env.standin_mlx(args.work, mlx_root, log)
+    log("CPython headers: this Linux Python's", "macOS's Python headers are not on PyPI; both are LP64, "
+                                                 "little-endian CPython of the same version")
     stubs_dir, mlx_libcxx = cross_env.stubs(args.work, [libmlx, core], log)
     import ziglang
     tc = cross_env.toolchain(args.work, zig=Path(ziglang.__file__).parent / "zig", stubs_dir=stubs_dir,
@@ -180,6 +185,12 @@ def main(argv=None) -> int:
     whl = do_build.wheel
     for line in dict.fromkeys(rewrites.read_text().splitlines()):
         print(f"  rewrite {line}")
+    # MLX's CMake config names the frameworks by paths inside the Xcode that built it.
+    xcode = [ln.strip() for ln in (args.work / "build.log").read_text().splitlines()
+             if "warning" in ln and "/Applications/Xcode" in ln]
+    if xcode:
+        print(f"  note: MLX's CMake config adds -F/Applications/Xcode_*.app/... (the Xcode that built MLX) to "
+              f"compile and link lines; {len(xcode)} warnings here like \"{xcode[0][:120]}\", and the build goes on")
     data = _ext_bytes(whl)
     ext = macho.parse(data)
     cpython = checks.cpython_list(Path(__import__("nanobind").__file__).parent)

@@ -32,3 +32,9 @@ def read(pyproject: Path) -> Pins:
                 build_requires=[r.split(";")[0].strip() for r in requires if not r.startswith("mlx")],
                 repair_command=macos.get("repair-wheel-command", ""),
                 macos_env=dict(macos.get("environment", {})))
+
+
+if __name__ == "__main__":  # the build's Python requirements, for tools/macos_crossbuild.sh
+    import sys
+
+    print(" ".join(read(Path(sys.argv[1])).build_requires))
