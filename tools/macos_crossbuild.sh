@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVMETAL_CROSSBUILD_CACHE=${KVMETAL_CROSSBUILD_CACHE:-$HOME/.cache/kvmetal-crossbuild}
 mkdir -p "$KVMETAL_CROSSBUILD_CACHE"
+python3 -c 'import tomllib' 2>/dev/null || { echo "FAIL setup: needs Python 3.11+ (tomllib) as python3"; exit 1; }
 
 # pyproject's build requirements (less MLX, whose macOS wheels are unpacked, not installed) and the
 # cross tools at the versions this was proven with; the venv is rebuilt when that list changes.

@@ -48,8 +48,10 @@ class Run:
         t = time.perf_counter()
         try:
             detail = fn(*args)
-        except checks.Failed as e:
-            print(f"FAIL {name}: {e} [{time.perf_counter() - t:.1f} s]", flush=True)
+        except Exception as e:  # noqa: BLE001 - any failure is one line naming the step
+            reason = str(e) if isinstance(e, checks.Failed) else f"{type(e).__name__}: {e}"
+            print(f"FAIL {name}: {reason.splitlines()[0] if reason else '?'} [{time.perf_counter() - t:.1f} s]",
+                  flush=True)
             raise SystemExit(1)
         print(f"PASS {name}: {detail} [{time.perf_counter() - t:.1f} s]", flush=True)
         self.passed += 1
@@ -142,7 +144,8 @@ def main(argv=None) -> int:
     if not int_:
         print("FAIL setup: llvm-install-name-tool not found (apt-get install llvm)")
         return 1
-    if args.work is None:
+    temporary = args.work is None
+    if temporary:
         args.work = Path(tempfile.mkdtemp(prefix="kvmetal-crossbuild-"))
     elif not args.reuse_build:
         shutil.rmtree(args.work, ignore_errors=True)
@@ -160,7 +163,10 @@ def main(argv=None) -> int:
     run.step("fetch", do_fetch)
     mlx_root = do_fetch.root
     lib_path = mlx_root / "mlx" / "lib" / "libmlx.dylib"
-    core_path = next((mlx_root / "mlx").glob("core.cpython-*-darwin.so"))
+    core_path = next((mlx_root / "mlx").glob("core.cpython-*-darwin.so"), None)
+    if core_path is None or not lib_path.is_file():
+        print(f"FAIL fetch: no mlx/core.cpython-*-darwin.so or mlx/lib/libmlx.dylib in {mlx_root}")
+        return 1
     libmlx, core = macho.read(lib_path), macho.read(core_path)
     standin = cross_env.standin_mlx(args.work, mlx_root, log)
     log("CPython headers: this Linux Python's", "macOS's Python headers are not on PyPI; both are LP64, "
@@ -203,7 +209,10 @@ def main(argv=None) -> int:
     run.step("wheel", checks.wheel_contents, whl, REPO, pins.mlx)
     run.step("repair", repair, whl, args.work, pins.repair_command, macho, libmlx, tools)
     run.step("negative-control", negative_control, args.work, macho, libmlx, cpython)
-    print(f"macos-crossbuild: PASS, {run.passed} steps in {time.perf_counter() - run.start:.0f} s; wheel {whl}")
+    print(f"macos-crossbuild: PASS, {run.passed} steps in {time.perf_counter() - run.start:.0f} s"
+          + (f"; {args.work} removed (--work DIR keeps the build)" if temporary else f"; wheel {whl}"))
+    if temporary:
+        shutil.rmtree(args.work, ignore_errors=True)
     return 0
 
 
