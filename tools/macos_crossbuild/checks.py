@@ -160,5 +160,5 @@ def signature(data: bytes, ext) -> str:
             if got != want:
                 raise Failed(f"code signature page {k} (of {n_code}) does not match the file: the binary was "
                              f"changed after signing")
-        return f"ad-hoc signature: {n_code} pages of {page} bytes match (SHA-256)"
+        return f"code signature: {n_code} pages of {page} bytes match their SHA-256 hashes"
     raise Failed("no code directory in the code signature")

@@ -65,8 +65,10 @@ def stubs(work: Path, mlx_binaries: list, log) -> tuple:
 
 
 def toolchain(work: Path, *, zig: Path, stubs_dir: Path, deployment_target: str, rewrites: Path,
-              install_name_tool: str, zig_cache: Path) -> Path:
+              install_name_tool: str, zig_cache: Path, log) -> Path:
     """Compiler/archiver wrappers and the CMake toolchain file that selects them."""
+    log("CMake probes compile only", "CMAKE_TRY_COMPILE_TARGET_TYPE STATIC_LIBRARY: no macOS executable is "
+                                     "linked (none could run here); the Mac build's probes link")
     bindir = work / "bin"
     bindir.mkdir(parents=True, exist_ok=True)
     env = (f"export KVMETAL_XB_ZIG='{zig}' KVMETAL_XB_TARGET='{TARGET_ARCH}-macos.{deployment_target}' "

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     import ziglang
     tc = cross_env.toolchain(args.work, zig=Path(ziglang.__file__).parent / "zig", stubs_dir=stubs_dir,
                              deployment_target=dt, rewrites=rewrites, install_name_tool=int_,
-                             zig_cache=args.cache / "zig")
+                             zig_cache=args.cache / "zig", log=log)
     tools = cross_env.apple_tools(args.work, log)
 
     def do_build():
