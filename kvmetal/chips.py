@@ -19,7 +19,7 @@ THREADS_PER_THREADGROUP_LIMIT = 1024
 
 def metal_device_info() -> dict:
     """MLX's description of the Apple GPU, {} without one. ``mx.device_info(mx.gpu)`` where MLX
-    has it (``mx.metal.device_info`` is deprecated since 0.32), else the old call."""
+    has it (MLX 0.32.4 says ``mx.metal.device_info`` is deprecated), else the old call."""
     import mlx.core as mx
 
     if not mx.metal.is_available():
