@@ -12,9 +12,10 @@ export KVMETAL_CROSSBUILD_CACHE=${KVMETAL_CROSSBUILD_CACHE:-$HOME/.cache/kvmetal
 mkdir -p "$KVMETAL_CROSSBUILD_CACHE"
 python3 -c 'import tomllib' 2>/dev/null || { echo "FAIL setup: needs Python 3.11+ (tomllib) as python3"; exit 1; }
 
-# pyproject's build requirements (less MLX, whose macOS wheels are unpacked, not installed) and the
-# cross tools at the versions this was proven with; the venv is rebuilt when that list changes.
-REQS="$(python3 tools/macos_crossbuild/pins.py pyproject.toml) ziglang==0.17.1 delocate==0.13.0"
+# pyproject's build requirements (less MLX, whose macOS wheels are unpacked, not installed), CMake
+# and Ninja (pip's isolated builds fetch them; this build is not isolated), and the cross tools at
+# the versions this was proven with; the venv is rebuilt when that list changes.
+REQS="$(python3 tools/macos_crossbuild/pins.py pyproject.toml) cmake>=3.24 ninja ziglang==0.17.1 delocate==0.13.0"
 STAMP="$(python3 --version) $REQS"
 VENV=$KVMETAL_CROSSBUILD_CACHE/venv
 (
@@ -32,4 +33,5 @@ VENV=$KVMETAL_CROSSBUILD_CACHE/venv
     echo "$STAMP" > "$VENV/.stamp"
   fi
 ) 9>"$KVMETAL_CROSSBUILD_CACHE/.venv.lock"
+export PATH="$VENV/bin:$PATH"   # its cmake, ninja and delocate-wheel
 exec "$VENV/bin/python" tools/macos_crossbuild/main.py "$@"
