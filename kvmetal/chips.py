@@ -36,6 +36,18 @@ def max_threads_for_registers(registers: int) -> int:
     return max(32, min(THREADS_PER_THREADGROUP_LIMIT, per_threadgroup // max(registers, 1) // 32 * 32))
 
 
+def metal_device_info() -> dict:
+    """MLX's description of the Apple GPU, {} without one. ``mx.device_info(mx.gpu)`` where MLX
+    has it (MLX 0.32.4 says ``mx.metal.device_info`` is deprecated), else the old call."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        return {}
+    if hasattr(mx, "device_info"):
+        return mx.device_info(mx.gpu)
+    return mx.metal.device_info()
+
+
 def _is_core_count(tag: str) -> bool:  # "30c": a binned variant's GPU core count
     return tag.endswith("c") and tag[:-1].isdigit()
 
@@ -49,7 +61,7 @@ class Chip:
 
     @property
     def device_name(self) -> str:
-        """The name ``mx.metal.device_info()["device_name"]`` reports for this chip."""
+        """The name ``metal_device_info()["device_name"]`` reports for this chip."""
         family, *tier = self.name.split("-")
         tier = [t for t in tier if not _is_core_count(t)]
         return " ".join(["Apple", family.upper(), *(t.capitalize() for t in tier)])

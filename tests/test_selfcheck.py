@@ -92,9 +92,29 @@ def test_quick_report_schema(quick_run):
     assert summary["ops"] == len(ops) and summary["failures"] == 0 and summary["seconds"] > 0
 
 
-def test_first_line_says_where_it_ran(quick_run):
+def test_first_lines_say_which_build_runs(quick_run):
     code, out, _, rep = quick_run
-    first = out.splitlines()[0]
+    lines = out.splitlines()
+    b = rep["build"]
+    assert lines[0].startswith("build: ") and b["mlx"] == mx.__version__ and f"MLX {mx.__version__}" in lines[1]
+    metal_sources = sorted(p.name for p in (ROOT / "kernels").glob("*.metal"))
+    assert b["metal_sources"]["files"] == metal_sources and f"Metal sources: {len(metal_sources)} found" in out
+    ext = b["extension"]
+    if ext["path"] is None:
+        assert "kvmetal._ext is missing" in out
+    elif ON_MAC:
+        assert ext["format"] == "Mach-O" and f"minos {ext['minos']}, LC_RPATH " in out
+        if b["wheel"]["installed"] and not b["wheel"]["editable"]:
+            assert ext["rpaths"] == ["@loader_path/../mlx/lib"] and ext["signed"]
+    else:
+        assert ext["format"] == "ELF" and "minos and LC_RPATH are macOS-only" in out
+    if b["built_against_mlx"]:
+        assert f"(built against {b['built_against_mlx']})" in lines[1]
+
+
+def test_first_line_after_the_build_says_where_it_ran(quick_run):
+    code, out, _, rep = quick_run
+    first = next(ln for ln in out.splitlines() if not ln.startswith(("build: ", "  ")))
     if ON_MAC:
         assert "Apple GPU" in first
     else:

@@ -126,12 +126,37 @@ class TwoRanks:
             return self.proc.returncode
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a rank is mlx.launch's child, not ours to wait for)."""
+def running(pid: int, *, use_proc: bool | None = None) -> bool:
+    """Alive and not a zombie (a rank is mlx.launch's child, not ours to wait for): /proc where
+    there is one (Linux), else ps (macOS has no /proc; POSIX ps prints Z for a zombie)."""
+    if use_proc is None:
+        use_proc = Path("/proc/self/status").exists()
+    if use_proc:
+        try:
+            return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return out.returncode == 0 and bool(out.stdout.strip()) and not out.stdout.strip().startswith("Z")
+
+
+@pytest.mark.parametrize("use_proc", [True, False], ids=["proc", "ps"])
+def test_running_tells_a_live_process_from_a_zombie_and_a_reaped_one(use_proc):
+    if use_proc and not Path("/proc/self/status").exists():
+        pytest.skip("no /proc here (macOS): running() uses ps, tested by the other case")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
+        assert running(child.pid, use_proc=use_proc)
+        child.stdin.close()
+        deadline = time.monotonic() + 30
+        while running(child.pid, use_proc=use_proc):      # exited, not yet reaped: a zombie
+            assert time.monotonic() < deadline, "running() still says alive after the child exited"
+            time.sleep(0.05)
+        assert child.poll() == 0  # ... and only now reaped
+        assert not running(child.pid, use_proc=use_proc)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def greedy_alone(model_dir, prompt, max_tokens):

@@ -63,10 +63,10 @@ DTYPE_TAGS = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32", mx.uint
 
 
 def gpu_core_count() -> int:
-    """GPU cores from ``mx.metal.device_info()`` (by chip name), else FALLBACK_GPU_CORES."""
+    """GPU cores from MLX's device info (by chip name), else FALLBACK_GPU_CORES."""
     if not mx.metal.is_available():
         return FALLBACK_GPU_CORES
-    info = mx.metal.device_info()
+    info = chips.metal_device_info()
     for key in ("gpu_core_count", "num_gpu_cores", "core_count"):
         if isinstance(info.get(key), int) and info[key] > 0:
             return info[key]

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     progress("  single-pass read: " + ", ".join(f"{g:.1f} GB/s on {n} thread{'s' if n > 1 else ''}"
                                                   for n, g in read_by_threads.items()))
     # On the metal backend also report the fraction of the chip's published peak.
-    chip = chips.from_device_name(mx.metal.device_info().get("device_name", "")) if backend == "metal" else None
+    chip = chips.from_device_name(chips.metal_device_info().get("device_name", "")) if backend == "metal" else None
     results = []
     for i, name in enumerate(names, 1):
         where = "sim" if name == "metal_kernels" and not mx.metal.is_available() else backend

@@ -45,7 +45,9 @@ def provenance(backend: str) -> dict:
         threads["simd"] = _ext.simd_level()
     except ImportError:
         pass
-    gpu = mx.metal.device_info().get("device_name") if mx.metal.is_available() else None
+    from ..chips import metal_device_info
+
+    gpu = metal_device_info().get("device_name")
     return {
         "versions": {"kvmetal": __version__, "mlx": mx.__version__, "mlx-lm": _version("mlx-lm"),
                      "numpy": _version("numpy"), "python": platform.python_version()},

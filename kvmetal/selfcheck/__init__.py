@@ -7,8 +7,9 @@
   sweep, worst error per op against its budget (correctness.py).
 - Fast: paged decode at 8K and 32K, f16 and K8/V4, next to MLX's SDPA, as a fraction
   of the chip's bandwidth; on a Mac only (speed.py).
-- Report: a summary table, and with ``--json`` the whole report with provenance
-  (report.py). The exit status is 1 when anything failed.
+- Report: first which build runs (wheel tag, MLX, macOS, the extension's minos and rpath,
+  the Metal sources: build_info.py), then a summary table, and with ``--json`` the whole
+  report with provenance (report.py). The exit status is 1 when anything failed.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(*, backend: str, quick: bool, sweep: int, seed: int = 0, source_hook=None, progress=None) -> dict:
     """All four parts; returns the report (see report.py for its layout)."""
-    from . import compiling, correctness, families, report as report_mod, speed
+    from . import build_info, compiling, correctness, families, report as report_mod, speed
 
     start = time.perf_counter()
     say = progress or (lambda message: None)
@@ -75,6 +76,7 @@ def run(*, backend: str, quick: bool, sweep: int, seed: int = 0, source_hook=Non
         "simulator": backend == "sim",
         "quick": quick,
         "provenance": report_mod.provenance(backend, compile_section["specialisations"]),
+        "build": build_info.describe(),
         "compile": compile_section,
         "correct": correct_section,
         "fast": fast_section,
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvmetal selfcheck: error: --sweep must be >= 0, got {sweep}", file=sys.stderr)
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout
+    from . import build_info
+
+    print("\n".join(build_info.lines(build_info.describe())), file=out, flush=True)
     if backend == "sim":
         print(report_mod.SIMULATOR_BANNER if quick else report_mod.SIMULATOR_BANNER.replace(
             "; --quick by default", "; --full run"), file=out, flush=True)

@@ -27,10 +27,8 @@ READ_PROBE_BYTES = 1 << 30  # far larger than any cache on the chip
 
 
 def device_info() -> dict:
-    """MLX's description of the GPU ({} without one); mx.device_info where MLX has it."""
-    if not mx.metal.is_available():
-        return {}
-    return (getattr(mx, "device_info", None) or mx.metal.device_info)()
+    """MLX's description of the GPU ({} without one)."""
+    return chips.metal_device_info()
 
 
 def gpu_read_bandwidth_gbps(nbytes: int | None = None, repeat: int = 5) -> float:

@@ -18,7 +18,9 @@ def working_set_bytes() -> tuple[int, str]:
     import mlx.core as mx
 
     if mx.metal.is_available():
-        info = mx.metal.device_info()
+        from ..chips import metal_device_info
+
+        info = metal_device_info()
         return int(info["max_recommended_working_set_size"]), "the GPU's recommended working set"
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory (no Metal device)"
 
