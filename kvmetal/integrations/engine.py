@@ -122,6 +122,7 @@ class Engine:
         self._flight = None  # the launched pass whose tokens were not read yet (async steps)
         self.requests: dict = {}
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self.closed = False
         self.generated_tokens = 0
 
@@ -171,11 +172,13 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, *, max_tokens: int, request_id=None, sampling: SamplingParams | None = None,
-                    stop_token_ids=(), logprobs: int | None = None):
+                    stop_token_ids=(), logprobs: int | None = None, priority: int = 0):
         """Queue a prompt (token ids); it joins the batch at the next ``step()``.
 
         ``logprobs``: every event of this request carries ``TokenLogprobs`` with this
         many top alternatives (0: only the chosen token's); None: none.
+        ``priority``: lower is served first and preempted last, under a policy that reads
+        it ("priority", "adaptive"); other policies refuse anything but 0.
         Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
         empty pool; a request that outgrows the pool later finishes with "length"."""
         self._check_open("add_request")
@@ -206,6 +209,11 @@ class Engine:
                 if any(t >= vocab for t in ids):
                     raise ValueError(f"[Engine.add_request] {name} token ids must be < {vocab} (the vocabulary), "
                                      f"got {max(ids)}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"[Engine.add_request] priority must be an int, got {priority!r}")
+        if priority and not self.scheduler.uses_priority:
+            raise ValueError(f"[Engine.add_request] priority {priority} needs a scheduling policy that reads it "
+                             f"(\"priority\" or \"adaptive\"); this engine's is {self.scheduler.name!r}")
         limit = self.max_prompt_tokens
         if limit is not None and len(prompt) > limit:
             raise RequestTooLarge(
@@ -219,7 +227,8 @@ class Engine:
         elif request_id in self.requests:
             raise ValueError(f"[Engine.add_request] request id {request_id!r} is already in use")
         request = Request(request_id, prompt, max_tokens, sampling=sampling,
-                          stop_token_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs)
+                          stop_token_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs,
+                          priority=priority, arrival=next(self._arrivals))
         if sampling is not None:
             processors, request.history = sampling.logits_processors()
             request.processors = tuple(processors)
@@ -254,12 +263,13 @@ class Engine:
         """One forward pass: every running decode, then prefill chunks under the token
         budget. Returns the new tokens (and requests that ended without one)."""
         self._check_open("step")
-        self.forward.step_start = time.perf_counter()
+        self.forward.step_start = start = time.perf_counter()
         events = []
         batch = self.scheduler.schedule(events, self._settle)
         previous, self._flight = self._flight, None
         flight = None
         if batch:
+            decodes = sum(1 for r, _ in batch if r.decoding)
             flight = self.forward.launch(batch, previous, wait=not self.pipelined)
         if previous is not None:  # read while the device computes this step's pass
             self._land(previous, events)
@@ -268,6 +278,8 @@ class Engine:
                 self._flight = flight
             else:
                 self._land(flight, events)
+        if batch:  # the step as its clients see it (pipelined: mostly this pass's launch)
+            self.scheduler.observe(sum(n for _, n in batch), decodes, time.perf_counter() - start)
         return events
 
     def run(self, prompts, max_tokens) -> list:

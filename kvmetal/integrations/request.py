@@ -37,6 +37,8 @@ class Request:
     decoding: bool = False  # prefill done since the last admission: one token per step
     pending: tuple | None = None  # (_Flight, row): its newest token, sampled but not read yet
     input_later: bool = False  # the cache holds a slot for the pending token, its id not given yet
+    priority: int = 0  # lower is served first (vLLM's rule), for policies that read it
+    arrival: int = 0  # the order the engine received requests in
 
     @property
     def plain(self) -> bool:

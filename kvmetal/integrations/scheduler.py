@@ -14,13 +14,28 @@ to be recomputed from its tokens so far (vLLM's recompute preemption). A request
 could not grow even with the whole pool to itself finishes early with "length".
 
 The mechanics (reserving blocks, preempting, admitting) live in ``Scheduler``; the
-policy is four methods a subclass overrides: ``enqueue`` / ``requeue`` (queue order),
-``budget`` (tokens this step), ``chunk_limit`` (a partial prefill's share) and
-``victim`` (whom to preempt). A new policy is a subclass registered in ``POLICIES``,
-which ``--scheduling-policy`` lists.
+policy is a few methods a subclass overrides: ``enqueue`` / ``requeue`` (queue order),
+``budget`` (tokens this step), ``chunk_limit`` (a partial prefill's share), ``victim``
+(whom to preempt) and ``observe`` (what a step cost). A new policy is a subclass
+registered in ``POLICIES``, which ``kvmetal serve --scheduling-policy`` lists:
+
+- ``fcfs``: first come first served under the fixed budget (``max_num_batched_tokens``);
+  the victim is the most recently admitted request (vLLM's FCFS);
+- ``priority``: the queue is ordered by request ``priority`` (lower first), then arrival;
+  the victim is the least important running request, the latest arrival among equals
+  (vLLM's priority policy);
+- ``adaptive``: ``priority``, with a budget learnt from measured step times: with no
+  running decodes nobody is stalled, so prompts prefill ``prefill_tokens`` at a time;
+  with decodes a step is kept near ``step_ratio`` times a decode-only step, never over
+  ``max_num_batched_tokens``; and while requests wait, a partly prefilled prompt takes
+  at most half of the step's prefill tokens, so new prompts are not starved behind it.
+
+Every policy takes ``long_prefill_tokens`` (vLLM's ``long_prefill_token_threshold``):
+while requests wait, a partly prefilled prompt computes at most that many tokens a step.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from ..cache import KVCacheFull
@@ -36,18 +51,25 @@ class Scheduler:
         cache: the engine's ``PagedModelCache``.
         finish: ``(request, reason) -> Event``: ends a request (the engine's bookkeeping).
         max_num_batched_tokens: tokens one step computes, decodes included.
+        long_prefill_tokens: while requests wait, the most tokens a partly prefilled prompt
+            computes in a step (None: no bound).
     """
 
     name = "fcfs"
     uses_priority = False  # whether requests' ``priority`` changes anything
 
     def __init__(self, cache, *, block_size: int, prefix_sharing: bool, finish,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS):
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 long_prefill_tokens: int | None = None):
+        if long_prefill_tokens is not None and (isinstance(long_prefill_tokens, bool)
+                                                or not isinstance(long_prefill_tokens, int) or long_prefill_tokens < 1):
+            raise ValueError(f"[Scheduler] long_prefill_tokens must be an int >= 1 or None, got {long_prefill_tokens!r}")
         self.cache = cache
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing
         self.finish = finish
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_tokens = long_prefill_tokens
         self.waiting: deque = deque()
         self.running: list = []  # in admission order
         self.preemptions = 0
@@ -67,9 +89,10 @@ class Scheduler:
         """Tokens this step's pass computes, ``decodes`` of them running decodes."""
         return self.max_num_batched_tokens
 
-    def chunk_limit(self, request: Request) -> int | None:
-        """Most tokens a partly prefilled prompt gets this step (None: what is left)."""
-        return None
+    def chunk_limit(self, request: Request, budget: int) -> int | None:
+        """Most tokens a partly prefilled prompt gets this step, ``budget`` prefill tokens
+        being left (None: what is left)."""
+        return self.long_prefill_tokens if self.waiting else None
 
     def victim(self) -> Request:
         """The running request to preempt when the pool runs dry (FCFS: the newest admitted)."""
@@ -153,18 +176,20 @@ class Scheduler:
             share = self._share(request, budget)
             n = self._grow_chunk(request, share)
             while not n and not chunks and not any(r.decoding for r in self.running):
-                # Nothing else runs this step: prefills hold the pool. Preempt the victim for
-                # the oldest (no deadlock); alone and still no room, it cannot fit.
-                victim = self.victim()
-                if victim is request:
+                # Nothing else runs this step: prefills hold the pool. Preempt victims until it
+                # fits or is the victim (no deadlock); alone and still no room, it cannot fit.
+                if len(self.running) == 1:
                     self.running.remove(request)
                     self.cache.free(request.request_id)
                     events.append(self.finish(request, "length"))
                     break
+                victim = self.victim()
                 self._preempt(victim)
+                if victim is request:
+                    break
                 n = self._grow_chunk(request, share)
             if not n:
-                if request.finished:
+                if request.finished or request not in self.running:
                     continue
                 return chunks  # the pool is full: decodes get what frees up first
             chunks.append((request, n))
@@ -186,7 +211,7 @@ class Scheduler:
         """A partly prefilled prompt's chunk this step: what is left of it, within the budget
         and the policy's limit."""
         n = min(budget, request.num_tokens - request.computed)
-        limit = self.chunk_limit(request)
+        limit = self.chunk_limit(request, budget)
         return n if limit is None else min(n, limit)
 
     def _grow_chunk(self, request: Request, n: int) -> int:
@@ -291,4 +316,81 @@ class _Outgrown(Exception):
         self.request = request
 
 
-POLICIES = {policy.name: policy for policy in (Scheduler,)}  # --scheduling-policy's choices
+class PriorityScheduler(Scheduler):
+    """Requests by ``priority`` (lower first), then arrival; the victim is the least
+    important running request, the latest arrival among equals (vLLM's priority policy)."""
+
+    name = "priority"
+    uses_priority = True
+
+    def enqueue(self, request: Request) -> None:
+        key = _rank(request)
+        at = next((i for i, r in enumerate(self.waiting) if _rank(r) > key), len(self.waiting))
+        self.waiting.insert(at, request)
+
+    requeue = enqueue  # a preempted request keeps its place by priority and arrival
+
+    def victim(self) -> Request:
+        return max(self.running, key=_rank)
+
+
+def _rank(request: Request) -> tuple:
+    return request.priority, request.arrival
+
+
+class AdaptiveScheduler(PriorityScheduler):
+    """``priority``'s order, with a token budget learnt from measured step times.
+
+    Args (beyond ``Scheduler``'s):
+        prefill_tokens: the budget of a step without running decodes (nobody to stall);
+            at least ``max_num_batched_tokens``.
+        step_ratio: with decodes, a step's target time is this many decode-only steps
+            (both learnt as moving averages); ``max_num_batched_tokens`` stays the cap.
+    """
+
+    name = "adaptive"
+    smoothing = 0.2  # weight of the newest step in the moving averages
+
+    def __init__(self, cache, *, prefill_tokens: int = 2048, step_ratio: float = 2.0, **options):
+        super().__init__(cache, **options)
+        if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 1:
+            raise ValueError(f"[AdaptiveScheduler] prefill_tokens must be an int >= 1, got {prefill_tokens!r}")
+        if isinstance(step_ratio, bool) or not isinstance(step_ratio, (int, float)) or not step_ratio >= 1 \
+                or math.isinf(step_ratio):
+            raise ValueError(f"[AdaptiveScheduler] step_ratio must be a finite number >= 1, got {step_ratio!r}")
+        self.prefill_tokens = max(prefill_tokens, self.max_num_batched_tokens)
+        self.step_ratio = float(step_ratio)
+        self.decode_seconds = None  # a decode-only step (moving average)
+        self.token_seconds = None  # what one prefill token adds to a step (moving average)
+
+    def budget(self, decodes: int) -> int:
+        cap = self.max_num_batched_tokens
+        if not decodes:
+            return self.prefill_tokens
+        if self.decode_seconds is None or self.token_seconds is None:
+            return cap  # nothing measured yet
+        room = (self.step_ratio - 1) * self.decode_seconds / max(self.token_seconds, 1e-9)
+        return min(cap, decodes + max(self.block_size, int(room)))
+
+    def chunk_limit(self, request: Request, budget: int) -> int | None:
+        limit = super().chunk_limit(request, budget)
+        if not self.waiting:
+            return limit
+        half = max(self.block_size, budget // 2)  # the other half is for new prompts
+        return half if limit is None else min(limit, half)
+
+    def observe(self, tokens: int, decodes: int, seconds: float) -> None:
+        prefill = tokens - decodes
+        if decodes and not prefill:
+            self.decode_seconds = _average(self.decode_seconds, seconds, self.smoothing)
+        elif prefill >= self.block_size and (self.decode_seconds is not None or not decodes):
+            base = self.decode_seconds if decodes else 0.0
+            self.token_seconds = _average(self.token_seconds, max(seconds - base, 0.0) / prefill, self.smoothing)
+
+
+def _average(mean: float | None, value: float, weight: float) -> float:
+    return value if mean is None else (1 - weight) * mean + weight * value
+
+
+# What Engine(scheduling_policy=...) and --scheduling-policy accept, by name.
+POLICIES = {policy.name: policy for policy in (Scheduler, PriorityScheduler, AdaptiveScheduler)}
