@@ -129,3 +129,5 @@ def test_the_adaptive_budget_follows_the_measured_step_times():
     assert "adaptive" in POLICIES and POLICIES["fcfs"].uses_priority is False
     with pytest.raises(ValueError, match="step_ratio"):
         AdaptiveScheduler(None, block_size=16, prefix_sharing=False, finish=None, step_ratio=0.5)
+    with pytest.raises(ValueError, match="long_prefill_tokens must be an int >= 1"):
+        AdaptiveScheduler(None, block_size=16, prefix_sharing=False, finish=None, long_prefill_tokens=0)
