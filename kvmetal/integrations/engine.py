@@ -39,7 +39,7 @@ from .forward import Forward
 from .mlx_lm import use_paged_cache
 from .request import Event, Request, RequestTooLarge
 from .sampler import Sampler, SamplingParams, TokenLogprobs, greedy
-from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES
+from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES, PRIORITY_POLICIES
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "Event", "Request", "RequestTooLarge", "SamplingParams",
            "TokenLogprobs", "greedy"]
@@ -213,7 +213,7 @@ class Engine:
             raise TypeError(f"[Engine.add_request] priority must be an int, got {priority!r}")
         if priority and not self.scheduler.uses_priority:
             raise ValueError(f"[Engine.add_request] priority {priority} needs a scheduling policy that reads it "
-                             f"(\"priority\" or \"adaptive\"); this engine's is {self.scheduler.name!r}")
+                             f"({', '.join(PRIORITY_POLICIES)}); this engine's is {self.scheduler.name!r}")
         limit = self.max_prompt_tokens
         if limit is not None and len(prompt) > limit:
             raise RequestTooLarge(

@@ -397,3 +397,4 @@ def _average(mean: float | None, value: float, weight: float) -> float:
 
 # What Engine(scheduling_policy=...) and --scheduling-policy accept, by name.
 POLICIES = {policy.name: policy for policy in (Scheduler, PriorityScheduler, AdaptiveScheduler)}
+PRIORITY_POLICIES = tuple(name for name, policy in POLICIES.items() if policy.uses_priority)

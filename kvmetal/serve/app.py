@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..integrations.scheduler import PRIORITY_POLICIES
 from . import metrics, protocol
 from .guard import Guard
 from .logprobs import Entry, LogprobsFormatter
@@ -272,7 +273,7 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
                                      max_total=worker.max_sequence_tokens, context_limit=state.context_limit)
     if req.priority and not worker.uses_priority:
         raise APIError(f"'priority' = {req.priority} needs a scheduling policy that reads it "
-                       f"(kvmetal serve --scheduling-policy priority or adaptive)", param="priority")
+                       f"(kvmetal serve --scheduling-policy {' or '.join(PRIORITY_POLICIES)})", param="priority")
     _admit_to_queue(state, len(prompt), chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
