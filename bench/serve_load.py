@@ -84,7 +84,17 @@ def long_workload(n_decode: int, n_long: int, seed: int, max_tokens: int, words:
 
 
 def one_request(url: str, model: str, body: dict) -> dict:
-    """Stream one request; returns its timings and usage."""
+    """Stream one request; returns its timings and usage, or the error that ended it (a
+    stream silent for 600 s included)."""
+    import httpx
+
+    try:
+        return _stream(url, model, body)
+    except httpx.HTTPError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _stream(url: str, model: str, body: dict) -> dict:
     import httpx
 
     payload = {k: v for k, v in body.items() if k != "path"}
@@ -230,6 +240,7 @@ def main(argv=None) -> int:
                                         *options.split(), log_path=tmp / "kvmetal.log", start_timeout=300)
                 name = "kvmetal serve" + (f" [{options}]" if len(variants) > 1 else "")
                 results[name + suffix] = run_server(kvmetal, model, bodies, args.concurrency, True, long_bodies)
+                _save(results, args)
             if not args.skip_mlx_lm:
                 port = free_port()
                 lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
@@ -237,10 +248,15 @@ def main(argv=None) -> int:
                 mlx_lm = ServerProcess(model, port, command=lm_cmd, log_path=tmp / "mlx_lm.log", start_timeout=300)
                 results["mlx_lm.server" + suffix] = run_server(mlx_lm, model, bodies, args.concurrency, False,
                                                                long_bodies)
+                _save(results, args)
     report(results, args)
+    return 0
+
+
+def _save(results: dict, args) -> None:
+    """Write what is measured so far (a later server that fails loses nothing)."""
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    return 0
 
 
 def report(results: dict, args) -> None:
