@@ -84,7 +84,17 @@ def long_workload(n_decode: int, n_long: int, seed: int, max_tokens: int, words:
 
 
 def one_request(url: str, model: str, body: dict) -> dict:
-    """Stream one request; returns its timings and usage."""
+    """Stream one request; returns its timings and usage, or the error that ended it (a
+    stream silent for 600 s included)."""
+    import httpx
+
+    try:
+        return _stream(url, model, body)
+    except httpx.HTTPError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _stream(url: str, model: str, body: dict) -> dict:
     import httpx
 
     payload = {k: v for k, v in body.items() if k != "path"}
@@ -190,7 +200,9 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=8, help="clients at once (default 8)")
     parser.add_argument("--max-tokens", type=int, default=48, help="largest max_tokens in the mix (default 48)")
     parser.add_argument("--kv-memory", default="2MiB", help="kvmetal serve --kv-memory (default 2MiB)")
-    parser.add_argument("--kvmetal-args", default="", help="more kvmetal serve options, e.g. '--k-bits 8 --v-bits 4'")
+    parser.add_argument("--kvmetal-args", action="append",
+                        help="more kvmetal serve options, e.g. '--k-bits 8 --v-bits 4'; given several times, each "
+                             "is its own kvmetal server, all run in turn in every round")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--skip-mlx-lm", action="store_true", help="only kvmetal serve")
     parser.add_argument("--json", help="write the results here")
@@ -220,12 +232,15 @@ def main(argv=None) -> int:
         else:
             bodies = workload(args.requests, args.seed, args.max_tokens)
         results = {}
+        variants = args.kvmetal_args or [""]
         for r in range(args.rounds):
             suffix = f" #{r + 1}" if args.rounds > 1 else ""
-            kvmetal = ServerProcess(model, free_port(), "--log-level", "WARNING", "--kv-memory", args.kv_memory,
-                                    *args.kvmetal_args.split(), log_path=tmp / "kvmetal.log", start_timeout=300)
-            results["kvmetal serve" + suffix] = run_server(kvmetal, model, bodies, args.concurrency, True,
-                                                           long_bodies)
+            for options in variants:
+                kvmetal = ServerProcess(model, free_port(), "--log-level", "WARNING", "--kv-memory", args.kv_memory,
+                                        *options.split(), log_path=tmp / "kvmetal.log", start_timeout=300)
+                name = "kvmetal serve" + (f" [{options}]" if len(variants) > 1 else "")
+                results[name + suffix] = run_server(kvmetal, model, bodies, args.concurrency, True, long_bodies)
+                _save(results, args)
             if not args.skip_mlx_lm:
                 port = free_port()
                 lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
@@ -233,10 +248,15 @@ def main(argv=None) -> int:
                 mlx_lm = ServerProcess(model, port, command=lm_cmd, log_path=tmp / "mlx_lm.log", start_timeout=300)
                 results["mlx_lm.server" + suffix] = run_server(mlx_lm, model, bodies, args.concurrency, False,
                                                                long_bodies)
+                _save(results, args)
     report(results, args)
+    return 0
+
+
+def _save(results: dict, args) -> None:
+    """Write what is measured so far (a later server that fails loses nothing)."""
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    return 0
 
 
 def report(results: dict, args) -> None:
@@ -245,16 +265,17 @@ def report(results: dict, args) -> None:
             "prefix_hit_rate", "errors"]
     if args.long_prompts:
         cols += ["decode_tpot_p50_ms", "decode_tpot_p95_ms", "long_ttft_p50_ms", "long_ttft_p95_ms"]
-    print(f"{'server':<18}" + "".join(f"{c:>20}" for c in cols))
+    width = max([18] + [len(name) + 1 for name in results])
+    print(f"{'server':<{width}}" + "".join(f"{c:>20}" for c in cols))
     for name, r in results.items():
-        print(f"{name:<18}" + "".join(f"{_fmt(r.get(c)):>20}" for c in cols))
+        print(f"{name:<{width}}" + "".join(f"{_fmt(r.get(c)):>20}" for c in cols))
         if r.get("long_prompt_tokens"):
-            print(f"{'':<18}long prompts: {r['long_prompt_tokens']} tokens")
-    kv = next((r for name, r in results.items() if name.startswith("kvmetal serve")), None)
-    if kv:
-        print(f"kvmetal peak KV: {kv['peak_kv_used_bytes'] / 2**20:.2f} MiB used "
-              f"(pool {kv['peak_kv_pool_bytes'] / 2**20:.2f} MiB) against a cap of "
-              f"{kv['kv_cap_bytes'] / 2**20:.2f} MiB; {int(kv['preemptions'])} preemptions")
+            print(f"{'':<{width}}long prompts: {r['long_prompt_tokens']} tokens")
+    for name, kv in results.items():
+        if name.startswith("kvmetal serve"):
+            print(f"{name}: peak KV {kv['peak_kv_used_bytes'] / 2**20:.2f} MiB used "
+                  f"(pool {kv['peak_kv_pool_bytes'] / 2**20:.2f} MiB) against a cap of "
+                  f"{kv['kv_cap_bytes'] / 2**20:.2f} MiB; {int(kv['preemptions'])} preemptions")
     for name, r in results.items():
         if r["errors"]:
             print(f"{name}: first error: {r['first_error']}")

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvmetal.integrations import engine as engine_module  # noqa: E402
+from kvmetal.integrations import sampler as sampler_module  # noqa: E402
 from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
 from sampling_oracle import (ARGMAX_CONFIGS, CONFIGS, DRAWS, assert_matches_distribution,  # noqa: E402
@@ -78,7 +78,7 @@ def _no_top_p(logits, sampling, key):
     return ORIGINAL_SAMPLE_ROW(logits, replace(sampling, top_p=1.0), key)
 
 
-ORIGINAL_SAMPLE_ROW = engine_module._sample_row
+ORIGINAL_SAMPLE_ROW = sampler_module._sample_row
 
 
 @pytest.mark.parametrize("mutant,name", [(_inverted_temperature, "t0.5"), (_no_top_p, "t0.7+top_p+min_p")],
@@ -87,6 +87,6 @@ def test_sampler_mutants_fail_the_check(peaked, monkeypatch, mutant, name):
     """A test of the test: a sampler that inverts the temperature or drops top-p is caught."""
     model, logits = peaked
     params = dict(CONFIGS)[name]
-    monkeypatch.setattr(engine_module, "_sample_row", mutant)
+    monkeypatch.setattr(sampler_module, "_sample_row", mutant)
     with pytest.raises(AssertionError, match="chi-square|removes"):
         assert_matches_distribution(first_tokens(model, params), mlx_lm_distribution(logits, **params))

@@ -265,6 +265,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
          "frequency_context_size"),
         ("/v1/completions", json.dumps({"prompt": "hi", "xtc_threshold": 0.9}), 400, "xtc_threshold"),
         ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "priority": 1.5}), 400, "priority"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "priority": 2}), 400, "priority"),  # fcfs reads none
         ("/v1/completions", json.dumps({"prompt": ["hi", "there"]}), 400, "prompt"),
         ("/v1/completions", json.dumps({"prompt": "hi", "echo": True}), 400, "echo"),
         ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}), 400,
@@ -454,6 +456,24 @@ def test_a_prompt_cache_of_an_older_store_format_is_ignored_with_a_warning(tmp_p
         assert store.load() == 0
     assert "store format" in caplog.text and store.entries == {} and store.warnings == 0
     engine.close()
+
+
+def test_the_adaptive_policy_takes_priorities_and_preempts_without_changing_answers(model_dir):
+    # vLLM's request field: lower is served first; under the cap requests wait and are preempted.
+    cap = CAP_BLOCKS * BLOCK_BYTES
+    server = serve(model_dir, "--kv-memory", f"{cap}B", "--scheduling-policy", "adaptive",
+                   "--long-prefill-tokens", "32")
+    try:
+        run = lambda i: chat(server, QUESTIONS[i], max_tokens=16 + 4 * (i % 4),  # noqa
+                             extra_body={"priority": i % 3 - 1}).choices[0].message.content
+        alone = [run(i) for i in range(len(QUESTIONS))]
+        with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+            together = list(pool.map(run, range(len(QUESTIONS))))
+        m = wait_idle(server)
+    finally:
+        stop(server)
+    assert together == alone
+    assert m["kvmetal_preemptions"] > 0, "the cap was meant to force preemption"
 
 
 def test_kv_bits_flags_quantize_the_pool_under_the_same_cap(model_dir):

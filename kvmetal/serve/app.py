@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..integrations.scheduler import PRIORITY_POLICIES
 from . import metrics, protocol
 from .guard import Guard
 from .logprobs import Entry, LogprobsFormatter
@@ -270,6 +271,9 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
         raise APIError(f"token ids must be < {len(state.tokenizer)}, the tokenizer's size", param="prompt")
     max_tokens = protocol.check_fits(len(prompt), req, max_prompt=worker.max_prompt_tokens,
                                      max_total=worker.max_sequence_tokens, context_limit=state.context_limit)
+    if req.priority and not worker.uses_priority:
+        raise APIError(f"'priority' = {req.priority} needs a scheduling policy that reads it "
+                       f"(kvmetal serve --scheduling-policy {' or '.join(PRIORITY_POLICIES)})", param="priority")
     _admit_to_queue(state, len(prompt), chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     loop = asyncio.get_running_loop()
@@ -285,7 +289,7 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     try:
         try:
             worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=sampling, stop_token_ids=eos,
-                          sink=sink, logprobs=req.logprobs, timeout=state.limits.timeout)
+                          sink=sink, logprobs=req.logprobs, timeout=state.limits.timeout, priority=req.priority)
         except RuntimeError as e:
             raise APIError(str(e), status=503, type_="server_error") from None
         run = _Run(state, req, request_id, prompt, eos, deliveries)

@@ -78,6 +78,7 @@ def _add_limits(add) -> None:
 
 def _configure(parser: argparse.ArgumentParser) -> None:
     from ..integrations.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from ..integrations.scheduler import POLICIES
     from ..quant import SUPPORTED_BITS
 
     bits = sorted(SUPPORTED_BITS)
@@ -106,6 +107,13 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="tokens one engine step's forward pass computes: every running decode, then prompt "
              f"chunks in what is left (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}); lower keeps time per output "
              "token steady while long prompts arrive, higher prefills them in fewer steps")
+    add("--scheduling-policy", choices=sorted(POLICIES), default="fcfs",
+        help="fcfs: first come first served, fixed budget; priority: by the requests' 'priority' (lower "
+             "first), then arrival; adaptive: priority's order with a budget learnt from step times "
+             "(see docs/serve.md); default fcfs")
+    add("--long-prefill-tokens", type=_positive_int,
+        help="while requests wait, the most tokens a partly prefilled prompt computes in a step "
+             "(default: no bound)")
     add("--sync-steps", action="store_true",
         help="read each engine step's sampled tokens before scheduling the next one; by default steps "
              "are pipelined (the host schedules step n+1 while the device computes step n, and each "

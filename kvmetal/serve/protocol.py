@@ -58,6 +58,7 @@ class GenerationRequest:
     logprobs: int | None = None  # top alternatives to report per token (0: the chosen token's only)
     tools: list | None = None  # passed to the chat template
     role_mapping: dict | None = None  # prompt format when the tokenizer has no chat template
+    priority: int = 0  # lower is served first, under a scheduling policy that reads it (vLLM's field)
 
 
 def _is_int(v) -> bool:
@@ -204,7 +205,8 @@ def parse(body, *, chat: bool, defaults: Defaults) -> GenerationRequest:
                               xtc_probability=float(xtc_probability), xtc_threshold=float(xtc_threshold),
                               **_penalties(body))
     return GenerationRequest(chat, prompt, max_tokens, given, sampling, stop, stream, include_usage,
-                             template_kwargs, _logprobs(body, chat), tools, role_mapping)
+                             template_kwargs, _logprobs(body, chat), tools, role_mapping,
+                             _get(body, "priority", _is_int, "an integer", 0))
 
 
 def _message_text(content, i: int) -> str | None:

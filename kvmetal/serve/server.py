@@ -88,6 +88,8 @@ def build_server(args, sync=None):
         loaded["num_blocks"] = num_blocks
         engine = Engine(model, num_blocks=num_blocks, prefix_sharing=not args.no_prefix_sharing,
                         keep_finished=False, max_num_batched_tokens=args.max_num_batched_tokens,
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+                        scheduler_options=dict(long_prefill_tokens=getattr(args, "long_prefill_tokens", None)),
                         async_steps=not getattr(args, "sync_steps", False), **options)
         if sync is not None:
             engine.token_sync = sync.share_tokens

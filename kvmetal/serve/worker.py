@@ -117,11 +117,12 @@ class EngineWorker:
         self._published: dict = {}
         self.max_prompt_tokens: int | None = None
         self.max_sequence_tokens: int | None = None
+        self.uses_priority = False  # whether the engine's scheduling policy reads requests' priority
 
     # ------------------------------------------------------------------ control (any thread)
 
     def submit(self, request_id, prompt: list, *, max_tokens: int, sampling, stop_token_ids, sink,
-               logprobs: int | None = None, timeout: float | None = None) -> None:
+               logprobs: int | None = None, timeout: float | None = None, priority: int = 0) -> None:
         """Queue a request. ``timeout``: seconds from now after which the engine aborts it
         (its sink then gets ``RequestTimeout``)."""
         if self._stopping or self.failed:
@@ -129,7 +130,8 @@ class EngineWorker:
         if timeout is not None:
             self._deadlines[request_id] = time.monotonic() + timeout
         self._commands.put(("add", request_id, dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
-                                                    stop_token_ids=stop_token_ids, logprobs=logprobs), sink))
+                                                    stop_token_ids=stop_token_ids, logprobs=logprobs,
+                                                    priority=priority), sink))
 
     def abort(self, request_id, reason: str = "abort") -> None:
         """Drop a live request. ``reason`` is what it is counted as: "abort" (the client
@@ -167,6 +169,7 @@ class EngineWorker:
         self.engine = self._build()
         self.max_prompt_tokens = self.engine.max_prompt_tokens
         self.max_sequence_tokens = self.engine.max_sequence_tokens
+        self.uses_priority = self.engine.scheduler.uses_priority
         if self._store_factory is not None:
             self.store = self._store_factory(self.engine)
             self.engine.on_finish = self._record_prefix

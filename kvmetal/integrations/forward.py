@@ -1,0 +1,130 @@
+"""The engine's pass: run a scheduled batch through the model once, and land its tokens.
+
+The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
+position as the cache's ``offset``, so unmodified mlx-lm model code runs it; attention is
+one ``paged_attention_varlen`` call per layer (a step of decodes only runs
+``paged_attention``). Hidden states are sliced before the LM head: logits come only for
+rows that sample (decodes, and the last token of a prompt whose prefill completes).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .heads import body, lm_head
+from .sampler import read_logprobs
+
+
+@dataclass
+class Flight:
+    """A launched pass: the requests it samples, their tokens and logprob parts (graphs)."""
+
+    requests: list
+    tokens: mx.array  # int32 [S]
+    logprobs: dict  # row -> (chosen logprob, top ids, top logprobs)
+
+
+class Forward:
+    """Launches passes over ``cache`` and reads their tokens; counts steps and their time.
+
+    ``step_seconds`` is cumulative: "host" schedules, reserves blocks and builds the pass's
+    graph (index arrays, sampling); "device" launches the pass and waits for its tokens
+    (with pipelined steps, only what did not overlap the host's work); "sample" turns the
+    read tokens into events."""
+
+    def __init__(self, model, cache, sampler):
+        self.body, self.head = body(model), lm_head(model)
+        self.cache = cache
+        self.sampler = sampler
+        self.steps = 0  # forward passes (one per step that had work)
+        self.decode_steps = 0  # steps that decoded at least one running request
+        self.last_step_tokens = 0  # tokens of the last step's forward pass
+        self.prompt_tokens_computed = 0
+        self.step_seconds = {"host": 0.0, "device": 0.0, "sample": 0.0}
+        self.step_start = 0.0  # when the current step began (the host's share starts there)
+
+    def launch(self, batch: list, previous: Flight | None, *, wait: bool) -> Flight | None:
+        """Launch ``batch`` [(request, new tokens)] as one pass (room is reserved) and the
+        sampling of the rows of requests whose every token is then computed. Decodes whose
+        input is still in flight (``previous``) take it on the device. ``wait``: a pass
+        that samples nothing is evaluated before returning."""
+        rows, inputs, sampled = 0, [], []
+        later_rows, later_src = [], []  # decode rows fed from the previous pass's tokens
+        for request, n in batch:
+            if request.decoding and request.pending is not None:
+                flight, j = request.pending
+                assert flight is previous, "a pending input comes from the pass launched last"
+                later_rows.append(rows)
+                later_src.append(j)
+                inputs.append(0)
+            elif request.decoding:
+                inputs.append(request.output[-1])
+            else:
+                inputs += request.tokens[request.computed:request.computed + n]
+            rows += n
+            if request.computed + n == request.num_tokens:
+                sampled.append((request, rows - 1))
+        ids = [r.request_id for r, _ in batch]
+        starts = [r.computed for r, _ in batch]
+        if rows == len(batch):  # one token per sequence: the decode kernel
+            caches = self.cache.layer_caches(ids, starts)
+        else:
+            caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch])
+        token_ids = mx.array(inputs, dtype=mx.int32)
+        if later_rows:
+            token_ids[mx.array(later_rows, dtype=mx.int32)] = previous.tokens[mx.array(later_src, dtype=mx.int32)]
+        hidden = self.body(token_ids[:, None], caches)  # [T, 1, hidden]
+        if len(sampled) < rows:  # logits only for the rows that sample
+            hidden = hidden[mx.array([row for _, row in sampled], dtype=mx.int32)]
+        logits = self.head(hidden)[:, -1, :]
+        for request, n in batch:
+            if not request.decoding:
+                self.prompt_tokens_computed += n
+            request.computed += n
+        self.steps += 1
+        self.decode_steps += any(r.decoding for r, _ in batch)
+        self.last_step_tokens = rows
+        requests = [r for r, _ in sampled]
+        writes = [p.arrays() for p in self.cache.pools]
+        flight = None
+        if requests:
+            tokens, logprobs = self.sampler.sample(requests, logits)
+            flight = Flight(requests, tokens, logprobs)
+            for i, request in enumerate(requests):
+                request.decoding = True
+                request.pending = (flight, i)
+        # Launch the pass (a step of prefill only writes its K/V); its tokens are read by
+        # land, at once or, with pipelined steps, during the next step. The launch counts as
+        # device time: on MLX's CPU backend async_eval returns only once most of it ran.
+        built = time.perf_counter()
+        self.step_seconds["host"] += built - self.step_start
+        mx.async_eval(writes if flight is None else [flight.tokens, flight.logprobs, writes])
+        if flight is None and wait:
+            mx.eval(writes)
+        self.step_seconds["device"] += time.perf_counter() - built
+        return flight
+
+    def land(self, flight: Flight, emit) -> list:
+        """Read a launched pass's tokens and turn them into events (``emit(request, token,
+        logprobs) -> Event``). Requests that ended while it was in flight (aborted, or
+        stopped by the token before) drop theirs."""
+        clock = self.step_seconds
+        waited = time.perf_counter()
+        tokens = flight.tokens.tolist()
+        logprobs = read_logprobs(flight.requests, flight.logprobs)
+        read = time.perf_counter()
+        clock["device"] += read - waited
+        events = []
+        for request, token, lp in zip(flight.requests, tokens, logprobs):
+            if request.pending is not None and request.pending[0] is flight:
+                request.pending = None
+            if request.finished:
+                continue
+            if request.input_later:  # the pass launched since took this token as input
+                request.input_later = False
+                self.cache.provide_ids(request.request_id, [token])
+            events.append(emit(request, token, lp))
+        clock["sample"] += time.perf_counter() - read
+        return events

@@ -1,0 +1,250 @@
+"""The engine's sampler: one token per sampling row of a pass, by each request's settings.
+
+Greedy, or temperature / top-p / top-k / min-p / XTC with the request's own random key,
+so a seeded request gives the same tokens whatever it is batched with, however its prompt
+is chunked and however often it is preempted. A request's logits processors (mlx-lm's
+repetition / presence / frequency penalties and logit bias) run on its own row of the
+batch's logits, over its own tokens; ``logprobs`` reports the chosen token's
+log-probability (and the top alternatives) under those processed logits. Nothing here is
+evaluated: the pass and its sampling are launched together.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..cache import _is_int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens (mlx-lm's names and meanings).
+
+    temperature 0 is greedy; top_p 1 / top_k 0 / min_p 0 / xtc_probability 0 switch that
+    filter off; seed makes sampling reproducible (None draws one). The penalties and
+    ``logit_bias`` ({token id: added logit}) are mlx-lm's logits processors
+    (``make_logits_processors``), applied before greedy or sampled picks; a penalty of 0
+    is off, and each looks at the last ``*_context_size`` tokens (prompt included; 0: all
+    of them, as in mlx-lm). ``xtc_special_tokens`` are never cut by XTC."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+    logit_bias: tuple = ()  # ((token id, bias), ...); a dict is accepted and normalized
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple = ()
+
+    def __post_init__(self):
+        inf = float("inf")
+        checks = (("temperature", self.temperature, 0.0, inf), ("top_p", self.top_p, 0.0, 1.0),
+                  ("min_p", self.min_p, 0.0, 1.0), ("repetition_penalty", self.repetition_penalty, 0.0, inf),
+                  ("presence_penalty", self.presence_penalty, -inf, inf),
+                  ("frequency_penalty", self.frequency_penalty, -inf, inf),
+                  ("xtc_probability", self.xtc_probability, 0.0, 1.0), ("xtc_threshold", self.xtc_threshold, 0.0, 0.5))
+        for name, value, low, high in checks:
+            _check_number(name, value, low, high)
+        for name in ("top_k", "seed", "repetition_context_size", "presence_context_size", "frequency_context_size"):
+            value = getattr(self, name)
+            if value is None and name == "seed":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"[SamplingParams] {name} must be an int, got {value!r}")
+            if name != "seed" and value < 0:
+                raise ValueError(f"[SamplingParams] {name} must be >= 0, got {value!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((_token_id("logit_bias", t), b) for t, b in bias))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"[SamplingParams] logit_bias must map token ids to numbers: {e}") from None
+        for _, b in bias:
+            _check_number("logit_bias value", b, -inf, inf)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
+        object.__setattr__(self, "xtc_special_tokens",
+                           tuple(_token_id("xtc_special_tokens", t) for t in self.xtc_special_tokens))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def logits_processors(self) -> tuple:
+        """(mlx-lm's processors for these settings, how many trailing tokens they read:
+        None for all of them)."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        processors = make_logits_processors(
+            dict(self.logit_bias) or None, self.repetition_penalty, self.repetition_context_size,
+            self.presence_penalty, self.presence_context_size, self.frequency_penalty, self.frequency_context_size)
+        sizes = [size for penalty, size in ((self.repetition_penalty, self.repetition_context_size),
+                                            (self.presence_penalty, self.presence_context_size),
+                                            (self.frequency_penalty, self.frequency_context_size)) if penalty != 0]
+        history = None if 0 in sizes else max(sizes, default=1)  # mlx-lm's tokens[-0:] is every token
+        return processors, history
+
+
+def _check_number(name: str, value, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"[SamplingParams] {name} must be a number, got {value!r}")
+    if not (_finite(value) and low <= value <= high):
+        if math.isinf(low):
+            bound = "finite"
+        else:
+            bound = f">= {low} and finite" if math.isinf(high) else f"in [{low}, {high}]"
+        raise ValueError(f"[SamplingParams] {name} must be {bound}, got {value!r}")
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _token_id(name: str, value) -> int:
+    """A token id from an int or a decimal string (JSON object keys are strings)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} token ids must be ints >= 0, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the ``top`` most likely tokens
+    (``((token id, logprob), ...)``, most likely first), under the processed logits."""
+
+    logprob: float
+    top: tuple = ()
+
+def greedy(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+class Sampler:
+    """Picks the tokens of a pass's sampling rows.
+
+    ``batch``: logits [S, V] -> token ids [S] for requests without ``sampling``.
+    ``token_sync``: across ranks, maps this rank's tokens to rank 0's (None: one rank)."""
+
+    def __init__(self, batch=greedy):
+        self.batch = batch
+        self.token_sync = None
+
+    def sample(self, requests: list, logits: mx.array) -> tuple:
+        """One token per row of ``logits`` [S, V], each by its request's sampling (int32
+        [S], not evaluated), and the parts of each request's ``TokenLogprobs``."""
+        tokens, rows = self.pick(requests, logits)
+        if self.token_sync is not None:  # rank 0's tokens; logprobs then describe them
+            mx.eval(tokens, *rows.values())
+            tokens = mx.array(self.token_sync([int(t) for t in tokens.tolist()]))
+        tokens = tokens.astype(mx.int32)
+        return tokens, _logprob_parts(requests, rows, tokens)
+
+    def pick(self, requests: list, logits: mx.array) -> tuple:
+        """(token ids [S], {row: log-softmax of the processed row} for requests wanting
+        logprobs), as graphs: nothing is evaluated here."""
+        if all(r.plain for r in requests):
+            return self.batch(logits), {}
+        picks, rows = [], {}
+        argmax = None
+        for i, r in enumerate(requests):
+            row = logits[i:i + 1]
+            if r.processors:  # this request's own penalties, on its own row
+                history = _history(r)
+                for processor in r.processors:
+                    row = processor(history, row)
+            if r.sampling is None:
+                picks.append(self.batch(row)[0])
+            elif r.sampling.greedy and not r.processors:
+                argmax = mx.argmax(logits, axis=-1) if argmax is None else argmax
+                picks.append(argmax[i])
+            elif r.sampling.greedy:
+                picks.append(mx.argmax(row[0]))
+            else:
+                r.key, key = mx.random.split(r.key)
+                picks.append(_sample_row(row[0], r.sampling, key))
+            if r.logprobs is not None:
+                rows[i] = _log_softmax(row[0])
+        return mx.stack(picks), rows
+
+
+def _history(request) -> mx.array:
+    """The tokens a request's logits processors read: its last ``history`` (None: all),
+    the one still in flight included (taken on the device)."""
+    known = request.known_tokens
+    if request.pending is None:
+        return mx.array(known if request.history is None else known[-request.history:])
+    flight, j = request.pending
+    tail = known if request.history is None else (known[-(request.history - 1):] if request.history > 1 else [])
+    return mx.concatenate([mx.array(tail, dtype=mx.int32), flight.tokens[j:j + 1]])
+
+
+def _log_softmax(row: mx.array) -> mx.array:
+    row = row.astype(mx.float32)  # reported numbers: no float16 rounding
+    return row - mx.logsumexp(row, axis=-1, keepdims=True)
+
+
+def _logprob_parts(requests: list, rows: dict, tokens: mx.array) -> dict:
+    """{row: (chosen token's logprob, top ids, their logprobs)} as graphs."""
+    wanted = {}
+    for i, row in rows.items():
+        n = min(requests[i].logprobs, row.shape[-1])
+        top = mx.argpartition(-row, kth=n - 1)[:n] if n else mx.array([], dtype=mx.uint32)
+        wanted[i] = (row[tokens[i]], top, row[top])
+    return wanted
+
+
+def read_logprobs(requests: list, wanted: dict) -> list:
+    """Each request's ``TokenLogprobs`` (None where it asked for none)."""
+    out = [None] * len(requests)
+    if not wanted:
+        return out
+    mx.eval(wanted)
+    for i, (chosen, top, values) in wanted.items():
+        pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
+        out[i] = TokenLogprobs(float(chosen.item()), tuple((int(t), float(v)) for t, v in pairs))
+    return out
+
+
+def _sample_row(logits: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:
+    """Sample one token from ``logits`` [V] with mlx-lm's filters (in mlx-lm's order) and an
+    explicit key."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+    logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]
+    if 0 < sampling.top_p < 1:
+        logprobs = apply_top_p(logprobs, sampling.top_p)
+    if sampling.min_p > 0:
+        logprobs = apply_min_p(logprobs, sampling.min_p)
+    if sampling.xtc_probability > 0:
+        key, xtc_key = mx.random.split(key)
+        logprobs = _apply_xtc(logprobs, sampling, xtc_key)
+    if 0 < sampling.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, sampling.top_k)
+    return mx.random.categorical(logprobs * (1 / sampling.temperature), key=key)[0]
+
+
+def _apply_xtc(logprobs: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:
+    """XTC ("exclude top choices"), as mlx-lm's ``apply_xtc`` but drawing from ``key``: with
+    probability ``xtc_probability``, every token above ``xtc_threshold`` except the least
+    likely of them is removed (special tokens never are)."""
+    probs = mx.softmax(logprobs, axis=-1)
+    least_above = mx.min(mx.where(probs > sampling.xtc_threshold, probs, mx.inf), axis=-1, keepdims=True)
+    cut = probs > least_above
+    if sampling.xtc_special_tokens:
+        keep = mx.zeros((probs.shape[-1],), dtype=mx.bool_)
+        keep[mx.array(sampling.xtc_special_tokens)] = True
+        cut = cut & ~keep
+    apply = mx.random.uniform(key=key) <= sampling.xtc_probability
+    return mx.where(apply & cut, -mx.inf, logprobs)
