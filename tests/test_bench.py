@@ -31,7 +31,10 @@ def test_bench_json_small(small_report):
     report, err = small_report
     assert report["backend"] == "cpu" and report["read_gbps"] > 0
     by_threads = report["read_gbps_by_threads"]  # one core's read, and every core's (the yardstick)
-    assert by_threads["1"] > 0 and by_threads[str(os.cpu_count() or 1)] == report["read_gbps"]
+    yardstick = by_threads[str(os.cpu_count() or 1)]
+    assert by_threads["1"] > 0 and yardstick <= report["read_gbps"]
+    if yardstick != report["read_gbps"]:  # a case beat the yardstick, which was measured again (higher)
+        assert "beats the read bandwidth; measuring it again" in err
     names = [r["name"] for r in report["results"]]
     assert any(n.startswith("paged_decode_f16") for n in names) and len(names) == 6
     for r in report["results"]:
