@@ -132,4 +132,4 @@ def test_missing_mlx_lm_baseline_is_named_not_silent(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlx_lm.models.base", None)
     (r,) = run_case("paged_decode_k8v4", backend="cpu", tokens=64, repeat=1, baseline=True, progress=print)
     assert not any(b["name"].startswith("mlx-lm") for b in r["baselines"])
-    assert 'pip install "kvmetal[lm]"' in r["skipped_baselines"][0]
+    assert 'pip install "mlx-lm>=0.32,<0.33"' in r["skipped_baselines"][0]

@@ -11,9 +11,8 @@ token budget (``max_num_batched_tokens``) and runs it through the model once:
    request is still prefilling waits for it instead of computing it a second time.
 
 The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
-position as the cache's ``offset``, so unmodified mlx-lm model code runs it; attention is
-one ``paged_attention_varlen`` call per layer (a step of decodes only runs
-``paged_attention``). Hidden states are sliced before the LM head: logits come only for
+position as the cache's ``offset``, so unmodified mlx-lm model code runs it; per layer,
+the decode rows run ``paged_attention`` and the prompt rows ``paged_attention_varlen``. Hidden states are sliced before the LM head: logits come only for
 rows that sample (decodes, and the last token of a prompt whose prefill completes). A
 long prompt therefore never stalls the running requests: they get a token every step
 while it is chunked in. A finished request's blocks are freed at once.
@@ -26,10 +25,15 @@ with the whole pool to itself finishes early with reason ``"length"`` (the cache
 full) while the others keep running; a prompt that cannot fit even in an empty pool is
 rejected by ``add_request``.
 
-Sampling is per request (``SamplingParams``): greedy, or temperature / top-p / top-k /
-min-p / XTC with the request's own random key, so a seeded request gives the same tokens
-whatever it is batched with, however its prompt is chunked and however often it is
-preempted. A request's logits processors (mlx-lm's repetition / presence / frequency
+Batch invariance: a request gets the same tokens alone and in any batch, however its
+prompt is chunked. Each token's attention runs the same kernel whatever shares its pass
+(decode rows the decode kernel, prompt rows the varlen one) and both cut a sequence's keys
+into split windows at fixed positions, chosen per sequence, never per batch; sampling is
+per request (``SamplingParams``): greedy, or temperature / top-p / top-k / min-p / XTC
+with the request's own random key. What is not kvmetal's can still differ: MLX's matmuls
+where their result depends on the batch's row count (docs/serve.md, "Batch invariance"),
+the ``cascade`` option, and a preempted request, whose generated tokens are recomputed
+as a prompt (by the varlen kernel). A request's logits processors (mlx-lm's repetition / presence / frequency
 penalties and logit bias) run on its own row of the batch's logits, over its own tokens;
 ``logprobs`` reports the chosen token's log-probability (and the top alternatives) under
 those processed logits.
@@ -265,6 +269,15 @@ class Engine:
             none), and a request that stops is computed one token past its end (dropped).
             Off (default): ``step()`` returns the tokens of its own pass. Across ranks
             (``token_sync``) steps are never pipelined.
+        cascade: decode passes read a prefix that 8 or more running requests share once
+            (``paged_attention_cascade``, docs/cascade.md). Off by default: its reduction
+            order depends on which requests share the prefix, so with it a request's tokens
+            can change with what it is batched with. Without it they cannot: each token's
+            attention takes the same kernel and the same KV split windows in any batch
+            (decode rows ``paged_attention``, prompt rows ``paged_attention_varlen``).
+        tokenizer: an mlx-lm tokenizer (``mlx_lm.load``'s second value): its EOS tokens end
+            every request that gives no ``stop_token_ids``. Without one, the model's own
+            ``eos_token_id`` (when its args carry one), else none.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
@@ -273,8 +286,10 @@ class Engine:
                  v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy,
                  keep_finished: bool = True, on_finish=None,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                 k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False):
+                 k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False,
+                 cascade: bool = False, tokenizer=None):
         self.model = model
+        self.eos_token_ids = _eos_ids(model, tokenizer)  # a request's stop tokens unless it gives its own
         # checked before the model is patched: a bad value leaks nothing
         _check_count("Engine", "max_num_batched_tokens", max_num_batched_tokens)
         self._body, self._head = body(model), lm_head(model)
@@ -282,7 +297,7 @@ class Engine:
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
                                       v_bits=v_bits, **groups)
         try:
-            self.cache = self.handle.new_model_cache()
+            self.cache = self.handle.new_model_cache(cascade=bool(cascade))
         except BaseException:
             self.handle.undo()
             raise
@@ -338,9 +353,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, *, max_tokens: int, request_id=None, sampling: SamplingParams | None = None,
-                    stop_token_ids=(), logprobs: int | None = None):
+                    stop_token_ids=None, logprobs: int | None = None):
         """Queue a prompt (token ids); it joins the batch at the next ``step()``.
 
+        ``stop_token_ids``: tokens that end this request (the last one is emitted); None:
+        the engine's ``eos_token_ids``, () for none.
         ``logprobs``: every event of this request carries ``TokenLogprobs`` with this
         many top alternatives (0: only the chosen token's); None: none.
         Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
@@ -385,8 +402,8 @@ class Engine:
                 request_id = next(self._ids)
         elif request_id in self.requests:
             raise ValueError(f"[Engine.add_request] request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, max_tokens, sampling=sampling,
-                          stop_token_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs)
+        stops = self.eos_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids)
+        request = Request(request_id, prompt, max_tokens, sampling=sampling, stop_token_ids=stops, logprobs=logprobs)
         if sampling is not None:
             processors, request.history = sampling.logits_processors()
             request.processors = tuple(processors)
@@ -621,10 +638,13 @@ class Engine:
                 sampled.append((request, rows - 1))
         ids = [r.request_id for r, _ in batch]
         starts = [r.computed for r, _ in batch]
-        if rows == len(batch):  # one token per sequence: the decode kernel
+        # Decode rows (they lead the batch) take the decode kernel, prompt rows the varlen one,
+        # whatever else the pass holds: a request's tokens do not depend on its batch.
+        decodes = sum(1 for r, _ in batch if r.decoding)
+        if decodes == len(batch):
             caches = self.cache.layer_caches(ids, starts)
         else:
-            caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch])
+            caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch], decodes=decodes)
         token_ids = mx.array(inputs, dtype=mx.int32)
         if later_rows:
             token_ids[mx.array(later_rows, dtype=mx.int32)] = previous.tokens[mx.array(later_src, dtype=mx.int32)]
@@ -804,6 +824,18 @@ def _history(request: Request) -> mx.array:
     flight, j = request.pending
     tail = known if request.history is None else (known[-(request.history - 1):] if request.history > 1 else [])
     return mx.concatenate([mx.array(tail, dtype=mx.int32), flight.tokens[j:j + 1]])
+
+
+def _eos_ids(model, tokenizer) -> frozenset:
+    """The tokenizer's EOS tokens, else the model config's ``eos_token_id`` (an int or a list)."""
+    ids = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
+    if ids is None and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids = [tokenizer.eos_token_id]
+    if ids is None:
+        ids = getattr(getattr(model, "args", None), "eos_token_id", None)
+    if ids is None:
+        return frozenset()
+    return frozenset(int(t) for t in (ids if isinstance(ids, (list, tuple, set, frozenset)) else [ids]))
 
 
 class _Outgrown(Exception):
