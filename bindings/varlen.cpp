@@ -331,7 +331,8 @@ void paged_attention_varlen(const VarlenParams& p, const KVView& k, const KVView
     const QueryTile& tile = tiles[item.tile];
     TileWalker walker(p, k, v, tk, runs[tile.s], tile, item.kvh);
     if (item.split >= 0) {  // one window of a tile whose windows are separate items: reduce() merges them
-      float* slot = partials.data() + (tile.partial + static_cast<int64_t>(item.kvh) * tile.windows + item.split) * slot_floats;
+      const int64_t at = tile.partial + static_cast<int64_t>(item.kvh) * tile.windows + item.split;
+      float* slot = partials.data() + at * slot_floats;
       walker.run(windows.window(tile.keys, item.split), State(slot, walker.rows()));
       return;
     }

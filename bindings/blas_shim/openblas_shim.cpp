@@ -93,7 +93,8 @@ void sgemm_padded(const Table& t, int ta, int tb, int m, int mp, int n, int k, f
       pa[trans_a ? static_cast<size_t>(j) * mp + i : static_cast<size_t>(i) * k + j] =
           trans_a ? a[static_cast<int64_t>(j) * lda + i] : a[static_cast<int64_t>(i) * lda + j];
   if (beta != 0.f)
-    for (int i = 0; i < m; ++i) std::copy_n(c + static_cast<int64_t>(i) * ldc, n, pc.data() + static_cast<size_t>(i) * n);
+    for (int i = 0; i < m; ++i)
+      std::copy_n(c + static_cast<int64_t>(i) * ldc, n, pc.data() + static_cast<size_t>(i) * n);
   sgemm_any(t, kRowMajor, ta, tb, mp, n, k, alpha, pa.data(), trans_a ? mp : k, b, ldb, beta, pc.data(), n);
   for (int i = 0; i < m; ++i) std::copy_n(pc.data() + static_cast<size_t>(i) * n, n, c + static_cast<int64_t>(i) * ldc);
 }

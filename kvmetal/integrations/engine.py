@@ -12,10 +12,11 @@ token budget (``max_num_batched_tokens``) and runs it through the model once:
 
 The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
 position as the cache's ``offset``, so unmodified mlx-lm model code runs it; per layer,
-the decode rows run ``paged_attention`` and the prompt rows ``paged_attention_varlen``. Hidden states are sliced before the LM head: logits come only for
-rows that sample (decodes, and the last token of a prompt whose prefill completes). A
-long prompt therefore never stalls the running requests: they get a token every step
-while it is chunked in. A finished request's blocks are freed at once.
+the decode rows run ``paged_attention`` and the prompt rows ``paged_attention_varlen``.
+Hidden states are sliced before the LM head: logits come only for rows that sample
+(decodes, and the last token of a prompt whose prefill completes). A long prompt
+therefore never stalls the running requests: they get a token every step while it is
+chunked in. A finished request's blocks are freed at once.
 
 When a fixed-size pool runs dry, the most recently admitted request (decoding or still
 prefilling) is preempted: its blocks are freed and it waits to be recomputed from its
@@ -33,10 +34,10 @@ per request (``SamplingParams``): greedy, or temperature / top-p / top-k / min-p
 with the request's own random key. What is not kvmetal's can still differ: MLX's matmuls
 where their result depends on the batch's row count (docs/serve.md, "Batch invariance"),
 the ``cascade`` option, and a preempted request, whose generated tokens are recomputed
-as a prompt (by the varlen kernel). A request's logits processors (mlx-lm's repetition / presence / frequency
-penalties and logit bias) run on its own row of the batch's logits, over its own tokens;
-``logprobs`` reports the chosen token's log-probability (and the top alternatives) under
-those processed logits.
+as a prompt (by the varlen kernel). A request's logits processors (mlx-lm's repetition /
+presence / frequency penalties and logit bias) run on its own row of the batch's logits,
+over its own tokens; ``logprobs`` reports the chosen token's log-probability (and the top
+alternatives) under those processed logits.
 """
 from __future__ import annotations
 

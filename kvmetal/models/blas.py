@@ -157,7 +157,8 @@ def reference_blas_note() -> str | None:
         fix = "a kvmetal build with libkvmetal_openblas.so (reinstall kvmetal)"
     else:
         fix = "pip install scipy-openblas32"
-    return f"kvmetal: MLX is using its bundled reference BLAS (float32 matmuls ~30x slower than OpenBLAS); for speed: {fix}"
+    return (f"kvmetal: MLX is using its bundled reference BLAS (float32 matmuls ~30x slower than OpenBLAS); "
+            f"for speed: {fix}")
 
 
 def preload_openblas_and_reexec(argv: list | None = None) -> None:
