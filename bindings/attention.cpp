@@ -502,29 +502,41 @@ void reduce_row(const AttentionParams& p, const TileKernels& tk, const float* pa
 
 // How the work is cut: `splits` token ranges per sequence, and kv heads in
 // chunks of `heads_per_item`. Whole sequences' heads per item read the cache
-// most sequentially; chunks shrink only when that leaves too few items. A
-// requested split count is capped at the tiles of the longest range (more
-// splits would be empty, and an absurd count must not size the partials).
+// most sequentially; chunks shrink only when that leaves too few items.
+//
+// Automatic splits are windows: every sequence's tokens are cut at the multiples of
+// `window` (min_tokens_per_split rounded up to whole tiles), so its partials, and its
+// output, depend on its own tokens only, never on the batch it is in (`splits` is the
+// most windows any sequence spans; a sequence's extra ones are empty and merge as
+// nothing). A requested split count cuts each range in that many parts instead, capped
+// at the tiles of the longest range (more splits would be empty, and an absurd count
+// must not size the partials).
 struct WorkPlan {
   int splits = 1;
   int heads_per_item = 1;
+  int window = 0;  // > 0: automatic windows of this many tokens; 0: split_range
 };
 
+TokenRange window_range(TokenRange live, int k, int window) {
+  const int64_t a = (static_cast<int64_t>(live.lo / window) + k) * window;
+  const int64_t lo = std::max<int64_t>(a, live.lo), hi = std::min<int64_t>(a + window, live.hi);
+  return hi > lo ? TokenRange{static_cast<int>(lo), static_cast<int>(hi)} : TokenRange{};
+}
+
 WorkPlan plan(const AttentionParams& p) {
-  int max_tokens = 0, max_tiles = 1;
+  WorkPlan w;
+  int max_tiles = 1;
+  if (p.num_splits <= 0) w.window = ceil_div(std::max(1, p.min_tokens_per_split), kMaxTileRows) * kMaxTileRows;
   for (int s = 0; s < p.num_seqs; ++s) {
     const TokenRange r = live_range(p, s);
-    max_tokens = std::max(max_tokens, r.hi - r.lo);
     max_tiles = std::max(max_tiles, tile_count(p, r));
+    if (w.window && !r.empty()) w.splits = std::max(w.splits, ceil_div(r.hi, w.window) - r.lo / w.window);
   }
+  if (!w.window) w.splits = std::min(p.num_splits, max_tiles);
   const int64_t target = static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads();
-  const int cap = std::max(1, max_tokens / std::max(1, p.min_tokens_per_split));
-  WorkPlan w;
   w.heads_per_item = p.num_kv_heads;
   for (;;) {
     const int64_t base = static_cast<int64_t>(p.num_seqs) * (p.num_kv_heads / w.heads_per_item);
-    w.splits = p.num_splits > 0 ? std::min(p.num_splits, max_tiles)
-                                : static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ceil_div(target, base), cap)));
     if (base * w.splits >= target || w.heads_per_item % 2) return w;
     w.heads_per_item /= 2;
   }
@@ -548,7 +560,8 @@ void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v
     const int split = static_cast<int>(item % splits);
     const int chunk = static_cast<int>(item / splits % chunks);
     const int s = static_cast<int>(item / splits / chunks);
-    const TokenRange range = split_range(p, live_range(p, s), split, splits);
+    const TokenRange live = live_range(p, s);
+    const TokenRange range = work.window ? window_range(live, split, work.window) : split_range(p, live, split, splits);
     const int kvh0 = chunk * work.heads_per_item;
     auto partial = [&](int kvh) {
       return partials.data() + ((static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits + split) * lay.floats_per_item();

@@ -48,14 +48,32 @@ struct KeyRange {
   int lo = 0, hi = 0;  // [lo, hi)
 };
 
+// Split windows. Every row's keys are cut at the multiples of `tokens` (min_tokens_per_split
+// rounded up to whole key tiles), whatever tile, chunk or batch the row is in; each window
+// gets its own online-softmax state and the states are merged in order (merge_partials).
+// Whether a tile's windows run as separate items (few tiles for the threads) or one after
+// another in one item changes nothing in the arithmetic: a row's output depends on its own
+// keys only, never on what it is batched or chunked with.
+struct Windows {
+  int64_t tokens = kKeyTile;
+  int64_t first(KeyRange keys) const { return keys.lo / tokens; }
+  int count(KeyRange keys) const {
+    return keys.hi > keys.lo ? static_cast<int>(ceil_div(keys.hi, tokens) - first(keys)) : 1;
+  }
+  KeyRange window(KeyRange keys, int k) const {
+    const int64_t a = (first(keys) + k) * tokens, b = a + tokens;
+    return KeyRange{static_cast<int>(std::max<int64_t>(a, keys.lo)), static_cast<int>(std::min<int64_t>(b, keys.hi))};
+  }
+};
+
 // A query tile: run positions [i0, i1) of sequence s, and the keys any of its
 // rows sees (causal tiles past its last position, and window tiles before its
 // first position's window, are outside the range and never visited).
 struct QueryTile {
   int s = 0, i0 = 0, i1 = 0;
   KeyRange keys;
-  int splits = 1;
-  int64_t partial = -1;  // first partial slot of (kv head 0, split 0), or -1: written directly
+  int windows = 1;       // split windows its keys span (Windows)
+  int64_t partial = -1;  // first partial slot of (kv head 0, window 0) when its windows are separate items, else -1
 };
 
 // The position of run row i, and what it sees.
@@ -67,16 +85,6 @@ KeyRange visible_keys(const VarlenParams& p, const Run& r, int i0, int i1) {
   return KeyRange{static_cast<int>(lo), static_cast<int>(hi)};
 }
 
-// Split k of `splits` of a key range, in whole key tiles (aligned to kKeyTile).
-KeyRange split_range(KeyRange keys, int k, int splits) {
-  const int64_t first = keys.lo / kKeyTile;
-  const int64_t units = ceil_div(keys.hi, kKeyTile) - first;
-  const int64_t per = ceil_div(units, splits);
-  const int64_t a = (first + std::min(units, k * per)) * kKeyTile;
-  const int64_t b = (first + std::min(units, (k + 1) * per)) * kKeyTile;
-  return KeyRange{static_cast<int>(std::max<int64_t>(a, keys.lo)), static_cast<int>(std::min<int64_t>(b, keys.hi))};
-}
-
 struct Scratch {
   std::vector<float> q, k, v, scores, corr, state;
   void fit(int R, int D) {
@@ -85,7 +93,6 @@ struct Scratch {
     v.resize(static_cast<size_t>(kKeyTile) * D);
     scores.resize(static_cast<size_t>(R) * kMaxTileRows);
     corr.resize(R);
-    state.resize(static_cast<size_t>(R) * (D + 2));
   }
 };
 
@@ -127,20 +134,20 @@ class TileWalker {
     }
   }
 
-  // out[row] = acc / l with the sinks in the denominator (zeros for a row that saw nothing).
-  void write(const State& st, float* tmp) const {
+  // The merge of `count` window states, `stride` floats apart, into the output rows: the
+  // same merge_partials as reduce() below (sinks join the denominator; zeros for a row
+  // that saw nothing), so a row's output does not depend on where its windows ran.
+  void write(const float* states, int count, int64_t stride, float* tmp) const {
     for (int j = 0; j < R_; ++j) {
       const int h = kvh_ * G_ + j % G_;
-      float weight = 0.f;
-      if (st.l[j] > 0.f) {
-        float M = st.m[j];
-        if (p_.sinks) M = std::max(M, p_.sinks[h]);
-        const float w = std::exp(st.m[j] - M);
-        const float L = st.l[j] * w + (p_.sinks ? std::exp(p_.sinks[h] - M) : 0.f);
-        weight = w / L;
-      }
-      const float* acc = st.acc + static_cast<int64_t>(j) * D_;
-      for (int d = 0; d < D_; ++d) tmp[d] = acc[d] * weight;
+      merge_partials(
+          [&](auto f) {
+            for (int k = 0; k < count; ++k) {
+              const float* part = states + k * stride;
+              f(part[j], part[R_ + j], part + 2 * R_ + static_cast<int64_t>(j) * D_);
+            }
+          },
+          D_, p_.sinks ? p_.sinks + h : nullptr, tmp);
       store_row(p_, tk_, tile_row(j), h, tmp);
     }
   }
@@ -232,17 +239,17 @@ class TileWalker {
   uint32_t pad_ = 0;
 };
 
-// Merge the splits of (tile, kv head) into the output; sinks join the denominator.
+// Merge the windows of (tile, kv head) into the output; sinks join the denominator.
 void reduce(const VarlenParams& p, const TileKernels& tk, const Run& run, const QueryTile& tile, int kvh,
             const float* partials, int64_t slot_floats, int R) {
   const int G = p.num_heads / p.num_kv_heads, D = p.head_dim;
   std::vector<float> tmp(D);
-  const float* first = partials + (tile.partial + static_cast<int64_t>(kvh) * tile.splits) * slot_floats;
+  const float* first = partials + (tile.partial + static_cast<int64_t>(kvh) * tile.windows) * slot_floats;
   for (int j = 0; j < R; ++j) {
     const int h = kvh * G + j % G;
     merge_partials(
         [&](auto f) {
-          for (int k = 0; k < tile.splits; ++k) {
+          for (int k = 0; k < tile.windows; ++k) {
             const float* part = first + k * slot_floats;
             f(part[j], part[R + j], part + 2 * R + static_cast<int64_t>(j) * D);
           }
@@ -272,7 +279,8 @@ void paged_attention_varlen(const VarlenParams& p, const KVView& k, const KVView
   std::memset(p.out, 0, owned_lo * row_bytes);
   std::memset(p.out + owned_hi * row_bytes, 0, (p.num_tokens - owned_hi) * row_bytes);
 
-  // Query tiles, and KV splits where there are too few tiles for the threads.
+  // Query tiles, and their split windows as separate items where there are too few tiles
+  // for the threads (the output is the same either way: Windows).
   const int BQ = tile_positions(G, D);
   std::vector<QueryTile> tiles;
   for (int s = 0; s < p.num_seqs; ++s)
@@ -280,26 +288,33 @@ void paged_attention_varlen(const VarlenParams& p, const KVView& k, const KVView
       const int i1 = std::min(runs[s].n, i0 + BQ);
       tiles.push_back(QueryTile{s, i0, i1, visible_keys(p, runs[s], i0, i1)});
     }
+  const Windows windows{ceil_div(std::max(1, p.min_tokens_per_split), kKeyTile) * kKeyTile};
   const int64_t base = static_cast<int64_t>(tiles.size()) * p.num_kv_heads;
   const int64_t target = static_cast<int64_t>(kItemsPerThread) * ThreadPool::instance().num_threads();
-  const int64_t want = base >= target ? 1 : ceil_div(target, std::max<int64_t>(base, 1));
+  const bool spread = base < target;
   const int64_t slot_floats = static_cast<int64_t>(BQ) * G * (D + 2);
   int64_t slots = 0;
   std::vector<Item> items;
   for (int t = 0; t < static_cast<int>(tiles.size()); ++t) {
     QueryTile& tile = tiles[t];
+    tile.windows = windows.count(tile.keys);
     const int64_t work = tile.keys.hi - tile.keys.lo;
-    const int64_t units = work > 0 ? ceil_div(tile.keys.hi, kKeyTile) - tile.keys.lo / kKeyTile : 1;
-    tile.splits = static_cast<int>(std::clamp<int64_t>(
-        std::min(want, work / std::max(1, p.min_tokens_per_split)), 1, units));
-    if (tile.splits > 1) {
-      tile.partial = slots;
-      slots += static_cast<int64_t>(p.num_kv_heads) * tile.splits;
-    }
     const int64_t rows = static_cast<int64_t>(tile.i1 - tile.i0) * G;
-    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh)
-      for (int split = 0; split < tile.splits; ++split)
-        items.push_back(Item{t, kvh, split, (work / tile.splits + kKeyTile) * rows});
+    const bool separate = spread && tile.windows > 1;
+    if (separate) {
+      tile.partial = slots;
+      slots += static_cast<int64_t>(p.num_kv_heads) * tile.windows;
+    }
+    for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      if (!separate) {
+        items.push_back(Item{t, kvh, -1, (work + kKeyTile) * rows});
+        continue;
+      }
+      for (int k = 0; k < tile.windows; ++k) {
+        const KeyRange w = windows.window(tile.keys, k);
+        items.push_back(Item{t, kvh, k, (w.hi - w.lo + kKeyTile) * rows});
+      }
+    }
   }
   // The longest items first: the dynamic claiming then evens out the tail.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -310,22 +325,26 @@ void paged_attention_varlen(const VarlenParams& p, const KVView& k, const KVView
     const Item& item = items[index];
     const QueryTile& tile = tiles[item.tile];
     TileWalker walker(p, k, v, tk, runs[tile.s], tile, item.kvh);
-    if (tile.splits == 1) {
-      Scratch& sc = scratch();
-      State st(sc.state.data(), walker.rows());
-      walker.run(tile.keys, st);
-      std::vector<float>& tmp = sc.k;  // free again once the walk is done
-      walker.write(st, tmp.data());
+    if (item.split >= 0) {  // one window of a tile whose windows are separate items: reduce() merges them
+      const int64_t at = tile.partial + static_cast<int64_t>(item.kvh) * tile.windows + item.split;
+      float* slot = partials.data() + at * slot_floats;
+      walker.run(windows.window(tile.keys, item.split), State(slot, walker.rows()));
       return;
     }
-    float* slot = partials.data() + (tile.partial + static_cast<int64_t>(item.kvh) * tile.splits + item.split) * slot_floats;
-    walker.run(split_range(tile.keys, item.split, tile.splits), State(slot, walker.rows()));
+    // Every window of the tile, one after another, then the same merge.
+    Scratch& sc = scratch();
+    const int64_t stride = static_cast<int64_t>(walker.rows()) * (D + 2);
+    sc.state.resize(static_cast<size_t>(stride * tile.windows));
+    for (int w = 0; w < tile.windows; ++w)
+      walker.run(windows.window(tile.keys, w), State(sc.state.data() + w * stride, walker.rows()));
+    std::vector<float>& tmp = sc.k;  // free again once the walks are done
+    walker.write(sc.state.data(), tile.windows, stride, tmp.data());
   });
 
   if (slots == 0) return;
-  std::vector<std::pair<int, int>> merges;  // (tile, kv head) with splits
+  std::vector<std::pair<int, int>> merges;  // (tile, kv head) whose windows were separate items
   for (int t = 0; t < static_cast<int>(tiles.size()); ++t)
-    if (tiles[t].splits > 1)
+    if (tiles[t].partial >= 0)
       for (int kvh = 0; kvh < p.num_kv_heads; ++kvh) merges.emplace_back(t, kvh);
   pool.parallel_for(static_cast<int64_t>(merges.size()), [&](int64_t i) {
     const QueryTile& tile = tiles[merges[i].first];

@@ -7,16 +7,7 @@
 Backends: "metal" (Apple GPU, hand-written kernels), "cpu" (native C++), "sim"
 (the metal backend's kernels run by a CPU simulator). See ``kv.use_backend``.
 """
-from ._install_check import check_installation
-
-# A clear ImportError for an MLX ABI mismatch now, and for a missing extension (a source
-# tree shadowing the installed package) when something asks for kvmetal._ext.
-_HAVE_EXTENSION = check_installation()
-
-from .backends import available_backends, current_backend, use_backend  # noqa: E402
-from .ops import (copy_blocks, decode_attention, gather_kv_cache, paged_attention,  # noqa: E402
-                  paged_attention_cascade, paged_attention_varlen, reshape_and_cache)
-from .quant import QuantizedKV  # noqa: E402
+import importlib
 
 __version__ = "0.1.0"
 
@@ -36,16 +27,38 @@ __all__ = [
     "KVCacheFull",
 ]
 
+# Public names are loaded on first use (PEP 562), so ``import kvmetal`` loads neither MLX
+# nor the extension: the ``kvmetal`` command puts OpenBLAS under MLX before MLX loads
+# (kvmetal/models/blas.py), and what needs no compiled kernel (budget, convert-gguf, the
+# simulator, the reference) runs whatever state the extension is in.
+_HOME = {name: "ops" for name in __all__[:7]}
+_HOME.update(use_backend="backends", current_backend="backends", available_backends="backends",
+             QuantizedKV="quant", PagedKVCache="cache", KVCacheFull="cache")
+
 
 def __getattr__(name):
-    if name == "_ext" and not _HAVE_EXTENSION:
-        # `from kvmetal import _ext` lands here when the compiled module is absent.
-        from ._install_check import missing_extension_message
+    if name == "_ext":
+        # `from kvmetal import _ext` lands here before the module loads: an extension built
+        # for another MLX, or a source tree without one, is one clear ImportError.
+        from ._install_check import extension_problem
 
-        raise ImportError(missing_extension_message())
-    # The cache pulls in more machinery; load it on first use.
-    if name in ("PagedKVCache", "KVCacheFull"):
-        from . import cache
-
-        return getattr(cache, name)
+        problem = extension_problem()
+        if problem:
+            raise ImportError(problem)
+        return importlib.import_module(f"{__name__}._ext")
+    home = _HOME.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):  # a submodule, as `import kvmetal; kvmetal.backends` found it before
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'kvmetal' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOME))

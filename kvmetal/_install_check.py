@@ -4,7 +4,8 @@ The compiled extension (``kvmetal._ext``) links against libmlx's C++ ABI, which 
 stable across MLX releases: loaded under another MLX it fails with an undefined symbol
 deep inside the first op. The build records the MLX version it compiled against in
 ``kvmetal/_build_info.py`` (a plain Python file, readable without loading the extension);
-here it is compared with the MLX this process runs.
+here it is compared with the MLX this process runs, when something first asks for the
+extension (``kvmetal/__init__.py``).
 """
 from __future__ import annotations
 
@@ -46,20 +47,19 @@ def missing_extension_message() -> str:
             f"reinstall kvmetal: pip install --force-reinstall --no-deps kvmetal")
 
 
-def check_installation() -> bool:
-    """Raise ImportError when the extension was built for another MLX (it would fail to
-    load with an undefined symbol). Returns whether the extension is present: a source
-    tree without a build still serves what needs no extension (the simulator, the
-    reference, budget), and ``kvmetal._ext`` then raises ``missing_extension_message()``."""
+def extension_problem() -> str | None:
+    """Why ``kvmetal._ext`` cannot load in this process (the message of the ImportError
+    that ``from kvmetal import _ext`` raises), or None when it can. Read when something
+    first needs the extension, not at ``import kvmetal``: what needs no compiled kernel
+    (budget, convert-gguf, the simulator, the reference) runs without one."""
+    if importlib.util.find_spec("kvmetal._ext") is None:
+        return missing_extension_message()
     try:
         from . import _build_info
     except ImportError:
-        _build_info = None
-    if _build_info is None:
-        # No record: a source tree (no build at all), or a build older than the record.
-        return importlib.util.find_spec("kvmetal._ext") is not None
+        return None  # a build older than the record
     import mlx.core as mx
 
     if _build_info.MLX_VERSION != mx.__version__:
-        raise ImportError(mismatch_message(_build_info.MLX_VERSION, mx.__version__))
-    return True
+        return mismatch_message(_build_info.MLX_VERSION, mx.__version__)
+    return None

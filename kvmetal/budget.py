@@ -93,37 +93,40 @@ class ModelShape:
 
 
 def _preset(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts=1, window=None,
-            pattern=None):
-    """``window``/``pattern``: every ``pattern``-th layer is global, the others see ``window`` tokens."""
+            pattern=None, context=None):
+    """``window``/``pattern``: every ``pattern``-th layer is global, the others see ``window`` tokens.
+    ``context``: the config's max_position_embeddings."""
     sliding = layers - layers // pattern if window else 0
     return ModelShape(name, layers, kv_heads, head_dim, heads, hidden, inter, vocab, tied, experts,
-                      sliding_window=window, num_sliding_layers=sliding)
+                      sliding_window=window, num_sliding_layers=sliding, max_position_embeddings=context)
 
 
 # Shapes from the models' published config.json files (weights in 16-bit).
 PRESETS = {p.name: p for p in (
-    _preset("llama-3-8b", 32, 8, 128, 32, 4096, 14336, 128256, False),
-    _preset("llama-3-70b", 80, 8, 128, 64, 8192, 28672, 128256, False),
-    _preset("llama-3.2-1b", 16, 8, 64, 32, 2048, 8192, 128256, True),
-    _preset("llama-3.2-3b", 28, 8, 128, 24, 3072, 8192, 128256, True),
-    _preset("mistral-7b", 32, 8, 128, 32, 4096, 14336, 32000, False),
-    _preset("mixtral-8x7b", 32, 8, 128, 32, 4096, 14336, 32000, False, experts=8),
-    _preset("qwen2.5-0.5b", 24, 2, 64, 14, 896, 4864, 151936, True),
-    _preset("qwen2.5-7b", 28, 4, 128, 28, 3584, 18944, 152064, False),
-    _preset("qwen2.5-14b", 48, 8, 128, 40, 5120, 13824, 152064, False),
-    _preset("qwen2.5-32b", 64, 8, 128, 40, 5120, 27648, 152064, False),
-    _preset("qwen2.5-72b", 80, 8, 128, 64, 8192, 29568, 152064, False),
-    _preset("qwen3-8b", 36, 8, 128, 32, 4096, 12288, 151936, False),
-    _preset("gemma-2-2b", 26, 4, 256, 8, 2304, 9216, 256000, True, window=4096, pattern=2),
-    _preset("gemma-2-9b", 42, 8, 256, 16, 3584, 14336, 256000, True, window=4096, pattern=2),
-    _preset("gemma-2-27b", 46, 16, 128, 32, 4608, 36864, 256000, True, window=4096, pattern=2),
-    _preset("gemma-3-1b", 26, 1, 256, 4, 1152, 6912, 262144, True, window=512, pattern=6),
-    _preset("gemma-3-4b", 34, 4, 256, 8, 2560, 10240, 262208, True, window=1024, pattern=6),
-    _preset("gemma-3-12b", 48, 8, 256, 16, 3840, 15360, 262208, True, window=1024, pattern=6),
-    _preset("gemma-3-27b", 62, 16, 128, 32, 5376, 21504, 262208, True, window=1024, pattern=6),
-    _preset("phi-3-mini", 32, 32, 96, 32, 3072, 8192, 32064, False),
+    _preset("llama-3-8b", 32, 8, 128, 32, 4096, 14336, 128256, False, context=8192),
+    _preset("llama-3-70b", 80, 8, 128, 64, 8192, 28672, 128256, False, context=8192),
+    _preset("llama-3.2-1b", 16, 8, 64, 32, 2048, 8192, 128256, True, context=131072),
+    _preset("llama-3.2-3b", 28, 8, 128, 24, 3072, 8192, 128256, True, context=131072),
+    _preset("mistral-7b", 32, 8, 128, 32, 4096, 14336, 32000, False, context=32768),
+    _preset("mixtral-8x7b", 32, 8, 128, 32, 4096, 14336, 32000, False, experts=8, context=32768),
+    _preset("qwen2.5-0.5b", 24, 2, 64, 14, 896, 4864, 151936, True, context=32768),
+    _preset("qwen2.5-7b", 28, 4, 128, 28, 3584, 18944, 152064, False, context=32768),
+    _preset("qwen2.5-14b", 48, 8, 128, 40, 5120, 13824, 152064, False, context=32768),
+    _preset("qwen2.5-32b", 64, 8, 128, 40, 5120, 27648, 152064, False, context=32768),
+    _preset("qwen2.5-72b", 80, 8, 128, 64, 8192, 29568, 152064, False, context=32768),
+    _preset("qwen3-8b", 36, 8, 128, 32, 4096, 12288, 151936, False, context=40960),
+    _preset("gemma-2-2b", 26, 4, 256, 8, 2304, 9216, 256000, True, window=4096, pattern=2, context=8192),
+    _preset("gemma-2-9b", 42, 8, 256, 16, 3584, 14336, 256000, True, window=4096, pattern=2, context=8192),
+    _preset("gemma-2-27b", 46, 16, 128, 32, 4608, 36864, 256000, True, window=4096, pattern=2, context=8192),
+    _preset("gemma-3-1b", 26, 1, 256, 4, 1152, 6912, 262144, True, window=512, pattern=6, context=32768),
+    _preset("gemma-3-4b", 34, 4, 256, 8, 2560, 10240, 262208, True, window=1024, pattern=6, context=131072),
+    _preset("gemma-3-12b", 48, 8, 256, 16, 3840, 15360, 262208, True, window=1024, pattern=6, context=131072),
+    _preset("gemma-3-27b", 62, 16, 128, 32, 5376, 21504, 262208, True, window=1024, pattern=6, context=131072),
+    _preset("phi-3-mini", 32, 32, 96, 32, 3072, 8192, 32064, False, context=4096),
 )}
-ALIASES = {"llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b"}
+# Same shapes as a preset, a longer context: name -> (preset, max_position_embeddings).
+ALIASES = {"llama-3.1-8b": ("llama-3-8b", 131072), "llama-3.1-70b": ("llama-3-70b", 131072),
+           "llama-3.3-70b": ("llama-3-70b", 131072)}
 
 
 def _first(cfg: dict, *keys, default=None):
@@ -209,7 +212,9 @@ def load_model(spec: str) -> ModelShape:
     For a directory with ``*.safetensors`` files the weights are their total size.
     """
     key = spec.lower()
-    key = ALIASES.get(key, key)
+    if key in ALIASES:
+        preset, context = ALIASES[key]
+        return replace(PRESETS[preset], name=key, max_position_embeddings=context)
     if key in PRESETS:
         return PRESETS[key]
     path = Path(spec)
@@ -456,6 +461,10 @@ def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, bl
         free = usable - weights - int(overhead_bytes)
         seq_bytes = cache_bytes(model, fmt, context=context, block_size=block_size)
         longest = max_context(model, fmt, free_bytes=free, batch=batch, block_size=block_size)
+        # Past the model's own maximum the memory is no use: report that maximum, and say so.
+        by_memory = longest
+        if trained and longest > trained:
+            longest = trained
         report["memory"] = {
             "memory_bytes": int(memory_gib * GIB),
             "usable_fraction": fraction,
@@ -465,7 +474,9 @@ def budget(model: ModelShape, fmt: KVFormat, *, context: int, batch: int = 1, bl
             "weights_fit": weights + int(overhead_bytes) <= usable,
             "fits": free >= total,
             "max_context_at_batch": int(longest),
-            "context_unbounded": model.num_full_layers == 0 and longest > 0,
+            "max_context_by_memory": int(by_memory),  # before the cap at max_position_embeddings
+            "max_context_is_model_limit": bool(trained) and by_memory >= trained,
+            "context_unbounded": model.num_full_layers == 0 and longest > 0 and not trained,
             "max_batch_at_context": int(max(free, 0) // seq_bytes),
         }
     if bandwidth_gbs is not None and bandwidth_gbs <= 0:
@@ -545,8 +556,15 @@ def format_report(r: dict) -> str:
                      f"= {human_bytes(mem['usable_bytes'])}; free for the cache after weights"
                      + (" and overhead" if mem["overhead_bytes"] else "") + f": {human_bytes(max(mem['free_for_cache_bytes'], 0))}")
         verdict = "fits" if mem["fits"] else "does NOT fit"
-        longest = ("unbounded (every layer is windowed)" if mem["context_unbounded"]
-                   else f"{mem['max_context_at_batch']:,} tokens")
+        if mem["context_unbounded"]:
+            longest = "unbounded (every layer is windowed)"
+        elif mem.get("max_context_is_model_limit"):
+            room = ("memory holds more" if mem["max_context_by_memory"] >= (1 << 30)
+                    else f"memory would hold {mem['max_context_by_memory']:,}")
+            longest = (f"{mem['max_context_at_batch']:,} tokens, the model's maximum "
+                       f"(max_position_embeddings; {room})")
+        else:
+            longest = f"{mem['max_context_at_batch']:,} tokens"
         lines.append(f"fits        this cache {verdict}; largest context at batch {r['batch']}: "
                      f"{longest}; largest batch at {r['context']:,} tokens: {mem['max_batch_at_context']:,}")
     floor = r["decode_floor"]
@@ -655,7 +673,9 @@ def plot_cache_sizes(model: ModelShape, formats, path: str, *, batch: int = 1, m
 # ----------------------------------------------------------------------------- command
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from .cli import ArgumentParser
+
+    p = ArgumentParser(
         prog="kvmetal budget",
         description="KV-cache bytes, what fits next to the weights, and the bandwidth floor on decode.",
         epilog=f"presets: {', '.join(sorted(PRESETS))}\nchips: {', '.join(CHIPS)}",
@@ -764,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report, text = run(argv)
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"kvmetal budget: error: {exc}", file=sys.stderr)
+        print(f"kvmetal budget: error: {str(exc).removeprefix(f'[{OP}] ')}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if as_json else text)
     return 0

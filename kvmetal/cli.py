@@ -1,6 +1,12 @@
-"""The ``kvmetal`` command: each subcommand lives in the module that does the work."""
+"""The ``kvmetal`` command: each subcommand lives in the module that does the work.
+
+Every path ends in an answer or in one line that says what is wrong (``kvmetal CMD:
+error: ...``, exit status 2): a bad flag names the flag, a missing optional package
+names what to install, an extension built for another MLX says so.
+"""
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -14,10 +20,46 @@ COMMANDS = {
     "selfcheck": ("kvmetal.selfcheck", "compile every kernel, check every op against the oracle, time decode: one report"),
     "convert-gguf": ("kvmetal.models.convert_cli", "convert a llama GGUF file to an mlx-lm model directory"),
 }
+# Commands that run kvmetal's compiled CPU kernels: an unusable extension stops them at once.
+NEEDS_EXTENSION = frozenset({"bench", "serve", "demo", "generate"})
 
-# optional dependency -> the kvmetal extra that installs it
-OPTIONAL_MODULES = {"mlx_lm": "lm", "transformers": "lm", "matplotlib": "plot", "fastapi": "serve",
-                    "uvicorn": "serve"}
+# optional dependency -> what installs it (pip names; the same packages as kvmetal's extras)
+OPTIONAL_MODULES = {"mlx_lm": ('"mlx-lm>=0.32,<0.33"', "lm"), "transformers": ('"mlx-lm>=0.32,<0.33"', "lm"),
+                    "matplotlib": ("matplotlib", "plot"), "fastapi": ("fastapi uvicorn", "serve"),
+                    "uvicorn": ("fastapi uvicorn", "serve")}
+
+
+def install_hint(module: str) -> str:
+    """``pip install ...`` for an optional dependency, right for a checkout and for a wheel alike."""
+    packages, extra = OPTIONAL_MODULES.get(module, (module, None))
+    also = f' (kvmetal\'s "{extra}" extra: pip install ".[{extra}]" in a kvmetal checkout)' if extra else ""
+    return f"pip install {packages}{also}"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with kvmetal's error contract: one line naming the flag, exit status 2
+    (argparse's own error prints the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def checked(kind, test, requirement: str):
+    """An argparse ``type``: ``kind(text)``, refused unless ``test(value)``, with a message
+    argparse prefixes with the flag ("argument --temp: must be >= 0, got -1.0")."""
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in some messages
+    return parse
 
 
 def _usage() -> str:
@@ -42,18 +84,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"kvmetal: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    try:
-        return int(module.main(rest) or 0)
-    except ModuleNotFoundError as exc:
-        extra = OPTIONAL_MODULES.get((exc.name or "").split(".")[0])
-        if extra is None:
-            raise
-        print(f"kvmetal {command}: error: this needs {exc.name.split('.')[0]}: pip install \"kvmetal[{extra}]\"",
+        print(f"kvmetal: error: unknown command {command!r}; one of: {', '.join(COMMANDS)} (see kvmetal --help)",
               file=sys.stderr)
         return 2
+    # Before anything imports MLX: its float32 matmuls on OpenBLAS (Linux; a no-op elsewhere,
+    # or when MLX is already loaded, as in a test calling main()).
+    from .models.blas import use_openblas
+
+    use_openblas()
+    prog = f"kvmetal {command}"
+    if command in NEEDS_EXTENSION and not any(flag in rest for flag in ("-h", "--help")):
+        from ._install_check import extension_problem
+
+        problem = extension_problem()
+        if problem:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+            return 2
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return int(module.main(rest) or 0)
+    except ModuleNotFoundError as exc:
+        name = (exc.name or "").split(".")[0]
+        if name not in OPTIONAL_MODULES:
+            raise
+        print(f"{prog}: error: this needs {name}: {install_hint(name)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # `kvmetal ... | head`: the reader left. Stop quietly; point stdout at devnull so
         # the interpreter's final flush does not raise again (Python's documented recipe).

@@ -98,9 +98,13 @@ def test_bench_model_measures_four_configurations(tmp_path, capsys):
     from kvmetal.integrations import tiny_models
 
     tiny_models.save("llama", tmp_path, dtype=mx.float32)
-    assert cli.main(["bench", "-m", str(tmp_path), "--contexts", "64,200", "--gen-tokens", "4", "--json"]) == 0
+    assert cli.main(["bench", "-m", str(tmp_path), "--contexts", "64,200", "--gen-tokens", "4", "--samples", "2",
+                     "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]
+    assert report["samples"] == 2  # each cell's median, with the spread of its runs
+    for r in rows:
+        assert r["samples"] == 2 and r["prompt_tps_min"] <= r["prompt_tps"] <= r["prompt_tps_max"]
     assert [(r["context"], r["config"]) for r in rows] == [
         (c, name) for c in (64, 200) for name in ("kvmetal f32", "kvmetal K8/V4", "mlx-lm KVCache",
                                                   "mlx-lm kv_bits=8")]
@@ -135,4 +139,27 @@ def test_missing_mlx_lm_baseline_is_named_not_silent(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlx_lm.models.base", None)
     (r,) = run_case("paged_decode_k8v4", backend="cpu", tokens=64, repeat=1, baseline=True, progress=print)
     assert not any(b["name"].startswith("mlx-lm") for b in r["baselines"])
-    assert 'pip install "kvmetal[lm]"' in r["skipped_baselines"][0]
+    assert 'pip install "mlx-lm>=0.32,<0.33"' in r["skipped_baselines"][0]
+
+
+def test_table_prints_no_nan_and_explains_its_columns(capsys):
+    """Issue 35: the prefill row's GB/s was `nan`; the simulator columns had no legend; on
+    Linux the table says where Metal speed is measured."""
+    from kvmetal import benchmarks
+    from kvmetal.benchmarks import model_bench, sim_cases
+
+    timed = {"name": "prefill_chunked", "backend": "cpu", "seconds": 0.01, "min_seconds": 0.009, "max_seconds": 0.012,
+             "repeats": 3, "gbps": None, "fraction_of_read": None}
+    costs = {"name": "paged f16 G4 L1 T=8192 D=128", "backend": "sim", "seconds": None, "note": "sim costs ...",
+             "costs": {"threadgroup_memory": 1024}}
+    prov = {"versions": {"mlx": "x"}, "machine": {"cpu": "cpu"}, "threads": {"kvmetal_cpu": 2}}
+    benchmarks._print_table([timed, costs], 10.0, prov)
+    out = capsys.readouterr().out
+    assert "nan" not in out and "prefill_chunked" in out and "bound by arithmetic" in out
+    assert sim_cases.LEGEND in out and "tg mem B = threadgroup memory" in out and "transc." in out
+    assert ("Metal speed needs an Apple Silicon Mac" in out) == (not mx.metal.is_available())
+    rows = [{"context": 64, "config": "kvmetal f32", "prompt_tps": 10.0, "prompt_tps_min": 9.0, "prompt_tps_max": 11.5,
+             "generation_tps": 5.0, "peak_memory_bytes": 2**20, "kv_bytes": 2**20, "samples": 3}]
+    model_bench.print_table(rows, header="h")
+    out = capsys.readouterr().out
+    assert "10.0 (9.0..11.5)" in out and "median of 3 runs" in out

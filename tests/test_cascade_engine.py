@@ -132,7 +132,7 @@ def test_below_the_thresholds_nothing_changes():
 # ----------------------------------------------------------------------------- a serve run
 
 def test_serve_counts_cascade_steps_and_keeps_the_tokens(tmp_path):
-    """10 concurrent greedy completions over an 800-token shared system prompt: decode
+    """``--cascade``, 10 concurrent greedy completions over an 800-token shared system prompt: decode
     steps with >= 8 running requests read the prefix once (kvmetal_cascade_steps > 0), and
     each text is what that request gets alone (batch 1: the plain op)."""
     pytest.importorskip("fastapi")
@@ -151,7 +151,7 @@ def test_serve_counts_cascade_steps_and_keeps_the_tokens(tmp_path):
     model_dir = build_model_dir(tmp_path / "model")
     system = ("You are a helpful assistant. Answer the question briefly and say when you do not know. "
               "The paged cache keeps keys and values in fixed blocks. ") * 12
-    server = ServerProcess(model_dir, port, "--log-level", "WARNING").start()
+    server = ServerProcess(model_dir, port, "--cascade", "--log-level", "WARNING").start()
     try:
         def complete(i):
             r = httpx.post(server.url + "/v1/completions", timeout=300,

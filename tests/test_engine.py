@@ -79,7 +79,7 @@ def test_tight_pool_preempts_and_recomputes_without_changing_tokens(model_and_ex
         assert all(p.allocator.num_blocks == 12 for p in engine.cache.pools)  # a fixed pool never grows
 
 
-def test_one_attention_call_per_layer_per_step(monkeypatch):
+def test_attention_calls_per_layer_per_step(monkeypatch):
     model = tiny_models.build("llama")
     calls = []
     for name in ("paged_attention", "paged_attention_varlen"):
@@ -99,8 +99,10 @@ def test_one_attention_call_per_layer_per_step(monkeypatch):
         assert calls == [("paged_attention", 4)] * num_layers
         calls.clear()
         engine.add_request(list(range(60, 75)), max_tokens=3)
-        engine.step()  # four decodes and a 15-token prompt: still one pass, one call per layer
-        assert calls == [("paged_attention_varlen", 4 + 15)] * num_layers
+        engine.step()  # four decodes and a 15-token prompt: still one pass; per layer the decode rows
+        # take the decode kernel, as in a step of decodes only, and the prompt rows the varlen one
+        # (issue 35: a token's arithmetic must not depend on what shares its pass)
+        assert calls == [("paged_attention", 4), ("paged_attention_varlen", 15)] * num_layers
 
 
 def test_finished_requests_free_their_blocks_at_once():
@@ -394,3 +396,24 @@ def test_prompts_as_arrays_are_token_ids_and_text_is_refused():
             engine.add_request("hello", max_tokens=3)
         with pytest.raises(ValueError, match=r"prompt must be 1-D token ids"):
             engine.add_request(mx.array([[5, 6]]), max_tokens=3)
+
+
+def test_requests_end_at_the_tokenizers_eos_by_default():
+    """Issue 35: docs/integration.md's Engine example never stopped (no stop tokens by
+    default); with the tokenizer given, its EOS tokens end a request that names none."""
+    model = tiny_models.build("llama")
+    prompt = list(range(1, 12))
+    with Engine(model) as engine:
+        first = engine.run([prompt], 3)[0]
+    eos = first[1]
+
+    class Tokenizer:
+        eos_token_ids = {eos}
+
+    with Engine(model, tokenizer=Tokenizer()) as engine:
+        assert engine.eos_token_ids == frozenset({eos})
+        rid = engine.add_request(prompt, max_tokens=3)
+        events = [e for _ in range(6) for e in engine.step() if e.request_id == rid]
+        assert [e.token for e in events] == first[:first.index(eos) + 1] and events[-1].finish_reason == "stop"
+        other = engine.add_request(prompt, max_tokens=3, stop_token_ids=())  # () asks for none
+        assert engine.run([], 1) == [] and engine.requests[other].stop_token_ids == frozenset()

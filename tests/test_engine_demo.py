@@ -42,7 +42,7 @@ def test_mixed_workload_shape():
 def test_demo_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--requests", "0"])
-    assert "--requests must be >= 1" in capsys.readouterr().err
+    assert "argument --requests: must be >= 1" in capsys.readouterr().err
 
 
 def test_demo_explains_differing_outputs(capsys):

@@ -151,7 +151,7 @@ def test_kv_memory_parsing_and_pool_size():
 def test_openai_client_completions_and_chat_streaming_and_not(capped, model_dir):
     c = client(capped)
     model = str(model_dir)
-    assert [m.id for m in c.models.list().data] == [model]
+    assert [m.id for m in c.models.list().data] == [model_dir.name]  # the model's name; its path is accepted too
     assert httpx.get(capped.url + "/health").json() == {"status": "ok"}
 
     prompt = "The paged cache keeps keys and values"
@@ -281,11 +281,20 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 3}]}), 400, "messages"),
         ("/v1/nothing", b"{}", 404, None),
     ]
+    before = read_metrics(capped)
     for path, body, status, param in cases:
         r = post(path, body)
         assert r.status_code == status, (body, r.text)
         error = r.json()["error"]
         assert error["message"] and error["type"] and error["param"] == param, (body, error)
+    # /metrics counts every refusal by status (issue 35: 400s and 404s stayed uncounted).
+    after = read_metrics(capped)
+    for status in (400, 404):
+        key = f'kvmetal_http_rejected{{status="{status}"}}'
+        assert after.get(key, 0) - before.get(key, 0) == sum(c[2] == status for c in cases), (status, after)
+    # The model by its name (what /v1/models lists) or its path.
+    r = post("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1, "model": model_dir.name}))
+    assert r.status_code == 200, r.text
     r = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}))
     assert "one choice per request" in r.json()["error"]["message"]
     # A logit bias on a token the model does not have: the engine's check, named.
@@ -505,13 +514,15 @@ def test_cli_rejects_bad_options(model_dir, tmp_path, capsys):
     with pytest.raises(RuntimeError, match=r"did not start"):
         server.start()
     assert "hold no block" in server.output and server.proc.returncode == 2
-    with socket.socket() as taken:  # a port in use: exit with an error, not an engine serving nobody
+    with socket.socket() as taken:  # a port in use: one line, before the model loads
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        server = ServerProcess(model_dir, taken.getsockname()[1])
+        port = taken.getsockname()[1]
+        server = ServerProcess(model_dir, port)
         with pytest.raises(RuntimeError, match=r"did not start"):
             server.start(timeout=60)
-    assert server.proc.returncode == 1 and "could not serve HTTP" in server.output
+    assert server.proc.returncode == 2 and f"--port {port}: cannot listen" in server.output
+    assert "Traceback" not in server.output
 
 
 # ---------------------------------------------------------------------------- mlx_lm.server's extra fields

@@ -23,7 +23,10 @@ from .timing import read_bandwidth_gbps
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvmetal bench",
+    from ..cli import ArgumentParser, checked
+
+    at_least = lambda low: checked(int, lambda v: v >= low, f">= {low}")
+    p = ArgumentParser(prog="kvmetal bench",
                                 description="Kernels against MLX baselines measured in the same run; with "
                                             "--model, a model end to end next to mlx-lm.")
     p.add_argument("-m", "--model", default=None,
@@ -34,13 +37,17 @@ def _parser() -> argparse.ArgumentParser:
                         "KVCache and mlx-lm kv_bits=8")
     p.add_argument("--contexts", default="512,4K,16K",
                    help="with --model: prompt lengths to measure (default 512,4K,16K)")
-    p.add_argument("--gen-tokens", type=int, default=32, help="with --model: tokens generated per run (default 32)")
+    p.add_argument("--gen-tokens", type=at_least(2), default=32,
+                   help="with --model: tokens generated per run (default 32)")
+    p.add_argument("--samples", type=at_least(1), default=3,
+                   help="with --model: runs per cell; the median is shown with min..max (default 3)")
     p.add_argument("--backend", choices=backends.BACKENDS, default=None,
                    help="backend to time (default: metal on a Mac, else cpu)")
     p.add_argument("--cases", default=None,
                    help=f"comma-separated subset of: {', '.join(CASES)} (default: all but {', '.join(OPT_IN)})")
-    p.add_argument("--tokens", type=int, default=32768, help="context length of the decode cases (default 32768)")
-    p.add_argument("--repeat", type=int, default=5,
+    p.add_argument("--tokens", type=at_least(1), default=32768,
+                   help="context length of the decode cases (default 32768)")
+    p.add_argument("--repeat", type=at_least(1), default=5,
                    help="timed repeats per case (median, min and max reported; default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON object with a 'results' list")
     p.add_argument("--plot", metavar="PNG", default=None,
@@ -50,11 +57,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def plot_problem(path: str | None) -> str | None:
+    """Why ``--plot PATH`` could not be written after the run (checked before it), or None."""
+    if path is None:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from ..cli import install_hint
+
+        return f"--plot needs matplotlib: {install_hint('matplotlib')}"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--plot {path}: no such directory {folder}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     backend = args.backend or backends.current_backend()
     if backend == "metal" and not mx.metal.is_available():
-        print("kvmetal bench: the metal backend needs an Apple GPU (try --backend cpu)", file=sys.stderr)
+        print("kvmetal bench: error: the metal backend needs an Apple GPU (try --backend cpu)", file=sys.stderr)
+        return 2
+    problem = plot_problem(args.plot)
+    if problem:
+        print(f"kvmetal bench: error: {problem}", file=sys.stderr)
         return 2
     if args.model is not None:
         from .model_bench import main as model_main
@@ -63,10 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in CASES if n not in OPT_IN] if args.cases is None else [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [n for n in names if n not in CASES]
     if unknown:
-        print(f"kvmetal bench: unknown case(s) {unknown}; choose from {list(CASES)}", file=sys.stderr)
-        return 2
-    if args.tokens < 1 or args.repeat < 1:
-        print("kvmetal bench: --tokens and --repeat must be >= 1", file=sys.stderr)
+        print(f"kvmetal bench: error: --cases: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}",
+              file=sys.stderr)
         return 2
 
     def progress(message: str):
@@ -103,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
         from .plots import plot_kernel_results
 
         peak = (chip.bandwidth_gbs, f"{chip.device_name} peak") if chip else None
-        plot_kernel_results(results, read_gbps, args.plot, peak=peak)
-        report["plot"] = args.plot
-        progress(f"plot written to {args.plot}")
+        try:
+            plot_kernel_results(results, read_gbps, args.plot, peak=peak)
+            report["plot"] = args.plot
+            progress(f"plot written to {args.plot}")
+        except (OSError, ValueError) as e:  # the results are still printed
+            report["plot_error"] = f"{type(e).__name__}: {e}"
+            progress(f"kvmetal bench: error: --plot {args.plot}: {report['plot_error']}")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         _print_table(results, read_gbps, report["provenance"], read_by_threads)
-    return 0
+    return 1 if "plot_error" in report else 0
 
 
 def _attach_fractions(result: dict, read_gbps: float, chip, progress) -> float:
@@ -177,8 +206,9 @@ def _print_table(results: list, read_gbps: float, prov: dict, read_by_threads: d
         fraction = r.get("fraction_of_read")
         pct = f"{100 * fraction:>6.0f}%" if fraction is not None else ("  noisy" if r.get("noisy") else "      -")
         spread = f"{r['min_seconds'] * 1e3:.2f}..{r['max_seconds'] * 1e3:.2f}"
+        rate = f"{gbps:>7.1f}" if gbps is not None else f"{'-':>7}"  # prefill: bound by arithmetic, no GB/s
         print(f"{r['name']:<34} {r['backend']:<7} {r['seconds'] * 1e3:>9.2f} {spread:>15} {r['repeats']:>2} "
-              f"{gbps if gbps is not None else float('nan'):>7.1f} {pct}")
+              f"{rate} {pct}")
         if r.get("fraction_of_peak") is not None:
             print(f"{'':<36}{100 * r['fraction_of_peak']:.0f}% of {r['chip']} peak")
         for base in r.get("baselines") or []:
@@ -186,7 +216,17 @@ def _print_table(results: list, read_gbps: float, prov: dict, read_by_threads: d
             print(f"{'':<36}vs {base['name']}: {_ms(base['seconds'])}{runs}; {_ratio(r, base)}")
         for note in r.get("skipped_baselines") or []:
             print(f"{'':<36}({note})")
+    if any(r.get("gbps") is None for r in timed):
+        print("(GB/s '-': a prefill is bound by arithmetic, not by the bytes of the cache it reads)")
     if untimed:
         print()
         for r in untimed:
             print(f"{r['name']} [{r['backend']}]: {r.get('note', '')}")
+        if any(r.get("costs") for r in untimed):
+            from .sim_cases import LEGEND
+
+            print(LEGEND)
+    if not mx.metal.is_available():
+        print("\nMetal speed needs an Apple Silicon Mac: there `kvmetal bench` times the Metal kernels next to "
+              "MLX's SDPA and `kvmetal selfcheck` compiles and checks every kernel; here the Metal kernels "
+              "ran on the simulator (traffic and costs, no timing).")

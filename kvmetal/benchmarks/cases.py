@@ -114,7 +114,9 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
             # SDPA route over the same K8/V4 cache, then kvmetal's own float16 kernel.
             bases.append(_mlx_lm_quantized_baseline(query, keys, values, repeat, bits=8))
             if bases[-1] is None:
-                skipped.append('mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed (pip install "kvmetal[lm]")')
+                from ..cli import install_hint
+
+                skipped.append(f"mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed ({install_hint('mlx_lm')})")
             bases.append(_gather_sdpa_baseline(query, qk, qv, tables, lens, backend, repeat))
             with use_backend(backend):
                 bases.append(_baseline(f"kvmetal paged_decode_f16 ({backend})",

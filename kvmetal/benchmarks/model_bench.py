@@ -11,7 +11,9 @@ mlx-lm's ``generate_step`` under four caches, all in this one process:
 
 Reported per cell: prompt tokens/s (prefill through the first token), generation
 tokens/s (the remaining tokens), peak memory (``mx.get_peak_memory``, reset before each
-run) and the bytes the cache holds at the end.
+run) and the bytes the cache holds at the end. Each cell runs ``--samples`` times (the
+configurations take turns, so a slow spell of the machine is spread over all of them):
+the table shows the median tokens/s with the min..max of the samples.
 """
 from __future__ import annotations
 
@@ -81,12 +83,26 @@ def measure(model, prompt: list, *, gen_tokens: int, config: dict, group_size: i
     }
 
 
-def _fmt(value, kind: str) -> str:
+def _fmt(value, kind: str, low=None, high=None) -> str:
     if value is None:
         return "-"
     if kind == "tps":
-        return f"{value:,.1f}"
+        spread = f" ({low:,.1f}..{high:,.1f})" if low is not None and high is not None and high > low else ""
+        return f"{value:,.1f}{spread}"
     return f"{value / 2**20:,.1f} MiB"
+
+
+def summarize(samples: list) -> dict:
+    """One cell from its runs: the median tokens/s with min and max, the largest peak memory."""
+    row = dict(samples[-1])
+    for key in ("prompt_tps", "generation_tps"):
+        values = sorted(s[key] for s in samples if s.get(key) is not None)
+        if values:
+            row[key] = float(np.median(values))
+            row[f"{key}_min"], row[f"{key}_max"] = values[0], values[-1]
+    row["peak_memory_bytes"] = max(s["peak_memory_bytes"] for s in samples)
+    row["samples"] = len(samples)
+    return row
 
 
 def kv_dtype_label(model) -> str:
@@ -103,15 +119,24 @@ def print_table(rows: list, *, header: str) -> None:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     cell = {(r["context"], r["config"]): r for r in rows}
-    width = max(16, *(len(c) + 2 for c in configs))
+    metrics = (("prompt tok/s", "prompt_tps", "tps"), ("gen tok/s", "generation_tps", "tps"),
+               ("peak memory", "peak_memory_bytes", "bytes"), ("KV held", "kv_bytes", "bytes"))
+    text = {}
+    for context in contexts:
+        for metric, key, kind in metrics:
+            for c in configs:
+                r = cell.get((context, c), {})
+                text[context, key, c] = _fmt(r.get(key), kind, r.get(f"{key}_min"), r.get(f"{key}_max"))
+    width = max(16, *(len(c) + 2 for c in configs), *(len(v) + 2 for v in text.values()))
     print(header)
     print(f"{'context':>8}  {'metric':<16}" + "".join(f"{c:>{width}}" for c in configs))
     print("-" * (26 + width * len(configs)))
     for context in contexts:
-        for metric, key, kind in (("prompt tok/s", "prompt_tps", "tps"), ("gen tok/s", "generation_tps", "tps"),
-                                  ("peak memory", "peak_memory_bytes", "bytes"), ("KV held", "kv_bytes", "bytes")):
-            values = [_fmt(cell.get((context, c), {}).get(key), kind) for c in configs]
-            print(f"{context:>8}  {metric:<16}" + "".join(f"{v:>{width}}" for v in values))
+        for metric, key, kind in metrics:
+            print(f"{context:>8}  {metric:<16}" + "".join(f"{text[context, key, c]:>{width}}" for c in configs))
+    samples = max((r.get("samples", 1) for r in rows), default=1)
+    if samples > 1:
+        print(f"(tokens/s: the median of {samples} runs per cell, min..max in brackets)")
     print("(kvmetal's KV held is its block pool, which grows in steps; the blocks its sequence owned are in the JSON"
           " as kv_used_bytes)")
 
@@ -140,31 +165,44 @@ def main(args, backend: str) -> int:
     vocab = shape.vocab_size or 1000
     float_label = f"kvmetal {kv_dtype_label(model)}"
     rows = []
+    samples = getattr(args, "samples", 1)
     for context in contexts:
         prompt = [int(t) for t in rng.integers(0, vocab, context)]
-        for name, cfg in CONFIGS:
-            name = float_label if name == "kvmetal float" else name
-            print(f"[{context} tokens] {name} ...", file=sys.stderr, flush=True)
-            try:
-                row = measure(model, prompt, gen_tokens=args.gen_tokens, config=cfg, group_size=group,
-                              backend=backend)
-            except (NotImplementedError, ValueError) as exc:
-                row = {"error": str(exc)}
-                print(f"  {name}: {exc}", file=sys.stderr)
+        runs = {}
+        for sample in range(samples):  # the configurations take turns
+            for name, cfg in CONFIGS:
+                name = float_label if name == "kvmetal float" else name
+                if any("error" in run for run in runs.get(name, ())):
+                    continue  # a configuration this model cannot run: said once
+                print(f"[{context} tokens] {name} (run {sample + 1} of {samples}) ...", file=sys.stderr, flush=True)
+                try:
+                    run = measure(model, prompt, gen_tokens=args.gen_tokens, config=cfg, group_size=group,
+                                  backend=backend)
+                except (NotImplementedError, ValueError) as exc:
+                    run = {"error": str(exc)}
+                    print(f"  {name}: {exc}", file=sys.stderr)
+                runs.setdefault(name, []).append(run)
+        for name, got in runs.items():
+            row = got[0] if "error" in got[0] else summarize(got)
             rows.append({"context": context, "config": name, **row})
     report = {"model": str(path), "family": config.get("model_type"), "backend": backend,
-              "gen_tokens": args.gen_tokens, "group_size": group, "provenance": provenance(backend), "rows": rows}
+              "gen_tokens": args.gen_tokens, "samples": samples, "group_size": group,
+              "provenance": provenance(backend), "rows": rows}
     if args.plot:
         from .plots import plot_model_results
 
-        plot_model_results([r for r in rows if "error" not in r], args.plot,
-                           title=f"{path.name}: {args.gen_tokens} generated tokens, backend {backend}")
-        report["plot"] = args.plot
-        print(f"plot written to {args.plot}", file=sys.stderr)
+        try:
+            plot_model_results([r for r in rows if "error" not in r], args.plot,
+                               title=f"{path.name}: {args.gen_tokens} generated tokens, backend {backend}")
+            report["plot"] = args.plot
+            print(f"plot written to {args.plot}", file=sys.stderr)
+        except (OSError, ValueError) as e:  # the results are still printed
+            report["plot_error"] = f"{type(e).__name__}: {e}"
+            print(f"kvmetal bench: error: --plot {args.plot}: {report['plot_error']}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_table(rows, header=f"\n{path.name} ({config.get('model_type')}, head_dim {shape.head_dim}); "
                                  f"{args.gen_tokens} greedy tokens after each prompt; backend {backend}; "
                                  f"quantization group size {group}\n")
-    return 0
+    return 1 if "plot_error" in report else 0

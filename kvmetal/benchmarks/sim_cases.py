@@ -54,6 +54,13 @@ COLUMNS = (("loaded/live", "loaded_over_live", "{:.3f}"), ("tg mem B", "threadgr
            ("B/load", "bytes_per_load", "{:.1f}"))
 
 
+LEGEND = ("sim costs, per kernel launch as the simulator counts them: loaded/live = bytes loaded from the K/V "
+          "caches / bytes of the live rows (1.000: each row read once); tg mem B = threadgroup memory per "
+          "threadgroup, bytes; barriers/1K rows = threadgroup barriers per 1,000 K/V rows; reductions, shuffles "
+          "and transc. (transcendentals: exp, log, tanh) per (token x query row); B/load = bytes per device load "
+          "instruction (wider is better)")
+
+
 def cost_rows(progress, tokens: int = 8192) -> list:
     """``kvmetal bench`` result rows (untimed, labelled) with each decode kernel's cost figures."""
     rows = []

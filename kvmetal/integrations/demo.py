@@ -153,20 +153,26 @@ def _mib(n: float) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from ..cli import ArgumentParser, checked
+    from ..quant import SUPPORTED_BITS
+
+    bits = dict(type=int, choices=SUPPORTED_BITS, metavar="{" + ",".join(map(str, SUPPORTED_BITS)) + "}")
+    parser = ArgumentParser(
         prog="kvmetal demo",
         description="Continuous batching over a paged cache, next to mlx-lm's BatchGenerator, on a small "
                     "random llama built in code (no download).")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="small",
                         help="small: 8 requests sharing a system prompt (seconds); mixed: 32 requests, prompts "
                              "log-uniform in 16..2048, outputs 16..512 (minutes)")
-    parser.add_argument("--requests", type=int, help="override the workload's request count")
-    parser.add_argument("--shared-prefix", type=int, help="override the workload's shared prompt prefix (tokens)")
+    parser.add_argument("--requests", type=checked(int, lambda v: v >= 1, ">= 1"),
+                        help="override the workload's request count")
+    parser.add_argument("--shared-prefix", type=checked(int, lambda v: v >= 0, ">= 0"),
+                        help="override the workload's shared prompt prefix (tokens)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random model and workload (default 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and cache dtype")
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per cache block")
-    parser.add_argument("--k-bits", type=int, help="quantize K in kvmetal's cache")
-    parser.add_argument("--v-bits", type=int, help="quantize V in kvmetal's cache")
+    parser.add_argument("--k-bits", **bits, help="quantize K in kvmetal's cache")
+    parser.add_argument("--v-bits", **bits, help="quantize V in kvmetal's cache")
     parser.add_argument("--no-prefix-sharing", action="store_true",
                         help="recompute shared prompt prefixes instead of reusing their blocks")
     parser.add_argument("--no-baseline", action="store_true", help="skip mlx-lm's BatchGenerator run")

@@ -10,8 +10,13 @@ with one job:
   whose prompt is complete, and later lands their tokens;
 - the sampler (``sampler.py``) picks each row's token by its request's settings.
 
-A long prompt therefore never stalls the running requests: they get a token every step
-while it is chunked in. A finished request's blocks are freed at once.
+The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
+position as the cache's ``offset``, so unmodified mlx-lm model code runs it; per layer,
+the decode rows run ``paged_attention`` and the prompt rows ``paged_attention_varlen``.
+Hidden states are sliced before the LM head: logits come only for rows that sample
+(decodes, and the last token of a prompt whose prefill completes). A long prompt
+therefore never stalls the running requests: they get a token every step while it is
+chunked in. A finished request's blocks are freed at once.
 
 When a fixed-size pool runs dry the policy's victim (FCFS: the most recently admitted
 request, decoding or still prefilling) is preempted: its blocks are freed and it waits to
@@ -21,9 +26,18 @@ that could not grow even with the whole pool to itself finishes early with reaso
 ``"length"`` (the cache is full) while the others keep running; a prompt that cannot fit
 even in an empty pool is rejected by ``add_request``.
 
-Sampling is per request (``SamplingParams``): a seeded request gives the same tokens
-whatever it is batched with, however its prompt is chunked and however often it is
-preempted.
+Batch invariance: a request gets the same tokens alone and in any batch, however its
+prompt is chunked. Each token's attention runs the same kernel whatever shares its pass
+(decode rows the decode kernel, prompt rows the varlen one) and both cut a sequence's keys
+into split windows at fixed positions, chosen per sequence, never per batch; sampling is
+per request (``SamplingParams``): greedy, or temperature / top-p / top-k / min-p / XTC
+with the request's own random key. What is not kvmetal's can still differ: MLX's matmuls
+where their result depends on the batch's row count (docs/serve.md, "Batch invariance"),
+the ``cascade`` option, and a preempted request, whose generated tokens are recomputed
+as a prompt (by the varlen kernel). A request's logits processors (mlx-lm's repetition /
+presence / frequency penalties and logit bias) run on its own row of the batch's logits,
+over its own tokens; ``logprobs`` reports the chosen token's log-probability (and the top
+alternatives) under those processed logits.
 """
 from __future__ import annotations
 
@@ -84,6 +98,15 @@ class Engine:
             none), and a request that stops is computed one token past its end (dropped).
             Off (default): ``step()`` returns the tokens of its own pass. Across ranks
             (``token_sync``) steps are never pipelined.
+        cascade: decode passes read a prefix that 8 or more running requests share once
+            (``paged_attention_cascade``, docs/cascade.md). Off by default: its reduction
+            order depends on which requests share the prefix, so with it a request's tokens
+            can change with what it is batched with. Without it they cannot: each token's
+            attention takes the same kernel and the same KV split windows in any batch
+            (decode rows ``paged_attention``, prompt rows ``paged_attention_varlen``).
+        tokenizer: an mlx-lm tokenizer (``mlx_lm.load``'s second value): its EOS tokens end
+            every request that gives no ``stop_token_ids``. Without one, the model's own
+            ``eos_token_id`` (when its args carry one), else none.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
@@ -93,8 +116,10 @@ class Engine:
                  keep_finished: bool = True, on_finish=None,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False,
-                 scheduling_policy: str = "fcfs", scheduler_options: dict | None = None):
+                 scheduling_policy: str = "fcfs", scheduler_options: dict | None = None,
+                 cascade: bool = False, tokenizer=None):
         self.model = model
+        self.eos_token_ids = _eos_ids(model, tokenizer)  # a request's stop tokens unless it gives its own
         # checked before the model is patched: a bad value leaks nothing
         _check_count("Engine", "max_num_batched_tokens", max_num_batched_tokens)
         if scheduling_policy not in POLICIES:
@@ -104,7 +129,7 @@ class Engine:
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
                                       v_bits=v_bits, **groups)
         try:
-            self.cache = self.handle.new_model_cache()
+            self.cache = self.handle.new_model_cache(cascade=bool(cascade))
             self.scheduler = POLICIES[scheduling_policy](
                 self.cache, block_size=block_size, prefix_sharing=prefix_sharing, finish=self._finish,
                 max_num_batched_tokens=max_num_batched_tokens, **(scheduler_options or {}))
@@ -172,9 +197,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, *, max_tokens: int, request_id=None, sampling: SamplingParams | None = None,
-                    stop_token_ids=(), logprobs: int | None = None, priority: int = 0):
+                    stop_token_ids=None, logprobs: int | None = None, priority: int = 0):
         """Queue a prompt (token ids); it joins the batch at the next ``step()``.
 
+        ``stop_token_ids``: tokens that end this request (the last one is emitted); None:
+        the engine's ``eos_token_ids``, () for none.
         ``logprobs``: every event of this request carries ``TokenLogprobs`` with this
         many top alternatives (0: only the chosen token's); None: none.
         ``priority``: lower is served first and preempted last, under a policy that reads
@@ -226,8 +253,8 @@ class Engine:
                 request_id = next(self._ids)
         elif request_id in self.requests:
             raise ValueError(f"[Engine.add_request] request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, max_tokens, sampling=sampling,
-                          stop_token_ids=frozenset(int(t) for t in stop_token_ids), logprobs=logprobs,
+        stops = self.eos_token_ids if stop_token_ids is None else frozenset(int(t) for t in stop_token_ids)
+        request = Request(request_id, prompt, max_tokens, sampling=sampling, stop_token_ids=stops, logprobs=logprobs,
                           priority=priority, arrival=next(self._arrivals))
         if sampling is not None:
             processors, request.history = sampling.logits_processors()
@@ -356,3 +383,13 @@ class Engine:
         return False
 
 
+def _eos_ids(model, tokenizer) -> frozenset:
+    """The tokenizer's EOS tokens, else the model config's ``eos_token_id`` (an int or a list)."""
+    ids = getattr(tokenizer, "eos_token_ids", None) if tokenizer is not None else None
+    if ids is None and tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids = [tokenizer.eos_token_id]
+    if ids is None:
+        ids = getattr(getattr(model, "args", None), "eos_token_id", None)
+    if ids is None:
+        return frozenset()
+    return frozenset(int(t) for t in (ids if isinstance(ids, (list, tuple, set, frozenset)) else [ids]))

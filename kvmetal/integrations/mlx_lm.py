@@ -139,9 +139,10 @@ class PagedCacheHandle:
         self._shared = None
         self.active = True
 
-    def new_model_cache(self) -> PagedModelCache:
-        """An empty paged cache for this model (the engine adds its own sequences)."""
-        return PagedModelCache(self.specs, **self.options)
+    def new_model_cache(self, **overrides) -> PagedModelCache:
+        """An empty paged cache for this model (the engine adds its own sequences);
+        ``overrides`` replace PagedModelCache options (the Engine's ``cascade``)."""
+        return PagedModelCache(self.specs, **{**self.options, **overrides})
 
     @property
     def shared_cache(self) -> PagedModelCache:

@@ -195,14 +195,20 @@ class PagedModelCache:
         offsets = [self.num_tokens(s) for s in seq_ids] if offsets is None else list(offsets)
         return [PagedLayerCache(self, layer, seq_ids, offsets) for layer in range(len(self.specs))]
 
-    def ragged_layer_caches(self, seq_ids, starts, counts) -> list:
+    def ragged_layer_caches(self, seq_ids, starts, counts, *, decodes: int = 0) -> list:
         """mlx-lm cache objects for ONE ragged pass: sequence i brings ``counts[i]`` new
         tokens at positions ``starts[i]...``, each token a row of its own (inputs
         ``[T, 1]``, T = sum(counts)), so that unmodified model code runs decodes and
         prefill chunks together: ``offset`` is each row's position (RoPE), attention is
         one ``paged_attention_varlen`` call per layer. The caller (the Engine) already
-        holds room for the new tokens (``add_sequence`` / ``append``)."""
-        batch = _RaggedBatch(self, list(seq_ids), [int(s) for s in starts], [int(c) for c in counts])
+        holds room for the new tokens (``add_sequence`` / ``append``).
+
+        ``decodes``: the first ``decodes`` sequences are decode steps (one row each):
+        their rows run ``paged_attention``, exactly as in a pass of decodes only, and
+        the others ``paged_attention_varlen``. A token's attention then takes the same
+        arithmetic whatever it is batched with (the two kernels round differently)."""
+        batch = _RaggedBatch(self, list(seq_ids), [int(s) for s in starts], [int(c) for c in counts],
+                             decodes=int(decodes))
         return [RaggedLayerCache(self, layer, batch) for layer in range(len(self.specs))]
 
     def cached_prefix(self, tokens) -> int:
@@ -402,12 +408,17 @@ class _RaggedBatch:
     """The rows of one ragged pass and, per layer group, its index arrays: built by the
     group's first layer, shared by the others (one host build per group and step)."""
 
-    def __init__(self, model_cache: PagedModelCache, seq_ids: list, starts: list, counts: list):
+    def __init__(self, model_cache: PagedModelCache, seq_ids: list, starts: list, counts: list, decodes: int = 0):
         if not (len(seq_ids) == len(starts) == len(counts)) or min(counts, default=1) < 1:
             raise ValueError("[ragged_layer_caches] seq_ids, starts and counts must have one entry per "
                              "sequence, and every count must be >= 1")
+        if not 0 <= decodes <= len(seq_ids) or any(c != 1 for c in counts[:decodes]):
+            raise ValueError(f"[ragged_layer_caches] decodes must name leading sequences of one row each, "
+                             f"got {decodes} for counts {counts[:decodes + 1]}")
         self.model_cache = model_cache
         self.seq_ids, self.starts, self.counts = seq_ids, starts, counts
+        self.decodes = decodes
+        self._parts: dict = {}
         self.num_rows = sum(counts)
         self.positions = mx.array(np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
                                   .astype(np.int32)) if seq_ids else mx.zeros((0,), dtype=mx.int32)
@@ -425,6 +436,17 @@ class _RaggedBatch:
         plan = self.model_cache._index_plan(g, self.seq_ids, self.starts, self.counts)
         self._plans[g] = plan
         return plan
+
+    def parts(self, g: int) -> tuple:
+        """(decode tables, lens; prefill tables, lens, query starts) of group ``g``'s plan:
+        the decode sequences lead, one row each, so their rows are the first ``decodes``."""
+        got = self._parts.get(g)
+        if got is None:
+            plan, d = self.plan(g), self.decodes
+            got = (plan.block_tables[:d], plan.seq_lens[:d], plan.block_tables[d:], plan.seq_lens[d:],
+                   plan.query_start_loc[d:] - d)
+            self._parts[g] = got
+        return got
 
 
 class RaggedLayerCache(_LayerGroupView):
@@ -464,11 +486,23 @@ class RaggedLayerCache(_LayerGroupView):
             raise NotImplementedError("[RaggedLayerCache] a ragged pass takes only the masks its own make_mask "
                                       "returns (causal, optionally windowed)")
         plan = self.batch.plan(self._group)
-        out = ops.paged_attention_varlen(
-            queries[:, :, 0], self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-            plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale,
-            sliding_window=_min_window(self.window, requested), sinks=sinks, validate=False)
-        return out[:, :, None]
+        window = _min_window(self.window, requested)
+        kc, vc = self.pool.key_caches[self._index], self.pool.value_caches[self._index]
+        d = self.batch.decodes
+        if d == 0:
+            out = ops.paged_attention_varlen(queries[:, :, 0], kc, vc, plan.block_tables, plan.seq_lens,
+                                             plan.query_start_loc, scale=scale, sliding_window=window, sinks=sinks,
+                                             validate=False)
+            return out[:, :, None]
+        # Decode rows as a pass of decodes only runs them (PagedLayerCache.attention), the rest as prefill.
+        dec_tables, dec_lens, pre_tables, pre_lens, pre_starts = self.batch.parts(self._group)
+        outs = [ops.paged_attention(queries[:d, :, 0], kc, vc, dec_tables, dec_lens, scale=scale,
+                                    sliding_window=window, sinks=sinks, sparse_v=self.model_cache.sparse_v,
+                                    validate=False)]
+        if d < len(self.batch.seq_ids):
+            outs.append(ops.paged_attention_varlen(queries[d:, :, 0], kc, vc, pre_tables, pre_lens, pre_starts,
+                                                   scale=scale, sliding_window=window, sinks=sinks, validate=False))
+        return mx.concatenate(outs)[:, :, None]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """None (causal within the layer's window: the kernel's own rule), or for a

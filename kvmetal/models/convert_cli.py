@@ -15,10 +15,11 @@ PROG = "kvmetal convert-gguf"
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ..cli import ArgumentParser
     from .gguf import DTYPES
 
-    p = argparse.ArgumentParser(prog=PROG, description="Convert a llama GGUF file to an mlx-lm model directory "
-                                                       "(config.json, model.safetensors, tokenizer files).")
+    p = ArgumentParser(prog=PROG, description="Convert a llama GGUF file to an mlx-lm model directory "
+                                              "(config.json, model.safetensors, tokenizer files).")
     p.add_argument("gguf", metavar="FILE.gguf", help="the GGUF file")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the model directory to write (must not exist)")
     p.add_argument("--dtype", choices=DTYPES, default="keep",

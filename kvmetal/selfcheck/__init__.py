@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -23,7 +24,9 @@ QUICK_SWEEP, FULL_SWEEP = 24, 200
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from ..cli import ArgumentParser, checked
+
+    p = ArgumentParser(
         prog="kvmetal selfcheck",
         description="Compile every kernel specialisation, check every op against the float64 oracle, time paged "
                     "decode against MLX's SDPA, and report it all (exit status 1 when something failed). On a Mac "
@@ -40,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                         "to stderr)")
     p.add_argument("--backend", choices=("metal", "sim"), default=None,
                    help="where the kernels run (default: metal on a Mac, else sim)")
-    p.add_argument("--sweep", type=int, default=None, metavar="N",
+    p.add_argument("--sweep", type=checked(int, lambda v: v >= 0, ">= 0"), default=None, metavar="N",
                    help=f"randomized cases (default {QUICK_SWEEP} quick, {FULL_SWEEP} full)")
     p.add_argument("--seed", type=int, default=0, help="seed of the randomized sweep (default 0)")
     return p
@@ -115,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep = args.sweep if args.sweep is not None else (QUICK_SWEEP if quick else FULL_SWEEP)
     if sweep < 0:
         print(f"kvmetal selfcheck: error: --sweep must be >= 0, got {sweep}", file=sys.stderr)
+        return 2
+    if args.json not in (None, "-") and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        print(f"kvmetal selfcheck: error: --json {args.json}: no such directory", file=sys.stderr)
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout
     from . import build_info

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..integrations.scheduler import PRIORITY_POLICIES
 from . import metrics, protocol
-from .guard import Guard
+from .guard import BodyTooLarge, Guard
 from .logprobs import Entry, LogprobsFormatter
 from .protocol import APIError
 from .worker import SHUTDOWN_MESSAGE, LoopSink, RequestTimeout
@@ -87,14 +87,18 @@ class ServeState:
     limits: Limits = field(default_factory=Limits)
     created: int = field(default_factory=lambda: int(time.time()))
     queue: Queue = field(default_factory=Queue)
-    rejected: dict = field(default_factory=dict)  # HTTP status -> requests refused before the engine
+    rejected: dict = field(default_factory=dict)  # HTTP status -> requests answered with a 4xx
+    model_path: str | None = None  # the model directory, when model_id is a name
 
     # Computed once, on first use (a test's stand-in tokenizer may lack what they need).
     @functools.cached_property
     def model_names(self) -> frozenset:
-        """The names a request's "model" may give."""
-        return frozenset({self.model_id, Path(self.model_id).name, str(Path(self.model_id).resolve()),
-                          "default_model"})
+        """The names a request's "model" may give: the id /v1/models lists, the directory as
+        given, resolved or by its last component, and "default_model"."""
+        names = {self.model_id, "default_model"}
+        for path in {self.model_id, self.model_path} - {None}:
+            names |= {path, Path(path).name, str(Path(path).resolve())}
+        return frozenset(names)
 
     @functools.cached_property
     def eos_ids(self) -> frozenset:
@@ -155,13 +159,21 @@ def create_app(state: ServeState) -> FastAPI:
     app.add_middleware(Guard, api_key=state.limits.api_key, max_body_bytes=state.limits.max_body_bytes,
                        rejected=state.rejected)
 
+    def refused(status: int) -> None:
+        """Count a 4xx answer (the guard counts its own 401s and 413s)."""
+        if 400 <= status < 500:
+            state.rejected[status] = state.rejected.get(status, 0) + 1
+
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
+        if not isinstance(e, BodyTooLarge):
+            refused(e.status)
         return _error(e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request, e: StarletteHTTPException):
+    async def http_error(_request, e: StarletteHTTPException):  # unknown route (404), wrong method (405)
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        refused(e.status_code)
         return _error(APIError(str(e.detail), status=e.status_code, type_=kind))
 
     @app.exception_handler(Exception)
@@ -329,7 +341,6 @@ def _admit_to_queue(state: ServeState, prompt_tokens: int, chat: bool) -> None:
         why = (f"{queue.prompt_tokens} prompt tokens are waiting and this request brings {prompt_tokens}; "
                f"the server's --max-prompt-tokens is {bound}")
     if why is not None:
-        state.rejected[429] = state.rejected.get(429, 0) + 1
         raise APIError(f"the server is busy: {why}; retry later", status=429, type_="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": queue.retry_after()})
 

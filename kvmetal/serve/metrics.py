@@ -47,7 +47,8 @@ def render(snapshot: dict) -> str:
     for reason, count in sorted(snapshot["requests_finished"].items()):
         lines.append(f'{full}{{reason="{reason}"}} {count}')
     full = "kvmetal_http_rejected"
-    lines += [f"# HELP {full} Requests refused before the engine saw them, by HTTP status.", f"# TYPE {full} counter"]
+    lines += [f"# HELP {full} Requests answered with a 4xx error, by HTTP status (invalid request 400, API key "
+              f"401, unknown model or route 404, body size 413, queue full 429, ...).", f"# TYPE {full} counter"]
     for status, count in sorted(snapshot.get("http_rejected", {}).items()):
         lines.append(f'{full}{{status="{status}"}} {count}')
     return "\n".join(lines) + "\n"

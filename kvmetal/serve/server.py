@@ -90,7 +90,8 @@ def build_server(args, sync=None):
                         keep_finished=False, max_num_batched_tokens=args.max_num_batched_tokens,
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                         scheduler_options=dict(long_prefill_tokens=getattr(args, "long_prefill_tokens", None)),
-                        async_steps=not getattr(args, "sync_steps", False), **options)
+                        async_steps=not getattr(args, "sync_steps", False), cascade=getattr(args, "cascade", False),
+                        **options)
         if sync is not None:
             engine.token_sync = sync.share_tokens
         return engine
@@ -121,7 +122,9 @@ def build_server(args, sync=None):
                     max_queue=getattr(args, "max_queue", None),
                     max_queued_prompt_tokens=getattr(args, "max_prompt_tokens", None),
                     timeout=getattr(args, "timeout", None))
-    state = ServeState(worker, loaded["tokenizer"], args.model, defaults, context_limit, template_kwargs, limits)
+    model_id = getattr(args, "model_name", None) or model_dir.name  # what /v1/models lists
+    state = ServeState(worker, loaded["tokenizer"], model_id, defaults, context_limit, template_kwargs, limits,
+                       model_path=str(model_dir))
     return worker, create_app(state)
 
 
