@@ -32,7 +32,7 @@ OPTIONAL_MODULES = {"mlx_lm": ('"mlx-lm>=0.32,<0.33"', "lm"), "transformers": ('
 def install_hint(module: str) -> str:
     """``pip install ...`` for an optional dependency, right for a checkout and for a wheel alike."""
     packages, extra = OPTIONAL_MODULES.get(module, (module, None))
-    also = f' (kvmetal\'s "{extra}" extra: pip install ".[{extra}]" in a kvmetal checkout)' if extra else ""
+    also = f'; in a kvmetal checkout, pip install ".[{extra}]" also does' if extra else ""
     return f"pip install {packages}{also}"
 
 
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(COMMANDS[command][0])
         return int(module.main(rest) or 0)
+    except SystemExit as exc:  # argparse's exit (--help, a bad flag): a status, for callers in-process too
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except ModuleNotFoundError as exc:
         name = (exc.name or "").split(".")[0]
         if name not in OPTIONAL_MODULES:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -19,8 +20,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ML
 
 def _python(code: str, **env) -> str:
     environ = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KVMETAL_NO_OPENBLAS")}
+    # From outside the source tree: `python -c` puts the working directory first on sys.path,
+    # and a checkout's kvmetal/ (no extension, no shim) would shadow the installed one.
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                         env={**environ, **env})
+                         env={**environ, **env}, cwd=tempfile.gettempdir())
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 

@@ -63,10 +63,7 @@ def test_closed_pipe_gives_no_traceback(tmp_path):
 # ----------------------------------------------------------------------------- bad flags (issue 35)
 
 def _run(argv, capsys) -> tuple:
-    try:
-        status = cli.main(argv)
-    except SystemExit as exc:  # argparse's exit, as the console script would end
-        status = exc.code
+    status = cli.main(argv)  # argparse's exit comes back as the status
     return status, capsys.readouterr().err
 
 

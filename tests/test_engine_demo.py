@@ -40,8 +40,7 @@ def test_mixed_workload_shape():
 
 
 def test_demo_rejects_bad_options(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["demo", "--requests", "0"])
+    assert cli.main(["demo", "--requests", "0"]) == 2
     assert "argument --requests: must be >= 1" in capsys.readouterr().err
 
 

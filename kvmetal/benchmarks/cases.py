@@ -116,7 +116,7 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
             if bases[-1] is None:
                 from ..cli import install_hint
 
-                skipped.append(f"mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed ({install_hint('mlx_lm')})")
+                skipped.append(f"mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed: {install_hint('mlx_lm')}")
             bases.append(_gather_sdpa_baseline(query, qk, qv, tables, lens, backend, repeat))
             with use_backend(backend):
                 bases.append(_baseline(f"kvmetal paged_decode_f16 ({backend})",
