@@ -11,6 +11,7 @@ anything it should not fails loudly.
 from __future__ import annotations
 
 import contextlib
+import socket
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -253,3 +254,10 @@ def no_kernels(monkeypatch):
     def refuse(name=None):
         raise AssertionError("a backend was reached with bad input")
     monkeypatch.setattr(kv.backends, "get", refuse)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a test's server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

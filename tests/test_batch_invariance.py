@@ -14,7 +14,6 @@ The causes this pins down, each at the level where it lived:
 from __future__ import annotations
 
 import json
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -28,6 +27,8 @@ pytest.importorskip("mlx_lm")
 
 from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
+
+from kvcases import free_port  # noqa: E402
 
 CACHES = {"float": {}, "K8/V4": dict(k_bits=8, v_bits=4)}
 MAX_TOKENS = 20
@@ -142,9 +143,7 @@ def test_serve_answers_alone_and_among_concurrent_requests(tmp_path):
     from kvmetal.serve.server import ServerProcess
     from kvmetal.serve.tiny import build_model_dir
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     model_dir = build_model_dir(tmp_path / "model")
     system = "You are a helpful assistant. Answer the question briefly and say when you do not know. " * 3
     questions = ["What is the capital of France?", "Write a short poem about the sea.", "Summarize the text.",

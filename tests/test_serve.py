@@ -26,6 +26,8 @@ from kvmetal.serve.memory import blocks_under_cap, model_pool_bytes, parse_memor
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402
 
+from kvcases import free_port  # noqa: E402
+
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 64 * 4  # layers * (K, V) * kv heads * block tokens * head_dim * float32
 CAP_BLOCKS = 12
 SYSTEM = ("You are a helpful assistant. Answer the question briefly and say when you do not know. "
@@ -56,12 +58,6 @@ def test_the_kv_group_size_defaults_as_generate_picks_it():
     assert _group_size(64, model) == 64
     with pytest.raises(ValueError, match="--kv-group-size 128 does not divide the model's head_dim 64"):
         _group_size(128, model)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
