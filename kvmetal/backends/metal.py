@@ -122,9 +122,8 @@ class AttentionLayout:
 
     def registers(self, *, head_dim: int, k_bits: int, v_bits: int, sparse_v: bool = False) -> int:
         """Estimated live registers per lane (:func:`estimated_registers`) of this layout."""
-        return estimated_registers("paged_attention_partials", dict(
-            D=head_dim, RPS=self.rows_per_simdgroup, LPK=self.lanes_per_key, KBITS=k_bits, VBITS=v_bits,
-            KAW=self.key_atom_words, VAW=self.value_atom_words, G=self.rows, QL=1, SV=int(sparse_v)))
+        return _partials_registers(head_dim, self.rows, self.rows_per_simdgroup, self.lanes_per_key, k_bits,
+                                   self.key_atom_words, v_bits, self.value_atom_words, sparse_v)
 
     @property
     def row_passes(self) -> int:
@@ -172,6 +171,14 @@ def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgrou
     return total
 
 
+def _partials_registers(head_dim: int, rows: int, per: int, lanes: int, k_bits: int, k_atom_words: int, v_bits: int,
+                        v_atom_words: int, sparse_v: bool = False) -> int:
+    """:func:`estimated_registers` of a partials kernel serving ``rows`` rows, ``per`` per simdgroup."""
+    return estimated_registers("paged_attention_partials", dict(
+        D=head_dim, RPS=per, LPK=lanes, KBITS=k_bits, VBITS=v_bits, KAW=k_atom_words, VAW=v_atom_words, G=rows, QL=1,
+        SV=int(sparse_v)))
+
+
 def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
                      v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None) -> AttentionLayout:
     """The layout of one partial-kernel specialisation.
@@ -195,9 +202,8 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
     rows = gqa * query_len
 
     def registers(per: int, lanes: int) -> int:
-        return estimated_registers("paged_attention_partials", dict(
-            D=head_dim, RPS=per, LPK=lanes, KBITS=k_bits, VBITS=v_bits, G=rows, QL=1, SV=0,
-            KAW=_atom_words(head_dim, k_bits, k_group, lanes), VAW=_atom_words(head_dim, v_bits, v_group, lanes)))
+        return _partials_registers(head_dim, rows, per, lanes, k_bits, _atom_words(head_dim, k_bits, k_group, lanes),
+                                   v_bits, _atom_words(head_dim, v_bits, v_group, lanes))
 
     def fitting_lanes(per: int):
         return next((w for w in LANES_PER_KEY if registers(per, w) <= chips.PIPELINE_REGISTER_LIMIT), None)
