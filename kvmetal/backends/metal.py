@@ -179,6 +179,7 @@ def _partials_registers(head_dim: int, rows: int, per: int, lanes: int, k_bits: 
         SV=int(sparse_v)))
 
 
+@functools.lru_cache(maxsize=None)  # runs per layer on every decode step; its search costs ~0.1 ms
 def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
                      v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None) -> AttentionLayout:
     """The layout of one partial-kernel specialisation.
