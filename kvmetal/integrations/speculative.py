@@ -190,11 +190,17 @@ def verify(request, logits: mx.array, draft: list, *, batch_sampler) -> Verifica
         p_draft = mx.softmax(scaled[:d], axis=-1)[mx.arange(d), drafted] if d else mx.zeros((0,))
         u = mx.stack([mx.random.uniform(key=keys[2 * i + 1]) for i in range(d)]) if d else mx.zeros((0,))
         accept = u < p_draft
-        # A rejected draft's replacement: p without the draft, renormalised (q is a point mass).
-        removed = mx.concatenate([drafted, mx.array([-1], dtype=mx.int32)])[:, None]  # the bonus row keeps all
-        residual = mx.where(mx.arange(scaled.shape[-1])[None] == removed, -mx.inf, scaled)
+        residual = residual_logits(scaled, drafted)
         alt = mx.stack([mx.random.categorical(residual[i], key=cats[i]) for i in range(d + 1)]).astype(mx.int32)
     lp = None
     if request.logprobs is not None:
         lp = mx.stack([_log_softmax(rows[i]) for i in range(d + 1)])
     return Verification(request, list(draft), accept, alt, lp)
+
+
+def residual_logits(scaled: mx.array, drafted: mx.array) -> mx.array:
+    """Where a rejected draft's replacement is drawn from: row i's distribution without
+    draft i, renormalised (``max(0, p - q)`` for a point-mass q); the bonus row (the
+    last) keeps every token. ``scaled`` [d + 1, V] logits, ``drafted`` int32 [d]."""
+    removed = mx.concatenate([drafted, mx.array([-1], dtype=mx.int32)])[:, None]
+    return mx.where(mx.arange(scaled.shape[-1])[None] == removed, -mx.inf, scaled)
