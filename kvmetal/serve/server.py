@@ -58,6 +58,7 @@ def build_server(args, sync=None):
     from ..integrations.engine import Engine
     from .app import Limits, ServeState, create_app
     from .prefix_store import PrefixStore, model_identity
+    from .cli import speculative_config
     from .worker import EngineWorker
 
     model_dir = Path(args.model)
@@ -91,7 +92,7 @@ def build_server(args, sync=None):
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                         scheduler_options=dict(long_prefill_tokens=getattr(args, "long_prefill_tokens", None)),
                         async_steps=not getattr(args, "sync_steps", False), cascade=getattr(args, "cascade", False),
-                        **options)
+                        speculative=speculative_config(args), **options)
         if sync is not None:
             engine.token_sync = sync.share_tokens
         return engine
