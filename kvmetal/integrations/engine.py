@@ -112,7 +112,8 @@ class Engine:
             decode rows carry drafted tokens that one pass verifies (speculative.py), for
             every request that does not turn it off (``add_request(speculative=False)``).
             Same greedy tokens, same sampling distribution; a step in which a request
-            drafts is not pipelined. None (default): off.
+            drafts is not pipelined; across ranks (``token_sync``) nothing is drafted.
+            None (default): off.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
@@ -367,6 +368,8 @@ class Engine:
         """Draft for every decoding request that speculates; its newest token must be read
         first (a pass in flight is landed). Drafts never pass ``max_tokens``, the longest
         sequence the pool holds, or the step's token budget."""
+        if self.token_sync is not None:
+            return  # across ranks every rank would judge drafts itself (rounding could part them): off
         speculating = [r for r in self.scheduler.running if r.decoding and r.speculation is not None
                        and r.speculation.active]
         if not speculating:
