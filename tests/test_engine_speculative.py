@@ -234,3 +234,46 @@ def test_seeded_speculative_sampling_does_not_depend_on_the_batch(llama):
     alone, _ = generate(llama, prompts[:1], spec=EAGER, per_request=per_request)
     batched, stats = generate(llama, prompts, spec=EAGER, per_request=per_request)
     assert batched[0] == alone[0] and stats["accepted"] > 0
+
+
+# ---------------------------------------------------------------------------- a draft model
+
+MODEL_DRAFTS = SpeculativeConfig(method="model", min_acceptance=0.0)
+
+
+@pytest.mark.parametrize("draft_seed,options", [(0, {}), (0, {"async_steps": True, "num_blocks": 24, "block_size": 8}),
+                                                (5, {})], ids=["same-weights", "same-weights-small-pool", "other"])
+def test_draft_model_greedy_output_is_plain_greedy(llama, draft_seed, options):
+    """A draft with the target's weights is always right (all drafts accepted); one with
+    other weights almost never: the output is plain greedy's either way."""
+    draft = tiny_models.build("llama", dtype=mx.float32, seed=draft_seed)
+    prompts = grounded_prompts(20)
+    plain, _ = generate(llama, prompts, **options)
+    spec, stats = generate(llama, prompts, spec=MODEL_DRAFTS, draft_model=draft, **options)
+    assert [[t for t, _ in o] for o in spec] == [[t for t, _ in o] for o in plain]
+    if draft_seed == 0:
+        assert stats["accepted"] == stats["drafted"] > 0 and stats["tokens_per_pass"] > 3, stats
+    else:
+        assert stats["drafted"] > 0 and stats["accepted"] < stats["drafted"] / 10, stats
+
+
+def test_draft_model_with_window_layers_and_sampling():
+    target = tiny_models.build("gpt_oss", dtype=mx.float32, seed=0)
+    draft = tiny_models.build("gpt_oss", dtype=mx.float32, seed=0)
+    prompts = grounded_prompts(4, seed=3)
+    plain, _ = generate(target, prompts, max_tokens=48)
+    spec, stats = generate(target, prompts, spec=MODEL_DRAFTS, draft_model=draft, max_tokens=48)
+    assert [[t for t, _ in o] for o in spec] == [[t for t, _ in o] for o in plain] and stats["accepted"] > 0
+    per_request = dict(sampling=SamplingParams(temperature=0.7, seed=3))  # seeded: any batch, same tokens
+    alone, _ = generate(target, prompts[:1], spec=MODEL_DRAFTS, draft_model=draft, per_request=per_request)
+    batched, _ = generate(target, prompts, spec=MODEL_DRAFTS, draft_model=draft, per_request=per_request)
+    assert alone[0] == batched[0]
+
+
+def test_draft_model_arguments_are_checked(llama):
+    with pytest.raises(ValueError, match="draft_model"):
+        Engine(llama, speculative="model")
+    with pytest.raises(ValueError, match="draft_model"):
+        Engine(llama, speculative="ngram", draft_model=tiny_models.build("llama"))
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(llama, speculative="model", draft_model=tiny_models.build("llama", vocab_size=256))

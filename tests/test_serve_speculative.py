@@ -1,7 +1,7 @@
 """``kvmetal serve --speculative ngram`` through the official ``openai`` client (issue 34).
 
 Greedy answers must be those of a server without speculation (completions and chat,
-streamed and not), drafts must be accepted (``/metrics``), a request's
+streamed and not), by prompt lookup and with a draft model; drafts must be accepted (``/metrics``), a request's
 ``"speculative": false`` must draft nothing, and bad values get 400 (body) or exit 2 (flags).
 """
 from __future__ import annotations
@@ -66,10 +66,14 @@ def test_speculative_server_answers_as_the_plain_one(model_dir):
     assert seen["kvmetal_spec_accepted_tokens"] > 0 and seen["kvmetal_decode_tokens_per_pass"] > 1
     assert 0 < seen["kvmetal_spec_acceptance_rate"] <= 1
     assert after["kvmetal_spec_draft_tokens"] == seen["kvmetal_spec_draft_tokens"]  # "speculative": false
+    # a draft model: the served model itself (same weights, so every draft is accepted)
+    drafted, off, seen, _ = answers(model_dir, "--speculative", str(model_dir), "--spec-min-acceptance", "0")
+    assert drafted == plain and off == plain[0]
+    assert seen["kvmetal_spec_acceptance_rate"] == 1 and seen["kvmetal_decode_tokens_per_pass"] > 2, seen
 
 
 @pytest.mark.parametrize("flags,message", [(["--num-draft-tokens", "8"], "--num-draft-tokens"),
-                                           (["--speculative", "eagle"], "--speculative"),
+                                           (["--speculative", "eagle"], "neither 'ngram' nor a model directory"),
                                            (["--speculative", "ngram", "--ngram-min", "4"], "--ngram-min 4 must be")])
 def test_bad_speculative_flags_exit_2(model_dir, flags, message):
     done = subprocess.run([sys.executable, "-m", "kvmetal", "serve", "--model", str(model_dir), *flags],

@@ -111,6 +111,8 @@ class Engine:
         speculative: a ``speculative.SpeculativeConfig`` (or its method name, "ngram"):
             decode rows carry drafted tokens that one pass verifies (speculative.py), for
             every request that does not turn it off (``add_request(speculative=False)``).
+            ``draft_model``: with method "model", the smaller mlx-lm model (same
+            vocabulary) that drafts, greedily, on its own paged pool.
             Same greedy tokens, same sampling distribution; a step in which a request
             drafts is not pipelined; across ranks (``token_sync``) nothing is drafted.
             None (default): off.
@@ -124,13 +126,21 @@ class Engine:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False,
                  scheduling_policy: str = "fcfs", scheduler_options: dict | None = None,
-                 cascade: bool = False, tokenizer=None, speculative: SpeculativeConfig | str | None = None):
+                 cascade: bool = False, tokenizer=None, speculative: SpeculativeConfig | str | None = None,
+                 draft_model=None):
         self.model = model
         if isinstance(speculative, str):
             speculative = SpeculativeConfig(method=speculative)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"[Engine] speculative must be a SpeculativeConfig, a method name or None, "
                              f"got {speculative!r}")
+        if (draft_model is not None) != (speculative is not None and speculative.method == "model"):
+            raise ValueError("[Engine] draft_model goes with speculative method 'model', and only with it")
+        if draft_model is not None:
+            vocab = [getattr(getattr(m, "args", None), "vocab_size", None) for m in (model, draft_model)]
+            if None not in vocab and vocab[0] != vocab[1]:
+                raise ValueError(f"[Engine] draft_model must share the model's vocabulary: vocab_size "
+                                 f"{vocab[1]} != {vocab[0]}")
         self.speculative = speculative
         self.eos_token_ids = _eos_ids(model, tokenizer)  # a request's stop tokens unless it gives its own
         # checked before the model is patched: a bad value leaks nothing
@@ -149,6 +159,15 @@ class Engine:
         except BaseException:
             self.handle.undo()
             raise
+        self.drafter = None
+        if draft_model is not None:
+            from .draft_model import ModelDrafter
+
+            try:
+                self.drafter = ModelDrafter(draft_model, block_size=block_size)
+            except BaseException:
+                self.handle.undo()
+                raise
         self.sampler = Sampler(sampler)
         self.forward = Forward(model, self.cache, self.sampler)
         self.block_size = block_size
@@ -378,14 +397,22 @@ class Engine:
             self._settle(events)
         limit = self.max_sequence_tokens
         budget = self.max_num_batched_tokens - sum(1 for r in self.scheduler.running if r.decoding)
+        wanted = []
         for request in speculating:
             if request.finished:
                 continue
             room = request.max_tokens - len(request.output) - 1  # the pass also yields one token of its own
             if limit is not None:
                 room = min(room, limit - request.num_tokens)
-            draft = request.speculation.propose(request.known_tokens, min(room, budget))
-            budget -= len(draft)
+            room = min(room, budget, self.speculative.num_draft_tokens)
+            if self.drafter is None:
+                room = len(request.speculation.propose(request.known_tokens, room))
+            wanted.append((request, room))
+            budget -= room
+        if self.drafter is not None:
+            drafts = self.drafter.draft([(r.request_id, r.known_tokens, n) for r, n in wanted])
+            for (request, _), draft in zip(wanted, drafts):
+                request.speculation.draft = draft
 
     def _settle(self, events: list) -> bool:
         """Read the pass in flight, if any (the scheduler needs every token's id to preempt)."""
@@ -435,6 +462,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self.handle.undo()
+            if self.drafter is not None:
+                self.drafter.close()
 
     def __enter__(self):
         return self

@@ -32,14 +32,15 @@ import numpy as np
 from ..ops import MAX_QUERY_TOKENS
 
 MAX_DRAFT_TOKENS = MAX_QUERY_TOKENS - 1  # one query row is the request's last token
-METHODS = ("ngram",)
+METHODS = ("ngram", "model")  # prompt lookup; a draft model (Engine(draft_model=...), draft_model.py)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How an engine drafts.
 
-    method: "ngram" (prompt lookup). num_draft_tokens: drafted tokens per decode row
+    method: "ngram" (prompt lookup) or "model" (greedy drafts of a smaller model with the
+    same vocabulary: ``Engine(draft_model=...)``). num_draft_tokens: drafted tokens per decode row
     (1..MAX_DRAFT_TOKENS). ngram_max / ngram_min: longest / shortest suffix matched.
     min_acceptance, window: a request's speculation turns off once its acceptance over
     its last ``window`` drafted tokens is below ``min_acceptance`` (0: never)."""

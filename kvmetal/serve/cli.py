@@ -102,13 +102,14 @@ def _draft_count(text: str) -> int:
 
 def _add_speculative(add) -> None:
     """Speculative decoding (docs/serve.md, "Speculative decoding")."""
-    from ..integrations.speculative import METHODS, SpeculativeConfig
+    from ..integrations.speculative import SpeculativeConfig
 
     d = SpeculativeConfig()
-    add("--speculative", choices=METHODS,
+    add("--speculative", metavar="ngram|MODEL",
         help="speculative decoding: 'ngram' drafts by prompt lookup (the request's own prompt and output), "
-             "verified in the same pass; same greedy tokens, same sampling distribution; a request turns it "
-             "off with a body field speculative=false (default: off)")
+             "a model directory drafts with that smaller model (same tokenizer) greedily; drafts are verified "
+             "in the same pass: same greedy tokens, same sampling distribution; a request turns it off with "
+             "a body field speculative=false (default: off)")
     add("--num-draft-tokens", type=_draft_count, default=d.num_draft_tokens,
         help=f"tokens drafted per decode step (default {d.num_draft_tokens})")
     add("--ngram-max", type=_positive_int, default=d.ngram_max,
@@ -126,7 +127,8 @@ def speculative_config(args):
         return None
     from ..integrations.speculative import SpeculativeConfig
 
-    return SpeculativeConfig(method=args.speculative, num_draft_tokens=args.num_draft_tokens,
+    method = "ngram" if args.speculative == "ngram" else "model"  # else a draft model's directory
+    return SpeculativeConfig(method=method, num_draft_tokens=args.num_draft_tokens,
                              ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                              min_acceptance=args.spec_min_acceptance)
 
@@ -200,7 +202,10 @@ def check_args(args) -> str | None:
                 raise ValueError("not an object")
         except ValueError as e:
             return f"--chat-template-args must be a JSON object ({e})"
-    if getattr(args, "speculative", None) and args.ngram_min > args.ngram_max:
+    spec = getattr(args, "speculative", None)
+    if spec and spec != "ngram" and not (Path(spec) / "config.json").is_file():
+        return f"--speculative {spec!r} is neither 'ngram' nor a model directory (no config.json)"
+    if spec and args.ngram_min > args.ngram_max:
         return f"--ngram-min {args.ngram_min} must be <= --ngram-max {args.ngram_max}"
     if args.kv_memory:
         from .memory import parse_memory
