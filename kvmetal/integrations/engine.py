@@ -10,6 +10,10 @@ with one job:
   whose prompt is complete, and later lands their tokens;
 - the sampler (``sampler.py``) picks each row's token by its request's settings.
 
+With ``speculative``, each step first drafts tokens for the decoding requests
+(``speculative.py``: prompt lookup; ``draft_model.py``: a smaller model); a decode row
+then carries its drafts, which the pass verifies with the exact acceptance rule.
+
 The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
 position as the cache's ``offset``, so unmodified mlx-lm model code runs it; per layer,
 the decode rows run ``paged_attention`` and the prompt rows ``paged_attention_varlen``.

@@ -5,6 +5,9 @@ position as the cache's ``offset``, so unmodified mlx-lm model code runs it; att
 one ``paged_attention_varlen`` call per layer (a step of decodes only runs
 ``paged_attention``). Hidden states are sliced before the LM head: logits come only for
 rows that sample (decodes, and the last token of a prompt whose prefill completes).
+A decode row with speculative drafts brings its last token and the drafts, and every one
+of its rows gets logits: ``speculative.verify`` judges them, and ``land`` truncates the
+rejected drafts' slots and emits the accepted tokens.
 """
 from __future__ import annotations
 
