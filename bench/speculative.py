@@ -8,7 +8,8 @@ continue or edit a given code file: the answer copies from the prompt) and open 
 (questions with no text to copy from). Each set runs with 1 stream (each prompt alone,
 one after the other) and 8 streams (all 8 at once), plain and with ``--speculative``,
 alternating per repetition. Per cell: generated tokens per second of wall time (prefill
-included: the same prompts either way), acceptance rate (accepted / drafted), tokens per
+included: the same prompts either way), the same after each group's first tokens (decode
+only: what speculation changes), acceptance rate (accepted / drafted), tokens per
 decode pass (per request), and whether every output equals the plain greedy output.
 """
 from __future__ import annotations
@@ -37,17 +38,17 @@ NOTES = (
     "sends the budget to the board, Ben tests the storage system, Carla schedules the next meeting."
 )
 CODE = Path(__file__).resolve().parents[1].joinpath("kvmetal", "integrations", "table_mirror.py").read_text()
-CODE = CODE[:2400]
+CODE = CODE[:1800]
 
 GROUNDED = [
     f"Summarize the following text in three sentences.\n\n{TEXT}",
     f"Fix the spelling mistakes in the following text and write it out in full.\n\n{TEXT_TYPOS}",
     f"Rewrite the following notes as a bulleted list, keeping every detail.\n\n{NOTES}",
     f"Continue the following Python file.\n\n{CODE}",
-    f"Repeat the following Python code, adding a comment above every method.\n\n{CODE[:1600]}",
+    f"Repeat the following Python code, adding a comment above every method.\n\n{CODE[:1200]}",
     f"Who sends the budget to the board, and what does Ben test? Quote the notes.\n\n{NOTES}",
     f"Rewrite the following text in the past tense.\n\n{TEXT}",
-    f"Explain what the following code does, function by function.\n\n{CODE[:1600]}",
+    f"Explain what the following code does, function by function.\n\n{CODE[:1200]}",
 ]
 OPEN_CHAT = [
     "Write a short story about a dragon who learns to bake bread.",
@@ -69,7 +70,7 @@ def run(model, tokenizer, prompts: list, *, spec, streams: int, max_tokens: int)
     """Generate for ``prompts``, ``streams`` at a time; wall time, tokens and counters."""
     from kvmetal.integrations.engine import Engine
 
-    outputs, seconds = [], 0.0
+    outputs, seconds, prefill = [], 0.0, 0.0
     drafted = accepted = passes = decode_tokens = 0
     with Engine(model, speculative=spec, tokenizer=tokenizer) as engine:
         for start in range(0, len(prompts), streams):
@@ -77,16 +78,22 @@ def run(model, tokenizer, prompts: list, *, spec, streams: int, max_tokens: int)
             begin = time.perf_counter()
             ids = [engine.add_request(p, max_tokens=max_tokens) for p in group]
             out = {i: [] for i in ids}
+            started = None  # when every request of the group had its first token
             while engine.has_work():
                 for event in engine.step():
                     if event.token is not None:
                         out[event.request_id].append(event.token)
+                if started is None and all(out.values()):
+                    started = time.perf_counter()
             seconds += time.perf_counter() - begin
+            prefill += started - begin
             outputs += [out[i] for i in ids]
         drafted, accepted = engine.drafted_tokens, engine.accepted_tokens
         passes, decode_tokens = engine.decode_passes, engine.decode_tokens
     tokens = sum(len(o) for o in outputs)
-    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "drafted": drafted, "accepted": accepted,
+    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "prefill_seconds": prefill,
+            "decode_tokens_per_s": (tokens - len(outputs)) / (seconds - prefill),
+            "drafted": drafted, "accepted": accepted,
             "decode_passes": passes, "decode_tokens": decode_tokens}
 
 
@@ -123,18 +130,23 @@ def main(argv=None) -> int:
                                           max_tokens=args.max_tokens))
             plain, fast = runs["plain"], runs["speculative"]
             rate = {m: statistics.median(r["tokens"] / r["seconds"] for r in rs) for m, rs in runs.items()}
+            decode = {m: statistics.median(r["decode_tokens_per_s"] for r in rs) for m, rs in runs.items()}
             last = fast[-1]
             identical = sum(a == b for a, b in zip(plain[-1]["outputs"], last["outputs"]))
             cell = {"prompts": name, "streams": streams, "plain_tokens_per_s": rate["plain"],
                     "speculative_tokens_per_s": rate["speculative"],
                     "speedup": rate["speculative"] / rate["plain"],
+                    "plain_decode_tokens_per_s": decode["plain"], "speculative_decode_tokens_per_s": decode["speculative"],
+                    "decode_speedup": decode["speculative"] / decode["plain"],
+                    "runs": {m: [{k: v for k, v in r.items() if k != "outputs"} for r in rs] for m, rs in runs.items()},
                     "acceptance_rate": last["accepted"] / last["drafted"] if last["drafted"] else 0.0,
                     "drafted": last["drafted"], "accepted": last["accepted"],
                     "tokens_per_pass": last["decode_tokens"] / last["decode_passes"],
                     "generated_tokens": last["tokens"], "greedy_identical": f"{identical}/{len(prompts)}"}
             cells.append(cell)
             print(f"{name:9s} {streams} stream(s): plain {rate['plain']:7.1f} tok/s, speculative "
-                  f"{rate['speculative']:7.1f} tok/s (x{cell['speedup']:.2f}), acceptance "
+                  f"{rate['speculative']:7.1f} tok/s (x{cell['speedup']:.2f}); after the first token "
+                  f"{decode['plain']:.1f} vs {decode['speculative']:.1f} (x{cell['decode_speedup']:.2f}); acceptance "
                   f"{cell['acceptance_rate']:.2f}, tokens/pass {cell['tokens_per_pass']:.2f}, "
                   f"identical {cell['greedy_identical']}", flush=True)
     result = {"model": str(model_dir), "machine": platform.platform(), "max_tokens": args.max_tokens,

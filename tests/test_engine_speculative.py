@@ -277,3 +277,22 @@ def test_draft_model_arguments_are_checked(llama):
         Engine(llama, speculative="ngram", draft_model=tiny_models.build("llama"))
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(llama, speculative="model", draft_model=tiny_models.build("llama", vocab_size=256))
+
+
+def test_drafts_count_against_the_token_budget(llama):
+    """Decodes with drafts and a prompt chunked in beside them: no pass exceeds the budget,
+    drafts are cut to fit it, and the output is still plain greedy's."""
+    prompts = grounded_prompts(3, seed=17)
+    long = list(range(1, 200))
+    plain, _ = generate(llama, prompts + [long], max_num_batched_tokens=12)
+    with Engine(llama, speculative=EAGER, max_num_batched_tokens=12) as engine:
+        ids = [engine.add_request(p, max_tokens=30) for p in prompts + [long]]
+        out, sizes = collections.defaultdict(list), []
+        while engine.has_work():
+            for event in engine.step():
+                if event.token is not None:
+                    out[event.request_id].append(event.token)
+            sizes.append(engine.last_step_tokens)
+        assert engine.accepted_tokens > 0
+    assert max(sizes) == 12
+    assert [out[i] for i in ids] == [[t for t, _ in o] for o in plain]
