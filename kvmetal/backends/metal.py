@@ -66,6 +66,12 @@ MAX_SPLITS = 64
 # kvmetal did before: fewer, longer splits for big batches, but a sequence's bits then
 # follow its batch. Which is faster on a big batch is for `kvmetal bench` on a Mac to say.
 SPLIT_TOKENS = MIN_TOKENS_PER_SPLIT
+# The varlen (prefill) kernel's windows are longer: its partials hold every query row of
+# a chunk (rows x splits x D floats), and a row's K/V tiles in one window are already
+# independent of its chunk, so windows only add parallelism for chunks of few tiles. At
+# 4096 a 2K-token chunk at 32K context writes 8 splits of partials (268 MB at 32 heads,
+# D 128; about 1.5% of its K/V traffic).
+VARLEN_SPLIT_TOKENS = 4096
 SPLIT_POLICIES = ("windows", "occupancy")
 
 DTYPE_TAGS = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32", mx.uint32: "u32", mx.int32: "i32"}
@@ -955,7 +961,7 @@ class KernelBackend:
             if num_splits is not None:
                 splits = int(num_splits)
             elif split_policy() == "windows":  # windows of whole K/V tiles
-                split_tokens = -(-SPLIT_TOKENS // tiles.block_k) * tiles.block_k
+                split_tokens = -(-VARLEN_SPLIT_TOKENS // tiles.block_k) * tiles.block_k
                 splits = window_splits(plan.max_work, split_tokens, misaligned=sliding_window is not None)
             else:
                 splits = choose_num_splits(plan.max_work, plan.tiles.shape[0] * num_kv_heads,
