@@ -62,6 +62,14 @@ OPEN_CHAT = [
 ]
 
 
+EXTRA = [  # with the 16 above: the 20 prompts of the greedy identity run (--identity)
+    f"Translate the following text into simple English, sentence by sentence.\n\n{NOTES}",
+    f"List every number that appears in the following text.\n\n{TEXT}",
+    "How do airplanes stay in the air?",
+    "Write a short letter inviting a friend to dinner.",
+]
+
+
 def encode(tokenizer, prompt: str) -> list:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
 
@@ -105,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", type=int, default=4, help="num_draft_tokens")
     parser.add_argument("--streams", default="1,8")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--identity", action="store_true",
+                        help="only check greedy identity over 20 prompts (8 streams), and record it in --json")
     args = parser.parse_args(argv)
 
     from kvmetal.models.blas import use_openblas
@@ -119,6 +129,21 @@ def main(argv=None) -> int:
     model, tokenizer = load(str(model_dir))
     spec = SpeculativeConfig(num_draft_tokens=args.draft)
     sets = {"grounded": [encode(tokenizer, p) for p in GROUNDED], "open_chat": [encode(tokenizer, p) for p in OPEN_CHAT]}
+    if args.identity:
+        prompts = [encode(tokenizer, p) for p in GROUNDED + OPEN_CHAT + EXTRA]
+        plain = run(model, tokenizer, prompts, spec=None, streams=8, max_tokens=args.max_tokens)
+        fast = run(model, tokenizer, prompts, spec=spec, streams=8, max_tokens=args.max_tokens)
+        same = [a == b for a, b in zip(plain["outputs"], fast["outputs"])]
+        identity = {"prompts": len(prompts), "identical": sum(same), "max_tokens": args.max_tokens,
+                    "generated_tokens": fast["tokens"], "acceptance_rate": fast["accepted"] / max(fast["drafted"], 1),
+                    "tokens_per_pass": fast["decode_tokens"] / fast["decode_passes"]}
+        print(f"greedy identity: {sum(same)}/{len(prompts)} prompts identical", flush=True)
+        if args.json:
+            path = Path(args.json)
+            result = json.loads(path.read_text()) if path.exists() else {}
+            result["identity"] = identity
+            path.write_text(json.dumps(result, indent=2) + "\n")
+        return 0 if all(same) else 1
     run(model, tokenizer, sets["open_chat"][:2], spec=None, streams=2, max_tokens=8)  # warm-up
     cells = []
     for name, prompts in sets.items():
