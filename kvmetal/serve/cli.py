@@ -121,18 +121,6 @@ def _add_speculative(add) -> None:
              f"were accepted (default {d.min_acceptance}; 0: never)")
 
 
-def speculative_config(args):
-    """The engine's ``SpeculativeConfig`` from the flags (None: off)."""
-    if not getattr(args, "speculative", None):
-        return None
-    from ..integrations.speculative import SpeculativeConfig
-
-    method = "ngram" if args.speculative == "ngram" else "model"  # else a draft model's directory
-    return SpeculativeConfig(method=method, num_draft_tokens=args.num_draft_tokens,
-                             ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                             min_acceptance=args.spec_min_acceptance)
-
-
 def _configure(parser: argparse.ArgumentParser) -> None:
     from ..integrations.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from ..integrations.scheduler import POLICIES

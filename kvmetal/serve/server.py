@@ -48,7 +48,6 @@ def build_server(args, sync=None):
     from ..integrations.engine import Engine
     from .app import Limits, ServeState, create_app
     from .prefix_store import PrefixStore, model_identity
-    from .cli import speculative_config
     from .worker import EngineWorker
 
     model_dir = Path(args.model)
@@ -123,6 +122,18 @@ def build_server(args, sync=None):
     state = ServeState(worker, loaded["tokenizer"], model_id, defaults, context_limit, template_kwargs, limits,
                        model_path=str(model_dir))
     return worker, create_app(state)
+
+
+def speculative_config(args):
+    """The engine's ``SpeculativeConfig`` from the flags (None: off)."""
+    if not getattr(args, "speculative", None):
+        return None
+    from ..integrations.speculative import SpeculativeConfig
+
+    method = "ngram" if args.speculative == "ngram" else "model"  # else a draft model's directory
+    return SpeculativeConfig(method=method, num_draft_tokens=args.num_draft_tokens,
+                             ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                             min_acceptance=args.spec_min_acceptance)
 
 
 def api_key(args) -> str | None:
