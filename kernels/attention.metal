@@ -392,21 +392,33 @@ inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, PQ q,
   }
 }
 
-// The token range [lo, hi) of one split. Splits cut the live range [first, len)
-// into equal runs of whole 32-token units (so tiles of TT | 32 tokens never
-// straddle a split), and a sliding window never assigns out-of-window blocks.
+// The token range [lo, hi) of one split. With split_tokens > 0 (the backend's
+// default) split k is the k-th window of the live range [first, len) cut at the
+// multiples of split_tokens: a sequence's windows, and so its partials and their
+// fold, depend on its own length only, never on the launch's split count (which
+// follows the batch); splits past its last window are empty. With split_tokens =
+// 0 the live range is cut into num_splits equal runs of whole 32-token units (an
+// explicit num_splits). Either way tiles of TT | 32 tokens never straddle a split,
+// and a sliding window never assigns out-of-window blocks.
 struct KvSplitRange {
   int lo;
   int hi;
   int begin;  // unit-aligned start (<= lo)
 };
 
-inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits) {
+inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits, int split_tokens) {
   const int first = kv_first_visible(len - L, window);
-  const int start = (first / 32) * 32;
-  const int units = (len - start + 31) / 32;
-  const int per = (units + num_splits - 1) / num_splits * 32;
-  const int begin = start + split * per;
+  int begin;
+  int per;
+  if (split_tokens > 0) {
+    per = split_tokens;
+    begin = (first / per + split) * per;
+  } else {
+    const int start = (first / 32) * 32;
+    const int units = (len - start + 31) / 32;
+    per = (units + num_splits - 1) / num_splits * 32;
+    begin = start + split * per;
+  }
   KvSplitRange r;
   r.lo = max(first, begin);
   r.hi = min(len, begin + per);
@@ -773,7 +785,7 @@ const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
 // Index guards: a length beyond the block table is cut to it; a negative one is 0.
 const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
-const KvSplitRange range = kv_split_range(len, QL, p.window, split, p.num_splits);
+const KvSplitRange range = kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];
@@ -819,7 +831,7 @@ const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
 const int len = p.num_tokens;
-const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits);
+const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];
@@ -900,6 +912,11 @@ for (int c = 0; c < CPL; c++) {
 }
 for (int s = 0; s < num_splits; s++) {
   const size_t at = size_t(row) * num_splits + s;
+  // A split that saw no key (past the row's last window) is skipped, not folded in
+  // as a zero: the fold of a row's real splits is then the same at any split count.
+  if (part_sum[at] == 0.0f) {
+    continue;
+  }
   const KvSoftmaxMerge mg = kv_softmax_merge(m, part_max[at]);
   denom = denom * mg.scale_a + part_sum[at] * mg.scale_b;
   m = mg.m;

@@ -51,7 +51,7 @@ const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
 const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
 // The split range of a one-row query over [0, len): every token of the row.
-const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits);
+const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits, p.split_tokens);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];
@@ -121,6 +121,9 @@ for (int s = 0; s < n_prefix + p.own_splits; s++) {
                                 : size_t(row) * p.own_splits + (s - n_prefix);
   const float part_m = from_prefix ? prefix_max[at] : own_max[at];
   const float part_l = from_prefix ? prefix_sum[at] : own_sum[at];
+  if (part_l == 0.0f) {
+    continue;  // a split that saw no key: skipped, as attention_reduce does
+  }
   const KvSoftmaxMerge mg = kv_softmax_merge(m, part_m);
   denom = denom * mg.scale_a + part_l * mg.scale_b;
   m = mg.m;

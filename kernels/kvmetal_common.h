@@ -197,6 +197,8 @@ struct KvAttnParams {
   float softcap;    // 0 = off
   int head_div;     // reduce: head of row r is (r / head_div) % num_heads
   float sparse_v;   // sparse V threshold tau on exp2(s - m_running); read only by SV = 1 kernels
+  int split_tokens; // > 0: split k of a sequence is its k-th window of this many tokens, cut at
+                    // the multiples of split_tokens (batch invariance); 0: num_splits equal runs
 };
 
 // gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).

@@ -212,7 +212,12 @@ const int o_row = tl.o0 + pos_i;
 const bool row_ok = r < r_end && q_row >= 0 && q_row < p.num_tokens && o_row >= 0 && o_row < out_rows &&
                     head < num_heads;
 
-// Keys of the tile: [lo, hi); the split's share in whole K/V tiles.
+// Keys of the tile: [lo, hi); the split's share in whole K/V tiles. With
+// split_tokens > 0 (a multiple of BK) split k is the k-th window of [lo, hi) cut at
+// the multiples of split_tokens, so a row's windows, their K/V tiles (BK-aligned)
+// and the reduce's fold of them are the same whatever tile or chunk the row is in
+// (a window or tile the row cannot see leaves it unchanged: the reduce skips a
+// split that saw nothing); with 0, num_splits equal runs of tiles.
 const int pos_first = len - n + min(r0, max(rows - 1, 0)) / G;
 const int pos_last = len - n + max(r_end - 1, 0) / G;
 const KvVariant var = kv_variant(p.scale, p.softcap, p.window);
@@ -220,9 +225,10 @@ const int lo = var.first_visible(pos_first);
 const int hi = r_end > r0 ? pos_last + 1 : 0;
 const int t_start = lo / BK * BK;
 const int n_tiles = hi > t_start ? (hi - t_start + BK - 1) / BK : 0;
-const int per_split = (n_tiles + num_splits - 1) / num_splits;
-const int t_begin = t_start + split * per_split * BK;
-const int t_end = min(hi, t_begin + per_split * BK);
+const int per_split = p.split_tokens > 0 ? p.split_tokens / BK : (n_tiles + num_splits - 1) / num_splits;
+const int w_begin = p.split_tokens > 0 ? (lo / p.split_tokens + split) * p.split_tokens : t_start + split * per_split * BK;
+const int t_begin = max(t_start, w_begin);
+const int t_end = min(hi, w_begin + per_split * BK);
 
 // Q fragments (rows x dims), pre-scaled: scores in log2 units unless softcapped.
 const float qscale = var.q_scale;

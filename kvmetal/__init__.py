@@ -25,6 +25,7 @@ __all__ = [
     "QuantizedKV",
     "PagedKVCache",
     "KVCacheFull",
+    "KVFormat",
 ]
 
 # Public names are loaded on first use (PEP 562), so ``import kvmetal`` loads neither MLX
@@ -33,7 +34,7 @@ __all__ = [
 # simulator, the reference) runs whatever state the extension is in.
 _HOME = {name: "ops" for name in __all__[:7]}
 _HOME.update(use_backend="backends", current_backend="backends", available_backends="backends",
-             QuantizedKV="quant", PagedKVCache="cache", KVCacheFull="cache")
+             QuantizedKV="quant", PagedKVCache="cache", KVCacheFull="cache", KVFormat="kv_format")
 
 
 def __getattr__(name):

@@ -36,6 +36,8 @@ from pathlib import Path
 
 from . import quant
 from .chips import CHIPS
+from .kv_format import FLOAT_BYTES, KVFormat, largest_group_size  # noqa: F401  (re-exported)
+from .kv_format import FLOAT_NAMES as _FLOAT_NAMES
 
 OP = "budget"
 GIB = 1 << 30
@@ -240,53 +242,6 @@ def load_model(spec: str) -> ModelShape:
 
 # ----------------------------------------------------------------------------- K/V formats
 
-FLOAT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
-_FLOAT_NAMES = {"f16": "f16", "fp16": "f16", "float16": "f16", "half": "f16",
-                "bf16": "bf16", "bfloat16": "bf16", "f32": "f32", "fp32": "f32", "float32": "f32"}
-
-
-@dataclass(frozen=True)
-class KVFormat:
-    """How K and V are stored: float (bits None) or quantized, each with its own bits/group."""
-
-    k_bits: int | None = None
-    v_bits: int | None = None
-    k_group_size: int = quant.DEFAULT_GROUP_SIZE
-    v_group_size: int = quant.DEFAULT_GROUP_SIZE
-    dtype: str = "f16"   # float storage, and the dtype of quantization scales/biases
-
-    @property
-    def label(self) -> str:
-        if self.k_bits is None and self.v_bits is None:
-            return self.dtype
-        side = lambda bits: self.dtype if bits is None else str(bits)
-        label = f"K{side(self.k_bits)}/V{side(self.v_bits)}"
-        groups = {g for g, b in ((self.k_group_size, self.k_bits), (self.v_group_size, self.v_bits)) if b}
-        return label + (f" g{groups.pop()}" if len(groups) == 1 else
-                        f" g{self.k_group_size}/{self.v_group_size}")
-
-    def row_bytes(self, head_dim: int, which: str) -> int:
-        """Bytes of one K (``which='k'``) or V row of ``head_dim`` values."""
-        bits = self.k_bits if which == "k" else self.v_bits
-        group = self.k_group_size if which == "k" else self.v_group_size
-        scale_bytes = FLOAT_BYTES[self.dtype]
-        if bits is None:
-            return head_dim * scale_bytes
-        try:
-            return quant.row_nbytes(head_dim, bits=bits, group_size=group, scale_bytes=scale_bytes)
-        except ValueError as exc:
-            hint = ""
-            fit = largest_group_size(head_dim)
-            if head_dim % group and fit:
-                hint = f"; try --group-size {fit}"
-            _fail(f"{which.upper()} format {self.label}: {str(exc).split('] ', 1)[-1]}{hint}")
-
-
-def largest_group_size(head_dim: int) -> int | None:
-    """The largest supported quantization group size dividing ``head_dim`` (96 -> 32), or None."""
-    fits = [g for g in quant.SUPPORTED_GROUP_SIZES if head_dim % g == 0]
-    return max(fits) if fits else None
-
 
 def parse_kv(spec: str, *, dtype: str | None = None) -> KVFormat:
     """``f16``/``bf16``/``f32``, ``k8v4`` (either side may be a float name: ``k8vf16``), ``q8`` (both)."""
@@ -346,9 +301,20 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _row_bytes(fmt: KVFormat, head_dim: int, which: str) -> int:
+    """KVFormat.row_bytes, its error as the budget's one-line message with a group size that fits."""
+    try:
+        return fmt.row_bytes(head_dim, which)
+    except ValueError as exc:
+        group = fmt.group_size(which)
+        fit = largest_group_size(head_dim)
+        hint = f"; try --group-size {fit}" if head_dim % group and fit else ""
+        _fail(f"{which.upper()} format {fmt.label}: {str(exc).split('] ', 1)[-1]}{hint}")
+
+
 def bytes_per_token_per_layer(model: ModelShape, fmt: KVFormat) -> dict:
-    k = model.num_kv_heads * fmt.row_bytes(model.head_dim, "k")
-    v = model.num_kv_heads * fmt.row_bytes(model.head_dim, "v")
+    k = model.num_kv_heads * _row_bytes(fmt, model.head_dim, "k")
+    v = model.num_kv_heads * _row_bytes(fmt, model.head_dim, "v")
     return {"k": k, "v": v, "total": k + v}
 
 

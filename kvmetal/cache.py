@@ -474,7 +474,8 @@ class PagedKVCache:
         block_size: tokens per block (8, 16 or 32).
         dtype: float dtype of the cache (also what a quantized cache dequantizes to).
         k_bits, v_bits: quantize K and/or V to these bits (None keeps them float).
-        group_size: quantization group size along head_dim.
+        group_size: quantization group size along head_dim, for K and V;
+        k_group_size, v_group_size: one side's own group size (None: ``group_size``).
 
     Sequence ids are any hashable. Typical use per forward pass::
 
@@ -486,7 +487,8 @@ class PagedKVCache:
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int = 16, dtype=mx.float16, k_bits: int | None = None,
-                 v_bits: int | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE):
+                 v_bits: int | None = None, group_size: int = quant.DEFAULT_GROUP_SIZE,
+                 k_group_size: int | None = None, v_group_size: int | None = None):
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("num_blocks", num_blocks)):
             _check_int("PagedKVCache", name, value, 1)
@@ -499,15 +501,25 @@ class PagedKVCache:
         for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
             if bits is not None and bits not in quant.SUPPORTED_BITS:
                 raise ValueError(f"[PagedKVCache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
-        if (k_bits or v_bits) and head_dim % group_size:
-            raise ValueError(f"[PagedKVCache] head_dim {head_dim} is not a multiple of group_size {group_size}")
+        k_group_size = group_size if k_group_size is None else k_group_size
+        v_group_size = group_size if v_group_size is None else v_group_size
+        for name, bits, group in (("k_group_size", k_bits, k_group_size), ("v_group_size", v_bits, v_group_size)):
+            if bits and head_dim % group:
+                name = name if group != group_size else "group_size"
+                raise ValueError(f"[PagedKVCache] head_dim {head_dim} is not a multiple of {name} {group}")
         self.num_layers, self.num_kv_heads, self.head_dim = int(num_layers), int(num_kv_heads), int(head_dim)
         self.block_size, self.dtype = int(block_size), dtype
-        self.k_bits, self.v_bits, self.group_size = k_bits, v_bits, group_size
+        self.k_bits, self.v_bits = k_bits, v_bits
+        self.k_group_size, self.v_group_size = k_group_size, v_group_size
         self.allocator = BlockAllocator(num_blocks, block_size)
         # One physical block more than the allocator hands out: the zero null block.
-        self.key_caches = [self._empty(num_blocks + 1, k_bits) for _ in range(num_layers)]
-        self.value_caches = [self._empty(num_blocks + 1, v_bits) for _ in range(num_layers)]
+        self.key_caches = [self._empty(num_blocks + 1, k_bits, k_group_size) for _ in range(num_layers)]
+        self.value_caches = [self._empty(num_blocks + 1, v_bits, v_group_size) for _ in range(num_layers)]
+
+    @property
+    def group_size(self) -> int:
+        """The group size of K and V (K's, where they differ)."""
+        return self.k_group_size
 
     # ------------------------------------------------------------------ sequences
 
@@ -552,8 +564,8 @@ class PagedKVCache:
         """Add ``num_new`` zeroed blocks to every layer's pool (the null block, zero,
         becomes an ordinary block and a new zero block past them takes its role)."""
         _check_int("grow", "num_new", num_new, 1)
-        self.key_caches = [self._extend(c, num_new, self.k_bits) for c in self.key_caches]
-        self.value_caches = [self._extend(c, num_new, self.v_bits) for c in self.value_caches]
+        self.key_caches = [self._extend(c, num_new, self.k_bits, self.k_group_size) for c in self.key_caches]
+        self.value_caches = [self._extend(c, num_new, self.v_bits, self.v_group_size) for c in self.value_caches]
         self.allocator.grow(num_new)
 
     # ------------------------------------------------------------------ tensors
@@ -617,7 +629,11 @@ class PagedKVCache:
     def quantize(self, *, k_bits: int | None, v_bits: int | None, group_size: int | None = None) -> None:
         """Convert float K and/or V pools to these bits in place (rows round-trip like
         ``mx.quantize``); what is already quantized must already have these bits."""
-        group_size = self.group_size if group_size is None else group_size
+        if group_size is None:
+            group_size = self.k_group_size
+            if self.k_group_size != self.v_group_size:
+                raise ValueError(f"[PagedKVCache.quantize] K and V group sizes differ "
+                                 f"({self.k_group_size}/{self.v_group_size}): give group_size")
         for name, bits, current in (("k_bits", k_bits, self.k_bits), ("v_bits", v_bits, self.v_bits)):
             if bits is not None and bits not in quant.SUPPORTED_BITS:
                 raise ValueError(f"[PagedKVCache.quantize] {name} must be None or one of {quant.SUPPORTED_BITS}, "
@@ -628,13 +644,15 @@ class PagedKVCache:
         if (k_bits or v_bits) and self.head_dim % group_size:
             raise ValueError(f"[PagedKVCache.quantize] head_dim {self.head_dim} is not a multiple of "
                              f"group_size {group_size}")
-        if (self.k_bits or self.v_bits) and group_size != self.group_size:
-            raise ValueError(f"[PagedKVCache.quantize] group_size must stay {self.group_size}, got {group_size}")
+        for bits, current in ((self.k_bits, self.k_group_size), (self.v_bits, self.v_group_size)):
+            if bits and group_size != current:
+                raise ValueError(f"[PagedKVCache.quantize] group_size must stay {current}, got {group_size}")
         convert = lambda c, bits: c if bits is None or isinstance(c, quant.QuantizedKV) else \
             quant.quantize(c, bits=bits, group_size=group_size)
         self.key_caches = [convert(c, k_bits) for c in self.key_caches]
         self.value_caches = [convert(c, v_bits) for c in self.value_caches]
-        self.k_bits, self.v_bits, self.group_size = k_bits, v_bits, group_size
+        self.k_bits, self.v_bits = k_bits, v_bits
+        self.k_group_size, self.v_group_size = group_size, group_size
 
     @property
     def nbytes(self) -> int:
@@ -681,14 +699,13 @@ class PagedKVCache:
     def _shape(self, num_blocks: int) -> tuple:
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
-    def _empty(self, num_blocks: int, bits):
+    def _empty(self, num_blocks: int, bits, group_size: int):
         if bits is None:
             return mx.zeros(self._shape(num_blocks), dtype=self.dtype)
-        return quant.empty_like_layout(self._shape(num_blocks), bits=bits, group_size=self.group_size,
-                                       dtype=self.dtype)
+        return quant.empty_like_layout(self._shape(num_blocks), bits=bits, group_size=group_size, dtype=self.dtype)
 
-    def _extend(self, cache, num_new: int, bits):
-        extra = self._empty(num_new, bits)
+    def _extend(self, cache, num_new: int, bits, group_size: int):
+        extra = self._empty(num_new, bits, group_size)
         if isinstance(cache, quant.QuantizedKV):
             return cache.replace(*(mx.concatenate([a, b]) for a, b in zip(cache.arrays(), extra.arrays())))
         return mx.concatenate([cache, extra])

@@ -89,14 +89,36 @@ def test_engine_tokens_alone_and_in_any_batch(model, cache):
             assert one[1] == many[1], f"{cache}, {name}: request {i}'s logprobs differ"  # bit for bit
 
 
+def test_engine_on_the_metal_kernels_alone_and_in_a_batch(model):
+    """The same through the Metal kernels (on the simulator), K8/V4: split windows and the
+    scheduler's chunk rule make it hold by construction. (Before them: 1 of 6 requests
+    matched its lone run.)"""
+    requests = _requests()
+    with kv.use_backend("sim"):
+        alone = [_generate(model, [r], cache=CACHES["K8/V4"])[0] for r in requests]
+        batched = _generate(model, requests, cache=CACHES["K8/V4"], budget=64, stagger=3)
+    for i, (one, many) in enumerate(zip(alone, batched)):
+        assert one == many, f"request {i}'s tokens or logprobs differ (tokens part at {_parts(one[0], many[0])})"
+
+
 def _parts(a: list, b: list) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+# The Metal kernels run on the simulator: their split windows (KvAttnParams.split_tokens)
+# make them invariant by construction. Metal sends runs of up to VARLEN_DECODE_ROWS rows to
+# the decode partials, so its chunks here are longer (the scheduler never cuts a prompt
+# into such a run: tests/test_engine_scheduler.py).
+BACKEND_CHUNKS = {"cpu": (1, 7, 96), "sim": (12, 32)}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKEND_CHUNKS))
 @pytest.mark.parametrize("bits", [0, 8])
-def test_kernels_give_a_row_the_same_bits_in_any_batch_or_chunk(bits):
+def test_kernels_give_a_row_the_same_bits_in_any_batch_or_chunk(bits, backend, monkeypatch):
     """The ops themselves: a varlen row whatever chunk and batch it is in, a decode row
     whatever batch, with and without a sliding window, past several split windows."""
+    from kvmetal.backends import metal
+    monkeypatch.setattr(metal, "VARLEN_SPLIT_TOKENS", 256)  # several varlen windows too
     H, Hkv, D, bs, L = 8, 2, 64, 16, 1100
     rng = np.random.default_rng(1)
     kc = mx.random.normal((200, Hkv, bs, D), key=mx.random.key(1))
@@ -107,11 +129,11 @@ def test_kernels_give_a_row_the_same_bits_in_any_batch_or_chunk(bits):
     other = rng.permutation(200)[:40].astype(np.int32)
     q = mx.random.normal((96, H, D), key=mx.random.key(3))
     noise = mx.random.normal((37, H, D), key=mx.random.key(4))
-    with kv.use_backend("cpu"):
+    with kv.use_backend(backend):
         for window in (None, 300):
             whole = kv.paged_attention_varlen(q, kc, vc, mx.array(table[None]), mx.array([L], dtype=mx.int32),
                                               mx.array([0, 96], dtype=mx.int32), sliding_window=window)
-            for chunk in (1, 7, 96):
+            for chunk in BACKEND_CHUNKS[backend]:
                 parts = []
                 for a in range(0, 96, chunk):
                     b = min(96, a + chunk)

@@ -78,7 +78,7 @@ BAD_FLAGS = [
     (["generate", "-m", "/nonexistent", "-p", "x", "--min-p", "nan"], "--min-p"),
     (["generate", "-p", "x", "--max-tokens", "0"], "--max-tokens"),
     (["generate", "-p", "x", "--num-blocks", "zero"], "--num-blocks"),
-    (["generate", "-m", "/nonexistent", "-p", "x", "--kv-bits", "8", "--k-bits", "4"], "--kv-bits"),
+    (["generate", "-m", "/nonexistent", "-p", "x", "--kv-bits", "8", "--k-group-size", "48"], "--k-group-size"),
     (["generate", "-p", "x", "--bogus"], "--bogus"),
     (["generate"], "--prompt"),
     (["serve", "--port", "99999"], "--port"),

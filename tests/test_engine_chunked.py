@@ -172,9 +172,10 @@ def test_a_new_request_leaves_a_block_per_running_decode_free():
         assert engine.cache.free_blocks == 4
         c = engine.add_request(list(range(100, 140)), max_tokens=2)
         engine.step()
-        # 4 free blocks, 2 kept for the decodes: c's first chunk is 2 blocks, not its whole 40 tokens
-        assert engine.requests[c].computed == 32
-        assert engine.last_step_tokens == 2 + 32
+        # 4 free blocks, 2 kept for the decodes: c's first chunk fits 2 blocks, not its whole 40
+        # tokens; 31, not 32, so that its rest is no run of <= 8 rows (scheduler.prompt_chunk)
+        assert engine.requests[c].computed == 31
+        assert engine.last_step_tokens == 2 + 31
         while engine.has_work():
             engine.step()
         assert engine.preemptions == 0

@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 
 from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.integrations.engine import Engine  # noqa: E402
-from kvmetal.integrations.scheduler import POLICIES, AdaptiveScheduler  # noqa: E402
+from kvmetal.integrations.scheduler import MIN_PREFILL_CHUNK, POLICIES, AdaptiveScheduler  # noqa: E402
 
 
 def tokens(rng, n):
@@ -123,11 +123,60 @@ def test_the_adaptive_budget_follows_the_measured_step_times():
     for _ in range(50):  # prefill gets cheap: the cap binds
         s.observe(108, 8, 0.011)
     assert s.budget(8) == 256
-    for _ in range(50):  # and dear: at least a block a step
+    for _ in range(50):  # and dear: at least a block a step, and a chunk that moves a prompt
         s.observe(108, 8, 1.0)
-    assert s.budget(8) == 8 + 16
+    assert s.budget(8) == 8 + max(16, MIN_PREFILL_CHUNK)
     assert "adaptive" in POLICIES and POLICIES["fcfs"].uses_priority is False
     with pytest.raises(ValueError, match="step_ratio"):
         AdaptiveScheduler(None, block_size=16, prefix_sharing=False, finish=None, step_ratio=0.5)
     with pytest.raises(ValueError, match="long_prefill_tokens must be an int >= 1"):
         AdaptiveScheduler(None, block_size=16, prefix_sharing=False, finish=None, long_prefill_tokens=0)
+
+
+# ----------------------------------------------------------------------------- chunks and kernels
+
+def test_prompt_chunk_never_cuts_a_short_run_and_always_moves_with_enough_budget():
+    """A prompt is never cut into a chunk, or a remainder, of 1..VARLEN_SHORT_RUN tokens
+    (Metal runs such a run with its decode kernel: other bits than the same rows in a
+    longer run), and a budget of MIN_PREFILL_CHUNK tokens always moves it."""
+    from kvmetal.backends import VARLEN_SHORT_RUN
+    from kvmetal.integrations.scheduler import MIN_PREFILL_CHUNK, prompt_chunk
+    short = range(1, VARLEN_SHORT_RUN + 1)
+    for left in range(1, 80):
+        for n in range(0, 90):
+            got = prompt_chunk(n, left)
+            assert 0 <= got <= min(max(n, 0), left) or got == left <= n
+            if got and got < left:
+                assert got not in short and left - got not in short, (n, left, got)
+            if n >= MIN_PREFILL_CHUNK:
+                assert got > 0, (n, left)
+
+
+@pytest.mark.parametrize("policy,options", [("fcfs", {"long_prefill_tokens": 5}), ("adaptive", {})])
+def test_engine_chunks_follow_the_rule_under_any_budget_left(policy, options):
+    """Through the engine: prompts of every length arriving while others decode; every
+    chunk of a prompt of more than VARLEN_SHORT_RUN tokens has more than that many."""
+    from kvmetal.backends import VARLEN_SHORT_RUN
+    model = tiny_models.build("llama")
+    rng = np.random.default_rng(3)
+    with Engine(model, max_num_batched_tokens=40, block_size=16, scheduling_policy=policy,
+                scheduler_options=options) as engine:
+        seen = []
+        schedule = engine.scheduler.schedule
+
+        def spy(*args):
+            batch = schedule(*args)
+            seen.extend((r.request_id, len(r.tokens) - r.computed, n) for r, n in batch if not r.decoding)
+            return batch
+        engine.scheduler.schedule = spy
+        for length in (3, 9, 17, 18, 30, 57, 100):
+            engine.add_request(tokens(rng, length), max_tokens=3)
+            engine.step()
+        for _ in range(200):
+            if not engine.has_work():
+                break
+            engine.step()
+        assert not engine.has_work()
+        assert len({rid for rid, _, _ in seen}) == 7
+        for rid, left, n in seen:  # a chunk is all that is left, or neither it nor its rest is short
+            assert n == left or (n > VARLEN_SHORT_RUN and left - n > VARLEN_SHORT_RUN), (rid, left, n)

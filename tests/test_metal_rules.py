@@ -117,11 +117,16 @@ def test_inputs_under_8_elements_bound_as_constant(kernel):
 
 # ----------------------------------------------------------------------------- empty splits
 
+@pytest.mark.parametrize("policy", metal.SPLIT_POLICIES)
 @pytest.mark.parametrize("kernel", SCORE_KERNELS)
-def test_more_splits_than_work(kernel, monkeypatch):
-    # Every launch asks for MAX_SPLITS: splits past the work see no token (and must
-    # neither read past a table nor write a partial the reduce takes as real).
+def test_more_splits_than_work(kernel, policy, monkeypatch):
+    # Every launch asks for more splits than its work fills (MAX_SPLITS, or 6 windows
+    # more than a sequence spans): splits past the work see no token (and must neither
+    # read past a table nor write a partial the reduce takes as real).
+    monkeypatch.setenv("KVMETAL_METAL_SPLITS", policy)
     monkeypatch.setattr(metal, "choose_num_splits", lambda *a, **k: metal.MAX_SPLITS)
+    windows = metal.window_splits
+    monkeypatch.setattr(metal, "window_splits", lambda *a, **k: windows(*a, **k) + 6)
     f = cheapest(kernel)
     assert _launched(run_family(f, seed=1), kernel)
 

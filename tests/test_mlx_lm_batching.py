@@ -75,7 +75,7 @@ def test_save_and_load_prompt_cache_continue_identically(tmp_path, family, k_bit
         loaded, meta = load_prompt_cache(path, return_metadata=True)
         assert meta == {"note": "kvmetal"} and all(isinstance(c, PagedLayerCache) for c in loaded)
         assert [c.offset for c in loaded] == [saved_offset] * len(loaded)
-        assert loaded[0].model_cache.options["k_bits"] == k_bits
+        assert loaded[0].model_cache.kv_format.k_bits == k_bits
         got = greedy(model, [first[-1]], 20, loaded)
     assert got == expected
 

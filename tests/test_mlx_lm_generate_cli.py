@@ -86,8 +86,11 @@ def test_kv_bits_means_both_sides(model_dir, capsys):
     both = capsys.readouterr().out
     assert cli.main(base + ["--k-bits", "8", "--v-bits", "8", "--k-group-size", "32", "--v-group-size", "32"]) == 0
     assert capsys.readouterr().out == both and len(both.split()) == 6
-    assert cli.main(base + ["--kv-bits", "8", "--k-bits", "4"]) == 2
-    assert "either --kv-bits or --k-bits" in capsys.readouterr().err
+    # A per-side flag wins for its side, as in serve and bench (kvmetal.kv_format): K4/V8.
+    assert cli.main(base + ["--kv-bits", "8", "--k-bits", "4", "--kv-group-size", "32"]) == 0
+    mixed = capsys.readouterr().out
+    assert cli.main(base + ["--k-bits", "4", "--v-bits", "8", "--kv-group-size", "32"]) == 0
+    assert capsys.readouterr().out == mixed
 
 
 def test_head_dim_96_picks_group_size_32(tmp_path, capsys):

@@ -183,10 +183,26 @@ def test_reference_caches_are_mlx_lm_kinds():
     assert isinstance(make_prompt_cache(tiny_models.build("llama"))[0], KVCache)
 
 
-def test_different_k_and_v_group_sizes_are_refused_before_patching():
+def test_k_and_v_keep_their_own_group_sizes():
+    """K and V may differ in group size (issue 33: the API took both, the cache refused them):
+    each pool side holds its own, and a pass reads them as the kernels take them."""
+    from kvmetal import KVFormat
     model = tiny_models.build("llama")
-    with pytest.raises(NotImplementedError, match=r"k_group_size 32 and v_group_size 64 differ"):
-        use_paged_cache(model, k_bits=8, v_bits=8, k_group_size=32, v_group_size=64)
-    assert "make_cache" not in vars(model)
+    prompt = mx.array(list(range(1, 40)))[None]
+    with use_paged_cache(model, k_bits=8, v_bits=8, k_group_size=32, v_group_size=64) as handle:
+        cache = make_prompt_cache(model)
+        mixed = model(prompt, cache=cache)
+        pool = cache[0].model_cache.pools[0]
+        assert (pool.k_group_size, pool.v_group_size) == (32, 64)
+        assert (pool.key_caches[0].group_size, pool.value_caches[0].group_size) == (32, 64)
+        assert handle.kv_format == KVFormat(k_bits=8, v_bits=8, k_group_size=32, v_group_size=64)
     with use_paged_cache(model, k_bits=8, v_bits=8, k_group_size=32, v_group_size=32):
-        pass
+        same_groups = model(prompt, cache=make_prompt_cache(model))
+    with use_paged_cache(model):
+        exact = model(prompt, cache=make_prompt_cache(model))
+    # V's other group size rounds V differently; K8/V8 stays within 8-bit error of float.
+    assert not mx.array_equal(mixed, same_groups)
+    assert float(mx.abs(mixed - exact).max()) < 0.02 * float(mx.abs(exact).max())
+    with pytest.raises(ValueError, match=r"v_group_size must be None or one of \(32, 64, 128\), got 48"):
+        use_paged_cache(model, k_bits=8, v_bits=4, v_group_size=48)
+    assert "make_cache" not in vars(model)

@@ -18,6 +18,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 
+from kvmetal import KVFormat  # noqa: E402
 from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.integrations.mlx_lm import use_paged_cache  # noqa: E402
 from kvmetal.integrations.model_cache import PagedLayerCache  # noqa: E402
@@ -117,8 +118,8 @@ def test_kv_bits_quantizes_the_pool_like_mlx_lm(family, start):
 
 def test_to_quantized_copies_when_the_pool_is_shared_and_keeps_window_layers():
     model = tiny_models.build("gemma3_text", dtype=mx.float16)  # mlx-lm cannot quantize its window layers
-    with use_paged_cache(model, k_bits=8, v_bits=8):
-        native = make_prompt_cache(model)  # quantized from the first row on
+    with use_paged_cache(model, kv_format=KVFormat(k_bits=8, v_bits=8, k_group_size=64, v_group_size=64)):
+        native = make_prompt_cache(model)  # quantized from the first row on, groups as to_quantized's
         logits_after(model, native, PROMPT)
         want = logits_after(model, native, [7])
     with use_paged_cache(model):

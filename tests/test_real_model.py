@@ -263,9 +263,10 @@ def test_head_dim_64_defaults_to_group_32_and_larger_heads_to_64():
 
     args = SimpleNamespace(kv_bits=None, k_bits=8, v_bits=4, kv_group_size=None, k_group_size=None,
                            v_group_size=None, quantized_kv_start=0)
-    assert kv_options(args, 64)[:4] == (8, 4, 32, 32)
-    assert kv_options(args, 128)[:4] == (8, 4, 64, 64)
-    assert kv_options(SimpleNamespace(**{**vars(args), "kv_group_size": 64}), 64)[2:4] == (64, 64)
+    groups = lambda fmt: (fmt.k_bits, fmt.v_bits, fmt.k_group_size, fmt.v_group_size)
+    assert groups(kv_options(args, 64)[0]) == (8, 4, 32, 32)
+    assert groups(kv_options(args, 128)[0]) == (8, 4, 64, 64)
+    assert groups(kv_options(SimpleNamespace(**{**vars(args), "kv_group_size": 64}), 64)[0])[2:] == (64, 64)
 
 
 def test_a_missing_wheel_is_one_line_naming_the_install_command(monkeypatch, capsys):

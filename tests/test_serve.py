@@ -49,15 +49,22 @@ def kv_layout_model():
     return _LAYOUT_MODEL[0]
 
 
-def test_the_kv_group_size_defaults_as_generate_picks_it():
-    from kvmetal.integrations.generate import default_group_size
-    from kvmetal.serve.server import _group_size
+def test_the_kv_format_is_read_as_generate_reads_it():
+    from types import SimpleNamespace
+
+    from kvmetal import KVFormat
+    from kvmetal.kv_format import default_group_size
+    from kvmetal.serve.server import _kv_format
 
     model = kv_layout_model()  # head_dim 64
-    assert _group_size(None, model) == default_group_size(64) == 32
-    assert _group_size(64, model) == 64
+    flags = dict(kv_bits=None, k_bits=None, v_bits=None, kv_group_size=None, k_group_size=None, v_group_size=None)
+    read = lambda **kw: _kv_format(SimpleNamespace(**{**flags, **kw}), model)
+    assert read(kv_bits=8).k_group_size == default_group_size(64) == 32
+    assert read(kv_bits=4, k_bits=8) == KVFormat(k_bits=8, v_bits=4, k_group_size=32, v_group_size=32)
+    assert read(k_bits=8, kv_group_size=64).k_group_size == 64
+    assert read() == KVFormat()
     with pytest.raises(ValueError, match="--kv-group-size 128 does not divide the model's head_dim 64"):
-        _group_size(128, model)
+        read(kv_bits=8, kv_group_size=128)
 
 
 @pytest.fixture(scope="module")

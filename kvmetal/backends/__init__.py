@@ -72,10 +72,18 @@ import mlx.core as mx
 
 BACKENDS = ("metal", "cpu", "sim")
 
-# Split-KV heuristics of every backend: an automatic split count leaves no split
-# with fewer tokens than this (below it a split's partials and merge cost more
-# than the parallelism it buys). The CPU backend passes it to the C++ planner.
+# Split-KV of every backend: automatic splits are windows of this many tokens, cut at
+# its multiples of each sequence's keys (below it a split's partials and merge cost
+# more than the parallelism it buys). Windows, not a split count chosen per launch,
+# make a sequence's attention the same bits in any batch (docs/serve.md, "Batch
+# invariance"). The CPU backend passes it to the C++ planner; the Metal kernels
+# take it as KvAttnParams.split_tokens.
 MIN_TOKENS_PER_SPLIT = 256
+# A varlen sequence with at most this many query rows may run another kernel than a longer
+# one (Metal sends it to the decode partials), so its rows' bits differ from the same rows
+# in a longer run: the engine's scheduler never cuts a prompt into such a run unless it is
+# the whole prompt left (batch invariance, docs/serve.md).
+VARLEN_SHORT_RUN = 8
 
 _state = threading.local()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import platform
 import re
 import threading
@@ -28,7 +29,7 @@ import numpy as np
 
 from .. import chips
 from ..quant import QuantizedKV, packed_words
-from . import MIN_TOKENS_PER_SPLIT
+from . import MIN_TOKENS_PER_SPLIT, VARLEN_SHORT_RUN
 from .metal_cascade import plan as cascade_plan
 
 # ----------------------------------------------------------------------------- tuning
@@ -58,6 +59,20 @@ CORE_THREADS = 2048
 CORE_MAX_THREADGROUPS = 16
 FALLBACK_GPU_CORES = 10             # base M-series GPU; used where Metal reports nothing
 MAX_SPLITS = 64
+# How automatic splits are cut (docs/kernels.md, "Splits"): "windows" (default) cuts every
+# sequence at the multiples of SPLIT_TOKENS, so its partials and their fold never depend
+# on the batch (batch invariance by construction); "occupancy" (KVMETAL_METAL_SPLITS=
+# occupancy) picks a split count per launch to fill the GPU (choose_num_splits), as
+# kvmetal did before: fewer, longer splits for big batches, but a sequence's bits then
+# follow its batch. Which is faster on a big batch is for `kvmetal bench` on a Mac to say.
+SPLIT_TOKENS = MIN_TOKENS_PER_SPLIT
+# The varlen (prefill) kernel's windows are longer: its partials hold every query row of
+# a chunk (rows x splits x D floats), and a row's K/V tiles in one window are already
+# independent of its chunk, so windows only add parallelism for chunks of few tiles. At
+# 4096 a 2K-token chunk at 32K context writes 8 splits of partials (268 MB at 32 heads,
+# D 128; about 1.5% of its K/V traffic).
+VARLEN_SPLIT_TOKENS = 4096
+SPLIT_POLICIES = ("windows", "occupancy")
 
 DTYPE_TAGS = {mx.float16: "f16", mx.bfloat16: "bf16", mx.float32: "f32", mx.uint32: "u32", mx.int32: "i32"}
 
@@ -96,6 +111,20 @@ def choose_num_splits(work_tokens: int, parallel_groups: int, *, cores: int | No
     wanted = math.ceil(resident / max(1, parallel_groups))
     useful = math.ceil(work_tokens / MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def split_policy() -> str:
+    policy = os.environ.get("KVMETAL_METAL_SPLITS", "windows")
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"KVMETAL_METAL_SPLITS must be one of {SPLIT_POLICIES}, got {policy!r}")
+    return policy
+
+
+def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool) -> int:
+    """Splits a launch needs so that every sequence's windows of ``split_tokens`` fit:
+    a live range of at most ``work_tokens`` spans that many windows, one more when it
+    may start inside one (a sliding window's first visible key)."""
+    return max(1, -(-max(1, work_tokens) // split_tokens) + int(misaligned))
 
 
 @dataclass(frozen=True)
@@ -338,7 +367,7 @@ class ParamStruct:
 ATTENTION_PARAMS = ParamStruct("KvAttnParams", (
     ("num_kv_heads", "i"), ("num_heads", "i"), ("query_len", "i"), ("num_splits", "i"), ("max_blocks", "i"),
     ("num_blocks", "i"), ("window", "i"), ("num_tokens", "i"), ("scale", "f"), ("softcap", "f"),
-    ("head_div", "i"), ("sparse_v", "f")))
+    ("head_div", "i"), ("sparse_v", "f"), ("split_tokens", "i")))
 GATHER_PARAMS = ParamStruct("KvGatherParams", (
     ("num_kv_heads", "i"), ("max_blocks", "i"), ("max_len", "i"), ("num_blocks", "i")))
 
@@ -493,7 +522,8 @@ CASCADE_REDUCE_PARAMS = ParamStruct("KvCascadeReduceParams", (
 
 # ----------------------------------------------------------------------------- varlen prefill tiles
 
-VARLEN_DECODE_ROWS = ROW_REGISTER_LIMIT  # sequences with n_s <= this go through the decode partials
+VARLEN_DECODE_ROWS = VARLEN_SHORT_RUN  # sequences with n_s <= this go through the decode partials
+assert VARLEN_DECODE_ROWS <= ROW_REGISTER_LIMIT
 VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 * simdgroups query rows
 VARLEN_BLOCK_K = (32, 16, 8)             # candidate K/V tile tokens, largest first
 VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer each, rows padded)
@@ -865,14 +895,15 @@ class KernelBackend:
         if sliding_window is not None:
             work = min(work, sliding_window + query_len - 1 + SPLIT_UNIT)
         layout = layout_for(query, key_cache, value_cache, paged=True)
-        splits = self._splits(num_splits, work, num_seqs * num_kv_heads, layout)
+        splits, split_tokens = self._splits(num_splits, work, num_seqs * num_kv_heads, layout,
+                                            misaligned=sliding_window is not None)
         gqa = num_heads // num_kv_heads
         template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, gqa, query_len, layout, sparse_v)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
                                        window=sliding_window or 0, scale=scale, softcap=softcap or 0.0, head_div=1,
-                                       sparse_v=sparse_v or 0.0)
+                                       sparse_v=sparse_v or 0.0, split_tokens=split_tokens)
         geometry = SPECS["paged_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                               num_seqs=num_seqs, layout=layout)
         rows = num_seqs * query_len * num_heads
@@ -887,12 +918,13 @@ class KernelBackend:
         batch, num_heads, query_len, head_dim = query.shape
         _, num_kv_heads, num_tokens, _ = keys.shape
         layout = layout_for(query, keys, values, paged=False)
-        splits = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout)
+        splits, split_tokens = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout, misaligned=False)
         template, kv_buffers = self._kv_inputs(keys, values, head_dim, num_heads // num_kv_heads, query_len, layout,
                                                sparse_v)
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, num_tokens=num_tokens, scale=scale,
-                                       softcap=softcap or 0.0, head_div=query_len, sparse_v=sparse_v or 0.0)
+                                       softcap=softcap or 0.0, head_div=query_len, sparse_v=sparse_v or 0.0,
+                                       split_tokens=split_tokens)
         geometry = SPECS["decode_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                                num_seqs=batch, layout=layout)
         rows = batch * num_heads * query_len
@@ -925,16 +957,22 @@ class KernelBackend:
             tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=kdt.size,
                                                 v_itemsize=vdt.size, transposed_k=tiles.transposed_k)
             useful = max(1, -(-plan.max_work // tiles.block_k))
-            if num_splits is None:
+            split_tokens = 0
+            if num_splits is not None:
+                splits = int(num_splits)
+            elif split_policy() == "windows":  # windows of whole K/V tiles
+                split_tokens = -(-VARLEN_SPLIT_TOKENS // tiles.block_k) * tiles.block_k
+                splits = window_splits(plan.max_work, split_tokens, misaligned=sliding_window is not None)
+            else:
                 splits = choose_num_splits(plan.max_work, plan.tiles.shape[0] * num_kv_heads,
                                            threadgroup_bytes=tg_bytes, threads=tiles.threads)
-            else:
-                splits = int(num_splits)
-            splits = max(1, min(splits, useful))
+            if not split_tokens:
+                splits = max(1, min(splits, useful))
             params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads,
                                            query_len=plan.long_tokens, num_splits=splits, max_blocks=max_blocks,
                                            num_blocks=num_blocks, window=sliding_window or 0,
-                                           num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1)
+                                           num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1,
+                                           split_tokens=split_tokens)
             template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
                             NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), KBITS=kbits, KGS=kgs,
                             VBITS=vbits, VGS=vgs)
@@ -1013,14 +1051,17 @@ class KernelBackend:
         num_rows, query_len, num_heads, head_dim = query4.shape
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         layout = layout_for(query4, key_cache, value_cache, paged=True)
+        split_tokens = SPLIT_TOKENS if split_policy() == "windows" else 0
         if splits is None:
-            splits = self._splits(None, max(1, work), num_rows * num_kv_heads, layout)
+            splits, split_tokens = self._splits(None, max(1, work), num_rows * num_kv_heads, layout,
+                                                misaligned=False)
         template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, num_heads // num_kv_heads, query_len,
                                                layout, sparse_v)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=tables.shape[1], num_blocks=num_blocks, window=0,
-                                       scale=scale, softcap=softcap or 0.0, head_div=1, sparse_v=sparse_v or 0.0)
+                                       scale=scale, softcap=softcap or 0.0, head_div=1, sparse_v=sparse_v or 0.0,
+                                       split_tokens=split_tokens)
         geometry = SPECS["cascade_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads, num_seqs=num_rows,
                                                       layout=layout)
         rows = num_rows * query_len * num_heads
@@ -1042,14 +1083,19 @@ class KernelBackend:
         return template, buffers
 
     @staticmethod
-    def _splits(requested, work_tokens, parallel_groups, layout):
-        # Splits cut whole SPLIT_UNIT-token units: more than that many would be empty.
+    def _splits(requested, work_tokens, parallel_groups, layout, *, misaligned: bool) -> tuple:
+        """(splits, split_tokens) of a partials launch over at most ``work_tokens`` live keys
+        per sequence: windows of SPLIT_TOKENS (split_tokens > 0), or, for an explicit
+        ``requested`` count or the occupancy policy, equal runs (split_tokens = 0)."""
+        if requested is None and split_policy() == "windows":
+            return window_splits(work_tokens, SPLIT_TOKENS, misaligned=misaligned), SPLIT_TOKENS
+        # Equal runs cut whole SPLIT_UNIT-token units: more than that many would be empty.
         useful = max(1, -(-work_tokens // SPLIT_UNIT))
         if requested is not None:
-            return max(1, min(int(requested), useful))
+            return max(1, min(int(requested), useful)), 0
         return max(1, min(useful, choose_num_splits(work_tokens, parallel_groups,
                                                     threadgroup_bytes=layout.threadgroup_bytes,
-                                                    threads=layout.threads)))
+                                                    threads=layout.threads))), 0
 
     @staticmethod
     def _partial_outputs(rows, splits, head_dim):

@@ -24,6 +24,7 @@ from .timing import read_bandwidth_gbps
 
 def _parser() -> argparse.ArgumentParser:
     from ..cli import ArgumentParser, checked
+    from ..kv_format import add_format_flags
 
     at_least = lambda low: checked(int, lambda v: v >= low, f">= {low}")
     p = ArgumentParser(prog="kvmetal bench",
@@ -33,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="an mlx-lm model directory, Hugging Face repo id or 'default' (SmolLM2): prompt and generation "
                         "tokens/s, "
                         "peak memory and KV bytes at several contexts, for kvmetal f32/f16 (the model's K/V dtype), "
-                        "kvmetal K8/V4, mlx-lm "
-                        "KVCache and mlx-lm kv_bits=8")
+                        "kvmetal quantized (K8/V4 unless the K/V flags below say otherwise), mlx-lm "
+                        "KVCache and mlx-lm kv_bits (8, or --kv-bits)")
     p.add_argument("--contexts", default="512,4K,16K",
                    help="with --model: prompt lengths to measure (default 512,4K,16K)")
     p.add_argument("--gen-tokens", type=at_least(2), default=32,
@@ -54,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="draw the results: GB/s per case with the read bandwidth (or chip peak) as a line; "
                         "with --model, tokens/s against context")
     p.add_argument("--no-baseline", action="store_true", help="skip the MLX baselines (faster)")
+    group = p.add_argument_group("with --model, kvmetal's quantized cache",
+                                 "the K/V format flags of kvmetal generate and serve, read the same way")
+    add_format_flags(group)
     return p
 
 

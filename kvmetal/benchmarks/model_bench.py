@@ -5,9 +5,10 @@ configuration) is prefilled and ``--gen-tokens`` tokens are generated greedily w
 mlx-lm's ``generate_step`` under four caches, all in this one process:
 
     kvmetal f32/f16   use_paged_cache(model)                  (the dtype of the model's K/V)
-    kvmetal K8/V4     use_paged_cache(model, k_bits=8, v_bits=4)
+    kvmetal K8/V4     use_paged_cache(model, kv_format=...)   (K8/V4, or what --kv-bits/--k-bits/... say)
     mlx-lm KVCache    mlx-lm's own cache
-    mlx-lm kv_bits=8  mlx-lm's QuantizedKVCache from the first token (quantized_kv_start=0)
+    mlx-lm kv_bits=8  mlx-lm's QuantizedKVCache from the first token (quantized_kv_start=0; the
+                      kvmetal row's bits where K and V agree, else 8; K's group size)
 
 Reported per cell: prompt tokens/s (prefill through the first token), generation
 tokens/s (the remaining tokens), peak memory (``mx.get_peak_memory``, reset before each
@@ -24,16 +25,25 @@ import time
 import mlx.core as mx
 import numpy as np
 
-CONFIGS = (
-    ("kvmetal float", dict(paged=True)),  # labelled with the K/V dtype when printed
-    ("kvmetal K8/V4", dict(paged=True, k_bits=8, v_bits=4)),
-    ("mlx-lm KVCache", dict(paged=False)),
-    ("mlx-lm kv_bits=8", dict(paged=False, kv_bits=8)),
-)
+from ..kv_format import KVFormat
+
+DEFAULT_QUANTIZED = KVFormat(k_bits=8, v_bits=4)  # the kvmetal row when no K/V flag is given
 
 
-def measure(model, prompt: list, *, gen_tokens: int, config: dict, group_size: int, backend: str,
-            block_size: int = 16) -> dict:
+def configs(fmt: KVFormat, head_dim: int) -> list:
+    """(name, config) rows: kvmetal float, kvmetal ``fmt`` (its group sizes for head_dim), mlx-lm's
+    KVCache and its QuantizedKVCache at ``fmt``'s bits when K and V agree (else 8) and K's group."""
+    fmt = fmt.for_head_dim(head_dim)
+    mlx_bits = fmt.k_bits if fmt.k_bits == fmt.v_bits else 8
+    return [
+        ("kvmetal float", dict(paged=True)),  # labelled with the K/V dtype when printed
+        (f"kvmetal {fmt.label.split(' ')[0]}", dict(paged=True, kv_format=fmt)),
+        ("mlx-lm KVCache", dict(paged=False)),
+        (f"mlx-lm kv_bits={mlx_bits}", dict(paged=False, kv_bits=mlx_bits, group_size=fmt.group_size("k"))),
+    ]
+
+
+def measure(model, prompt: list, *, gen_tokens: int, config: dict, backend: str, block_size: int = 16) -> dict:
     """One prefill + ``gen_tokens`` greedy tokens under one cache configuration."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -46,12 +56,9 @@ def measure(model, prompt: list, *, gen_tokens: int, config: dict, group_size: i
     kwargs = {}
     handle = None
     if config["paged"]:
-        handle = use_paged_cache(model, block_size=block_size, k_bits=config.get("k_bits"),
-                                 v_bits=config.get("v_bits"),
-                                 k_group_size=group_size if config.get("k_bits") else None,
-                                 v_group_size=group_size if config.get("v_bits") else None)
+        handle = use_paged_cache(model, block_size=block_size, kv_format=config.get("kv_format"))
     elif config.get("kv_bits"):
-        kwargs = dict(kv_bits=config["kv_bits"], kv_group_size=group_size, quantized_kv_start=0)
+        kwargs = dict(kv_bits=config["kv_bits"], kv_group_size=config["group_size"], quantized_kv_start=0)
     try:
         with use_backend(backend):
             cache = make_prompt_cache(model)
@@ -142,11 +149,14 @@ def print_table(rows: list, *, header: str) -> None:
 
 
 def main(args, backend: str) -> int:
-    from ..budget import largest_group_size, parse_tokens, shape_from_config
+    from ..budget import parse_tokens, shape_from_config
+    from ..kv_format import format_from_args
     from ..integrations.generate import UserError, resolve_model
     from .provenance import provenance
 
     try:
+        fmt = format_from_args(args)
+        fmt = fmt if fmt.quantized else DEFAULT_QUANTIZED
         contexts = [parse_tokens(c.strip(), name="--contexts") for c in args.contexts.split(",") if c.strip()]
         if not contexts:
             raise ValueError("--contexts is empty")
@@ -160,7 +170,11 @@ def main(args, backend: str) -> int:
 
     model, _, config = load(str(path), return_config=True)
     shape = shape_from_config(config, name=path.name)
-    group = 64 if shape.head_dim % 64 == 0 else largest_group_size(shape.head_dim)
+    try:
+        rows_of = configs(fmt, shape.head_dim)
+    except ValueError as exc:
+        print(f"kvmetal bench: error: {exc}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(0)
     vocab = shape.vocab_size or 1000
     float_label = f"kvmetal {kv_dtype_label(model)}"
@@ -170,14 +184,13 @@ def main(args, backend: str) -> int:
         prompt = [int(t) for t in rng.integers(0, vocab, context)]
         runs = {}
         for sample in range(samples):  # the configurations take turns
-            for name, cfg in CONFIGS:
+            for name, cfg in rows_of:
                 name = float_label if name == "kvmetal float" else name
                 if any("error" in run for run in runs.get(name, ())):
                     continue  # a configuration this model cannot run: said once
                 print(f"[{context} tokens] {name} (run {sample + 1} of {samples}) ...", file=sys.stderr, flush=True)
                 try:
-                    run = measure(model, prompt, gen_tokens=args.gen_tokens, config=cfg, group_size=group,
-                                  backend=backend)
+                    run = measure(model, prompt, gen_tokens=args.gen_tokens, config=cfg, backend=backend)
                 except (NotImplementedError, ValueError) as exc:
                     run = {"error": str(exc)}
                     print(f"  {name}: {exc}", file=sys.stderr)
@@ -186,7 +199,8 @@ def main(args, backend: str) -> int:
             row = got[0] if "error" in got[0] else summarize(got)
             rows.append({"context": context, "config": name, **row})
     report = {"model": str(path), "family": config.get("model_type"), "backend": backend,
-              "gen_tokens": args.gen_tokens, "samples": samples, "group_size": group,
+              "gen_tokens": args.gen_tokens, "samples": samples,
+              "kv_format": rows_of[1][1]["kv_format"].label,
               "provenance": provenance(backend), "rows": rows}
     if args.plot:
         from .plots import plot_model_results

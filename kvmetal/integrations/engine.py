@@ -49,6 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import _is_int
+from ..kv_format import KVFormat
 from .forward import Forward
 from .mlx_lm import use_paged_cache
 from .request import Event, Request, RequestTooLarge
@@ -75,9 +76,9 @@ class Engine:
 
     Args:
         model: an mlx-lm model of a family ``use_paged_cache`` supports.
-        block_size, num_blocks, k_bits, v_bits: the paged cache (``num_blocks=None`` grows).
-        k_group_size, v_group_size: quantization group sizes, passed to ``use_paged_cache``
-            when given (None: its default).
+        block_size, num_blocks: the paged cache (``num_blocks=None`` grows).
+        kv_format: how it stores K and V (``kvmetal.KVFormat``), as ``use_paged_cache`` takes it;
+        k_bits, v_bits, k_group_size, v_group_size: the same as loose arguments.
         prefix_sharing: share full prompt blocks between requests with equal prefixes.
         sampler: logits [S, V] -> token ids [S] for requests without ``sampling``; greedy by default.
         keep_finished: keep finished requests in ``requests`` (a server turns this off).
@@ -117,7 +118,7 @@ class Engine:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False,
                  scheduling_policy: str = "fcfs", scheduler_options: dict | None = None,
-                 cascade: bool = False, tokenizer=None):
+                 cascade: bool = False, tokenizer=None, kv_format: KVFormat | None = None):
         self.model = model
         self.eos_token_ids = _eos_ids(model, tokenizer)  # a request's stop tokens unless it gives its own
         # checked before the model is patched: a bad value leaks nothing
@@ -125,9 +126,9 @@ class Engine:
         if scheduling_policy not in POLICIES:
             raise ValueError(f"[Engine] scheduling_policy must be one of {sorted(POLICIES)}, "
                              f"got {scheduling_policy!r}")
-        groups = {k: v for k, v in (("k_group_size", k_group_size), ("v_group_size", v_group_size)) if v is not None}
-        self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits,
-                                      v_bits=v_bits, **groups)
+        self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks, kv_format=kv_format,
+                                      k_bits=k_bits, v_bits=v_bits, k_group_size=k_group_size,
+                                      v_group_size=v_group_size)
         try:
             self.cache = self.handle.new_model_cache(cascade=bool(cascade))
             self.scheduler = POLICIES[scheduling_policy](

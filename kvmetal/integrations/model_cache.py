@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import ops, quant
 from ..cache import HOLE, KVCacheFull, PagedKVCache
+from ..kv_format import KVFormat
 from . import cascade_plan
 from .table_mirror import BlockTableMirror
 
@@ -58,13 +59,15 @@ class _Plan:
     cascade: object = None  # one-token passes: the shared-prefix arguments (a tuple), False for none
 
 
-def _one_group_size(group_size, k_group_size, v_group_size) -> int:
-    """PagedKVCache quantizes K and V with one group size."""
-    sizes = {g for g in (group_size, k_group_size, v_group_size) if g is not None}
-    if len(sizes) > 1:
-        raise NotImplementedError(f"[PagedModelCache] k_group_size {k_group_size} and v_group_size "
-                                  f"{v_group_size} differ; the paged cache takes one group size for K and V")
-    return sizes.pop() if sizes else quant.DEFAULT_GROUP_SIZE
+def _pack_groups(k_group: int, v_group: int) -> int:
+    """K's and V's group sizes in ``state``'s one int32 field: K's alone where they agree
+    (what saves from before per-side group sizes hold), else K's | V's << 16."""
+    return k_group if k_group == v_group else k_group | (v_group << 16)
+
+
+def _unpack_groups(field: int) -> tuple:
+    k_group, v_group = field & 0xFFFF, field >> 16
+    return k_group, v_group or k_group
 
 
 class PagedModelCache:
@@ -74,9 +77,10 @@ class PagedModelCache:
         specs: one :class:`LayerSpec` per layer.
         block_size: tokens per block.
         num_blocks: blocks per group pool; None starts small and grows on demand.
-        k_bits, v_bits: quantize K / V (None keeps them in the model's float dtype).
-        group_size: quantization group size along head_dim for K and V (None: 64);
-        k_group_size, v_group_size: the same, per side (they must agree: one group size per pool).
+        kv_format: how K and V are stored (``kvmetal.KVFormat``: bits and group size per side;
+            a group size left None is chosen per pool's head_dim, ``kv_format.default_group_size``).
+        k_bits, v_bits, group_size, k_group_size, v_group_size: the same as loose arguments
+            (instead of ``kv_format``).
         cascade: one-token decode passes of full-attention layers group sequences that share
             leading blocks (kvmetal/integrations/cascade_plan.py) and run
             ``paged_attention_cascade``, which reads each shared prefix once per step;
@@ -87,15 +91,17 @@ class PagedModelCache:
     """
 
     def __init__(self, specs, *, block_size: int = 16, num_blocks: int | None = None,
-                 k_bits: int | None = None, v_bits: int | None = None, group_size: int | None = None,
-                 k_group_size: int | None = None, v_group_size: int | None = None, cascade: bool = CASCADE,
-                 sparse_v: float | None = None):
-        group_size = _one_group_size(group_size, k_group_size, v_group_size)
+                 kv_format: KVFormat | None = None, k_bits: int | None = None, v_bits: int | None = None,
+                 group_size: int | None = None, k_group_size: int | None = None, v_group_size: int | None = None,
+                 cascade: bool = CASCADE, sparse_v: float | None = None):
+        self.kv_format = KVFormat.coerce(kv_format, k_bits=k_bits, v_bits=v_bits, group_size=group_size,
+                                         k_group_size=k_group_size, v_group_size=v_group_size,
+                                         owner="PagedModelCache")
         self.sparse_v = ops.sparse_v_threshold("PagedModelCache", sparse_v)
         self.specs = list(specs)
         self.growable = num_blocks is None
-        self.options = dict(block_size=block_size, num_blocks=num_blocks, k_bits=k_bits, v_bits=v_bits,
-                            group_size=group_size, cascade=bool(cascade), sparse_v=self.sparse_v)
+        self.options = dict(block_size=block_size, num_blocks=num_blocks, kv_format=self.kv_format,
+                            cascade=bool(cascade), sparse_v=self.sparse_v)
         self.cascade_steps = 0  # one-token passes (per full-attention layer group) that ran the cascade op
         group_keys = []
         self.layer_group, self.layer_index = [], []
@@ -109,8 +115,8 @@ class PagedModelCache:
         self.pools = [
             PagedKVCache(num_layers=self.layer_group.count(g), num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, num_blocks=num_blocks or INITIAL_BLOCKS,
-                         block_size=block_size, dtype=spec.dtype, k_bits=k_bits, v_bits=v_bits,
-                         group_size=group_size)
+                         block_size=block_size, dtype=spec.dtype,
+                         **self.kv_format.for_head_dim(spec.head_dim).cache_options())
             for g, spec in enumerate(group_keys)
         ]
         self.block_size = block_size
@@ -230,7 +236,9 @@ class PagedModelCache:
         """Convert every pool's float K and/or V to these bits in place."""
         for pool in self.pools:
             pool.quantize(k_bits=k_bits, v_bits=v_bits, group_size=group_size)
-        self.options.update(k_bits=k_bits, v_bits=v_bits, group_size=self.pools[0].group_size)
+        group = self.pools[0].group_size
+        self.kv_format = KVFormat(k_bits=k_bits, v_bits=v_bits, k_group_size=group, v_group_size=group)
+        self.options.update(kv_format=self.kv_format)
         self._touch()
 
     # ------------------------------------------------------------------ accounting
@@ -685,17 +693,19 @@ class PagedLayerCache(_LayerGroupView):
         count = max(1, max(self._offsets) - first)
         keys, values = (_stored_rows(c, tables, count)
                         for c in (self.pool.key_caches[self._index], self.pool.value_caches[self._index]))
-        o = self.model_cache.options
-        info = [first, self.window or 0, self.block_size, o["k_bits"] or 0, o["v_bits"] or 0, o["group_size"]]
+        fmt = self.model_cache.kv_format
+        groups = _pack_groups(self.pool.k_group_size, self.pool.v_group_size)
+        info = [first, self.window or 0, self.block_size, fmt.k_bits or 0, fmt.v_bits or 0, groups]
         return keys, values, mx.array(info + self._offsets, dtype=mx.int32)
 
     @state.setter
     def state(self, v):
         keys, values, info = v
         info = [int(x) for x in np.array(info).reshape(-1)]
-        first, window, block_size, k_bits, v_bits, group_size = info[:6]
+        first, window, block_size, k_bits, v_bits, groups = info[:6]
+        k_group, v_group = _unpack_groups(groups)
         meta = dict(first=first, window=window or None, block_size=block_size, k_bits=k_bits or None,
-                    v_bits=v_bits or None, group_size=group_size)
+                    v_bits=v_bits or None, k_group_size=k_group, v_group_size=v_group)
         self._restore(keys, values, info[6:], meta)
 
     @property
@@ -718,11 +728,12 @@ class PagedLayerCache(_LayerGroupView):
     def _restore(self, keys, values, offsets, meta) -> None:
         first = meta["first"]
         sample = keys if isinstance(keys, mx.array) else keys[1]  # float rows, or the scales
-        head_dim = keys.shape[-1] if isinstance(keys, mx.array) else keys[1].shape[-1] * meta["group_size"]
+        head_dim = keys.shape[-1] if isinstance(keys, mx.array) else keys[1].shape[-1] * meta["k_group_size"]
         dtype = sample.dtype
         spec = LayerSpec(meta["window"], int(sample.shape[1]), int(head_dim), dtype)
-        model_cache = PagedModelCache([spec], block_size=meta["block_size"], k_bits=meta["k_bits"],
-                                      v_bits=meta["v_bits"], group_size=meta["group_size"])
+        fmt = KVFormat(k_bits=meta["k_bits"], v_bits=meta["v_bits"], k_group_size=meta["k_group_size"],
+                       v_group_size=meta["v_group_size"])
+        model_cache = PagedModelCache([spec], block_size=meta["block_size"], kv_format=fmt)
         refs = [model_cache._new_ref() for _ in offsets]
         pool = model_cache.pools[0]
         for i, (ref, total) in enumerate(zip(refs, offsets)):
@@ -839,11 +850,12 @@ class PagedLayerCache(_LayerGroupView):
         """mlx-lm's ``kv_bits`` / ``quantized_kv_start``: K and V of every layer move to
         ``bits``. The pool is converted in place when these sequences are all it holds,
         else they are copied into a quantized pool of their own."""
-        o = self.model_cache.options
-        if o["k_bits"] == bits and o["v_bits"] == bits and o["group_size"] == group_size:
+        o = self.model_cache.kv_format
+        pool = self.pool
+        if o.k_bits == bits and o.v_bits == bits and pool.k_group_size == pool.v_group_size == group_size:
             return self
-        if o["k_bits"] is not None or o["v_bits"] is not None:
-            raise ValueError(f"[PagedLayerCache.to_quantized] the cache already holds K{o['k_bits']}/V{o['v_bits']} "
+        if o.quantized:
+            raise ValueError(f"[PagedLayerCache.to_quantized] the cache already holds K{o.k_bits}/V{o.v_bits} "
                              f"rows; cannot requantize to {bits} bits")
         model_cache = self.model_cache
         live = set(model_cache.pools[0].allocator.sequences())
@@ -944,7 +956,8 @@ def _first_live_token(pool: PagedKVCache, seq_id) -> int:
 
 def _quantized_copy(model_cache: PagedModelCache, seq_ids: list, bits: int, group_size: int) -> list:
     """Refs to copies of ``seq_ids``' live rows in a new quantized PagedModelCache."""
-    options = dict(model_cache.options, k_bits=bits, v_bits=bits, group_size=group_size)
+    options = dict(model_cache.options, kv_format=KVFormat(k_bits=bits, v_bits=bits, k_group_size=group_size,
+                                                           v_group_size=group_size))
     target = PagedModelCache(model_cache.specs, **options)
     refs = [target._new_ref() for _ in seq_ids]
     for src, ref in zip(seq_ids, refs):

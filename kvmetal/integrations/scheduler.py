@@ -38,10 +38,28 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from ..backends import VARLEN_SHORT_RUN
 from ..cache import KVCacheFull
 from .request import Request
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256  # tokens one step computes (decodes included); measured: docs/integration.md
+
+
+# A step's prefill budget of at least this many tokens always moves a prompt under
+# prompt_chunk's rule (what is left is taken whole, or a chunk of 9+ leaves 9+).
+MIN_PREFILL_CHUNK = 2 * VARLEN_SHORT_RUN + 2
+
+
+def prompt_chunk(n: int, left: int) -> int:
+    """The most tokens, at most ``n``, of a prompt with ``left`` tokens still to compute
+    that one chunk may take, 0 for none this step: neither the chunk nor what it leaves
+    is a short run (1..VARLEN_SHORT_RUN tokens) unless it is all that is left. A prompt's
+    rows then run the same attention kernel whatever its chunks are (on Metal a short run
+    takes the decode kernel, whose bits differ), so its tokens do not follow the batch."""
+    if n >= left:
+        return left
+    n = min(n, left - VARLEN_SHORT_RUN - 1)
+    return n if n > VARLEN_SHORT_RUN else 0
 
 
 class Scheduler:
@@ -173,6 +191,8 @@ class Scheduler:
             if request not in self.running:
                 continue  # preempted below to make room for an older one
             share = self._share(request, budget)
+            if not share:
+                continue  # the budget left is too short for a chunk of it (prompt_chunk)
             n = self._grow_chunk(request, share)
             while not n and not chunks and not any(r.decoding for r in self.running):
                 # Nothing else runs this step: prefills hold the pool. Preempt victims until it
@@ -208,20 +228,30 @@ class Scheduler:
 
     def _share(self, request: Request, budget: int) -> int:
         """A partly prefilled prompt's chunk this step: what is left of it, within the budget
-        and the policy's limit."""
-        n = min(budget, request.num_tokens - request.computed)
+        and the policy's limit (prompt_chunk's rule)."""
+        left = request.num_tokens - request.computed
+        n = min(budget, left)
         limit = self.chunk_limit(request, budget)
-        return n if limit is None else min(n, limit)
+        if limit is not None:
+            n = min(n, max(limit, MIN_PREFILL_CHUNK))
+        return self._chunk(n, left)
+
+    def _chunk(self, n: int, left: int) -> int:
+        """prompt_chunk's rule, where the budget lets every prompt move under it."""
+        if self.max_num_batched_tokens < MIN_PREFILL_CHUNK:
+            return min(n, left)
+        return prompt_chunk(n, left)
 
     def _grow_chunk(self, request: Request, n: int) -> int:
         """Reserve the next ``n`` tokens of a partly prefilled request, or as many as fit."""
         tokens = request.tokens
+        left = request.num_tokens - request.computed
         while n:
             try:
                 self._append(request, tokens[request.computed:request.computed + n])
                 return n
             except KVCacheFull:
-                n //= 2
+                n = self._chunk(n // 2, left)
         return 0
 
     def _admit(self, request: Request, budget: int, events: list, *, alone: bool) -> int | None:
@@ -237,9 +267,13 @@ class Scheduler:
                 return None  # a new sequence takes at least one block: skip hashing its prompt
         tokens = request.tokens  # a preempted request resumes from here
         start = self.cache.cached_prefix(tokens) if self.prefix_sharing else 0
-        n = min(budget, len(tokens) - start)
+        left = len(tokens) - start
+        n = min(budget, left)
         if room is not None and not alone:
             n = min(n, room * self.block_size)  # more can never fit: fewer halvings below
+        n = self._chunk(n, left)
+        if not n and left and not alone:
+            return None  # too little budget or room for a chunk of it this step
         while n:
             try:
                 if self.prefix_sharing:
@@ -248,7 +282,7 @@ class Scheduler:
                     got = self.cache.add_sequence(request.request_id, num_tokens=n)
                 break
             except KVCacheFull:
-                n //= 2
+                n = self._chunk(n // 2, left)
         if not n:
             if not alone:
                 return None
@@ -373,7 +407,7 @@ class AdaptiveScheduler(PriorityScheduler):
         if self.decode_seconds is None or self.token_seconds is None:
             return cap  # nothing measured yet
         room = (self.step_ratio - 1) * self.decode_seconds / max(self.token_seconds, 1e-9)
-        return min(cap, decodes + max(self.block_size, int(room)))
+        return min(cap, decodes + max(self.block_size, MIN_PREFILL_CHUNK, int(room)))
 
     def chunk_limit(self, request: Request, budget: int) -> int | None:
         limit = super().chunk_limit(request, budget)

