@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvmetal import cli
-from kvmetal.benchmarks import attention_capture, sparse_v_captured
+from kvmetal.benchmarks import attention_capture, cases
 
 
 def _fake_capture(path, *, tokens=160, layers=2, sink=3.0):
@@ -47,7 +47,8 @@ def test_case_times_exact_and_sparse_and_reports_sim_v_bytes(tmp_path, monkeypat
 
 def test_case_without_a_capture_says_how_to_make_one(tmp_path, monkeypatch):
     monkeypatch.setenv("KVMETAL_SPARSE_V_CAPTURE", str(tmp_path / "missing.npz"))
-    rows = sparse_v_captured.run(backend="cpu", tokens=0, repeat=1, baseline=True, progress=lambda m: None)
+    rows = cases.run_case("sparse_v_captured", backend="cpu", tokens=0, repeat=1, baseline=True,
+                          progress=lambda m: None)
     assert rows[0]["skipped"] and "attention_capture" in rows[0]["note"]
 
 

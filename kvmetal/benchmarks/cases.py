@@ -215,7 +215,7 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
 def _sparse_v_captured(**kwargs):
     from .sparse_v_captured import run  # loads the capture only when asked for
 
-    return run(**kwargs)
+    return run(result_row=_result, time_baseline=_baseline, simulator_missing=simulator_missing, **kwargs)
 
 
 # ----------------------------------------------------------------------------- prefill (varlen)

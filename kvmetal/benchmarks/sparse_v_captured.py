@@ -107,9 +107,8 @@ def sim_v_bytes(layer, tau) -> tuple[int, int]:
     return loaded, live_bytes(vc, lens)
 
 
-def run(*, backend, tokens, repeat, baseline, progress):
-    from .cases import _baseline, _result, simulator_missing
-
+def run(*, backend, tokens, repeat, baseline, progress, result_row, time_baseline, simulator_missing):
+    """The case (cases.py passes its row builders: this module does not import it back)."""
     path = capture_path()
     name = "sparse_v_captured"
     if path is None or not path.is_file():
@@ -128,7 +127,7 @@ def run(*, backend, tokens, repeat, baseline, progress):
         mx.eval(*[a for layer in layers for a in _arrays(layer)])
         kv_bytes = sum(live_bytes(layer[0][1], layer[0][4]) + live_bytes(layer[0][2], layer[0][4]) for layer in layers)
         with use_backend(backend):
-            exact = _baseline(f"kvmetal paged_attention exact ({backend})", lambda: _step(layers, None), repeat)
+            exact = time_baseline(f"kvmetal paged_attention exact ({backend})", lambda: _step(layers, None), repeat)
             sparse = time_stats(lambda: _step(layers, SPARSE_V_TAU), repeat=repeat)
         extra = {"capture": str(path), "model": meta["model"], "context": meta["tokens"], "layers": len(rows),
                  "tau": SPARSE_V_TAU, "v_rows_skippable_final_max": float(np.mean(final))}
@@ -145,6 +144,6 @@ def run(*, backend, tokens, repeat, baseline, progress):
                          v_rows_skippable_final_max_sim_layers=float(np.mean([final[i] for i in at])))
         else:
             extra["sim_note"] = no_sim
-        results.append(_result(f"{name}_{label} T={context} tau={SPARSE_V_TAU:g}", backend, sparse, kv_bytes,
+        results.append(result_row(f"{name}_{label} T={context} tau={SPARSE_V_TAU:g}", backend, sparse, kv_bytes,
                                exact, **extra))
     return results
