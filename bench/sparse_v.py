@@ -11,7 +11,8 @@ the same decode path):
 
 * mean KL(exact || sparse) of the next-token distribution and the perplexity of the
   window's text, for each tau and context;
-* the fraction of V rows the Metal kernel skips and its V bytes, by the simulator: at
+* the fraction of V rows the Metal kernel skips and its V bytes, by the simulator, beside
+  the rows the final-max rule would skip in the same calls (the most any kernel can): at
   ``--sim-steps`` decode steps of each window the exact run's ``paged_attention`` calls
   of layers ``--sim-layers`` are captured and replayed on the sim backend with each tau
   (every kv head; V bytes loaded from ``value_data``/``value_scales``/``value_biases``
@@ -21,8 +22,8 @@ Later windows follow the earlier windows of the same run (their K/V were written
 sparse V), as a server's cache would. Results go to ``--json``; ``--report`` prints the
 markdown table.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python bench/sparse_v.py --json bench/sparse_v_smollm2.json
+    LD_PRELOAD=$(python -c "from kvmetal.models.blas import preload_value; print(preload_value())") \\
+        python bench/sparse_v.py --json bench/sparse_v_smollm2.json [--taus 1e-4,1e-6 --window 64]
     python bench/sparse_v.py --json bench/sparse_v_smollm2.json --report
 """
 from __future__ import annotations

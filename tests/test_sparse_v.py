@@ -163,6 +163,19 @@ def _check_seed_k_reads(exact, sparse):
         assert 0 < k_sparse.loaded - k_exact.loaded <= 2 * simdgroups * 64 * 2  # a row: <= D float16s
 
 
+def _sink_case(rng, query_len):
+    """Two sequences (700, 333 tokens), 2 kv heads x G 2, whose key 0 is aligned with
+    their queries: an attention sink that puts most keys under tau against it."""
+    q, kc, vc, tables, lens = _paged(rng, peak=1.0, query_len=query_len, lens=(700, 333), gqa=2)
+    kcf = np.array(kc.astype(mx.float32))
+    qf = np.array(q.astype(mx.float32)).reshape(2, -1, 4, 64)
+    for s in range(2):
+        block = int(np.array(tables)[s, 0])
+        for h in range(2):
+            kcf[block, h, 0] = 12.0 * qf[s, :, 2 * h:2 * h + 2].mean(axis=(0, 1))
+    return q, mx.array(kcf).astype(mx.float16), vc, tables, lens
+
+
 def _poison_sure_skips(args, tau, **kw):
     """args with NaN in the V rows every seeded kernel skips (reference.sparse_v_sure_skips)
     and how many rows that is: a kernel that reads one of them returns NaN."""
@@ -183,15 +196,7 @@ def test_seeded_running_max_never_reads_sure_skips(backend, query_len):
     # The keys below tau against the seeds' scores (the first live key, here a sink with
     # a high score, and the newest) are skipped in every split and simdgroup, from the
     # first key of each on: with a running max from -inf, each run's first keys were read.
-    rng = np.random.default_rng(21)
-    q, kc, vc, tables, lens = _paged(rng, peak=1.0, query_len=query_len, lens=(700, 333), gqa=2)
-    kcf = np.array(kc.astype(mx.float32))
-    qf = np.array(q.astype(mx.float32)).reshape(2, -1, 4, 64)
-    for s in range(2):  # key 0 of each sequence: aligned with its queries (an attention sink)
-        block = int(np.array(tables)[s, 0])
-        for h in range(2):
-            kcf[block, h, 0] = 12.0 * qf[s, :, 2 * h:2 * h + 2].mean(axis=(0, 1))
-    args = (q, mx.array(kcf).astype(mx.float16), vc, tables, lens)
+    args = _sink_case(np.random.default_rng(21), query_len)
     tau = 1e-3
     poisoned, count = _poison_sure_skips(args, tau)
     assert count > 0.3 * 2 * (700 + 333)  # most rows: the check is not vacuous
@@ -200,6 +205,33 @@ def test_seeded_running_max_never_reads_sure_skips(backend, query_len):
         out = kv.paged_attention(*poisoned, sparse_v=tau, num_splits=4)
         mx.eval(out)
     _check_bound(out, reference.paged_attention(*args), bound, mx.float16)
+
+
+def test_oracle_seeds_are_the_first_seen_and_the_newest_key():
+    assert reference.sparse_v_seeds(10) == (0, 9)
+    assert reference.sparse_v_seeds(10, 3) == (0, 7)  # row 0 of 3 sits at 7: every row sees it
+    assert reference.sparse_v_seeds(10, 1, sliding_window=4) == (6, 9)
+    assert reference.sparse_v_seeds(1) == (0,)
+    assert reference.sparse_v_seeds(2, 3) == (0,)  # row 0 sees nothing; no negative position
+    assert reference.sparse_v_seeds(0) == ()
+
+
+def test_oracle_sure_skips_lie_inside_the_final_max_set():
+    # seed max <= final max: every sure skip is also below tau against the final max.
+    q, kc, vc, tables, lens = _sink_case(np.random.default_rng(23), 2)
+    tau = 1e-3
+    sure = reference.sparse_v_sure_skips(q, kc, tables, lens, sparse_v=tau)
+    qf, keys = reference.to_f64(q), reference.to_f64(kc)
+    for s, mask in enumerate(sure):
+        n = int(np.array(lens)[s])
+        rows = reference.sequence_rows(keys, reference.to_int(tables)[s], n)
+        for h in range(rows.shape[0]):
+            for i in range(2):
+                last = n - 2 + i
+                scores = rows[h, :last + 1] @ qf[s, i, 2 * h:2 * h + 2].T * 64 ** -0.5  # [t, G]
+                final = np.exp(scores - scores.max(axis=0)) < tau
+                assert final.all(axis=1)[mask[h, :last + 1]].all()
+        assert mask.any()
 
 
 @pytest.mark.parametrize("bad,error", [(-1e-3, ValueError), (float("nan"), ValueError), (1.0, ValueError),
