@@ -207,6 +207,22 @@ def test_seeded_running_max_never_reads_sure_skips(backend, query_len):
     _check_bound(out, reference.paged_attention(*args), bound, mx.float16)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_seeds_stay_within_the_bound(backend):
+    # With a window the first seed is the first key row 0 sees (not key 0); rows that do
+    # not see a seed mask it. A seed outside a row's window would break the bound.
+    rng = np.random.default_rng(25)
+    args = _paged(rng, peak=6.0, query_len=3, gqa=2)
+    tau = 1e-3
+    exact = reference.paged_attention(*args, sliding_window=40)
+    _, bound = reference.paged_attention(*args, sparse_v=tau, with_bound=True, sliding_window=40)
+    with run_on(backend):
+        out = kv.paged_attention(*args, sparse_v=tau, sliding_window=40, num_splits=3)
+        mx.eval(out)
+    _check_bound(out, exact, bound, mx.float16)
+    assert bound.max() > 0
+
+
 def test_oracle_seeds_are_the_first_seen_and_the_newest_key():
     assert reference.sparse_v_seeds(10) == (0, 9)
     assert reference.sparse_v_seeds(10, 3) == (0, 7)  # row 0 of 3 sits at 7: every row sees it
