@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
@@ -222,6 +223,7 @@ def main(argv=None) -> int:
             from kvmetal.serve.tiny import build_model_dir
 
             model = str(build_model_dir(tmp / "tiny-llama", max_position_embeddings=8192))
+        from kvmetal.models import blas
         from kvmetal.serve.server import ServerProcess
 
         long_bodies = None
@@ -245,6 +247,16 @@ def main(argv=None) -> int:
                 port = free_port()
                 lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
                           "--port", str(port), "--log-level", "WARNING"]
+                # The same float32 BLAS as kvmetal serve (which loads OpenBLAS itself, with half the
+                # cores: its threads spin between calls): a baseline on MLX's bundled reference
+                # BLAS would be ~10x slower at prefill, one with every core to OpenBLAS slower
+                # at decode; neither a fair one.
+                preload = blas.preload_value()
+                if preload:
+                    lm_cmd = ["env", f"LD_PRELOAD={preload}",
+                              f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS') or blas.default_threads()}",
+                              *lm_cmd]
+                args.mlx_lm_blas = "openblas (LD_PRELOAD)" if preload else "mlx reference"
                 mlx_lm = ServerProcess(model, port, command=lm_cmd, log_path=tmp / "mlx_lm.log", start_timeout=300)
                 results["mlx_lm.server" + suffix] = run_server(mlx_lm, model, bodies, args.concurrency, False,
                                                                long_bodies)

@@ -118,6 +118,22 @@ def test_bench_model_measures_four_configurations(tmp_path, capsys):
     assert by[(200, "mlx-lm kv_bits=8")]["kv_bytes"] < by[(200, "mlx-lm KVCache")]["kv_bytes"]
 
 
+def test_bench_model_reads_the_kv_flags_as_generate_and_serve(tmp_path, capsys):
+    """`bench -m` takes the K/V format flags of generate and serve (kvmetal.kv_format): the
+    kvmetal row and mlx-lm's kv_bits row follow them; the table names the format."""
+    pytest.importorskip("mlx_lm")
+    from kvmetal.integrations import tiny_models
+
+    tiny_models.save("llama", tmp_path, dtype=mx.float32)
+    assert cli.main(["bench", "-m", str(tmp_path), "--contexts", "64", "--gen-tokens", "3", "--samples", "1",
+                     "--kv-bits", "4", "--speculative"]) == 0
+    out, err = capsys.readouterr()
+    assert "kvmetal K4/V4" in out and "mlx-lm kv_bits=4" in out and "kvmetal quantized: K4/V4 g32" in out
+    assert "no chat template; skipped" in err  # the tiny model's tokenizer has none
+    assert cli.main(["bench", "-m", str(tmp_path), "--kv-bits", "8", "--k-group-size", "48"]) == 2
+    assert "--k-group-size" in capsys.readouterr().err
+
+
 def test_bench_rejects_unknown_case(capsys):
     assert cli.main(["bench", "--cases", "nope"]) == 2
     assert "unknown case" in capsys.readouterr().err

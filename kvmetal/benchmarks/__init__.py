@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="draw the results: GB/s per case with the read bandwidth (or chip peak) as a line; "
                         "with --model, tokens/s against context")
     p.add_argument("--no-baseline", action="store_true", help="skip the MLX baselines (faster)")
+    p.add_argument("--speculative", action="store_true",
+                   help="with --model: also prompt-lookup speculation through the engine, plain vs speculative on "
+                        "input-grounded and open-chat prompts: tokens/s, acceptance rate, tokens per decode pass")
     group = p.add_argument_group("with --model, kvmetal's quantized cache",
                                  "the K/V format flags of kvmetal generate and serve, read the same way")
     add_format_flags(group)

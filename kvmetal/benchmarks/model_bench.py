@@ -168,7 +168,7 @@ def main(args, backend: str) -> int:
         return 2
     from mlx_lm.utils import load
 
-    model, _, config = load(str(path), return_config=True)
+    model, tokenizer, config = load(str(path), return_config=True)
     shape = shape_from_config(config, name=path.name)
     try:
         rows_of = configs(fmt, shape.head_dim)
@@ -202,6 +202,8 @@ def main(args, backend: str) -> int:
               "gen_tokens": args.gen_tokens, "samples": samples,
               "kv_format": rows_of[1][1]["kv_format"].label,
               "provenance": provenance(backend), "rows": rows}
+    if getattr(args, "speculative", False):
+        report["speculative"] = speculative_rows(model, tokenizer, gen_tokens=args.gen_tokens, backend=backend)
     if args.plot:
         from .plots import plot_model_results
 
@@ -218,5 +220,31 @@ def main(args, backend: str) -> int:
     else:
         print_table(rows, header=f"\n{path.name} ({config.get('model_type')}, head_dim {shape.head_dim}); "
                                  f"{args.gen_tokens} greedy tokens after each prompt; backend {backend}; "
-                                 f"quantization group size {group}\n")
+                                 f"kvmetal quantized: {report['kv_format']}\n")
+        if report.get("speculative"):
+            print_speculative(report["speculative"])
     return 1 if "plot_error" in report else 0
+
+
+def speculative_rows(model, tokenizer, *, gen_tokens: int, backend: str) -> list:
+    """``--speculative``: plain vs prompt-lookup speculation through the engine, one stream,
+    on input-grounded and open-chat prompts (kvmetal/benchmarks/speculative.py)."""
+    from ..backends import use_backend
+    from .speculative import compare
+
+    if not getattr(tokenizer, "has_chat_template", False):
+        print("--speculative: the model's tokenizer has no chat template; skipped", file=sys.stderr)
+        return []
+    print("speculative decoding (prompt lookup, 1 stream) ...", file=sys.stderr, flush=True)
+    with use_backend(backend):
+        return compare(model, tokenizer, max_tokens=max(gen_tokens, 16))
+
+
+def print_speculative(rows: list) -> None:
+    print("\nspeculative decoding (prompt lookup), 1 stream, greedy, through the engine:")
+    print(f"{'prompts':<11}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'acceptance':>12}{'tok/pass':>10}"
+          f"{'identical':>11}")
+    for r in rows:
+        print(f"{r['prompts']:<11}{r['plain_tokens_per_s']:>13.1f}{r['speculative_tokens_per_s']:>12.1f}"
+              f"{r['speculative_tokens_per_s'] / r['plain_tokens_per_s']:>8.2f}x{r['acceptance_rate']:>12.2f}"
+              f"{r['tokens_per_pass']:>10.2f}{r['greedy_identical']:>6}/{r['requests']}")

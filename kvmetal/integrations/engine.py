@@ -10,6 +10,10 @@ with one job:
   whose prompt is complete, and later lands their tokens;
 - the sampler (``sampler.py``) picks each row's token by its request's settings.
 
+With ``speculative``, each step first drafts tokens for the decoding requests
+(``speculative.py``: prompt lookup; ``draft_model.py``: a smaller model); a decode row
+then carries its drafts, which the pass verifies with the exact acceptance rule.
+
 The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
 position as the cache's ``offset``, so unmodified mlx-lm model code runs it; per layer,
 the decode rows run ``paged_attention`` and the prompt rows ``paged_attention_varlen``.
@@ -54,6 +58,7 @@ from .forward import Forward
 from .mlx_lm import use_paged_cache
 from .request import Event, Request, RequestTooLarge
 from .sampler import Sampler, SamplingParams, TokenLogprobs, greedy
+from .speculative import DraftState, SpeculativeConfig
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES, PRIORITY_POLICIES
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "Event", "Request", "RequestTooLarge", "SamplingParams",
@@ -108,6 +113,14 @@ class Engine:
         tokenizer: an mlx-lm tokenizer (``mlx_lm.load``'s second value): its EOS tokens end
             every request that gives no ``stop_token_ids``. Without one, the model's own
             ``eos_token_id`` (when its args carry one), else none.
+        speculative: a ``speculative.SpeculativeConfig`` (or its method name, "ngram"):
+            decode rows carry drafted tokens that one pass verifies (speculative.py), for
+            every request that does not turn it off (``add_request(speculative=False)``).
+            ``draft_model``: with method "model", the smaller mlx-lm model (same
+            vocabulary) that drafts, greedily, on its own paged pool.
+            Same greedy tokens, same sampling distribution; a step in which a request
+            drafts is not pipelined; across ranks (``token_sync``) nothing is drafted.
+            None (default): off.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
@@ -118,8 +131,22 @@ class Engine:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False,
                  scheduling_policy: str = "fcfs", scheduler_options: dict | None = None,
-                 cascade: bool = False, tokenizer=None, kv_format: KVFormat | None = None):
+                 cascade: bool = False, tokenizer=None, kv_format: KVFormat | None = None,
+                 speculative: SpeculativeConfig | str | None = None, draft_model=None):
         self.model = model
+        if isinstance(speculative, str):
+            speculative = SpeculativeConfig(method=speculative)
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(f"[Engine] speculative must be a SpeculativeConfig, a method name or None, "
+                             f"got {speculative!r}")
+        if (draft_model is not None) != (speculative is not None and speculative.method == "model"):
+            raise ValueError("[Engine] draft_model goes with speculative method 'model', and only with it")
+        if draft_model is not None:
+            vocab = [getattr(getattr(m, "args", None), "vocab_size", None) for m in (model, draft_model)]
+            if None not in vocab and vocab[0] != vocab[1]:
+                raise ValueError(f"[Engine] draft_model must share the model's vocabulary: vocab_size "
+                                 f"{vocab[1]} != {vocab[0]}")
+        self.speculative = speculative
         self.eos_token_ids = _eos_ids(model, tokenizer)  # a request's stop tokens unless it gives its own
         # checked before the model is patched: a bad value leaks nothing
         _check_count("Engine", "max_num_batched_tokens", max_num_batched_tokens)
@@ -137,6 +164,15 @@ class Engine:
         except BaseException:
             self.handle.undo()
             raise
+        self.drafter = None
+        if draft_model is not None:
+            from .draft_model import ModelDrafter
+
+            try:
+                self.drafter = ModelDrafter(draft_model, block_size=block_size)
+            except BaseException:
+                self.handle.undo()
+                raise
         self.sampler = Sampler(sampler)
         self.forward = Forward(model, self.cache, self.sampler)
         self.block_size = block_size
@@ -161,6 +197,21 @@ class Engine:
     last_step_tokens = _part("forward", "last_step_tokens", "Tokens of the last step's forward pass.")
     prompt_tokens_computed = _part("forward", "prompt_tokens_computed", "Prompt tokens run through the model.")
     step_seconds = _part("forward", "step_seconds", "Seconds of steps by part: host, device, sample.")
+    decode_passes = _part("forward", "decode_passes", "Decode rows landed (one per request and pass).")
+    decode_tokens = _part("forward", "decode_tokens", "Tokens the decode rows emitted.")
+    drafted_tokens = _part("forward", "drafted_tokens", "Drafted tokens verified (speculative decoding).")
+    accepted_tokens = _part("forward", "accepted_tokens", "Drafted tokens accepted.")
+    verify_passes = _part("forward", "verify_passes", "Decode rows that carried drafts.")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 before any draft)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens a decoding request gets per forward pass (1 without speculation)."""
+        return self.decode_tokens / self.decode_passes if self.decode_passes else 0.0
 
     @property
     def token_sync(self):
@@ -198,7 +249,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, *, max_tokens: int, request_id=None, sampling: SamplingParams | None = None,
-                    stop_token_ids=None, logprobs: int | None = None, priority: int = 0):
+                    stop_token_ids=None, logprobs: int | None = None, priority: int = 0,
+                    speculative: bool = True):
         """Queue a prompt (token ids); it joins the batch at the next ``step()``.
 
         ``stop_token_ids``: tokens that end this request (the last one is emitted); None:
@@ -207,6 +259,7 @@ class Engine:
         many top alternatives (0: only the chosen token's); None: none.
         ``priority``: lower is served first and preempted last, under a policy that reads
         it ("priority", "adaptive"); other policies refuse anything but 0.
+        ``speculative``: False keeps this request off the engine's speculative decoding.
         Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
         empty pool; a request that outgrows the pool later finishes with "length"."""
         self._check_open("add_request")
@@ -239,6 +292,8 @@ class Engine:
                                      f"got {max(ids)}")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"[Engine.add_request] priority must be an int, got {priority!r}")
+        if not isinstance(speculative, bool):
+            raise ValueError(f"[Engine.add_request] speculative must be a bool, got {speculative!r}")
         if priority and not self.scheduler.uses_priority:
             raise ValueError(f"[Engine.add_request] priority {priority} needs a scheduling policy that reads it "
                              f"({', '.join(PRIORITY_POLICIES)}); this engine's is {self.scheduler.name!r}")
@@ -263,6 +318,9 @@ class Engine:
         if sampling is not None and not sampling.greedy:
             seed = random.getrandbits(63) if sampling.seed is None else sampling.seed
             request.key = mx.random.key(seed)
+        # The engine's own batch sampler can only be verified when it is greedy.
+        if speculative and self.speculative is not None and (sampling is not None or self.sampler.batch is greedy):
+            request.speculation = DraftState(self.speculative, prompt)
         self.requests[request_id] = request
         self.scheduler.enqueue(request)
         return request_id
@@ -293,16 +351,19 @@ class Engine:
         self._check_open("step")
         self.forward.step_start = start = time.perf_counter()
         events = []
+        if self.speculative is not None:
+            self._draft(events)
         batch = self.scheduler.schedule(events, self._settle)
         previous, self._flight = self._flight, None
         flight = None
+        drafts = any(r.draft for r, _ in batch)
         if batch:
             decodes = sum(1 for r, _ in batch if r.decoding)
-            flight = self.forward.launch(batch, previous, wait=not self.pipelined)
+            flight = self.forward.launch(batch, previous, wait=not self.pipelined or drafts)
         if previous is not None:  # read while the device computes this step's pass
             self._land(previous, events)
         if flight is not None:
-            if self.pipelined:
+            if self.pipelined and not drafts:
                 self._flight = flight
             else:
                 self._land(flight, events)
@@ -326,6 +387,37 @@ class Engine:
     def _check_open(self, op: str) -> None:
         if self.closed:
             raise RuntimeError(f"[Engine.{op}] the engine was closed; create a new Engine")
+
+    def _draft(self, events: list) -> None:
+        """Draft for every decoding request that speculates; its newest token must be read
+        first (a pass in flight is landed). Drafts never pass ``max_tokens``, the longest
+        sequence the pool holds, or the step's token budget."""
+        if self.token_sync is not None:
+            return  # across ranks every rank would judge drafts itself (rounding could part them): off
+        speculating = [r for r in self.scheduler.running if r.decoding and r.speculation is not None
+                       and r.speculation.active]
+        if not speculating:
+            return
+        if any(r.pending is not None for r in speculating):
+            self._settle(events)
+        limit = self.max_sequence_tokens
+        budget = self.max_num_batched_tokens - sum(1 for r in self.scheduler.running if r.decoding)
+        wanted = []
+        for request in speculating:
+            if request.finished:
+                continue
+            room = request.max_tokens - len(request.output) - 1  # the pass also yields one token of its own
+            if limit is not None:
+                room = min(room, limit - request.num_tokens)
+            room = min(room, budget, self.speculative.num_draft_tokens)
+            if self.drafter is None:
+                room = len(request.speculation.propose(request.known_tokens, room))
+            wanted.append((request, room))
+            budget -= room
+        if self.drafter is not None:
+            drafts = self.drafter.draft([(r.request_id, r.known_tokens, n) for r, n in wanted])
+            for (request, _), draft in zip(wanted, drafts):
+                request.speculation.draft = draft
 
     def _settle(self, events: list) -> bool:
         """Read the pass in flight, if any (the scheduler needs every token's id to preempt)."""
@@ -375,6 +467,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self.handle.undo()
+            if self.drafter is not None:
+                self.drafter.close()
 
     def __enter__(self):
         return self

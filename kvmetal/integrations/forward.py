@@ -5,16 +5,20 @@ position as the cache's ``offset``, so unmodified mlx-lm model code runs it; att
 one ``paged_attention_varlen`` call per layer (a step of decodes only runs
 ``paged_attention``). Hidden states are sliced before the LM head: logits come only for
 rows that sample (decodes, and the last token of a prompt whose prefill completes).
+A decode row with speculative drafts brings its last token and the drafts, and every one
+of its rows gets logits: ``speculative.verify`` judges them, and ``land`` truncates the
+rejected drafts' slots and emits the accepted tokens.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .heads import body, lm_head
-from .sampler import read_logprobs
+from . import speculative
+from .sampler import TokenLogprobs, read_logprobs
 
 
 @dataclass
@@ -24,6 +28,8 @@ class Flight:
     requests: list
     tokens: mx.array  # int32 [S]
     logprobs: dict  # row -> (chosen logprob, top ids, top logprobs)
+    verifications: list = field(default_factory=list)  # speculative.Verification of decodes with drafts
+    decoding: list = field(default_factory=list)  # per sampled request: a decode row (not a prompt's last)
 
 
 class Forward:
@@ -44,15 +50,25 @@ class Forward:
         self.prompt_tokens_computed = 0
         self.step_seconds = {"host": 0.0, "device": 0.0, "sample": 0.0}
         self.step_start = 0.0  # when the current step began (the host's share starts there)
+        self.decode_passes = 0  # decode rows landed (one per request and pass)
+        self.decode_tokens = 0  # tokens those rows emitted (more than one with accepted drafts)
+        self.verify_passes = 0  # decode rows that carried drafts
+        self.drafted_tokens = 0  # drafts those rows carried
+        self.accepted_tokens = 0  # drafts accepted
 
     def launch(self, batch: list, previous: Flight | None, *, wait: bool) -> Flight | None:
         """Launch ``batch`` [(request, new tokens)] as one pass (room is reserved) and the
         sampling of the rows of requests whose every token is then computed. Decodes whose
         input is still in flight (``previous``) take it on the device. ``wait``: a pass
         that samples nothing is evaluated before returning."""
-        rows, inputs, sampled = 0, [], []
+        rows, inputs, sampled, drafted = 0, [], [], []
         later_rows, later_src = [], []  # decode rows fed from the previous pass's tokens
         for request, n in batch:
+            if request.draft:  # speculative: the last token and its drafts, each row judged
+                inputs += [request.output[-1]] + request.draft
+                drafted.append((request, rows))
+                rows += n
+                continue
             if request.decoding and request.pending is not None:
                 flight, j = request.pending
                 assert flight is previous, "a pending input comes from the pass launched last"
@@ -71,7 +87,7 @@ class Forward:
         # Decode rows (they lead the batch) take the decode kernel, prompt rows the varlen one,
         # whatever else the pass holds: a request's tokens do not depend on its batch.
         decodes = sum(1 for r, _ in batch if r.decoding)
-        if decodes == len(batch):
+        if decodes == len(batch) and not drafted:
             caches = self.cache.layer_caches(ids, starts)
         else:
             caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch], decodes=decodes)
@@ -79,8 +95,9 @@ class Forward:
         if later_rows:
             token_ids[mx.array(later_rows, dtype=mx.int32)] = previous.tokens[mx.array(later_src, dtype=mx.int32)]
         hidden = self.body(token_ids[:, None], caches)  # [T, 1, hidden]
-        if len(sampled) < rows:  # logits only for the rows that sample
-            hidden = hidden[mx.array([row for _, row in sampled], dtype=mx.int32)]
+        wanted = [row for _, row in sampled] + [row + i for r, row in drafted for i in range(len(r.draft) + 1)]
+        if len(wanted) < rows or drafted:  # logits only for the rows that sample (or verify)
+            hidden = hidden[mx.array(wanted, dtype=mx.int32)]
         logits = self.head(hidden)[:, -1, :]
         for request, n in batch:
             if not request.decoding:
@@ -92,9 +109,18 @@ class Forward:
         requests = [r for r, _ in sampled]
         writes = [p.arrays() for p in self.cache.pools]
         flight = None
-        if requests:
-            tokens, logprobs = self.sampler.sample(requests, logits)
-            flight = Flight(requests, tokens, logprobs)
+        if requests or drafted:
+            tokens, logprobs = mx.zeros((0,), dtype=mx.int32), {}
+            if requests:
+                decoding = [r.decoding for r in requests]
+                tokens, logprobs = self.sampler.sample(requests, logits[:len(requests)])
+            verifications, at = [], len(requests)
+            for request, _ in drafted:
+                d = len(request.draft)
+                verifications.append(speculative.verify(request, logits[at:at + d + 1], request.draft,
+                                                        batch_sampler=self.sampler.batch))
+                at += d + 1
+            flight = Flight(requests, tokens, logprobs, verifications, decoding if requests else [])
             for i, request in enumerate(requests):
                 request.decoding = True
                 request.pending = (flight, i)
@@ -103,7 +129,8 @@ class Forward:
         # device time: on MLX's CPU backend async_eval returns only once most of it ran.
         built = time.perf_counter()
         self.step_seconds["host"] += built - self.step_start
-        mx.async_eval(writes if flight is None else [flight.tokens, flight.logprobs, writes])
+        mx.async_eval(writes if flight is None else [flight.tokens, flight.logprobs, writes,
+                                                     [v.arrays() for v in flight.verifications]])
         if flight is None and wait:
             mx.eval(writes)
         self.step_seconds["device"] += time.perf_counter() - built
@@ -117,10 +144,11 @@ class Forward:
         waited = time.perf_counter()
         tokens = flight.tokens.tolist()
         logprobs = read_logprobs(flight.requests, flight.logprobs)
+        outcomes = [v.outcome() for v in flight.verifications]
         read = time.perf_counter()
         clock["device"] += read - waited
         events = []
-        for request, token, lp in zip(flight.requests, tokens, logprobs):
+        for request, token, lp, decoding in zip(flight.requests, tokens, logprobs, flight.decoding):
             if request.pending is not None and request.pending[0] is flight:
                 request.pending = None
             if request.finished:
@@ -128,6 +156,51 @@ class Forward:
             if request.input_later:  # the pass launched since took this token as input
                 request.input_later = False
                 self.cache.provide_ids(request.request_id, [token])
+            self.decode_passes += decoding
+            self.decode_tokens += decoding
             events.append(emit(request, token, lp))
+        for v, (m, emitted) in zip(flight.verifications, outcomes):
+            events += self._land_verification(v, m, emitted, emit)
         clock["sample"] += time.perf_counter() - read
         return events
+
+    def _land_verification(self, v, m: int, emitted: list, emit) -> list:
+        """Keep the cache slots of the ``m`` accepted drafts (their blocks are published
+        now), drop the others, and emit the tokens up to a stop or ``max_tokens``."""
+        request, d = v.request, len(v.draft)
+        request.speculation.draft = []
+        if request.finished:  # aborted while in flight: its blocks are gone
+            return []
+        request.computed -= d - m
+        self.cache.truncate(request.request_id, request.computed)
+        if m:  # a sequence without prefix hashing ignores them
+            self.cache.provide_ids(request.request_id, v.draft[:m])
+        request.speculation.record(d, m)
+        self.verify_passes += 1
+        self.decode_passes += 1
+        self.drafted_tokens += d
+        self.accepted_tokens += m
+        rows = _verified_logprobs(request, v, emitted)
+        events = []
+        for token, lp in zip(emitted, rows):
+            self.decode_tokens += 1
+            events.append(emit(request, token, lp))
+            if request.finished:  # a stop token or max_tokens: nothing after it is emitted
+                break
+        return events
+
+
+def _verified_logprobs(request, v, emitted: list) -> list:
+    """``TokenLogprobs`` of each emitted token under its row (None without logprobs)."""
+    if v.rows is None:
+        return [None] * len(emitted)
+    import numpy as np
+
+    rows = np.array(v.rows[:len(emitted)], dtype=np.float32)
+    n = min(request.logprobs, rows.shape[-1])
+    out = []
+    for row, token in zip(rows, emitted):
+        top = np.argpartition(-row, n - 1)[:n] if n else np.zeros(0, dtype=np.int64)
+        pairs = sorted(zip(top.tolist(), row[top].tolist()), key=lambda p: (-p[1], p[0]))
+        out.append(TokenLogprobs(float(row[token]), tuple((int(t), float(x)) for t, x in pairs)))
+    return out

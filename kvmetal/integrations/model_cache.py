@@ -209,7 +209,8 @@ class PagedModelCache:
         one ``paged_attention_varlen`` call per layer. The caller (the Engine) already
         holds room for the new tokens (``add_sequence`` / ``append``).
 
-        ``decodes``: the first ``decodes`` sequences are decode steps (one row each):
+        ``decodes``: the first ``decodes`` sequences are decode steps (one row each, or up
+        to ``MAX_PAGED_QUERY_TOKENS`` with speculative drafts, equal counts side by side):
         their rows run ``paged_attention``, exactly as in a pass of decodes only, and
         the others ``paged_attention_varlen``. A token's attention then takes the same
         arithmetic whatever it is batched with (the two kernels round differently)."""
@@ -420,12 +421,13 @@ class _RaggedBatch:
         if not (len(seq_ids) == len(starts) == len(counts)) or min(counts, default=1) < 1:
             raise ValueError("[ragged_layer_caches] seq_ids, starts and counts must have one entry per "
                              "sequence, and every count must be >= 1")
-        if not 0 <= decodes <= len(seq_ids) or any(c != 1 for c in counts[:decodes]):
-            raise ValueError(f"[ragged_layer_caches] decodes must name leading sequences of one row each, "
-                             f"got {decodes} for counts {counts[:decodes + 1]}")
+        if not 0 <= decodes <= len(seq_ids) or any(c > MAX_PAGED_QUERY_TOKENS for c in counts[:decodes]):
+            raise ValueError(f"[ragged_layer_caches] decodes must name leading sequences of 1 to "
+                             f"{MAX_PAGED_QUERY_TOKENS} rows each, got {decodes} for counts {counts[:decodes + 1]}")
         self.model_cache = model_cache
         self.seq_ids, self.starts, self.counts = seq_ids, starts, counts
         self.decodes = decodes
+        self.decode_rows = sum(counts[:decodes])
         self._parts: dict = {}
         self.num_rows = sum(counts)
         self.positions = mx.array(np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
@@ -446,13 +448,22 @@ class _RaggedBatch:
         return plan
 
     def parts(self, g: int) -> tuple:
-        """(decode tables, lens; prefill tables, lens, query starts) of group ``g``'s plan:
-        the decode sequences lead, one row each, so their rows are the first ``decodes``."""
+        """(decode runs; prefill tables, lens, query starts) of group ``g``'s plan. The
+        decode sequences lead; a run is a stretch of them with equal row counts L (a
+        speculative decode row carries drafts): (first row, sequences, L, tables, lens)."""
         got = self._parts.get(g)
         if got is None:
             plan, d = self.plan(g), self.decodes
-            got = (plan.block_tables[:d], plan.seq_lens[:d], plan.block_tables[d:], plan.seq_lens[d:],
-                   plan.query_start_loc[d:] - d)
+            runs, s, row = [], 0, 0
+            while s < d:
+                n = self.counts[s]
+                e = s
+                while e < d and self.counts[e] == n:
+                    e += 1
+                runs.append((row, e - s, n, plan.block_tables[s:e], plan.seq_lens[s:e]))
+                row += (e - s) * n
+                s = e
+            got = (runs, plan.block_tables[d:], plan.seq_lens[d:], plan.query_start_loc[d:] - self.decode_rows)
             self._parts[g] = got
         return got
 
@@ -502,15 +513,21 @@ class RaggedLayerCache(_LayerGroupView):
                                              plan.query_start_loc, scale=scale, sliding_window=window, sinks=sinks,
                                              validate=False)
             return out[:, :, None]
-        # Decode rows as a pass of decodes only runs them (PagedLayerCache.attention), the rest as prefill.
-        dec_tables, dec_lens, pre_tables, pre_lens, pre_starts = self.batch.parts(self._group)
-        outs = [ops.paged_attention(queries[:d, :, 0], kc, vc, dec_tables, dec_lens, scale=scale,
-                                    sliding_window=window, sinks=sinks, sparse_v=self.model_cache.sparse_v,
-                                    validate=False)]
+        # Decode rows as a pass of decodes only runs them (PagedLayerCache.attention), the rest as
+        # prefill. A decode with drafts brings L rows: the decode kernel's L query tokens.
+        runs, pre_tables, pre_lens, pre_starts = self.batch.parts(self._group)
+        outs = []
+        for row, seqs, n, tables, lens in runs:
+            q = queries[row:row + seqs * n, :, 0]
+            q = q if n == 1 else q.reshape(seqs, n, *q.shape[1:])
+            out = ops.paged_attention(q, kc, vc, tables, lens, scale=scale, sliding_window=window, sinks=sinks,
+                                      sparse_v=self.model_cache.sparse_v, validate=False)
+            outs.append(out if n == 1 else out.reshape(seqs * n, *out.shape[2:]))
         if d < len(self.batch.seq_ids):
-            outs.append(ops.paged_attention_varlen(queries[d:, :, 0], kc, vc, pre_tables, pre_lens, pre_starts,
+            r = self.batch.decode_rows
+            outs.append(ops.paged_attention_varlen(queries[r:, :, 0], kc, vc, pre_tables, pre_lens, pre_starts,
                                                    scale=scale, sliding_window=window, sinks=sinks, validate=False))
-        return mx.concatenate(outs)[:, :, None]
+        return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[:, :, None]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """None (causal within the layer's window: the kernel's own rule), or for a

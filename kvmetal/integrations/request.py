@@ -39,6 +39,12 @@ class Request:
     input_later: bool = False  # the cache holds a slot for the pending token, its id not given yet
     priority: int = 0  # lower is served first (vLLM's rule), for policies that read it
     arrival: int = 0  # the order the engine received requests in
+    speculation: object = None  # speculative.DraftState while the request may draft (None: never)
+
+    @property
+    def draft(self) -> list:
+        """Tokens drafted for this step's decode row (speculative decoding; [] for none)."""
+        return self.speculation.draft if self.speculation is not None else []
 
     @property
     def plain(self) -> bool:

@@ -220,6 +220,12 @@ def read_logprobs(requests: list, wanted: dict) -> list:
 def _sample_row(logits: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:
     """Sample one token from ``logits`` [V] with mlx-lm's filters (in mlx-lm's order) and an
     explicit key."""
+    scaled, key = _sampling_logits(logits, sampling, key)
+    return mx.random.categorical(scaled, key=key)[0]
+
+
+def _sampling_logits(logits: mx.array, sampling: SamplingParams, key: mx.array) -> tuple:
+    """(logits [1, V] the sampler draws from: filtered, tempered; the key left for the draw)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
     logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]
@@ -232,7 +238,7 @@ def _sample_row(logits: mx.array, sampling: SamplingParams, key: mx.array) -> mx
         logprobs = _apply_xtc(logprobs, sampling, xtc_key)
     if 0 < sampling.top_k < logprobs.shape[-1]:
         logprobs = apply_top_k(logprobs, sampling.top_k)
-    return mx.random.categorical(logprobs * (1 / sampling.temperature), key=key)[0]
+    return logprobs * (1 / sampling.temperature), key
 
 
 def _apply_xtc(logprobs: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:

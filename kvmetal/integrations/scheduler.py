@@ -140,8 +140,11 @@ class Scheduler:
         prefill chunks. ``settle(events)`` reads the pass in flight, if any (True), so
         that preemption can recompute from known tokens."""
         decodes = self._reserve_decodes(events, settle)
-        chunks = self._reserve_prefills(self.budget(len(decodes)) - len(decodes), events)
-        return [(r, 1) for r in decodes] + chunks
+        # A decode row is its input token and its drafts (speculative decoding), all counted by
+        # the budget; equal counts side by side (one decode-kernel call per count).
+        rows = sorted(((r, 1 + len(r.draft)) for r in decodes), key=lambda rn: rn[1])
+        chunks = self._reserve_prefills(self.budget(len(decodes)) - sum(n for _, n in rows), events)
+        return rows + chunks
 
     # ------------------------------------------------------------------ mechanics
 
@@ -166,6 +169,11 @@ class Scheduler:
                 for request in appended:  # undo this step's appends, then make room
                     self.cache.truncate(request.request_id, request.computed)
                     request.input_later = False
+                drafts = [r for r in self.running if r.draft]
+                if drafts:  # drafts never preempt anyone: drop them first
+                    for request in drafts:
+                        request.speculation.draft = []
+                    continue
                 # Making room needs every token's id (preemption recomputes from them):
                 # read the pass in flight first, then schedule again.
                 if settle(events):
@@ -311,8 +319,16 @@ class Scheduler:
         return any(not r.decoding and r.num_tokens >= end and r.tokens[:end] == head for r in self.running)
 
     def _append_input(self, request: Request) -> None:
-        """Room for a decode's input token: its id, or a slot whose id comes when it lands."""
-        if request.pending is None:
+        """Room for a decode's input token: its id, or a slot whose id comes when it lands;
+        then its drafts, whose ids are given (and blocks published) only once accepted."""
+        if request.draft:
+            self._append(request, [request.output[-1]])
+            try:
+                self.cache.append(request.request_id, num_tokens=len(request.draft), ids_later=self.prefix_sharing)
+            except KVCacheFull:
+                self.cache.truncate(request.request_id, request.computed)
+                raise
+        elif request.pending is None:
             self._append(request, [request.output[-1]])
         elif self.prefix_sharing:
             self.cache.append(request.request_id, num_tokens=1, ids_later=True)
@@ -331,6 +347,8 @@ class Scheduler:
         self.running.remove(request)
         self.cache.free(request.request_id)
         request.computed, request.decoding = 0, False
+        if request.speculation is not None:
+            request.speculation.draft = []
         self.requeue(request)
         self.preemptions += 1
 

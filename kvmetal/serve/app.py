@@ -301,7 +301,8 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
     try:
         try:
             worker.submit(request_id, prompt, max_tokens=max_tokens, sampling=sampling, stop_token_ids=eos,
-                          sink=sink, logprobs=req.logprobs, timeout=state.limits.timeout, priority=req.priority)
+                          sink=sink, logprobs=req.logprobs, timeout=state.limits.timeout, priority=req.priority,
+                          speculative=req.speculative)
         except RuntimeError as e:
             raise APIError(str(e), status=503, type_="server_error") from None
         run = _Run(state, req, request_id, prompt, eos, deliveries)

@@ -93,6 +93,34 @@ def _add_limits(add) -> None:
              "segments are evicted past it, e.g. 2GB (default: no bound)")
 
 
+def _draft_count(text: str) -> int:
+    from ..cli import checked
+    from ..integrations.speculative import MAX_DRAFT_TOKENS
+
+    return checked(int, lambda v: 1 <= v <= MAX_DRAFT_TOKENS, f"in [1, {MAX_DRAFT_TOKENS}]")(text)
+
+
+def _add_speculative(add) -> None:
+    """Speculative decoding (docs/serve.md, "Speculative decoding")."""
+    from ..integrations.speculative import SpeculativeConfig
+
+    d = SpeculativeConfig()
+    add("--speculative", metavar="ngram|MODEL",
+        help="speculative decoding: 'ngram' drafts by prompt lookup (the request's own prompt and output), "
+             "a model directory drafts with that smaller model (same tokenizer) greedily; drafts are verified "
+             "in the same pass: same greedy tokens, same sampling distribution; a request turns it off with "
+             "a body field speculative=false (default: off)")
+    add("--num-draft-tokens", type=_draft_count, default=d.num_draft_tokens,
+        help=f"tokens drafted per decode step (default {d.num_draft_tokens})")
+    add("--ngram-max", type=_positive_int, default=d.ngram_max,
+        help=f"longest suffix prompt lookup matches (default {d.ngram_max})")
+    add("--ngram-min", type=_positive_int, default=d.ngram_min,
+        help=f"shortest suffix prompt lookup matches (default {d.ngram_min})")
+    add("--spec-min-acceptance", type=_fraction, default=d.min_acceptance,
+        help=f"a request stops drafting once fewer than this fraction of its last {d.window} drafted tokens "
+             f"were accepted (default {d.min_acceptance}; 0: never)")
+
+
 def _configure(parser: argparse.ArgumentParser) -> None:
     from ..integrations.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from ..integrations.scheduler import POLICIES
@@ -133,6 +161,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--cascade", action="store_true",
         help="decode steps read a prefix that 8 or more running requests share once (docs/cascade.md); off by "
              "default: with it a request's tokens can change with the requests it is batched with")
+    _add_speculative(add)
     add("--chat-template", help="a Jinja chat template that replaces the tokenizer's")
     add("--chat-template-args", help="JSON object of extra arguments for the chat template, "
                                      "e.g. '{\"enable_thinking\": false}'")
@@ -155,6 +184,11 @@ def check_args(args) -> str | None:
                 raise ValueError("not an object")
         except ValueError as e:
             return f"--chat-template-args must be a JSON object ({e})"
+    spec = getattr(args, "speculative", None)
+    if spec and spec != "ngram" and not (Path(spec) / "config.json").is_file():
+        return f"--speculative {spec!r} is neither 'ngram' nor a model directory (no config.json)"
+    if spec and args.ngram_min > args.ngram_max:
+        return f"--ngram-min {args.ngram_min} must be <= --ngram-max {args.ngram_max}"
     if args.kv_memory:
         from .memory import parse_memory
 

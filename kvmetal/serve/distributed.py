@@ -109,7 +109,8 @@ def encode_add(request_id, kwargs: dict) -> list:
     return ["add", request_id, {"prompt": [int(t) for t in kwargs["prompt"]], "max_tokens": kwargs["max_tokens"],
                                 "sampling": None if sampling is None else dataclasses.asdict(sampling),
                                 "stop_token_ids": sorted(int(t) for t in kwargs["stop_token_ids"]),
-                                "logprobs": kwargs.get("logprobs"), "priority": kwargs.get("priority", 0)}]
+                                "logprobs": kwargs.get("logprobs"), "priority": kwargs.get("priority", 0),
+                                "speculative": kwargs.get("speculative", True)}]
 
 
 def decode_add(kwargs: dict) -> dict:

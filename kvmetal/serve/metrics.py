@@ -13,6 +13,11 @@ METRICS = {
     "prefix_hit_rate": ("gauge", "prompt_tokens_cached / prompt_tokens."),
     "preemptions": ("counter", "Running requests preempted (freed, recomputed later) to make room."),
     "decode_steps": ("counter", "Batched decode steps."),
+    "spec_draft_tokens": ("counter", "Drafted tokens verified (--speculative)."),
+    "spec_accepted_tokens": ("counter", "Drafted tokens accepted."),
+    "spec_acceptance_rate": ("gauge", "spec_accepted_tokens / spec_draft_tokens (0 before any draft)."),
+    "spec_verify_passes": ("counter", "Decode rows that carried drafts (one per request and pass)."),
+    "decode_tokens_per_pass": ("gauge", "Tokens a decoding request got per forward pass (1 without speculation)."),
     "cascade_steps": ("counter", "Decode passes (per full-attention layer group) that read shared prefixes once "
                                  "(paged_attention_cascade)."),
     "kv_pool_bytes": ("gauge", "Bytes of the KV pools (allocated, used or not)."),

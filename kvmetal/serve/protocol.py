@@ -4,7 +4,8 @@ Field names and defaults follow ``mlx_lm.server`` where they overlap (``max_toke
 ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``,
 ``stop``, ``stream``, ``stream_options``, ``logprobs`` / ``top_logprobs``, the penalties
 and their context sizes, ``logit_bias``, ``xtc_probability`` / ``xtc_threshold``,
-``tools``, ``role_mapping``, ``chat_template_kwargs``). Types are strict: ``true`` is
+``tools``, ``role_mapping``, ``chat_template_kwargs``), and kvmetal's own ``priority`` and
+``speculative`` (false: no speculative decoding for this request). Types are strict: ``true`` is
 not a number. Fields that would change the answer and that kvmetal cannot honour
 (``n`` > 1, ``best_of``, ``echo``, ``suffix``, a structured ``response_format``,
 ``adapters``) are rejected rather than silently ignored; fields it does not know are
@@ -59,6 +60,7 @@ class GenerationRequest:
     tools: list | None = None  # passed to the chat template
     role_mapping: dict | None = None  # prompt format when the tokenizer has no chat template
     priority: int = 0  # lower is served first, under a scheduling policy that reads it (vLLM's field)
+    speculative: bool = True  # False: no speculative decoding for this request (when the server has it)
 
 
 def _is_int(v) -> bool:
@@ -206,7 +208,8 @@ def parse(body, *, chat: bool, defaults: Defaults) -> GenerationRequest:
                               **_penalties(body))
     return GenerationRequest(chat, prompt, max_tokens, given, sampling, stop, stream, include_usage,
                              template_kwargs, _logprobs(body, chat), tools, role_mapping,
-                             _get(body, "priority", _is_int, "an integer", 0))
+                             _get(body, "priority", _is_int, "an integer", 0),
+                             _get(body, "speculative", lambda v: isinstance(v, bool), "a boolean", True))
 
 
 def _message_text(content, i: int) -> str | None:

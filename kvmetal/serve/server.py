@@ -76,12 +76,18 @@ def build_server(args, sync=None):
         if sync is not None:
             num_blocks = sync.share_int(num_blocks)  # identical pools, identical block tables
         loaded["num_blocks"] = num_blocks
+        draft = None
+        if getattr(args, "speculative", None) not in (None, "ngram"):
+            draft, draft_tokenizer = load(args.speculative)
+            if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+                raise ValueError(f"--speculative {args.speculative}: its tokenizer differs from the served model's; "
+                                 f"a draft model must share it")
         engine = Engine(model, num_blocks=num_blocks, prefix_sharing=not args.no_prefix_sharing,
                         keep_finished=False, max_num_batched_tokens=args.max_num_batched_tokens,
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                         scheduler_options=dict(long_prefill_tokens=getattr(args, "long_prefill_tokens", None)),
                         async_steps=not getattr(args, "sync_steps", False), cascade=getattr(args, "cascade", False),
-                        **options)
+                        speculative=speculative_config(args), draft_model=draft, **options)
         if sync is not None:
             engine.token_sync = sync.share_tokens
         return engine
@@ -116,6 +122,18 @@ def build_server(args, sync=None):
     state = ServeState(worker, loaded["tokenizer"], model_id, defaults, context_limit, template_kwargs, limits,
                        model_path=str(model_dir))
     return worker, create_app(state)
+
+
+def speculative_config(args):
+    """The engine's ``SpeculativeConfig`` from the flags (None: off)."""
+    if not getattr(args, "speculative", None):
+        return None
+    from ..integrations.speculative import SpeculativeConfig
+
+    method = "ngram" if args.speculative == "ngram" else "model"  # else a draft model's directory
+    return SpeculativeConfig(method=method, num_draft_tokens=args.num_draft_tokens,
+                             ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                             min_acceptance=args.spec_min_acceptance)
 
 
 def api_key(args) -> str | None:

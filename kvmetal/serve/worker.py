@@ -122,7 +122,8 @@ class EngineWorker:
     # ------------------------------------------------------------------ control (any thread)
 
     def submit(self, request_id, prompt: list, *, max_tokens: int, sampling, stop_token_ids, sink,
-               logprobs: int | None = None, timeout: float | None = None, priority: int = 0) -> None:
+               logprobs: int | None = None, timeout: float | None = None, priority: int = 0,
+               speculative: bool = True) -> None:
         """Queue a request. ``timeout``: seconds from now after which the engine aborts it
         (its sink then gets ``RequestTimeout``)."""
         if self._stopping or self.failed:
@@ -131,7 +132,7 @@ class EngineWorker:
             self._deadlines[request_id] = time.monotonic() + timeout
         self._commands.put(("add", request_id, dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
                                                     stop_token_ids=stop_token_ids, logprobs=logprobs,
-                                                    priority=priority), sink))
+                                                    priority=priority, speculative=speculative), sink))
 
     def abort(self, request_id, reason: str = "abort") -> None:
         """Drop a live request. ``reason`` is what it is counted as: "abort" (the client
@@ -387,6 +388,11 @@ class EngineWorker:
             "prefix_hit_rate": engine.prompt_tokens_cached / prompt_total if prompt_total else 0.0,
             "preemptions": engine.preemptions,
             "decode_steps": engine.decode_steps,
+            "spec_draft_tokens": engine.drafted_tokens,
+            "spec_accepted_tokens": engine.accepted_tokens,
+            "spec_acceptance_rate": engine.acceptance_rate,
+            "spec_verify_passes": engine.verify_passes,
+            "decode_tokens_per_pass": engine.tokens_per_pass,
             "cascade_steps": engine.cache.cascade_steps,
             "kv_pool_bytes": pool_bytes,
             "kv_used_bytes": used_bytes,
