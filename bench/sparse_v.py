@@ -11,7 +11,8 @@ the same decode path):
 
 * mean KL(exact || sparse) of the next-token distribution and the perplexity of the
   window's text, for each tau and context;
-* the fraction of V rows the Metal kernel skips and its V bytes, by the simulator: at
+* the fraction of V rows the Metal kernel skips and its V bytes, by the simulator, beside
+  the rows the final-max rule would skip in the same calls (the most any kernel can): at
   ``--sim-steps`` decode steps of each window the exact run's ``paged_attention`` calls
   of layers ``--sim-layers`` are captured and replayed on the sim backend with each tau
   (every kv head; V bytes loaded from ``value_data``/``value_scales``/``value_biases``
@@ -21,8 +22,8 @@ Later windows follow the earlier windows of the same run (their K/V were written
 sparse V), as a server's cache would. Results go to ``--json``; ``--report`` prints the
 markdown table.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python bench/sparse_v.py --json bench/sparse_v_smollm2.json
+    LD_PRELOAD=$(python -c "from kvmetal.models.blas import preload_value; print(preload_value())") \\
+        python bench/sparse_v.py --json bench/sparse_v_smollm2.json [--taus 1e-4,1e-6 --window 64]
     python bench/sparse_v.py --json bench/sparse_v_smollm2.json --report
 """
 from __future__ import annotations
@@ -175,6 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=128, help="decoded positions before each context")
     ap.add_argument("--sim-layers", default="0,15,29", help="layers replayed on the simulator")
     ap.add_argument("--sim-steps", default="0,127", help="decode steps of each window replayed on the simulator")
+    ap.add_argument("--taus", default=",".join(repr(t) for t in TAUS), help="thresholds (comma-separated)")
     ap.add_argument("--skip-only", action="store_true",
                     help="only the skip study (sim with default and one split, and the final-max rule) of the "
                          "captured exact calls; no KL runs")
@@ -210,12 +212,13 @@ def main(argv=None) -> int:
         result["skips"] = skip_study(per_ctx_calls, TAUS[:3])
         Path(args.json).write_text(json.dumps(result, indent=1))
         return 0
+    taus = [float(t) for t in args.taus.split(",")]
     exact_ppl = {}
     for ctx in contexts:
         nxt = stream[ctx - args.window + 1:ctx + 1]
         exact_ppl[ctx] = float(np.exp(-exact[ctx][np.arange(args.window), nxt].mean()))
     result["exact"] = {str(c): {"ppl": exact_ppl[c]} for c in contexts}
-    for tau in TAUS:
+    for tau in taus:
         tic = time.perf_counter()
         got = decode_run(model, stream, tau=tau, contexts=contexts, window=args.window)
         seconds = time.perf_counter() - tic
@@ -224,16 +227,19 @@ def main(argv=None) -> int:
             ref, lp = exact[ctx], got[ctx]
             nxt = stream[ctx - args.window + 1:ctx + 1]
             ppl = float(np.exp(-lp[np.arange(args.window), nxt].mean()))
-            loaded = live = 0
+            loaded = live = skippable = rows_total = 0
             for call in per_ctx_calls.get(ctx, []):
                 a, b = sim_v_bytes(call, tau)
                 loaded, live = loaded + a, live + b
+                a, b = final_max_skips(call, tau)
+                skippable, rows_total = skippable + a, rows_total + b
             rows[str(ctx)] = {"kl": float((np.exp(ref) * (ref - lp)).sum(axis=-1).mean()),
                               "kl_max": float((np.exp(ref) * (ref - lp)).sum(axis=-1).max()),
                               "ppl": ppl, "ppl_change": ppl / exact_ppl[ctx] - 1.0,
                               "top1": float((ref.argmax(-1) == lp.argmax(-1)).mean()),
                               "sim_v_loaded": loaded, "sim_v_live": live,
-                              "v_rows_skipped": 1.0 - loaded / live if live else None}
+                              "v_rows_skipped": 1.0 - loaded / live if live else None,
+                              "v_rows_skipped_final_max": skippable / rows_total if rows_total else None}
         result["taus"][repr(tau)] = {"seconds": seconds, "contexts": rows}
         print(f"tau {tau}: {rows} ({seconds:.0f} s)", file=sys.stderr, flush=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
@@ -243,13 +249,17 @@ def main(argv=None) -> int:
 
 
 def report_table(result: dict) -> str:
-    lines = ["| tau | context | V rows skipped (sim) | sim V bytes / exact | KL(exact ‖ sparse) | max KL | "
-             "ppl exact | ppl change | top-1 agreement |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tau | context | V rows skipped (sim) | final-max rule | sim / final-max | sim V bytes / exact | "
+             "KL(exact ‖ sparse) | max KL | ppl exact | ppl change | top-1 agreement |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"
     for tau, entry in result["taus"].items():
         for ctx, r in entry["contexts"].items():
-            skipped = "n/a" if r["v_rows_skipped"] is None else f"{100 * r['v_rows_skipped']:.1f}%"
+            skipped, final = r["v_rows_skipped"], r.get("v_rows_skipped_final_max")
+            share = f"{skipped / final:.2f}" if skipped is not None and final else "n/a"
             ratio = "n/a" if not r["sim_v_live"] else f"{r['sim_v_loaded'] / r['sim_v_live']:.3f}"
-            lines.append(f"| {float(tau):.0e} | {ctx} | {skipped} | {ratio} | {r['kl']:.2e} | {r['kl_max']:.2e} | "
+            lines.append(f"| {float(tau):.0e} | {ctx} | {pct(skipped)} | {pct(final)} | {share} | {ratio} | "
+                         f"{r['kl']:.2e} | {r['kl_max']:.2e} | "
                          f"{result['exact'][ctx]['ppl']:.3f} | {100 * r['ppl_change']:+.4f}% | {r['top1']:.3f} |")
     return "\n".join(lines)
 

@@ -202,6 +202,8 @@ class ItemWalker {
     if (range_.empty()) return;
     sc_.fit((kvh1_ - kvh0_) * R_, R_, D_);
     load_queries();
+    if (p_.sparse_v > 0.f)
+      for (int kvh = kvh0_; kvh < kvh1_; ++kvh) seed(kvh, partial(kvh));
     Tile cur = tile_at(range_.lo), next;
     for (;;) {
       const bool more = cur.first + cur.rows < range_.hi;
@@ -316,6 +318,40 @@ class ItemWalker {
     tk_.softmax_update(scores, R_, tile.rows, m, l, sc_.corr.data());
     if (p_.sparse_v > 0.f) accumulate_sparse(tile, kvh, scores, acc);
     else accumulate(tile, kvh, scores, acc);
+  }
+
+  // Sparse V (sparse_v.h, seed_running_max): m starts at the best score of the
+  // first key row 0 sees and of the newest key every row sees (len - L), each
+  // masked for the rows that do not see it. Two K rows per (item, kv head).
+  void seed(int kvh, float* part) {
+    const int first = row_range(p_, len_, 0).lo, newest = len_ - p_.query_len;
+    Tile tile;
+    int at[2];
+    for (const int t : {first, newest}) {
+      if (t < 0 || t >= len_ || (tile.count && t == first)) continue;
+      Segment& sg = tile.seg[tile.count];
+      sg = seed_segment(t);
+      at[tile.count++] = t;
+      tile.rows += 1;
+    }
+    if (!tile.count) return;
+    float* scores = sc_.scores.data();
+    score(tile, kvh, sc_.q.data() + static_cast<int64_t>(kvh - kvh0_) * R_ * D_, scores);
+    p_.cap_scores(scores, R_, tile.rows, kMaxTileRows);
+    for (int i = 0; i < tile.count; ++i)
+      for (int l = 0; l < p_.query_len; ++l) {
+        const TokenRange seen = row_range(p_, len_, l);
+        if (tile.seg[i].valid && at[i] >= seen.lo && at[i] < seen.hi) continue;  // padding is never a seed
+        for (int g = 0; g < G_; ++g) scores[(l * G_ + g) * kMaxTileRows + i] = kNegInf;
+      }
+    seed_running_max(scores, R_, tile.count, part);
+  }
+
+  // The one-row segment of token t (its block's row in a paged cache).
+  Segment seed_segment(int t) const {
+    if (!p_.paged) return Segment{s_, t, 1, true};
+    const int64_t block = p_.block_tables[static_cast<int64_t>(s_) * p_.max_blocks + t / p_.block_size];
+    return Segment{block, t % p_.block_size, 1, block >= 0 && block < p_.num_blocks};
   }
 
   // scores[j * kMaxTileRows + r] = q_j . k_r for the tile's rows; padding

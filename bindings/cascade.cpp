@@ -111,6 +111,32 @@ std::vector<Item> plan_items(const CascadeParams& p, const Groups& g) {
   return items;
 }
 
+// Sparse V (sparse_v.h, seed_running_max): every row of a group sees all of its
+// tokens, so the seeds are its first and its last token.
+void seed(const CascadeParams& p, const KVView& k, const TileKernels& tk, const RowGroup& group, const Item& item,
+          int R, Scratch& sc, float* m) {
+  const int D = p.head_dim;
+  float* scores = sc.scores.data();
+  int n = 0;
+  bool valid[2] = {false, false};
+  for (const int t : {0, group.len - 1}) {
+    if (n && t == 0) continue;
+    const int32_t block = group.table[t / p.block_size];
+    valid[n] = block >= 0 && block < p.num_blocks;
+    if (valid[n]) {
+      int64_t ks = D;
+      const float* row = k.tile(block, item.kvh, t % p.block_size, 1, sc.k_tile.data(), &ks, tk);
+      tk.scores(sc.q.data(), R, row, ks, 1, D, scores + n);
+    }
+    ++n;
+  }
+  p.cap_scores(scores, R, n, kMaxTileRows);
+  for (int i = 0; i < n; ++i)  // padding is never a seed (masked after the softcap, as in the walk)
+    if (!valid[i])
+      for (int j = 0; j < R; ++j) scores[j * kMaxTileRows + i] = kNegInf;
+  seed_running_max(scores, R, n, m);
+}
+
 // The online-softmax state of one item's R rows over its token range.
 void run_item(const CascadeParams& p, const KVView& k, const KVView& v, const TileKernels& tk, const RowGroup& group,
               const Item& item, float* part) {
@@ -130,6 +156,7 @@ void run_item(const CascadeParams& p, const KVView& k, const KVView& v, const Ti
     float* dst = sc.q.data() + static_cast<int64_t>(j) * D;
     for (int d = 0; d < D; ++d) dst[d] = load_as_f32(p.query, src + d, p.q_kind) * p.scale;
   }
+  if (p.sparse_v > 0.f) seed(p, k, tk, group, item, R, sc, m);
   // One block's rows at a time: converted once, scored and accumulated for all R rows.
   for (int t = item.lo; t < item.hi;) {
     const int32_t block = group.table[t / p.block_size];

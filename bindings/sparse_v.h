@@ -3,6 +3,8 @@
 // the cascade items (cascade.cpp), so both skip by the same rule.
 #pragma once
 
+#include <algorithm>
+
 #include "tile_math.h"
 
 namespace kvmetal {
@@ -22,6 +24,18 @@ struct SparseVSegment {
 // acc = acc * c + p_run . V over rows [r0, r0 + n) of segment i. The first run
 // accumulated rescales by corr, the others add on top (c = ones, R ones); with no
 // run at all acc is rescaled here.
+// Sparse V's seeds: the running max m of each of R rows starts at the larger of
+// two real scores, of the first live key (an attention sink in most models) and
+// of the newest key every row sees, so a split's first keys can be skipped too
+// (from -inf they never were). `seed_scores` holds the rows' capped scores of
+// the n <= 2 seed keys, kMaxTileRows apart, -inf where a row does not see the
+// seed: m stays a score the row sees, never above its final max (the bound of
+// docs/kernels.md). The seeds' weights join l where their tiles are walked.
+inline void seed_running_max(const float* seed_scores, int R, int n, float* m) {
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < n; ++i) m[j] = std::max(m[j], seed_scores[j * kMaxTileRows + i]);
+}
+
 template <typename SegmentAt, typename AccumulateRows>
 void accumulate_sparse_v(float tau, float* p, int R, int D, int rows, int count, SegmentAt segment_at,
                          const float* corr, const float* ones, float* acc, AccumulateRows accumulate_rows) {

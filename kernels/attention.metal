@@ -28,7 +28,8 @@
 //   tile in the cache's storage type (one barrier per tile).
 // - Sparse V (template SV = 1, threshold KvAttnParams.sparse_v): V is read after
 //   its key's scores, only where some row's weight exp2(s - m_running) >= tau
-//   (kv_pass_sparse); SV = 0 is the exact path, unchanged.
+//   (kv_pass_sparse), with m_running seeded by two real scores (kv_seed_rows);
+//   SV = 0 is the exact path, unchanged.
 
 // Where one cache row starts: element offsets into its data, scales and biases,
 // and the element step along the row (1 unless a strided view says otherwise).
@@ -279,8 +280,9 @@ inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread con
 // does not accumulate the key's V row (p still joins the denominator l), and a
 // key group whose key is below tau for every row of this simdgroup loads no V
 // at all: no data words, no scales or biases (kv_fetch with ok = false). The
-// running max only grows, so the skipped weight relative to the final max is
-// below tau too: the error bound of docs/kernels.md. `va` locates key t's V
+// running max (seeded by kv_seed_rows) is always a score the row sees, so the
+// skipped weight relative to the final max is below tau too: the error bound
+// of docs/kernels.md. `va` locates key t's V
 // row in `vdata` (device memory in register mode, the tile in shared mode).
 template <int D, int RPS, int LPK, int KBITS, int VBITS, int VGS, int VAW, int KNA, int KAE4, int VNA, int VAE4,
           typename PVD, typename PVS>
@@ -302,6 +304,34 @@ inline void kv_pass_sparse(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thr
       if (p[r] >= tau) {
         kv_accumulate_row<D, RPS, LPK, VBITS>(st, v, r, p[r], kl);
       }
+    }
+  }
+}
+
+// Sparse V's seeds: start every row's running max at the larger of two real
+// scores, of the first live key (`first`: an attention sink in most models) and
+// of the newest key every row sees (`newest` = len - L), so that the skip test
+// has a reference from a run's first key on (from -inf, every simdgroup's and
+// split's first keys were never skipped). A seed a row does not see is masked,
+// so m stays a score the row sees: never above its final max, and the error
+// bound holds. The seeds' weights are not added here (l and o stay 0): they
+// join where their tokens are walked. Cost: one pass of K loads for 2 keys
+// (KPP >= 2) per simdgroup and split; no V.
+template <int D, int RPS, int LPK, int KBITS, int KGS, int KAW, int KNA, int KAE4, int VNA, int VAE4,
+          typename SRC, typename PKD, typename PKS>
+inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread SRC& src, PKD kdata,
+                         PKS kscales, PKS kbiases, KvSteps ksteps, int first, int newest, int len, KvVariant var,
+                         int kl, int kg) {
+  constexpr int KPP = 32 / LPK;
+  for (int i = 0; i < 2; i += KPP) {
+    const int seed = i + kg;
+    const int t = seed == 0 ? first : newest;
+    KvAt ka;
+    KvAt va;
+    const bool ok = seed < 2 && t >= 0 && t < len && src.locate(t, ka, va);
+    const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
+    for (int r = 0; r < RPS; r++) {
+      kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, var, kl);
     }
   }
 }
@@ -528,11 +558,16 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
   const int kg = lane / LPK;
   const KvVariant var = kv_variant(scale, softcap, window);
   const float qscale = var.q_scale;
+  const int seed_first = kv_first_visible(len - QL, window);  // sparse V's first seed (kv_seed_rows)
 
   KvRowState<RPS, KNA, KAE4, VNA, VAE4> st;
 
   if (!SHARED) {
     kv_init_rows<D, RPS, LPK, KBITS>(st, q, 0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
+    if (SV) {
+      kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps, seed_first, len - QL,
+                                                  len, var, kl, kg);
+    }
     // Register mode: this simdgroup's contiguous run of the split, KPP keys per pass.
     const int n = max(0, range.hi - range.lo);
     const int per = ((n + NSG - 1) / NSG + KPP - 1) / KPP * KPP;
@@ -603,6 +638,10 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
     for (int pass = 0; pass < ROW_PASSES; pass++) {
       const int row0 = (pass * NSG + sg) * RPS;
       kv_init_rows<D, RPS, LPK, KBITS>(st, q, row0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
+      if (SV) {  // from device memory: the seeds are rarely in this split's tiles
+        kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps, seed_first, len - QL,
+                                                    len, var, kl, kg);
+      }
       kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
           src, range.begin, 0, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps, vsteps,
           tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);

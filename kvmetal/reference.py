@@ -38,8 +38,9 @@ def attend(q, keys, values, *, scale, softcap=None, sink=None, sparse_v=None, bo
 
     ``sparse_v=tau``: keys whose weight relative to the row's maximum score,
     ``exp(s - max s)``, is below tau are left out of the numerator (their weight stays
-    in the denominator). A kernel compares against its running maximum, which is never
-    above the final one, so it skips a subset of these keys. ``bound`` (a one-element
+    in the denominator). A kernel compares against its running maximum, seeded by real
+    scores (:func:`sparse_v_seeds`) and so never above the final one: it skips a subset
+    of these keys, and a superset of :func:`sparse_v_sure_skips`. ``bound`` (a one-element
     list) receives the sparse-V error bound of the row: the weight of the keys below
     ``tau * SPARSE_V_BOUND_MARGIN`` over the denominator, times max |v| of the row's keys.
     """
@@ -58,6 +59,56 @@ def attend(q, keys, values, *, scale, softcap=None, sink=None, sparse_v=None, bo
     if sparse_v:
         weights = np.where(np.exp(scores - top) < sparse_v, 0.0, weights)
     return (weights @ values) / denom
+
+
+def sparse_v_seeds(seq_len: int, query_len: int = 1, sliding_window=None) -> tuple:
+    """The keys whose scores seed a sparse-V kernel's running max (docs/kernels.md,
+    "Sparse V"): the first key the first query row sees and the newest key every row
+    sees (``seq_len - query_len``); each row uses the seeds it sees."""
+    newest = seq_len - query_len
+    first = 0 if sliding_window is None else max(0, newest + 1 - sliding_window)
+    return tuple(sorted({t for t in (first, newest) if 0 <= t < seq_len}))
+
+
+def sparse_v_sure_skips(query, key_cache, block_tables, seq_lens, *, sparse_v, scale=None, softcap=None,
+                        sliding_window=None) -> list:
+    """The V rows every seeded sparse-V kernel skips: per sequence, bool [Hkv, seq_len].
+
+    A kernel's running max is at least the best seed score a row sees, so key t is
+    skipped for a row when ``exp(s_t - seed max) < tau / SPARSE_V_BOUND_MARGIN`` (the
+    margin covers float32 scores), and its V row is never read when that holds for every
+    query row of its kv head that sees it (a key no row sees is never read either).
+    ``query`` [S, H, D] or [S, L, H, D], as :func:`paged_attention`.
+    """
+    q = to_f64(query)
+    if q.ndim == 3:
+        q = q[:, None]
+    kc = to_f64(key_cache)
+    tables, lens = to_int(block_tables), to_int(seq_lens)
+    num_rows, num_heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    group = num_heads // kc.shape[1]
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = []
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        keys = sequence_rows(kc, tables[s], n)
+        seeds = sparse_v_seeds(n, num_rows, sliding_window)
+        sure = np.ones((kc.shape[1], n), dtype=bool)
+        for i in range(num_rows):
+            last = n - num_rows + i
+            if last < 0:
+                continue
+            first = 0 if sliding_window is None else max(0, last + 1 - sliding_window)
+            seen = [t for t in seeds if first <= t <= last]
+            for h in range(num_heads):
+                scores = (keys[h // group, first:last + 1] @ q[s, i, h]) * scale
+                if softcap is not None:
+                    scores = softcap * np.tanh(scores / softcap)
+                top = scores[[t - first for t in seen]].max() if seen else -math.inf  # no seed: no sure skip
+                below = np.exp(scores - top) < sparse_v / SPARSE_V_BOUND_MARGIN
+                sure[h // group, first:last + 1] &= below
+        out.append(sure)
+    return out
 
 
 def sequence_rows(cache: np.ndarray, block_table, seq_len: int) -> np.ndarray:

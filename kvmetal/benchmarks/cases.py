@@ -212,6 +212,12 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
     return traffic_rows(progress) + cost_rows(progress)
 
 
+def _sparse_v_captured(**kwargs):
+    from .sparse_v_captured import run  # loads the capture only when asked for
+
+    return run(result_row=_result, time_baseline=_baseline, simulator_missing=simulator_missing, **kwargs)
+
+
 # ----------------------------------------------------------------------------- prefill (varlen)
 
 PREFILL_CHUNK = 512
@@ -286,10 +292,12 @@ CASES = {
     "metal_kernels": metal_kernels,
     "prefill": prefill,  # one chunk after a prefix; the tile-size sweep on metal/sim (opt-in)
     "cascade_decode": cascade_bench_case,  # 16 sequences over one shared prefix vs the plain op (opt-in)
+    "sparse_v_captured": _sparse_v_captured,  # exact vs sparse V over a real model's captured attention (opt-in)
 }
 # Cases only an explicit --cases runs: the tile sweep is for a Mac's tuning session; the
-# cascade pair is issue 21's measurement (bench/cascade.py has the simulator's bytes).
-OPT_IN = ("prefill", "cascade_decode")
+# cascade pair is issue 21's measurement (bench/cascade.py has the simulator's bytes); the
+# sparse-V case needs an attention capture (kvmetal.benchmarks.attention_capture).
+OPT_IN = ("prefill", "cascade_decode", "sparse_v_captured")
 
 
 def run_case(name: str, **kwargs) -> list:
