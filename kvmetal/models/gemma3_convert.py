@@ -1,6 +1,6 @@
 """A Gemma-3 GGUF (llama.cpp's ``gemma3`` architecture) as an mlx-lm ``gemma3_text`` directory.
 
-The tensors go through llama.cpp's ``gguf`` package (:mod:`kvmetal.models.gguf_numpy`),
+The tensors are dequantized by llama.cpp's ``gguf`` package (:mod:`kvmetal.models.gguf_numpy`),
 which dequantizes every GGUF type (Q4_K, Q5_0, Q6_K, Q8_0, ...) to float32; they are
 then written as float32/float16/bfloat16, or (``dtype="keep"``) quantized again with
 MLX's affine format at the bits of their GGUF type and group size 32 (Q4_K -> 4 bits,
@@ -115,25 +115,25 @@ def mlx_name(gguf_name: str) -> str:
     raise GGUFError(f"GGUF tensor {gguf_name!r} has no gemma3_text counterpart")
 
 
-def convert_weights(reader, *, dtype: str) -> tuple[dict, dict]:
-    """(mlx-lm weights, per-module quantization) from a gemma3 GGUF reader.
+def convert_weights(gguf_file, *, dtype: str) -> tuple[dict, dict]:
+    """(mlx-lm weights, per-module quantization) from a gemma3 :class:`~kvmetal.models.gguf_numpy.GGUFFile`.
 
     Float dtypes dequantize everything (in float32, then cast); ``keep`` re-quantizes
     each quantized GGUF tensor to MLX affine at :data:`KEEP_BITS` and group 32."""
     import mlx.core as mx
 
     from .gguf import DTYPES
-    from .gguf_numpy import dequantize, tensor_types
 
     if dtype not in DTYPES:
         raise GGUFError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out, quantization = {}, {}
-    for name, kind in tensor_types(reader).items():
+    for name, info in gguf_file.tensors.items():
+        kind = info.type
         target = mlx_name(name)
         if kind not in FLOAT_TYPES and kind not in KEEP_BITS:
             raise GGUFError(f"GGUF tensor {name!r} has type {kind}, which this converter does not support "
                             f"(supported: {', '.join(FLOAT_TYPES + tuple(KEEP_BITS))})")
-        values = mx.array(dequantize(reader, name))
+        values = mx.array(gguf_file.dequantize(name))
         if name.endswith("norm.weight"):
             values = values - 1.0  # llama.cpp stored Gemma's 1 + weight
         if dtype != "keep":
@@ -154,13 +154,12 @@ def convert_weights(reader, *, dtype: str) -> tuple[dict, dict]:
 
 def convert_gemma3(path, *, dtype: str) -> tuple[dict, dict, dict, dict, dict]:
     """(config, tokenizer.json, tokenizer_config.json, weights, quantization) for a gemma3 GGUF."""
-    from .gguf_numpy import open_reader, read_metadata
+    from .gguf_numpy import GGUFFile
     from .spm_tokenizer import spm_tokenizer_files
 
-    reader = open_reader(path)
-    meta = read_metadata(reader)
-    config = gemma3_config(meta)
-    tokenizer, tokenizer_config, token_ids = spm_tokenizer_files(meta)
-    weights, quantization = convert_weights(reader, dtype=dtype)
+    gguf_file = GGUFFile(path)
+    config = gemma3_config(gguf_file.meta)
+    tokenizer, tokenizer_config, token_ids = spm_tokenizer_files(gguf_file.meta)
+    weights, quantization = convert_weights(gguf_file, dtype=dtype)
     config.update(token_ids)
     return config, tokenizer, tokenizer_config, weights, quantization
