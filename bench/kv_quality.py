@@ -174,7 +174,9 @@ def run_study(args) -> None:
     path = model_path(args.model)
     model, tokenizer = load(str(path))
     texts = pydoc_text()
-    stream = np.array(tokenizer.encode("\n\n".join(texts), add_special_tokens=False), dtype=np.int64)
+    # The tokenizer's own specials: Gemma's <bos> first (SmolLM2 adds none). Gemma without
+    # <bos> is off its training distribution (no attention sink; perplexity 71 over 0-512).
+    stream = np.array(tokenizer.encode("\n\n".join(texts), add_special_tokens=True), dtype=np.int64)
     contexts = [int(c) for c in args.contexts.split(",")]
     long_n, short_n = max(contexts), min(args.short, max(contexts))
     stream = stream[:long_n + 1]  # one more: the next token of the last position
