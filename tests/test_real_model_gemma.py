@@ -244,6 +244,18 @@ def test_other_architectures_are_one_line_naming_what_is_supported(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_gemma3_file_without_what_it_needs_is_one_line(tmp_path, monkeypatch):
+    import sys
+
+    tiny = tiny_gguf(tmp_path / "g.gguf", "gemma3")
+    with pytest.raises(GGUFError, match="GGUF metadata has no 'gemma3.block_count'"):
+        convert_gguf(tiny, tmp_path / "out")
+    monkeypatch.setitem(sys.modules, "gguf", None)  # not installed
+    with pytest.raises(GGUFError, match=r"needs llama.cpp's gguf package \(pip install gguf\)"):
+        convert_gguf(tiny, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.gguf"]
+
+
 def test_gemma3_config_refuses_what_mlx_lm_cannot_run():
     base = {"general.architecture": "gemma3", "gemma3.block_count": 18, "gemma3.embedding_length": 640,
             "gemma3.attention.head_count": 4, "gemma3.feed_forward_length": 2048,

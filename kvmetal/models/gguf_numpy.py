@@ -21,11 +21,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from .gguf import _GGUF_ARRAY as _ARRAY
+from .gguf import _GGUF_SCALARS as _SCALARS
+from .gguf import _GGUF_STRING as _STRING
 from .gguf import GGUFError
-
-# GGUF metadata value types -> struct format; 8 = string, 9 = array
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
