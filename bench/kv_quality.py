@@ -246,10 +246,12 @@ def merge_reports(paths: list[str]) -> dict:
         if "reference" not in merged or len(report["reference"]["windows"]) > len(merged["reference"]["windows"]):
             merged.update({k: v for k, v in report.items() if k != "results"})
         for name, r in report["results"].items():
-            have = results.setdefault(name, {"windows": {}, "greedy": None, "tokens": 0})
+            have = results.setdefault(name, {"windows": {}, "greedy": None, "tokens": 0, "pool": None})
             for c, w in r["windows"].items():
                 have["windows"].setdefault(c, w)
             have["greedy"] = have["greedy"] or r.get("greedy")
+            if r["tokens"] >= have["tokens"]:
+                have["pool"] = r.get("pool") or have["pool"]
             have["tokens"] = max(have["tokens"], r["tokens"])
     order = [c["name"] for c in cache_configs()]
     merged["results"] = dict(sorted(merged["results"].items(), key=lambda kv: order.index(kv[0])
@@ -283,6 +285,14 @@ def print_report(report: dict, plot: str | None) -> None:
               + " | ".join(cell(w, c, "ppl", ".2f") for c in contexts) + " | "
               + " | ".join(cell(w, c, "top1", ".3f") for c in contexts)
               + (f" | {g['prefix_mean']:.1f} | {g['identical']} |" if g else " | - | - |"))
+    pools = {n: r for n, r in report["results"].items() if r.get("pool")}
+    if pools:
+        print("\n| cache | tokens | pool held | owned | blocks in use per group (window: blocks) |")
+        print("|---|---|---|---|---|")
+        for name, r in pools.items():
+            groups = ", ".join(f"{g['window'] or 'full'}: {g['used_blocks']}" for g in r["pool"]["groups"])
+            print(f"| {name} | {r['tokens']} | {r['pool']['pool_bytes'] / 2**20:.1f} MiB | "
+                  f"{r['pool']['used_bytes'] / 2**20:.1f} MiB | {groups} |")
     if plot:
         import matplotlib
 
