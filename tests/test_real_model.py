@@ -256,7 +256,7 @@ def test_serve_without_a_model_answers_a_real_chat_through_openai(model_cache, f
     assert "Paris" in reply.choices[0].message.content
 
 
-def test_head_dim_64_defaults_to_group_32_and_larger_heads_to_64():
+def test_every_head_dim_defaults_to_group_32():
     from types import SimpleNamespace
 
     from kvmetal.integrations.generate import kv_options
@@ -264,7 +264,8 @@ def test_head_dim_64_defaults_to_group_32_and_larger_heads_to_64():
     args = SimpleNamespace(kv_bits=None, k_bits=8, v_bits=4, kv_group_size=None, k_group_size=None,
                            v_group_size=None, quantized_kv_start=0)
     assert kv_options(args, 64)[:4] == (8, 4, 32, 32)
-    assert kv_options(args, 128)[:4] == (8, 4, 64, 64)
+    assert kv_options(args, 128)[:4] == (8, 4, 32, 32)
+    assert kv_options(args, 256)[:4] == (8, 4, 32, 32)  # Gemma-3: measured (docs/quantization.md, section 4)
     assert kv_options(SimpleNamespace(**{**vars(args), "kv_group_size": 64}), 64)[2:4] == (64, 64)
 
 

@@ -112,7 +112,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--min-p", type=_fraction, default=0.0, help="default min-p sampling (default 0: off)")
     add("--kv-bits", type=int, choices=bits, help="quantize K and V to these bits (mlx-lm's flag)")
     add("--kv-group-size", type=int, choices=SUPPORTED_GROUP_SIZES, default=None,
-        help="quantization group size of K and V (default 32 for head_dim <= 64, else 64, or the largest "
+        help="quantization group size of K and V (default 32, or the largest "
              "that divides head_dim; as kvmetal generate picks)")
     add("--k-bits", type=int, choices=bits, help="quantize K to these bits (overrides --kv-bits for K)")
     add("--v-bits", type=int, choices=bits, help="quantize V to these bits (overrides --kv-bits for V)")
