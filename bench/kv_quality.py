@@ -309,11 +309,11 @@ def print_report(report: dict, plot: str | None) -> None:
         for n, r in report["results"].items():
             if len(r["windows"]) >= 2:
                 cs = sorted(int(c) for c in r["windows"])
-                right.plot(cs, [r["windows"][str(c)]["kl"] for c in cs], marker="o", label=n)
+                right.plot(cs, [max(r["windows"][str(c)]["kl"], 1e-6) for c in cs], marker="o", label=n)
         right.set_xscale("log", base=2)
         right.set_yscale("log")
         right.set_xlabel("context: window of 512 positions ending here (tokens)")
-        right.set_ylabel("mean KL to the float cache (log)")
+        right.set_ylabel("mean KL to the float cache (log; 1e-6 = exact)")
         right.legend(fontsize=8)
         fig.suptitle(f"{report.get('model_name', 'SmolLM2-135M-Instruct')} (float32 weights), pydoc_data.topics "
                      f"text, teacher-forced")
