@@ -87,8 +87,15 @@ class Caches:
             self.handle.undo()
 
 
+def pool_report(model_cache) -> dict:
+    """A paged cache's pools after a pass: bytes held and owned, blocks per layer group."""
+    return {"pool_bytes": int(model_cache.nbytes), "used_bytes": int(model_cache.used_bytes),
+            "groups": [{"window": w, "layers": model_cache.layer_group.count(g), **p.stats()}
+                       for g, (w, p) in enumerate(zip(model_cache.windows, model_cache.pools))]}
+
+
 def teacher_forced(model, tokens: np.ndarray, config: dict | None, ref_logprobs: dict, *, contexts: list[int],
-                   store: bool) -> dict:
+                   store: bool, pool: dict | None = None) -> dict:
     """Per-window KL, next-token NLL and top-1 agreement over ``tokens`` (one sequence).
 
     The text goes through in chunks of 512; only the chunks that are windows (positions
@@ -115,6 +122,8 @@ def teacher_forced(model, tokens: np.ndarray, config: dict | None, ref_logprobs:
             result[str(stop)] = {"kl": float((np.exp(ref) * (ref - lp)).sum(axis=-1).mean()),
                                  "ppl": float(np.exp(-lp[np.arange(len(nxt)), nxt].mean())),
                                  "top1": float((ref.argmax(-1) == lp.argmax(-1)).mean())}
+        if pool is not None and getattr(cache[0], "model_cache", None) is not None:
+            pool.update(pool_report(cache[0].model_cache))
     return result
 
 
@@ -138,17 +147,38 @@ def greedy_metrics(ref: np.ndarray, got: np.ndarray) -> dict:
             "identical": int(same.all(axis=1).sum()), "prompts": int(ref.shape[0])}
 
 
+def model_path(spec: str | None) -> Path:
+    """A model directory, or a named model (``smollm2``, ``gemma3``) converted to float32."""
+    from kvmetal.models import named_model_path
+    from kvmetal.models.named import MODELS
+
+    if spec is None or spec in MODELS:
+        return named_model_path(spec or "smollm2", "float32")
+    return Path(spec)
+
+
+def reference_logprobs(scratch: str | None, path: Path, tokens: np.ndarray, stop: int):
+    """The file holding the reference log-probs of the window ending at ``stop`` (or None):
+    a run split over processes computes the reference pass once."""
+    if not scratch:
+        return None
+    import hashlib
+
+    key = hashlib.sha256(str(path.resolve()).encode() + tokens[:stop + 1].tobytes()).hexdigest()[:16]
+    return Path(scratch) / f"ref-{path.name}-{stop}-{key}.npy"
+
+
 def run_study(args) -> None:
     from mlx_lm.utils import load
 
-    from kvmetal.models import default_model_path
-
-    path = Path(args.model) if args.model else default_model_path(dtype="float32")
+    path = model_path(args.model)
     model, tokenizer = load(str(path))
     texts = pydoc_text()
-    stream = np.array(tokenizer.encode("\n\n".join(texts), add_special_tokens=False), dtype=np.int64)
+    # The tokenizer's own specials: Gemma's <bos> first (SmolLM2 adds none). Gemma without
+    # <bos> is off its training distribution (no attention sink; perplexity 71 over 0-512).
+    stream = np.array(tokenizer.encode("\n\n".join(texts), add_special_tokens=True), dtype=np.int64)
     contexts = [int(c) for c in args.contexts.split(",")]
-    long_n, short_n = max(contexts), min(2048, max(contexts))
+    long_n, short_n = max(contexts), min(args.short, max(contexts))
     stream = stream[:long_n + 1]  # one more: the next token of the last position
     # Greedy prompts: the first 64 tokens of evenly spaced topics (of those that long).
     encoded = [ids for ids in (tokenizer.encode(t, add_special_tokens=False) for t in texts) if len(ids) >= 64]
@@ -158,19 +188,35 @@ def run_study(args) -> None:
 
     out = Path(args.json)
     report = json.loads(out.read_text()) if out.exists() and args.resume else {}
-    report.update({"model": str(path), "chunk": CHUNK, "window": WINDOW, "gen": args.gen,
+    report.update({"model": str(path), "model_name": path.name, "chunk": CHUNK, "window": WINDOW, "gen": args.gen,
                    "prompts": args.prompts, "contexts": contexts, "results": report.get("results", {})})
-    ref_lp: dict = {}  # window end -> reference log-probs [512, vocab] (100 MB each)
+    ref_lp: dict = {}  # window end -> reference log-probs [512, vocab] (100 MB each for SmolLM2, 512 MB Gemma)
     tic = time.perf_counter()
-    ref_windows = teacher_forced(model, stream[:long_n + 1], None, ref_lp, contexts=contexts, store=True)
+    files = {c: reference_logprobs(args.scratch, path, stream, c) for c in contexts if c <= long_n}
+    reused = bool(report.get("reference")) and all(f is not None and f.is_file() for f in files.values())
+    if reused:
+        ref_lp.update({c: np.load(f) for c, f in files.items()})
+        print(f"reference log-probs read from {args.scratch}", file=sys.stderr, flush=True)
+    else:
+        ref_windows = teacher_forced(model, stream[:long_n + 1], None, ref_lp, contexts=contexts, store=True)
+        for c, f in files.items():
+            if f is not None:
+                f.parent.mkdir(parents=True, exist_ok=True)
+                np.save(f, ref_lp[c])
     ref_greedy = greedy(model, prompts, None, args.gen) if args.gen else None
-    report["reference"] = {"name": "mlx-lm KVCache (float32)", "windows": ref_windows,
-                           "seconds": time.perf_counter() - tic}
+    if not reused:
+        report["reference"] = {"name": "mlx-lm KVCache (float32)", "windows": ref_windows,
+                               "seconds": time.perf_counter() - tic}
     print(f"reference: {report['reference']['windows']} ({report['reference']['seconds']:.0f} s)",
           file=sys.stderr, flush=True)
     long_names = set(args.long.split(",")) if args.long else set(DEFAULT_LONG)
-    selected = [c for c in cache_configs() if not args.only or c["name"] in args.only.split(",")]
-    order = selected  # cache_configs() lists the most informative first
+    configs = {c["name"]: c for c in cache_configs()}
+    if args.only:
+        unknown = [n for n in args.only.split(",") if n not in configs]
+        if unknown:
+            raise SystemExit(f"--only: unknown cache {unknown[0]!r} (known: {', '.join(configs)})")
+    # --only's order, else cache_configs()'s (the most informative first)
+    order = [configs[n] for n in args.only.split(",")] if args.only else list(configs.values())
     for config in order:
         name = config["name"]
         n = long_n if name in long_names else short_n
@@ -178,10 +224,11 @@ def run_study(args) -> None:
             continue
         tic = time.perf_counter()
         got = greedy(model, prompts, config, args.gen) if args.gen else None
+        pool: dict = {}
+        windows = teacher_forced(model, stream[:n + 1], config, ref_lp, contexts=contexts, store=False, pool=pool)
         report["results"][name] = {"config": config, "tokens": n,
                                    "greedy": greedy_metrics(ref_greedy, got) if args.gen else None,
-                                   "windows": teacher_forced(model, stream[:n + 1], config, ref_lp,
-                                                             contexts=contexts, store=False),
+                                   "windows": windows, "pool": pool or None,
                                    "seconds": time.perf_counter() - tic}
         r = report["results"][name]
         print(f"{name}: {r['windows']} greedy {r['greedy']} ({r['seconds']:.0f} s)", file=sys.stderr, flush=True)
@@ -199,10 +246,12 @@ def merge_reports(paths: list[str]) -> dict:
         if "reference" not in merged or len(report["reference"]["windows"]) > len(merged["reference"]["windows"]):
             merged.update({k: v for k, v in report.items() if k != "results"})
         for name, r in report["results"].items():
-            have = results.setdefault(name, {"windows": {}, "greedy": None, "tokens": 0})
+            have = results.setdefault(name, {"windows": {}, "greedy": None, "tokens": 0, "pool": None})
             for c, w in r["windows"].items():
                 have["windows"].setdefault(c, w)
             have["greedy"] = have["greedy"] or r.get("greedy")
+            if r["tokens"] >= have["tokens"]:
+                have["pool"] = r.get("pool") or have["pool"]
             have["tokens"] = max(have["tokens"], r["tokens"])
     order = [c["name"] for c in cache_configs()]
     merged["results"] = dict(sorted(merged["results"].items(), key=lambda kv: order.index(kv[0])
@@ -236,6 +285,14 @@ def print_report(report: dict, plot: str | None) -> None:
               + " | ".join(cell(w, c, "ppl", ".2f") for c in contexts) + " | "
               + " | ".join(cell(w, c, "top1", ".3f") for c in contexts)
               + (f" | {g['prefix_mean']:.1f} | {g['identical']} |" if g else " | - | - |"))
+    pools = {n: r for n, r in report["results"].items() if r.get("pool")}
+    if pools:
+        print("\n| cache | tokens | pool held | owned | blocks in use per group (window: blocks) |")
+        print("|---|---|---|---|---|")
+        for name, r in pools.items():
+            groups = ", ".join(f"{g['window'] or 'full'}: {g['used_blocks']}" for g in r["pool"]["groups"])
+            print(f"| {name} | {r['tokens']} | {r['pool']['pool_bytes'] / 2**20:.1f} MiB | "
+                  f"{r['pool']['used_bytes'] / 2**20:.1f} MiB | {groups} |")
     if plot:
         import matplotlib
 
@@ -252,13 +309,14 @@ def print_report(report: dict, plot: str | None) -> None:
         for n, r in report["results"].items():
             if len(r["windows"]) >= 2:
                 cs = sorted(int(c) for c in r["windows"])
-                right.plot(cs, [r["windows"][str(c)]["kl"] for c in cs], marker="o", label=n)
+                right.plot(cs, [max(r["windows"][str(c)]["kl"], 1e-6) for c in cs], marker="o", label=n)
         right.set_xscale("log", base=2)
         right.set_yscale("log")
         right.set_xlabel("context: window of 512 positions ending here (tokens)")
-        right.set_ylabel("mean KL to the float cache (log)")
+        right.set_ylabel("mean KL to the float cache (log; 1e-6 = exact)")
         right.legend(fontsize=8)
-        fig.suptitle("SmolLM2-135M-Instruct (float32 weights), pydoc_data.topics text, teacher-forced")
+        fig.suptitle(f"{report.get('model_name', 'SmolLM2-135M-Instruct')} (float32 weights), pydoc_data.topics "
+                     f"text, teacher-forced")
         fig.tight_layout()
         fig.savefig(plot, dpi=80)
         print(f"\nplot written to {plot}", file=sys.stderr)
@@ -269,17 +327,22 @@ def main(argv=None) -> int:
 
     preload_openblas_and_reexec()  # float32 matmuls ~30x faster on Linux (OpenBLAS, when installed)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="an mlx-lm model directory (default: SmolLM2 float32)")
+    p.add_argument("--model", default=None, help="an mlx-lm model directory, or smollm2 / gemma3 (converted to "
+                                                 "float32; default smollm2)")
     p.add_argument("--json", default="kv_quality.json", help="results file (written as each cache finishes)")
     p.add_argument("--resume", action="store_true", help="keep the caches already in --json")
     p.add_argument("--long", default=None, help="comma-separated caches that run the 8K pass "
                                                 f"(default: {','.join(DEFAULT_LONG)})")
-    p.add_argument("--only", default=None, help="comma-separated caches to run (default: all)")
+    p.add_argument("--only", default=None, help="comma-separated caches to run, in this order (default: all)")
+    p.add_argument("--short", type=int, default=2048,
+                   help="tokens of the caches not named by --long (default 2048)")
     p.add_argument("--contexts", default="512,2048,4096,8192",
                    help="window ends in tokens (default 512,2048,4096,8192)")
     p.add_argument("--prompts", type=int, default=20, help="greedy prompts (default 20)")
     p.add_argument("--gen", type=int, default=128, help="greedy tokens per prompt (default 128; 0: no greedy)")
-    p.add_argument("--scratch", default=None, help="directory for the reference log-probs (1.6 GB)")
+    p.add_argument("--scratch", default=None,
+                   help="directory that keeps the reference log-probs, so later runs (--resume) skip the "
+                        "reference pass (512 x vocab float32 per window: 100 MB SmolLM2, 512 MB Gemma)")
     p.add_argument("--report", action="store_true",
                    help="print the tables from --json (comma-separated files are merged; no measuring)")
     p.add_argument("--plot", default=None, help="with --report: write a PNG")

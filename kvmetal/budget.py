@@ -120,6 +120,7 @@ PRESETS = {p.name: p for p in (
     _preset("gemma-2-2b", 26, 4, 256, 8, 2304, 9216, 256000, True, window=4096, pattern=2, context=8192),
     _preset("gemma-2-9b", 42, 8, 256, 16, 3584, 14336, 256000, True, window=4096, pattern=2, context=8192),
     _preset("gemma-2-27b", 46, 16, 128, 32, 4608, 36864, 256000, True, window=4096, pattern=2, context=8192),
+    _preset("gemma-3-270m", 18, 1, 256, 4, 640, 2048, 262144, True, window=512, pattern=6, context=32768),
     _preset("gemma-3-1b", 26, 1, 256, 4, 1152, 6912, 262144, True, window=512, pattern=6, context=32768),
     _preset("gemma-3-4b", 34, 4, 256, 8, 2560, 10240, 262208, True, window=1024, pattern=6, context=131072),
     _preset("gemma-3-12b", 48, 8, 256, 16, 3840, 15360, 262208, True, window=1024, pattern=6, context=131072),

@@ -18,7 +18,7 @@ COMMANDS = {
     "demo": ("kvmetal.integrations.demo", "continuous batching over a paged cache on a small random model"),
     "generate": ("kvmetal.integrations.generate", "mlx-lm generate with the paged cache (model directory or Hugging Face repo id)"),
     "selfcheck": ("kvmetal.selfcheck", "compile every kernel, check every op against the oracle, time decode: one report"),
-    "convert-gguf": ("kvmetal.models.convert_cli", "convert a llama GGUF file to an mlx-lm model directory"),
+    "convert-gguf": ("kvmetal.models.convert_cli", "convert a llama or gemma3 GGUF file to an mlx-lm model directory"),
 }
 # Commands that run kvmetal's compiled CPU kernels: an unusable extension stops them at once.
 NEEDS_EXTENSION = frozenset({"bench", "serve", "demo", "generate"})

@@ -109,7 +109,8 @@ def test_config_variants():
 
 def test_preset_weight_estimates_match_published_sizes():
     expected = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "mistral-7b": 7.24e9, "qwen2.5-7b": 7.62e9,
-                "gemma-2-9b": 9.24e9, "mixtral-8x7b": 46.7e9, "phi-3-mini": 3.82e9, "llama-3.2-1b": 1.24e9}
+                "gemma-2-9b": 9.24e9, "mixtral-8x7b": 46.7e9, "phi-3-mini": 3.82e9, "llama-3.2-1b": 1.24e9,
+                "gemma-3-270m": 268e6}
     for name, params in expected.items():
         assert B.PRESETS[name].param_count() == pytest.approx(params, rel=0.01), name
     llama31 = B.load_model("Llama-3.1-8B")  # llama-3-8b's shapes with the 128K context

@@ -28,15 +28,15 @@ def test_per_side_flags_win_over_the_both_sides_flags():
 def test_group_sizes_follow_the_head_dim_and_errors_name_the_flag():
     fmt = flags("--k-bits", "8", "--v-bits", "4")
     assert fmt.for_head_dim(64).cache_options() == dict(k_bits=8, v_bits=4, k_group_size=32, v_group_size=32)
-    assert fmt.for_head_dim(128).k_group_size == default_group_size(128) == 64
-    assert fmt.for_head_dim(96).k_group_size == 32  # the largest that divides 96
-    assert format_notes(fmt, 96) == ["head_dim 96 is not a multiple of 64: K and V use group size 32"]
+    assert fmt.for_head_dim(256).k_group_size == default_group_size(256) == 32
     assert format_notes(fmt, 128) == []
     with pytest.raises(KVFormatError, match=r"--k-group-size 128 does not divide the model's head_dim 64; "
                                             r"try --k-group-size 64"):
         flags("--kv-bits", "8", "--k-group-size", "128").for_head_dim(64)
     with pytest.raises(KVFormatError, match=r"--kv-group-size 128 does not divide"):
         flags("--kv-bits", "8", "--kv-group-size", "128").for_head_dim(96)
+    with pytest.raises(KVFormatError, match=r"head_dim 48 has no supported quantization group size"):
+        fmt.for_head_dim(48)
     float_side = flags("--k-bits", "8").for_head_dim(64)
     assert float_side.v_bits is None and float_side.label == "K8/Vf16 g32"
 

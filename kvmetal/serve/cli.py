@@ -240,11 +240,14 @@ def run_serve(args) -> int:
         problem = check_listen(args.host, args.port)
         if problem:
             return fail(problem)
-    try:  # the default model (converted once) and the reference-BLAS note, as kvmetal generate does
-        if args.model is None:
-            from ..models.default import MODEL_NAME
+    try:  # the default or a named model (converted once) and the reference-BLAS note, as kvmetal generate does
+        from ..models.named import DEFAULT, MODELS
 
-            args.model, args.model_name = str(resolve_model(None)), MODEL_NAME
+        named = (args.model or DEFAULT).partition(":")[0]
+        named = DEFAULT if named == "default" else named
+        if args.model is None or (named in MODELS and not os.path.exists(args.model)):
+            path = resolve_model(args.model)
+            args.model, args.model_name = str(path), getattr(args, "model_name", None) or MODELS[named].name
         else:
             from ..models.blas import reference_blas_note
 
