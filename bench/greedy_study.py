@@ -279,12 +279,12 @@ def _kvmetal_caches(model, k_bits, v_bits, group_size):
         from kvmetal.integrations.mlx_lm import use_paged_cache
     except ImportError as exc:
         raise RuntimeError(f"[greedy_study] --path kvmetal needs kvmetal.integrations.mlx_lm: {exc}") from exc
-    if group_size != quant.DEFAULT_GROUP_SIZE:
-        raise ValueError("[greedy_study] --path kvmetal quantizes with the default group size 64")
     from mlx_lm.models.cache import make_prompt_cache
 
-    # The handle patches the model's attention and make_cache until it is undone.
-    with use_paged_cache(model, k_bits=k_bits, v_bits=v_bits):
+    # The handle patches the model's attention and make_cache until it is undone; the study's
+    # group size, not kvmetal's default (kvmetal.kv_format.default_group_size).
+    groups = dict(k_group_size=group_size if k_bits else None, v_group_size=group_size if v_bits else None)
+    with use_paged_cache(model, k_bits=k_bits, v_bits=v_bits, **groups):
         yield make_prompt_cache(model)
 
 

@@ -20,7 +20,7 @@ Two conventions differ between llama.cpp and mlx-lm (and Hugging Face):
 """
 from __future__ import annotations
 
-from .gguf import GGUFError, _float32
+from .gguf_base import GGUFError, _float32
 
 ARCH = "gemma3"
 # GGUF tensor name pieces -> mlx-lm gemma3_text module paths
@@ -122,7 +122,7 @@ def convert_weights(gguf_file, *, dtype: str) -> tuple[dict, dict]:
     each quantized GGUF tensor to MLX affine at :data:`KEEP_BITS` and group 32."""
     import mlx.core as mx
 
-    from .gguf import DTYPES
+    from .gguf_base import DTYPES
 
     if dtype not in DTYPES:
         raise GGUFError(f"dtype must be one of {DTYPES}, got {dtype!r}")

@@ -26,7 +26,8 @@ import struct
 import tempfile
 from pathlib import Path
 
-DTYPES = ("keep", "float32", "float16", "bfloat16")
+from .gguf_base import _GGUF_ARRAY, _GGUF_SCALARS, _GGUF_STRING, DTYPES, GGUFError, _float32, _scalar  # noqa: F401
+
 ARCHITECTURES = ("gemma3", "llama")
 
 # GGUF tensor name pieces -> mlx-lm llama module paths
@@ -59,29 +60,6 @@ PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-class GGUFError(ValueError):
-    """A GGUF file this converter cannot turn into an mlx-lm directory (one line)."""
-
-
-def _scalar(meta: dict, key: str, *, required: bool = True, default=None):
-    value = meta.get(key)
-    if value is None:
-        if required:
-            raise GGUFError(f"GGUF metadata has no {key!r}")
-        return default
-    if hasattr(value, "item"):  # mx.array scalars
-        value = value.item() if value.size == 1 else value.tolist()
-    return value
-
-
-def _float32(value) -> float:
-    """A GGUF float32 as the shortest decimal that reads back to it (1e-05, not 9.99e-06)."""
-    return float(f"{float(value):.7g}")
-
-
-# GGUF metadata value types -> struct format (strings and arrays are read separately)
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:

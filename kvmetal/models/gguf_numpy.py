@@ -21,10 +21,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import _GGUF_ARRAY as _ARRAY
-from .gguf import _GGUF_SCALARS as _SCALARS
-from .gguf import _GGUF_STRING as _STRING
-from .gguf import GGUFError
+from .gguf_base import _GGUF_ARRAY as _ARRAY
+from .gguf_base import _GGUF_SCALARS as _SCALARS
+from .gguf_base import _GGUF_STRING as _STRING
+from .gguf_base import GGUFError
 
 
 @dataclass(frozen=True)

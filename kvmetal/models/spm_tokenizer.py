@@ -15,7 +15,7 @@ control ones are special (skipped when decoding with ``skip_special_tokens``).
 """
 from __future__ import annotations
 
-from .gguf import GGUFError, _scalar
+from .gguf_base import GGUFError, _scalar
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
