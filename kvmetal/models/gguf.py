@@ -26,7 +26,8 @@ import struct
 import tempfile
 from pathlib import Path
 
-from .gguf_base import _GGUF_ARRAY, _GGUF_SCALARS, _GGUF_STRING, DTYPES, GGUFError, _float32, _scalar  # noqa: F401
+from .gguf_base import (_GGUF_ARRAY, _GGUF_SCALARS, _GGUF_STRING, DTYPES, GGUFError, _float32,  # noqa: F401
+                        _scalar, hf_tokenizer_config)
 
 ARCHITECTURES = ("gemma3", "llama")
 
@@ -309,20 +310,8 @@ def tokenizer_files(meta: dict) -> tuple[dict, dict, dict]:
                   "vocab": {t: i for i, t in enumerate(tokens)},
                   "merges": list(merges)},
     }
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta, "llama.context_length", required=False, default=2048)),
-    }
-    for label, value in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad), ("unk_token", unk)):
-        if value is not None:
-            tokenizer_config[label] = tokens[value]
-    chat_template = _scalar(meta, "tokenizer.chat_template", required=False)
-    if chat_template:
-        tokenizer_config["chat_template"] = chat_template
-    ids = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad)) if v is not None}
+    tokenizer_config, ids = hf_tokenizer_config(meta, tokens, arch="llama", add_bos=add_bos, add_eos=add_eos,
+                                                bos=bos, eos=eos, pad=pad, unk=unk)
     return tokenizer, tokenizer_config, ids
 
 

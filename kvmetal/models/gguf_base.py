@@ -29,3 +29,24 @@ def _float32(value) -> float:
 # GGUF metadata value types -> struct format (strings and arrays are read separately)
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def hf_tokenizer_config(meta: dict, tokens: list, *, arch: str, add_bos: bool, add_eos: bool, bos, eos, pad,
+                        unk) -> tuple:
+    """(tokenizer_config.json, special token ids) of a GGUF vocabulary, for any architecture:
+    the special tokens by id, the context length as ``model_max_length``, the chat template."""
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(_scalar(meta, f"{arch}.context_length", required=False, default=2048)),
+    }
+    for label, value in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad), ("unk_token", unk)):
+        if value is not None:
+            tokenizer_config[label] = tokens[value]
+    chat_template = _scalar(meta, "tokenizer.chat_template", required=False)
+    if chat_template:
+        tokenizer_config["chat_template"] = chat_template
+    ids = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad)) if v is not None}
+    return tokenizer_config, ids

@@ -15,7 +15,7 @@ control ones are special (skipped when decoding with ``skip_special_tokens``).
 """
 from __future__ import annotations
 
-from .gguf_base import GGUFError, _scalar
+from .gguf_base import GGUFError, _scalar, hf_tokenizer_config
 
 # GGUF token types (llama.cpp's llama_token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -116,18 +116,6 @@ def spm_tokenizer_files(meta: dict) -> tuple[dict, dict, dict]:
                   "merges": spm_merges(tokens, scores, types)},
     }
     arch = _scalar(meta, "general.architecture", required=False, default="llama")
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta, f"{arch}.context_length", required=False, default=2048)),
-    }
-    for label, value in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad), ("unk_token", unk)):
-        if value is not None:
-            tokenizer_config[label] = tokens[value]
-    chat_template = _scalar(meta, "tokenizer.chat_template", required=False)
-    if chat_template:
-        tokenizer_config["chat_template"] = chat_template
-    ids = {k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad)) if v is not None}
+    tokenizer_config, ids = hf_tokenizer_config(meta, tokens, arch=arch, add_bos=add_bos, add_eos=add_eos,
+                                                bos=bos, eos=eos, pad=pad, unk=unk)
     return tokenizer, tokenizer_config, ids
