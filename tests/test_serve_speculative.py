@@ -76,6 +76,8 @@ def test_speculative_server_answers_as_the_plain_one(model_dir):
                                            (["--speculative", "eagle"], "neither 'ngram' nor a model directory"),
                                            (["--speculative", "ngram", "--ngram-min", "4"], "--ngram-min 4 must be")])
 def test_bad_speculative_flags_exit_2(model_dir, flags, message):
+    # Run outside the source tree: from the repository root `-m kvmetal` would find the tree
+    # (no built extension there) before the installed package.
     done = subprocess.run([sys.executable, "-m", "kvmetal", "serve", "--model", str(model_dir), *flags],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=model_dir)
     assert done.returncode == 2 and message in done.stderr, done.stderr
