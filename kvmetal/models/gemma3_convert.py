@@ -20,7 +20,7 @@ Two conventions differ between llama.cpp and mlx-lm (and Hugging Face):
 """
 from __future__ import annotations
 
-from .gguf_base import GGUFError, _float32
+from .gguf_base import GGUFError, _float32, module_path
 
 ARCH = "gemma3"
 # GGUF tensor name pieces -> mlx-lm gemma3_text module paths
@@ -106,13 +106,7 @@ def gemma3_config(meta: dict) -> dict:
 
 def mlx_name(gguf_name: str) -> str:
     """``blk.3.attn_q_norm.weight`` -> ``model.layers.3.self_attn.q_norm.weight``."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in PER_LAYER:
-        return f"model.layers.{parts[1]}.{PER_LAYER[parts[2]]}.{suffix}"
-    if len(parts) == 1 and parts[0] in TOP_LEVEL:
-        return f"{TOP_LEVEL[parts[0]]}.{suffix}"
-    raise GGUFError(f"GGUF tensor {gguf_name!r} has no gemma3_text counterpart")
+    return module_path(gguf_name, top_level=TOP_LEVEL, per_layer=PER_LAYER, family="gemma3_text")
 
 
 def convert_weights(gguf_file, *, dtype: str) -> tuple[dict, dict]:

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from .gguf_base import (_GGUF_ARRAY, _GGUF_SCALARS, _GGUF_STRING, DTYPES, GGUFError, _float32,  # noqa: F401
-                        _scalar, hf_tokenizer_config)
+                        _scalar, hf_tokenizer_config, module_path)
 
 ARCHITECTURES = ("gemma3", "llama")
 
@@ -61,16 +61,22 @@ PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-
-
-def gguf_architecture(path: str | os.PathLike) -> str:
-    """``general.architecture`` from the file's header alone (no tensor is read)."""
+def _gguf_path(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, after checking it is a file that starts with GGUF's magic."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{str(path)!r}: no such file")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise GGUFError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
+    return path
+
+
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """``general.architecture`` from the file's header alone (no tensor is read)."""
+    path = _gguf_path(path)
+    with open(path, "rb") as f:
+        f.seek(4)
 
         def read(fmt):
             size = struct.calcsize("<" + fmt)
@@ -113,12 +119,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
     """(weights, metadata) as ``mx.load`` returns them, with one-line errors."""
     import mlx.core as mx
 
-    path = Path(path)
-    if not path.is_file():
-        raise GGUFError(f"{str(path)!r}: no such file")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GGUFError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
+    path = _gguf_path(path)
     try:
         weights, meta = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # MLX's own message names the tensor type it cannot read
@@ -159,13 +160,7 @@ def llama_config(meta: dict) -> dict:
 
 def _mlx_name(gguf_name: str) -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{suffix}"
-    if len(parts) == 1 and parts[0] in _TOP_LEVEL:
-        return f"{_TOP_LEVEL[parts[0]]}.{suffix}"
-    raise GGUFError(f"GGUF tensor {gguf_name!r} has no llama counterpart")
+    return module_path(gguf_name, top_level=_TOP_LEVEL, per_layer=_PER_LAYER, family="llama")
 
 
 def _quantized_bits(weight, scales) -> int:

@@ -26,6 +26,18 @@ def _float32(value) -> float:
     return float(f"{float(value):.7g}")
 
 
+def module_path(gguf_name: str, *, top_level: dict, per_layer: dict, family: str) -> str:
+    """A GGUF tensor name as the mlx-lm module path of ``family``: ``blk.3.<piece>.weight`` ->
+    ``model.layers.3.<per_layer[piece]>.weight``, ``<piece>.weight`` -> ``<top_level[piece]>.weight``."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in per_layer:
+        return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{suffix}"
+    if len(parts) == 1 and parts[0] in top_level:
+        return f"{top_level[parts[0]]}.{suffix}"
+    raise GGUFError(f"GGUF tensor {gguf_name!r} has no {family} counterpart")
+
+
 # GGUF metadata value types -> struct format (strings and arrays are read separately)
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
