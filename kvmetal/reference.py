@@ -31,6 +31,10 @@ def to_int(x) -> np.ndarray:
 # Sparse-V oracles classify a key as skippable with tau times this margin, so float32
 # rounding of a kernel's scores cannot make it skip a key the bound leaves out.
 SPARSE_V_BOUND_MARGIN = 1.05
+# Sparse V's seeds besides the first key: the newest keys (sparse_v_seeds). 31 + 1 = 32
+# seeds reach 0.97 of the final-max skip rate on Gemma-3-270M at 8K (2 seeds: 0.49;
+# bench/sparse_v_seed_study.py); the kernels score them once per split, cooperatively.
+SPARSE_V_RECENT_SEEDS = 31
 
 
 def attend(q, keys, values, *, scale, softcap=None, sink=None, sparse_v=None, bound=None) -> np.ndarray:
@@ -63,11 +67,14 @@ def attend(q, keys, values, *, scale, softcap=None, sink=None, sparse_v=None, bo
 
 def sparse_v_seeds(seq_len: int, query_len: int = 1, sliding_window=None) -> tuple:
     """The keys whose scores seed a sparse-V kernel's running max (docs/kernels.md,
-    "Sparse V"): the first key the first query row sees and the newest key every row
-    sees (``seq_len - query_len``); each row uses the seeds it sees."""
+    "Sparse V"): the first key the first query row sees (an attention sink in most
+    models) and the SPARSE_V_RECENT_SEEDS newest keys every row sees (ending at
+    ``seq_len - query_len``: a decode row's largest scores sit mostly among its newest
+    keys); each row uses the seeds it sees."""
     newest = seq_len - query_len
     first = 0 if sliding_window is None else max(0, newest + 1 - sliding_window)
-    return tuple(sorted({t for t in (first, newest) if 0 <= t < seq_len}))
+    recent = range(max(first, newest - SPARSE_V_RECENT_SEEDS + 1), newest + 1)
+    return tuple(sorted({t for t in (first, *recent) if 0 <= t < seq_len}))
 
 
 def sparse_v_sure_skips(query, key_cache, block_tables, seq_lens, *, sparse_v, scale=None, softcap=None,

@@ -223,10 +223,13 @@ def test_sliding_window_seeds_stay_within_the_bound(backend):
     assert bound.max() > 0
 
 
-def test_oracle_seeds_are_the_first_seen_and_the_newest_key():
-    assert reference.sparse_v_seeds(10) == (0, 9)
-    assert reference.sparse_v_seeds(10, 3) == (0, 7)  # row 0 of 3 sits at 7: every row sees it
-    assert reference.sparse_v_seeds(10, 1, sliding_window=4) == (6, 9)
+def test_oracle_seeds_are_the_first_seen_and_the_newest_keys():
+    recent = reference.SPARSE_V_RECENT_SEEDS
+    assert reference.sparse_v_seeds(100) == (0, *range(100 - recent, 100))
+    assert reference.sparse_v_seeds(100, 3) == (0, *range(98 - recent, 98))  # row 0 of 3 sits at 97
+    assert reference.sparse_v_seeds(100, 1, sliding_window=40) == (60, *range(100 - recent, 100))
+    assert reference.sparse_v_seeds(100, 1, sliding_window=10) == tuple(range(90, 100))  # none before the window
+    assert reference.sparse_v_seeds(10) == tuple(range(10))
     assert reference.sparse_v_seeds(1) == (0,)
     assert reference.sparse_v_seeds(2, 3) == (0,)  # row 0 sees nothing; no negative position
     assert reference.sparse_v_seeds(0) == ()
