@@ -7,9 +7,9 @@ a (kv head, key) V row counts as skipped when every query row of the kv head has
 * ``final``: the row's final maximum (the most any kernel can skip);
 * ``run``: the running max of a run of ``--run`` keys from -inf (the kernel before seeds:
   each simdgroup of each split starts afresh; 64 keys per run at 8K on the sim backend);
-* ``first``, ``newest``, ``first+newest``, ``first4+newest4``: that running max, seeded with
-  the best score of those keys (the first live key, an attention sink in most models, and
-  the newest one).
+* ``first``, ``newest``, ``first+newest``, ``first4+newest4``, ``first+newestN``: that
+  running max, seeded with the best score of those keys (the first live key, an attention
+  sink in most models, and the newest one or N); ``first+newest31`` is the kernels' rule.
 
 Key granularity (the kernel folds a pass of up to 8 keys into m at once, so it skips
 slightly more). Prints one line per (tau, capture) and writes ``--json``.
@@ -28,7 +28,9 @@ import numpy as np
 from kvmetal.benchmarks.attention_capture import load_capture
 
 RULES = {"first": lambda t: [0], "newest": lambda t: [t - 1], "first+newest": lambda t: [0, t - 1],
-         "first4+newest4": lambda t: list(range(4)) + list(range(t - 4, t))}
+         "first4+newest4": lambda t: list(range(4)) + list(range(t - 4, t)),
+         # the kernels' seeds since (reference.sparse_v_seeds): first + 31 newest; 7 and 15 for the curve
+         **{f"first+newest{n}": (lambda n: lambda t: [0] + list(range(max(0, t - n), t)))(n) for n in (7, 15, 31)}}
 
 
 def skip_rates(rows, tau: float, run: int) -> dict:
