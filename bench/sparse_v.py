@@ -137,12 +137,18 @@ def final_max_skips(call, tau) -> tuple[int, int]:
     for s in range(q.shape[0]):
         n = int(np.array(lens)[s])
         rows = reference.sequence_rows(keys, reference.to_int(tables)[s], n)  # [Hkv, n, D]
+        window = kwargs.get("sliding_window")
+        if window:  # a window layer's row sees only its newest `window` keys
+            rows = rows[:, -window:]
         group = q.shape[1] // rows.shape[0]
+        softcap = kwargs.get("softcap")
         for h in range(rows.shape[0]):
             scores = q[s, h * group:(h + 1) * group] @ rows[h].T * kwargs.get("scale", q.shape[-1] ** -0.5)
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
             weight = np.exp(scores - scores.max(axis=1, keepdims=True))
             skipped += int((weight < tau).all(axis=0).sum())
-            total += n
+            total += rows.shape[1]
     return skipped, total
 
 
@@ -171,7 +177,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="results file")
     ap.add_argument("--report", action="store_true", help="print the markdown table of --json and exit")
-    ap.add_argument("--model", help="mlx-lm model directory (default: SmolLM2-135M float32)")
+    ap.add_argument("--model", help="mlx-lm model directory or a kvmetal model name, e.g. gemma3 "
+                                     "(default: SmolLM2-135M float32)")
     ap.add_argument("--contexts", default="512,2048,8192", help="contexts C (comma-separated)")
     ap.add_argument("--window", type=int, default=128, help="decoded positions before each context")
     ap.add_argument("--sim-layers", default="0,15,29", help="layers replayed on the simulator")
@@ -186,9 +193,10 @@ def main(argv=None) -> int:
         return 0
     from mlx_lm.utils import load
 
+    from kvmetal.integrations.generate import resolve_model
     from kvmetal.models import default_model_path
 
-    path = Path(args.model) if args.model else default_model_path(dtype="float32")
+    path = resolve_model(args.model) if args.model else default_model_path(dtype="float32")
     model, tokenizer = load(str(path))
     contexts = [int(c) for c in args.contexts.split(",")]
     stream = pydoc_stream(tokenizer, max(contexts))

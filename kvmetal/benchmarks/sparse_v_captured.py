@@ -27,7 +27,7 @@ from .timing import time_stats
 
 SPARSE_V_TAU = 1e-4  # the larger of the two thresholds docs/kernels.md measures (skips most)
 BLOCK_SIZE = 16
-SIM_LAYERS = 6  # layers replayed on the simulator (evenly spaced): ~4 s each at 8K
+SIM_LAYERS = 6  # layers replayed on the simulator (sim_sample): ~4 s each at 8K
 
 
 def capture_path() -> Path | None:
@@ -36,6 +36,20 @@ def capture_path() -> Path | None:
         return Path(env).expanduser()
     found = sorted(capture_root().glob("*.npz"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
+
+
+def sim_sample(rows) -> list:
+    """The layers replayed on the simulator, evenly spaced; where some layers see more keys
+    than others (Gemma's global layers, whose V bytes dominate a long context), those first."""
+    def spaced(ids, n):
+        return [ids[int(i)] for i in np.linspace(0, len(ids) - 1, min(n, len(ids)))] if ids and n > 0 else []
+
+    longest = max(r[2].shape[1] for r in rows)
+    long = [r[0] for r in rows if r[2].shape[1] == longest]
+    if len(long) == len(rows):
+        return spaced(long, SIM_LAYERS)
+    long = spaced(long, SIM_LAYERS)
+    return sorted(long + spaced([r[0] for r in rows if r[0] not in long], SIM_LAYERS - len(long)))
 
 
 def paged_layer(q, k, v, *, bits=None):
@@ -116,10 +130,15 @@ def run(*, backend, tokens, repeat, baseline, progress, result_row, time_baselin
                  "note": "skipped: no attention capture; make one with `python -m kvmetal.benchmarks."
                          "attention_capture --model default --tokens 8192` (or set KVMETAL_SPARSE_V_CAPTURE)"}]
     meta, rows = load_capture(path)
-    context = rows[0][2].shape[1] if rows else 0
+    context = int(meta["tokens"])
     progress(f"  capture {path.name}: {len(rows)} layers, {meta['tokens']} tokens")
-    sample = sorted({rows[int(i)][0] for i in np.linspace(0, len(rows) - 1, min(SIM_LAYERS, len(rows)))})
+    sample = sim_sample(rows)
     final = [final_max_skips(q, k, scale, softcap, SPARSE_V_TAU) for _, q, k, _, scale, softcap in rows]
+    v_rows = [k.shape[0] * k.shape[1] for _, _, k, *_ in rows]  # weights: a layer's share of the V rows
+
+    def skippable(at) -> float:  # V rows the final-max rule skips over layers `at`, as a share of their rows
+        return float(np.average([final[i] for i in at], weights=[v_rows[i] for i in at]))
+
     no_sim = simulator_missing()
     results = []
     for label, bits in (("f16", None), ("k8v4", (8, 4))):
@@ -130,7 +149,7 @@ def run(*, backend, tokens, repeat, baseline, progress, result_row, time_baselin
             exact = time_baseline(f"kvmetal paged_attention exact ({backend})", lambda: _step(layers, None), repeat)
             sparse = time_stats(lambda: _step(layers, SPARSE_V_TAU), repeat=repeat)
         extra = {"capture": str(path), "model": meta["model"], "context": meta["tokens"], "layers": len(rows),
-                 "tau": SPARSE_V_TAU, "v_rows_skippable_final_max": float(np.mean(final))}
+                 "tau": SPARSE_V_TAU, "v_rows_skippable_final_max": skippable(range(len(rows)))}
         if no_sim is None:
             progress(f"  {label}: simulator V bytes on layers {sample} ...")
             loaded = live = 0
@@ -141,7 +160,7 @@ def run(*, backend, tokens, repeat, baseline, progress, result_row, time_baselin
             at = [i for i, r in enumerate(rows) if r[0] in sample]
             extra.update(sim_layers=sample, sim_v_bytes_per_token=loaded / context,
                          sim_v_bytes_per_token_exact=live / context, sim_v_rows_skipped=1 - loaded / live,
-                         v_rows_skippable_final_max_sim_layers=float(np.mean([final[i] for i in at])))
+                         v_rows_skippable_final_max_sim_layers=skippable(at))
         else:
             extra["sim_note"] = no_sim
         results.append(result_row(f"{name}_{label} T={context} tau={SPARSE_V_TAU:g}", backend, sparse, kv_bytes,
