@@ -76,6 +76,7 @@ struct PartialLayout {
 
 struct Scratch {
   std::vector<float> q, k_tile, v_tile, scores, corr, ones;
+  std::vector<float> kept_w[2], kept_corr[2];  // sparse V: the two units in flight (KeptRows)
   QueryQ8Rows q8;  // the query rows as int8, when 8-bit K is scored in integers
   void fit(int query_rows, int R, int D) {
     ones.assign(R, 1.f);
@@ -84,6 +85,10 @@ struct Scratch {
     v_tile.resize(static_cast<size_t>(kMaxTileRows) * D);
     scores.resize(static_cast<size_t>(R) * kMaxTileRows);
     corr.resize(R);
+    for (int i = 0; i < 2; ++i) {
+      kept_w[i].resize(static_cast<size_t>(R) * kMaxTileRows);
+      kept_corr[i].resize(R);
+    }
   }
 };
 
@@ -190,25 +195,28 @@ class ItemWalker {
         first_hi_(row_range(p, len_, 0).hi), last_lo_(row_range(p, len_, p.query_len - 1).lo),
         k_in_place_(in_place(k)), v_in_place_(in_place(v)), k_int8_(int8_scores(k)),
         k_u8_(!k_int8_ && codes_in_place(k, 8, tk.scores_u8 != nullptr)),
-        v_u4_(p.sparse_v <= 0.f && codes_in_place(v, 4, tk.accumulate_u4 != nullptr)),
+        v_u4_(codes_in_place(v, 4, p.sparse_v > 0.f ? tk.accumulate_u4_gather != nullptr : tk.accumulate_u4 != nullptr)),
         k_half_scores_(k.kind == FloatKind::f16 ? tk.scores_f16 : tk.scores_bf16),
         v_half_accumulate_(v.kind == FloatKind::f16 ? tk.accumulate_f16 : tk.accumulate_bf16),
+        v_half_gather_(v.kind == FloatKind::f16 ? tk.accumulate_gather_f16 : tk.accumulate_gather_bf16),
         sc_(scratch()) {}
 
-  // Partials of kv head kvh go to partial(kvh) (PartialLayout).
-  template <typename PartialAt>
-  void run(PartialAt partial) {
+  // Partials of kv head kvh go to partial(kvh) (PartialLayout). Sparse V:
+  // seed(kvh) is where seed() left kv head kvh's R seed maxima (the start of m).
+  template <typename PartialAt, typename SeedAt>
+  void run(PartialAt partial, SeedAt seed) {
     for (int kvh = kvh0_; kvh < kvh1_; ++kvh) reset_state(partial(kvh));
     if (range_.empty()) return;
     sc_.fit((kvh1_ - kvh0_) * R_, R_, D_);
     load_queries();
     if (p_.sparse_v > 0.f)
-      for (int kvh = kvh0_; kvh < kvh1_; ++kvh) seed(kvh, partial(kvh));
+      for (int kvh = kvh0_; kvh < kvh1_; ++kvh) std::copy_n(seed(kvh), R_, partial(kvh));
     Tile cur = tile_at(range_.lo), next;
     for (;;) {
       const bool more = cur.first + cur.rows < range_.hi;
       if (more) next = tile_at(cur.first + cur.rows);
-      pieces_ = (cur.rows + kPieceRows - 1) / kPieceRows + cur.count;  // K pieces, then V segments
+      // K pieces, then (exact) V segments
+      pieces_ = (cur.rows + kPieceRows - 1) / kPieceRows + (p_.sparse_v > 0.f ? 0 : cur.count);
       for (int kvh = kvh0_; kvh < kvh1_; ++kvh) {
         // Queue the unit kPrefetchAhead units on (this tile's heads, then the
         // next tile's): one unit ahead left the loads waiting on memory.
@@ -220,6 +228,7 @@ class ItemWalker {
       if (!more) break;
       cur = next;
     }
+    if (p_.sparse_v > 0.f) accumulate_kept(kept_[pending_]);
     // 4-bit V accumulated in nibble order (TileKernels::accumulate_u4) goes back to column order.
     if (v_u4_)
       for (int kvh = kvh0_; kvh < kvh1_; ++kvh)
@@ -247,9 +256,8 @@ class ItemWalker {
            view.D / view.fmt.group_size <= kMaxQ8Groups;
   }
 
-  // K (8-bit) or V (4-bit) codes read in place by scores_u8 / accumulate_u4,
-  // never dequantized into scratch. Sparse V keeps the dequantizing path: it
-  // accumulates row ranges in column order.
+  // K (8-bit) or V (4-bit) codes read in place by scores_u8 / accumulate_u4
+  // (sparse V: accumulate_u4_gather), never dequantized into scratch.
   bool codes_in_place(const KVView& view, int bits, bool have_kernel) const {
     return have_kernel && view.quantized && view.fmt.bits == bits && view.D % 16 == 0 &&
            (view.fmt.group_size == 32 || view.fmt.group_size == 64 || view.fmt.group_size == 128) &&
@@ -301,7 +309,6 @@ class ItemWalker {
     // All of the unit's K first: it is read first.
     for (int i = 0; i < tile->count; ++i)
       if (tile->seg[i].valid) prefetcher_.add(k_, tile->seg[i].outer, head, tile->seg[i].row0, tile->seg[i].n);
-    if (p_.sparse_v > 0.f) return;  // sparse V: a skipped V row is never touched, not even prefetched
     for (int i = 0; i < tile->count; ++i)
       if (tile->seg[i].valid) prefetcher_.add(v_, tile->seg[i].outer, head, tile->seg[i].row0, tile->seg[i].n);
   }
@@ -315,38 +322,65 @@ class ItemWalker {
     p_.cap_scores(scores, R_, tile.rows, kMaxTileRows);
     mask(tile, scores);
     // Online softmax: new running max, rescale factors, probabilities.
-    tk_.softmax_update(scores, R_, tile.rows, m, l, sc_.corr.data());
-    if (p_.sparse_v > 0.f) accumulate_sparse(tile, kvh, scores, acc);
-    else accumulate(tile, kvh, scores, acc);
+    if (p_.sparse_v <= 0.f) {
+      tk_.softmax_update(scores, R_, tile.rows, m, l, sc_.corr.data());
+      return accumulate(tile, kvh, scores, acc);
+    }
+    // Sparse V: this unit's kept rows are found (and their V rows prefetched)
+    // now, and accumulated after the next unit's scores, by when they have
+    // arrived; the previous unit's are accumulated now. Each kv head's
+    // accumulator still sees its units in order, so nothing else changes.
+    const int cur = 1 - pending_;
+    tk_.softmax_update(scores, R_, tile.rows, m, l, sc_.kept_corr[cur].data());
+    keep_rows(tile, kvh, scores, acc, cur);
+    accumulate_kept(kept_[pending_]);
+    pending_ = cur;
   }
 
-  // Sparse V (sparse_v.h, seed_running_max): m starts at the best score of the
-  // first key row 0 sees and of the newest key every row sees (len - L), each
-  // masked for the rows that do not see it. Two K rows per (item, kv head).
-  void seed(int kvh, float* part) {
+ public:
+  // Sparse V (sparse_v.h, seed_running_max): the seed maxima of the chunk's kv
+  // heads, seed(kvh)[j] for its R rows. Seeds are the first key row 0 sees and
+  // the kSparseVRecentSeeds newest keys every row sees (up to len - L), each
+  // masked for the rows that do not see it; padding is never a seed. Computed
+  // once per (sequence, kv head) and shared by its splits.
+  template <typename SeedAt>
+  void seeds(SeedAt seed) {
     const int first = row_range(p_, len_, 0).lo, newest = len_ - p_.query_len;
-    Tile tile;
-    int at[2];
-    for (const int t : {first, newest}) {
-      if (t < 0 || t >= len_ || (tile.count && t == first)) continue;
-      Segment& sg = tile.seg[tile.count];
-      sg = seed_segment(t);
-      at[tile.count++] = t;
-      tile.rows += 1;
-    }
-    if (!tile.count) return;
+    const int recent = std::max(first, newest - kSparseVRecentSeeds + 1);
+    int at[kMaxTileRows], n = 0;
+    if (first >= 0 && first < recent && first < len_) at[n++] = first;
+    for (int t = std::max(recent, 0); t <= newest && t < len_; ++t) at[n++] = t;
+    for (int kvh = kvh0_; kvh < kvh1_; ++kvh) std::fill_n(seed(kvh), R_, kNegInf);
+    if (!n) return;
+    sc_.fit((kvh1_ - kvh0_) * R_, R_, D_);
+    load_queries();
     float* scores = sc_.scores.data();
-    score(tile, kvh, sc_.q.data() + static_cast<int64_t>(kvh - kvh0_) * R_ * D_, scores);
-    p_.cap_scores(scores, R_, tile.rows, kMaxTileRows);
-    for (int i = 0; i < tile.count; ++i)
+    for (int kvh = kvh0_; kvh < kvh1_; ++kvh) {
+      // One segment per run of seeds inside a block.
+      for (int i = 0; i < n;) {
+        Tile tile;
+        tile.count = 1;
+        tile.seg[0] = seed_segment(at[i]);
+        int b = i + 1;
+        while (b < n && at[b] == at[b - 1] + 1 && (!p_.paged || at[b] % p_.block_size)) ++b;
+        tile.seg[0].n = tile.rows = b - i;
+        score(tile, kvh, sc_.q.data() + static_cast<int64_t>(kvh - kvh0_) * R_ * D_, scores + i);
+        if (!tile.seg[0].valid)  // padding is never a seed
+          for (int j = 0; j < R_; ++j) std::fill_n(scores + j * kMaxTileRows + i, b - i, kNegInf);
+        i = b;
+      }
+      p_.cap_scores(scores, R_, n, kMaxTileRows);
       for (int l = 0; l < p_.query_len; ++l) {
         const TokenRange seen = row_range(p_, len_, l);
-        if (tile.seg[i].valid && at[i] >= seen.lo && at[i] < seen.hi) continue;  // padding is never a seed
-        for (int g = 0; g < G_; ++g) scores[(l * G_ + g) * kMaxTileRows + i] = kNegInf;
+        for (int i = 0; i < n; ++i)
+          if (at[i] < seen.lo || at[i] >= seen.hi)
+            for (int g = 0; g < G_; ++g) scores[(l * G_ + g) * kMaxTileRows + i] = kNegInf;
       }
-    seed_running_max(scores, R_, tile.count, part);
+      seed_running_max(scores, R_, n, seed(kvh));
+    }
   }
 
+ private:
   // The one-row segment of token t (its block's row in a paged cache).
   Segment seed_segment(int t) const {
     if (!p_.paged) return Segment{s_, t, 1, true};
@@ -453,27 +487,89 @@ class ItemWalker {
         for (int d = 0; d < D_; ++d) acc[static_cast<int64_t>(j) * D_ + d] *= corr[j];
   }
 
-  // Sparse V (sparse_v.h): only the V rows of keys some query row still needs.
-  void accumulate_sparse(const Tile& tile, int kvh, float* p, float* acc) {
-    accumulate_sparse_v(
-        p_.sparse_v, p, R_, D_, tile.rows, tile.count,
-        [&](int i) { return SparseVSegment{tile.seg[i].n, tile.seg[i].valid}; }, sc_.corr.data(), sc_.ones.data(),
-        acc, [&](int i, int r0, int n, const float* w, const float* c) {
-          accumulate_rows(tile.seg[i], kvh, r0, n, w, c, acc);
-        });
+  // Sparse V: one unit's kept V rows (sparse_v_keep), where they are, with
+  // their weights compacted (row i of the tile's kept ones at column i) and the
+  // unit's rescale factors, in scratch slot `slot`. acc null: nothing pending.
+  struct KeptRows {
+    float* acc = nullptr;
+    int kvh = 0, n = 0, slot = 0;
+    int64_t outer[kMaxTileRows];
+    int row[kMaxTileRows];
+  };
+
+  void keep_rows(const Tile& tile, int kvh, float* p, float* acc, int slot) {
+    KeptRows& kept = kept_[slot];
+    kept.acc = acc;
+    kept.kvh = kvh;
+    kept.slot = slot;
+    kept.n = 0;
+    uint32_t keep = sparse_v_keep(p_.sparse_v, p, R_, tile.rows);  // padding: weight 0, never kept
+    float* w = sc_.kept_w[slot].data();
+    for (int i = 0, off = 0; i < tile.count && keep; off += tile.seg[i++].n) {
+      const Segment& sg = tile.seg[i];
+      for (uint32_t in_seg = keep & (sg.n == 32 ? ~0u : ((1u << sg.n) - 1) << off); in_seg; in_seg &= in_seg - 1) {
+        const int r = __builtin_ctz(in_seg);
+        const int at = kept.n++;
+        kept.outer[at] = sg.outer;
+        kept.row[at] = sg.row0 + r - off;
+        for (int j = 0; j < R_; ++j) w[j * kMaxTileRows + at] = p[j * kMaxTileRows + r];
+        prefetch_v_row(sg.outer, kvh, sg.row0 + r - off);
+      }
+    }
   }
 
-  // acc = acc * c + p . V over rows [r0, r0 + n) of one segment.
-  void accumulate_rows(const Segment& sg, int kvh, int r0, int n, const float* p, const float* c, float* acc) {
-    if (v_in_place_ && v_.kind == FloatKind::f32) {
-      tk_.accumulate(p, c, R_, v_.f32_row(sg.outer, kvh, sg.row0 + r0), v_.stride[2], n, D_, acc);
-    } else if (v_in_place_) {
-      v_half_accumulate_(p, c, R_, v_.u16_row(sg.outer, kvh, sg.row0 + r0), v_.stride[2], n, D_, acc);
-    } else {
-      int64_t stride;
-      const float* rows = v_.tile(sg.outer, kvh, sg.row0 + r0, n, sc_.v_tile.data(), &stride, tk_);
-      tk_.accumulate(p, c, R_, rows, stride, n, D_, acc);
+  // A V row (and, quantized, its scales and biases) toward L2.
+  void prefetch_v_row(int64_t outer, int kvh, int row) const {
+    const char* a = v_.row_address(outer, kvh, row);
+    for (int64_t b = 0; b < v_.row_bytes(); b += 64) __builtin_prefetch(a + b, 0, 2);
+    if (v_.quantized) {
+      const int64_t sz = float_kind_size(v_.fmt.scale_kind);
+      __builtin_prefetch(v_.scales + sz * v_.offset(v_.scale_stride, outer, kvh, row), 0, 2);
+      __builtin_prefetch(v_.biases + sz * v_.offset(v_.bias_stride, outer, kvh, row), 0, 2);
     }
+  }
+
+  // acc = acc * corr + w . V over a unit's kept rows, in one call.
+  void accumulate_kept(KeptRows& kept) {
+    float* acc = kept.acc;
+    if (!acc) return;
+    kept.acc = nullptr;
+    const float* w = sc_.kept_w[kept.slot].data();
+    const float* corr = sc_.kept_corr[kept.slot].data();
+    const int n = kept.n, kvh = kept.kvh;
+    if (n == 0) {
+      for (int j = 0; j < R_; ++j)
+        for (int d = 0; d < D_; ++d) acc[static_cast<int64_t>(j) * D_ + d] *= corr[j];
+      return;
+    }
+    if (v_u4_) {
+      QuantRows rows[kMaxTileRows];
+      for (int i = 0; i < n; ++i) rows[i] = v_.quant_rows(kept.outer[i], kvh, kept.row[i]);
+      return tk_.accumulate_u4_gather(w, corr, R_, rows, n, D_, acc);
+    }
+    if (v_in_place_ && v_.kind == FloatKind::f32) {
+      const float* rows[kMaxTileRows];
+      for (int i = 0; i < n; ++i) rows[i] = v_.f32_row(kept.outer[i], kvh, kept.row[i]);
+      return tk_.accumulate_gather(w, corr, R_, rows, n, D_, acc);
+    }
+    if (v_in_place_) {
+      const uint16_t* rows[kMaxTileRows];
+      for (int i = 0; i < n; ++i) rows[i] = v_.u16_row(kept.outer[i], kvh, kept.row[i]);
+      return v_half_gather_(w, corr, R_, rows, n, D_, acc);
+    }
+    // Converted (or dequantized) into scratch, a run of adjacent rows per call.
+    float* dst = sc_.v_tile.data();
+    for (int i = 0; i < n;) {
+      int b = i + 1;
+      while (b < n && kept.outer[b] == kept.outer[i] && kept.row[b] == kept.row[b - 1] + 1) ++b;
+      int64_t stride;
+      float* out = dst + static_cast<int64_t>(i) * D_;
+      const float* rows = v_.tile(kept.outer[i], kvh, kept.row[i], b - i, out, &stride, tk_);
+      if (rows != out)  // float32 rows come back in place
+        for (int r = 0; r < b - i; ++r) std::copy_n(rows + r * stride, D_, out + static_cast<int64_t>(r) * D_);
+      i = b;
+    }
+    tk_.accumulate(w, corr, R_, dst, D_, n, D_, acc);
   }
 
   // The tile's V rows as float32 in scratch, rows D apart (zeros for padding).
@@ -507,9 +603,12 @@ class ItemWalker {
   const bool k_in_place_, v_in_place_, k_int8_, k_u8_, v_u4_;
   decltype(TileKernels::scores_f16) k_half_scores_;
   decltype(TileKernels::accumulate_f16) v_half_accumulate_;
+  decltype(TileKernels::accumulate_gather_f16) v_half_gather_;
   Scratch& sc_;
   Prefetcher prefetcher_;
   int pieces_ = 1;
+  KeptRows kept_[2];
+  int pending_ = 0;  // the kept_ slot accumulated next
 };
 
 // Merge the splits of query row (s, l, h); sinks join the denominator.
@@ -591,6 +690,16 @@ void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v
   std::vector<float> partials(static_cast<size_t>(p.num_seqs) * p.num_kv_heads * splits * lay.floats_per_item());
 
   ThreadPool& pool = ThreadPool::instance();
+  // Sparse V: the seed maxima of (s, kvh), R each, scored once for all splits.
+  std::vector<float> seeds(p.sparse_v > 0.f ? static_cast<size_t>(p.num_seqs) * p.num_kv_heads * lay.R : 0);
+  auto seed_at = [&](int s) {
+    return [&, s](int kvh) { return seeds.data() + (static_cast<int64_t>(s) * p.num_kv_heads + kvh) * lay.R; };
+  };
+  if (p.sparse_v > 0.f)
+    pool.parallel_for(static_cast<int64_t>(p.num_seqs) * chunks, [&](int64_t item) {
+      const int s = static_cast<int>(item / chunks), kvh0 = static_cast<int>(item % chunks) * work.heads_per_item;
+      ItemWalker(p, k, v, tk, s, kvh0, kvh0 + work.heads_per_item, live_range(p, s)).seeds(seed_at(s));
+    });
   const int64_t n_items = static_cast<int64_t>(p.num_seqs) * chunks * splits;
   pool.parallel_for(n_items, [&](int64_t item) {
     const int split = static_cast<int>(item % splits);
@@ -602,7 +711,7 @@ void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v
     auto partial = [&](int kvh) {
       return partials.data() + ((static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits + split) * lay.floats_per_item();
     };
-    ItemWalker(p, k, v, tk, s, kvh0, kvh0 + work.heads_per_item, range).run(partial);
+    ItemWalker(p, k, v, tk, s, kvh0, kvh0 + work.heads_per_item, range).run(partial, seed_at(s));
   });
 
   pool.parallel_for(p.num_seqs, [&](int64_t s) {

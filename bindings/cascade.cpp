@@ -112,23 +112,27 @@ std::vector<Item> plan_items(const CascadeParams& p, const Groups& g) {
 }
 
 // Sparse V (sparse_v.h, seed_running_max): every row of a group sees all of its
-// tokens, so the seeds are its first and its last token.
+// tokens, so the seeds are its first token and its kSparseVRecentSeeds last ones.
 void seed(const CascadeParams& p, const KVView& k, const TileKernels& tk, const RowGroup& group, const Item& item,
           int R, Scratch& sc, float* m) {
   const int D = p.head_dim;
+  const int recent = std::max(0, group.len - kSparseVRecentSeeds);
+  int at[kMaxTileRows], n = 0;
+  if (recent > 0) at[n++] = 0;
+  for (int t = recent; t < group.len; ++t) at[n++] = t;
   float* scores = sc.scores.data();
-  int n = 0;
-  bool valid[2] = {false, false};
-  for (const int t : {0, group.len - 1}) {
-    if (n && t == 0) continue;
-    const int32_t block = group.table[t / p.block_size];
-    valid[n] = block >= 0 && block < p.num_blocks;
-    if (valid[n]) {
+  bool valid[kMaxTileRows];
+  for (int i = 0; i < n;) {  // one call per run of seeds inside a block
+    int b = i + 1;
+    while (b < n && at[b] == at[b - 1] + 1 && at[b] % p.block_size) ++b;
+    const int32_t block = group.table[at[i] / p.block_size];
+    std::fill(valid + i, valid + b, block >= 0 && block < p.num_blocks);
+    if (valid[i]) {
       int64_t ks = D;
-      const float* row = k.tile(block, item.kvh, t % p.block_size, 1, sc.k_tile.data(), &ks, tk);
-      tk.scores(sc.q.data(), R, row, ks, 1, D, scores + n);
+      const float* rows = k.tile(block, item.kvh, at[i] % p.block_size, b - i, sc.k_tile.data(), &ks, tk);
+      tk.scores(sc.q.data(), R, rows, ks, b - i, D, scores + i);
     }
-    ++n;
+    i = b;
   }
   p.cap_scores(scores, R, n, kMaxTileRows);
   for (int i = 0; i < n; ++i)  // padding is never a seed (masked after the softcap, as in the walk)

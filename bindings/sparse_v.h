@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 
 #include "tile_math.h"
 
@@ -16,48 +17,59 @@ struct SparseVSegment {
   bool valid = true;
 };
 
-// p: R query rows of the tile's `rows` weights exp(s - m_running), kMaxTileRows
-// apart (m_running: the max over the keys so far, this tile included). Weights
-// below tau are dropped from the accumulation (the denominator keeps them); only
-// runs of keys some row still needs are accumulated, so only their V rows are read.
-// segment_at(i) -> SparseVSegment, for i < count. accumulate_rows(i, r0, n, p_run, c):
-// acc = acc * c + p_run . V over rows [r0, r0 + n) of segment i. The first run
-// accumulated rescales by corr, the others add on top (c = ones, R ones); with no
-// run at all acc is rescaled here.
-// Sparse V's seeds: the running max m of each of R rows starts at the larger of
-// two real scores, of the first live key (an attention sink in most models) and
-// of the newest key every row sees, so a split's first keys can be skipped too
-// (from -inf they never were). `seed_scores` holds the rows' capped scores of
-// the n <= 2 seed keys, kMaxTileRows apart, -inf where a row does not see the
-// seed: m stays a score the row sees, never above its final max (the bound of
-// docs/kernels.md). The seeds' weights join l where their tiles are walked.
+// Sparse V's seeds: the running max m of each of R rows starts at the best real
+// score among the first key the first query row sees (an attention sink in most
+// models) and the kSparseVRecentSeeds newest keys every row sees, so a split's
+// first keys can be skipped too (from -inf they never were). `seed_scores` holds
+// the rows' capped scores of the n <= kMaxTileRows seed keys, kMaxTileRows apart,
+// -inf where a row does not see the seed: m stays a score the row sees, never
+// above its final max (the bound of docs/kernels.md). The seeds' weights join l
+// where their tiles are walked. (kvmetal/reference.py, sparse_v_seeds.)
+constexpr int kSparseVRecentSeeds = kMaxTileRows - 1;  // with the first key: one tile of seeds
+
 inline void seed_running_max(const float* seed_scores, int R, int n, float* m) {
   for (int j = 0; j < R; ++j)
     for (int i = 0; i < n; ++i) m[j] = std::max(m[j], seed_scores[j * kMaxTileRows + i]);
 }
 
-template <typename SegmentAt, typename AccumulateRows>
-void accumulate_sparse_v(float tau, float* p, int R, int D, int rows, int count, SegmentAt segment_at,
-                         const float* corr, const float* ones, float* acc, AccumulateRows accumulate_rows) {
-  bool need[kMaxTileRows] = {};
+// p: R query rows of a tile's `rows` weights exp(s - m_running), kMaxTileRows
+// apart (m_running: the max over the keys so far, this tile included). Weights
+// below tau are zeroed (the denominator keeps them); returns the rows some query
+// row still needs, bit r for row r: only their V rows are read.
+inline uint32_t sparse_v_keep(float tau, float* p, int R, int rows) {
+  uint32_t keep = 0;
   for (int j = 0; j < R; ++j) {
     float* row = p + j * kMaxTileRows;
     for (int r = 0; r < rows; ++r) {
-      if (row[r] < tau) row[r] = 0.f;
-      else need[r] = true;
+      const bool kept = row[r] >= tau;
+      row[r] = kept ? row[r] : 0.f;
+      keep |= static_cast<uint32_t>(kept) << r;
     }
   }
+  return keep;
+}
+
+// One tile's sparse V accumulation, run by run (cascade.cpp): p as for
+// sparse_v_keep; segment_at(i) -> SparseVSegment, for i < count.
+// accumulate_rows(i, r0, n, p_run, c): acc = acc * c + p_run . V over rows
+// [r0, r0 + n) of segment i. The first run accumulated rescales by corr, the
+// others add on top (c = ones, R ones); with no run at all acc is rescaled here.
+template <typename SegmentAt, typename AccumulateRows>
+void accumulate_sparse_v(float tau, float* p, int R, int D, int rows, int count, SegmentAt segment_at,
+                         const float* corr, const float* ones, float* acc, AccumulateRows accumulate_rows) {
+  const uint32_t keep = sparse_v_keep(tau, p, R, rows);
+  auto need = [keep](int r) { return (keep >> r) & 1u; };
   bool rescaled = false;
   for (int i = 0, off = 0; i < count; ++i) {
     const SparseVSegment sg = segment_at(i);
     if (sg.valid)
       for (int a = 0; a < sg.n;) {
-        if (!need[off + a]) {
+        if (!need(off + a)) {
           ++a;
           continue;
         }
         int b = a + 1;
-        while (b < sg.n && need[off + b]) ++b;
+        while (b < sg.n && need(off + b)) ++b;
         accumulate_rows(i, a, b - a, p + off + a, rescaled ? ones : corr);
         rescaled = true;
         a = b;
