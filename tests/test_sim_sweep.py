@@ -46,6 +46,9 @@ def test_the_draws_cover_the_space():
     assert any(c.k_quant and not c.v_quant for c in cs) and any(c.v_quant and not c.k_quant for c in cs)
     assert any(c.window for c in cs) and any(c.softcap for c in cs) and any(c.big_scores for c in cs)
     assert any(c.sinks for c in cs)
+    sparse = [c for c in cs if c.sparse_v]
+    assert {c.op for c in sparse} == {"paged", "decode", "cascade"} and {c.sparse_v for c in sparse} == {1e-1, 1e-3, 1e-6}
+    assert any(c.gqa * c.query_len > 8 for c in sparse)  # shared mode too (each simdgroup seeds its own rows)
 
 
 def test_a_failure_prints_a_one_line_reproducer(monkeypatch):
