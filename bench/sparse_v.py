@@ -19,7 +19,9 @@ the same decode path):
   over the live V bytes).
 
 Later windows follow the earlier windows of the same run (their K/V were written under
-sparse V), as a server's cache would. Results go to ``--json``; ``--report`` prints the
+sparse V), as a server's cache would. With ``--one-pass`` every tau decodes each position
+over the exact run's cache instead (then forgets it): one prefill for all taus (Gemma's
+32K prefill is the cost of a run), and each step's error is sparse V's alone. Results go to ``--json``; ``--report`` prints the
 markdown table.
 
     LD_PRELOAD=$(python -c "from kvmetal.models.blas import preload_value; print(preload_value())") \\
@@ -106,6 +108,53 @@ def decode_run(model, stream: np.ndarray, *, tau, contexts, window, capture=None
     return out
 
 
+def one_pass_run(model, stream: np.ndarray, *, taus, contexts, window, capture=None, sim_steps=()):
+    """Every tau in one exact run: {tau (None = exact): {context: log-probs [window, vocab]}}.
+
+    At each decoded position every tau decodes the next token over the exact cache
+    (``PagedModelCache.sparse_v`` set, one forward pass, then ``trim(1)``), and the
+    exact pass decodes it again and keeps it. Each step's error is then sparse V's
+    alone, without the drift of a cache written under sparse V, and the long prefill
+    is paid once instead of once per tau."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvmetal.integrations.mlx_lm import use_paged_cache
+
+    out = {tau: {} for tau in (None, *taus)}
+    with use_paged_cache(model):
+        cache = make_prompt_cache(model)
+        shared = cache[0].model_cache
+        pos = 0
+        for ctx in contexts:
+            first = ctx - window
+            while pos < first:  # exact prefill in chunks
+                stop = min(first, (pos // CHUNK + 1) * CHUNK)
+                mx.eval(model.model(mx.array(stream[None, pos:stop]), cache=cache))
+                pos = stop
+            rows = {tau: [] for tau in out}
+            for i in range(window):
+                token = mx.array(stream[None, pos:pos + 1])
+                for tau in (*taus, None):  # exact last: its pass is the one kept
+                    shared.sparse_v = tau
+                    if capture is not None:
+                        capture.armed, capture.layer = tau is None and i in sim_steps, 0
+                    logits = model(token, cache=cache)[0, -1].astype(mx.float32)
+                    lp = logits - mx.logsumexp(logits)
+                    mx.eval(lp)
+                    if capture is not None and capture.armed:
+                        mx.eval([a for _, args, _ in capture.calls for a in args if isinstance(a, mx.array)])
+                        capture.armed = False
+                    rows[tau].append(np.array(lp))
+                    if tau is not None:
+                        for c in cache:
+                            c.trim(1)
+                pos += 1
+            for tau in out:
+                out[tau][ctx] = np.stack(rows[tau])
+        shared.sparse_v = None
+    return out
+
+
 def sim_v_bytes(call, tau, **options) -> tuple[int, int]:
     """(V bytes loaded, live V bytes) of one captured paged_attention call on the sim backend
     (``options`` override the call's keyword arguments, e.g. ``num_splits=1``)."""
@@ -184,6 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sim-layers", default="0,15,29", help="layers replayed on the simulator")
     ap.add_argument("--sim-steps", default="0,127", help="decode steps of each window replayed on the simulator")
     ap.add_argument("--taus", default=",".join(repr(t) for t in TAUS), help="thresholds (comma-separated)")
+    ap.add_argument("--one-pass", action="store_true",
+                    help="every tau over the exact run's cache, position by position (one_pass_run): one prefill "
+                         "for all taus, no drift from a cache written under sparse V")
     ap.add_argument("--skip-only", action="store_true",
                     help="only the skip study (sim with default and one split, and the final-max rule) of the "
                          "captured exact calls; no KL runs")
@@ -204,10 +256,17 @@ def main(argv=None) -> int:
     steps = {int(x) for x in args.sim_steps.split(",")}
     result = {"model": str(path), "window": args.window, "contexts": contexts, "sim_layers": layers,
               "sim_steps": sorted(steps), "backend": "cpu", "taus": {}}
+    taus = [float(t) for t in args.taus.split(",")]
+    result["method"] = "one-pass" if args.one_pass else "one run per tau"
     tic = time.perf_counter()
     with Capture(layers) as cap:
-        exact = decode_run(model, stream, tau=None, contexts=contexts, window=args.window, capture=cap,
-                           sim_steps=steps)
+        if args.one_pass:
+            runs = one_pass_run(model, stream, taus=taus, contexts=contexts, window=args.window, capture=cap,
+                                sim_steps=steps)
+            exact = runs[None]
+        else:
+            exact = decode_run(model, stream, tau=None, contexts=contexts, window=args.window, capture=cap,
+                               sim_steps=steps)
     calls = cap.calls
     result["exact_seconds"] = time.perf_counter() - tic
     print(f"exact: {result['exact_seconds']:.0f} s, {len(calls)} captured calls", file=sys.stderr, flush=True)
@@ -220,7 +279,6 @@ def main(argv=None) -> int:
         result["skips"] = skip_study(per_ctx_calls, TAUS[:3])
         Path(args.json).write_text(json.dumps(result, indent=1))
         return 0
-    taus = [float(t) for t in args.taus.split(",")]
     exact_ppl = {}
     for ctx in contexts:
         nxt = stream[ctx - args.window + 1:ctx + 1]
@@ -228,7 +286,8 @@ def main(argv=None) -> int:
     result["exact"] = {str(c): {"ppl": exact_ppl[c]} for c in contexts}
     for tau in taus:
         tic = time.perf_counter()
-        got = decode_run(model, stream, tau=tau, contexts=contexts, window=args.window)
+        got = runs[tau] if args.one_pass else decode_run(model, stream, tau=tau, contexts=contexts,
+                                                         window=args.window)
         seconds = time.perf_counter() - tic
         rows = {}
         for ctx in contexts:
