@@ -507,7 +507,13 @@ def test_cli_rejects_bad_options(model_dir, tmp_path, capsys):
     from kvmetal.serve.cli import main
 
     assert main(["--model", str(tmp_path)]) == 2
-    assert "not a model directory" in capsys.readouterr().err
+    assert "neither a model directory (no config.json) nor a model name" in capsys.readouterr().err
+    from kvmetal.serve.cli import check_args as check, parse_args as parse
+
+    # kvmetal's model names pass the check (serve converts them once, as generate does)
+    for name in ("gemma3", "smollm2:float16", "default"):
+        assert check(parse(["--model", name])) is None
+    assert "smollm2, gemma3" in check(parse(["--model", "gemma"]))
     assert main(["--model", str(model_dir), "--kv-memory", "lots"]) == 2
     assert "kv-memory" in capsys.readouterr().err
     from kvmetal.serve.cli import check_args, parse_args

