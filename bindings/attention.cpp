@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "query_q8.h"
@@ -702,16 +704,15 @@ void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v
   std::vector<float> partials(static_cast<size_t>(p.num_seqs) * p.num_kv_heads * splits * lay.floats_per_item());
 
   ThreadPool& pool = ThreadPool::instance();
-  // Sparse V: the seed maxima of (s, kvh), R each, scored once for all splits.
-  std::vector<float> seeds(p.sparse_v > 0.f ? static_cast<size_t>(p.num_seqs) * p.num_kv_heads * lay.R : 0);
+  // Sparse V: the seed maxima of (s, kvh), R each, scored once for all splits
+  // by the first of their items to start (the others wait for it: a pass of
+  // its own would cost a pool wake-up per call, measured ~80 us on two cores).
+  const bool sparse = p.sparse_v > 0.f;
+  std::vector<float> seeds(sparse ? static_cast<size_t>(p.num_seqs) * p.num_kv_heads * lay.R : 0);
+  std::unique_ptr<std::once_flag[]> seeded(sparse ? new std::once_flag[static_cast<size_t>(p.num_seqs) * chunks] : nullptr);
   auto seed_at = [&](int s) {
     return [&, s](int kvh) { return seeds.data() + (static_cast<int64_t>(s) * p.num_kv_heads + kvh) * lay.R; };
   };
-  if (p.sparse_v > 0.f)
-    pool.parallel_for(static_cast<int64_t>(p.num_seqs) * chunks, [&](int64_t item) {
-      const int s = static_cast<int>(item / chunks), kvh0 = static_cast<int>(item % chunks) * work.heads_per_item;
-      ItemWalker(p, k, v, tk, s, kvh0, kvh0 + work.heads_per_item, live_range(p, s)).seeds(seed_at(s));
-    });
   const int64_t n_items = static_cast<int64_t>(p.num_seqs) * chunks * splits;
   pool.parallel_for(n_items, [&](int64_t item) {
     const int split = static_cast<int>(item % splits);
@@ -720,6 +721,10 @@ void decode_attention(const AttentionParams& p, const KVView& k, const KVView& v
     const TokenRange live = live_range(p, s);
     const TokenRange range = work.window ? window_range(live, split, work.window) : split_range(p, live, split, splits);
     const int kvh0 = chunk * work.heads_per_item;
+    if (sparse)
+      std::call_once(seeded[static_cast<int64_t>(s) * chunks + chunk], [&] {
+        ItemWalker(p, k, v, tk, s, kvh0, kvh0 + work.heads_per_item, live).seeds(seed_at(s));
+      });
     auto partial = [&](int kvh) {
       return partials.data() + ((static_cast<int64_t>(s) * p.num_kv_heads + kvh) * splits + split) * lay.floats_per_item();
     };
