@@ -203,7 +203,7 @@ class ItemWalker {
         sc_(scratch()) {}
 
   // Partials of kv head kvh go to partial(kvh) (PartialLayout). Sparse V:
-  // seed(kvh) is where seed() left kv head kvh's R seed maxima (the start of m).
+  // seed(kvh) is where seeds() left kv head kvh's R seed maxima (the start of m).
   template <typename PartialAt, typename SeedAt>
   void run(PartialAt partial, SeedAt seed) {
     for (int kvh = kvh0_; kvh < kvh1_; ++kvh) reset_state(partial(kvh));
