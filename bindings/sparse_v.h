@@ -37,15 +37,18 @@ inline void seed_running_max(const float* seed_scores, int R, int n, float* m) {
 // below tau are zeroed (the denominator keeps them); returns the rows some query
 // row still needs, bit r for row r: only their V rows are read.
 inline uint32_t sparse_v_keep(float tau, float* p, int R, int rows) {
-  uint32_t keep = 0;
+  // Branch-free passes the compiler vectorizes; the bits are gathered once.
+  uint8_t need[kMaxTileRows] = {};
   for (int j = 0; j < R; ++j) {
     float* row = p + j * kMaxTileRows;
     for (int r = 0; r < rows; ++r) {
       const bool kept = row[r] >= tau;
       row[r] = kept ? row[r] : 0.f;
-      keep |= static_cast<uint32_t>(kept) << r;
+      need[r] |= kept;
     }
   }
+  uint32_t keep = 0;
+  for (int r = 0; r < rows; ++r) keep |= static_cast<uint32_t>(need[r]) << r;
   return keep;
 }
 

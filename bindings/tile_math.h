@@ -94,18 +94,6 @@ struct TileKernels {
   // then the 8 odd ones, which is how one byte's two nibbles widen. Null when
   // the implementation has none; D % 16 == 0 and D / group_size <= kMaxQ8Groups.
   void (*accumulate_u4)(const float* p, const float* corr, int G, const QuantRows& v, int n, int D, float* acc);
-  // As accumulate, accumulate_f16, accumulate_bf16 and accumulate_u4, on n rows
-  // anywhere in memory: row r is v[r] (for 4-bit V, v[r] is row r's QuantRows;
-  // strides unused, n >= 1). Sparse V accumulates the rows it keeps of a tile in
-  // one call. Null (but the float32 one) where the in-place kernel is null.
-  void (*accumulate_gather)(const float* p, const float* corr, int G, const float* const* v, int n, int D,
-                            float* acc);
-  void (*accumulate_gather_f16)(const float* p, const float* corr, int G, const uint16_t* const* v, int n, int D,
-                                float* acc);
-  void (*accumulate_gather_bf16)(const float* p, const float* corr, int G, const uint16_t* const* v, int n, int D,
-                                 float* acc);
-  void (*accumulate_u4_gather)(const float* p, const float* corr, int G, const QuantRows* v, int n, int D,
-                               float* acc);
 };
 
 // A row of D accumulators (D % 16 == 0) from nibble order back to column order.

@@ -59,18 +59,6 @@ void accumulate(const float* p, const float* corr, int G, const float* v, int64_
   }
 }
 
-void accumulate_gather(const float* p, const float* corr, int G, const float* const* v, int n, int D, float* acc) {
-  for (int g = 0; g < G; ++g) {
-    float* a = acc + g * D;
-    const float c = corr[g];
-    for (int d = 0; d < D; ++d) a[d] *= c;
-    for (int r = 0; r < n; ++r) {
-      const float pr = p[g * kMaxTileRows + r];
-      for (int d = 0; d < D; ++d) a[d] += pr * v[r][d];
-    }
-  }
-}
-
 void exp_inplace(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] = std::exp(x[i]);
 }
@@ -100,8 +88,7 @@ void softmax_update(float* scores, int G, int n, float* m, float* l, float* corr
 }
 
 const TileKernels kPortable{"portable",  f16_rows, bf16_rows, scores,  accumulate, exp_inplace,
-                            softmax_update, nullptr,  nullptr,   nullptr, nullptr, nullptr, to_f16, nullptr, nullptr, nullptr,
-                            accumulate_gather, nullptr, nullptr, nullptr};
+                            softmax_update, nullptr,  nullptr,   nullptr, nullptr, nullptr, to_f16, nullptr, nullptr, nullptr};
 
 enum class Level { portable, avx2, avx512 };
 

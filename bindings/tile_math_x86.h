@@ -189,24 +189,11 @@ void scores_t(const float* q, int G, const T* k, int64_t stride, int n, int D, f
   });
 }
 
-// Where accumulate's rows are: evenly spaced (a tile), or one pointer per row
-// (the rows sparse V keeps, gathered from a tile).
-template <typename T>
-struct StridedRows {
-  const T* v;
-  int64_t stride;
-  const T* operator()(int r) const { return v + r * stride; }
-};
-template <typename T>
-struct GatheredRows {
-  const T* const* v;
-  const T* operator()(int r) const { return v[r]; }
-};
-
 // NH heads' accumulators for W registers of columns stay in registers while
 // the tile's rows stream through.
-template <typename V, int NH, int W, typename Rows>
-void accumulate_cols(const float* p, const float* corr, Rows v, int n, int D, int d, float* acc) {
+template <typename V, int NH, int W, typename T>
+void accumulate_cols(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, int d,
+                     float* acc) {
   constexpr int L = V::kLanes;
   typename V::Reg a[NH][W];
   for (int h = 0; h < NH; ++h) {
@@ -216,7 +203,7 @@ void accumulate_cols(const float* p, const float* corr, Rows v, int n, int D, in
 #pragma GCC unroll 2
   for (int r = 0; r < n; ++r) {
     typename V::Reg x[W];
-    for (int w = 0; w < W; ++w) x[w] = V::load(v(r) + d + L * w);
+    for (int w = 0; w < W; ++w) x[w] = V::load(v + r * stride + d + L * w);
     for (int h = 0; h < NH; ++h) {
       const auto ph = V::set1(p[h * kMaxTileRows + r]);
       for (int w = 0; w < W; ++w) a[h][w] = V::fmadd(ph, x[w], a[h][w]);
@@ -227,39 +214,23 @@ void accumulate_cols(const float* p, const float* corr, Rows v, int n, int D, in
 }
 
 // Column blocks as wide as the register file allows (V::kMaxColumnRegs), then narrower ones.
-template <typename V, int NH, typename Rows>
-void accumulate_heads(const float* p, const float* corr, Rows v, int n, int D, float* acc) {
+template <typename V, int NH, typename T>
+void accumulate_heads(const float* p, const float* corr, const T* v, int64_t stride, int n, int D, float* acc) {
   constexpr int L = V::kLanes;
   int d = 0;
   if constexpr (V::kMaxColumnRegs >= 4)
-    for (; d + 4 * L <= D; d += 4 * L) accumulate_cols<V, NH, 4>(p, corr, v, n, D, d, acc);
+    for (; d + 4 * L <= D; d += 4 * L) accumulate_cols<V, NH, 4, T>(p, corr, v, stride, n, D, d, acc);
   if constexpr (V::kMaxColumnRegs == 3)
-    for (; d + 3 * L <= D; d += 3 * L) accumulate_cols<V, NH, 3>(p, corr, v, n, D, d, acc);
-  for (; d + 2 * L <= D; d += 2 * L) accumulate_cols<V, NH, 2>(p, corr, v, n, D, d, acc);
-  for (; d < D; d += L) accumulate_cols<V, NH, 1>(p, corr, v, n, D, d, acc);
-}
-
-template <typename V, typename Rows>
-void accumulate_over_heads(const float* p, const float* corr, int G, Rows v, int n, int D, float* acc) {
-  over_head_blocks(G, [&](auto nh, int g) {
-    accumulate_heads<V, decltype(nh)::value>(p + g * kMaxTileRows, corr + g, v, n, D, acc + g * D);
-  });
+    for (; d + 3 * L <= D; d += 3 * L) accumulate_cols<V, NH, 3, T>(p, corr, v, stride, n, D, d, acc);
+  for (; d + 2 * L <= D; d += 2 * L) accumulate_cols<V, NH, 2, T>(p, corr, v, stride, n, D, d, acc);
+  for (; d < D; d += L) accumulate_cols<V, NH, 1, T>(p, corr, v, stride, n, D, d, acc);
 }
 
 template <typename V, typename T>
 void accumulate_t(const float* p, const float* corr, int G, const T* v, int64_t stride, int n, int D, float* acc) {
-  accumulate_over_heads<V>(p, corr, G, StridedRows<T>{v, stride}, n, D, acc);
-}
-
-template <typename V, typename T>
-void accumulate_gather_t(const float* p, const float* corr, int G, const T* const* v, int n, int D, float* acc) {
-  accumulate_over_heads<V>(p, corr, G, GatheredRows<T>{v}, n, D, acc);
-}
-
-template <typename V>
-void accumulate_gather_bf16(const float* p, const float* corr, int G, const uint16_t* const* v, int n, int D,
-                            float* acc) {
-  accumulate_over_heads<V>(p, corr, G, GatheredRows<Bf16>{reinterpret_cast<const Bf16* const*>(v)}, n, D, acc);
+  over_head_blocks(G, [&](auto nh, int g) {
+    accumulate_heads<V, decltype(nh)::value, T>(p + g * kMaxTileRows, corr + g, v, stride, n, D, acc + g * D);
+  });
 }
 
 // One online-softmax step (see TileKernels::softmax_update). V::tile_max and
@@ -499,39 +470,16 @@ void scores_u8_heads(const float* __restrict q, const QuantRows& k, int n, int D
   }
 }
 
-// Where accumulate_u4's rows are: evenly spaced (QuantRows), or one QuantRows
-// per row (the rows sparse V keeps, gathered from a tile).
-struct StridedQuantRows {
-  const QuantRows& v;
-  const uint8_t* operator()(int r) const { return v.bytes + r * v.byte_stride; }
-  template <FloatKind KIND>
-  void floats(int groups, int n, float* sc, float* bi) const {
-    tile_floats<KIND>(v.scales, v.scale_stride, groups, n, sc);
-    tile_floats<KIND>(v.biases, v.bias_stride, groups, n, bi);
-  }
-};
-struct GatheredQuantRows {
-  const QuantRows* v;
-  const uint8_t* operator()(int r) const { return v[r].bytes; }
-  template <FloatKind KIND>
-  void floats(int groups, int n, float* sc, float* bi) const {
-    for (int r = 0; r < n; ++r) {
-      row_floats<KIND>(v[r].scales, 0, groups, sc + r * groups);
-      row_floats<KIND>(v[r].biases, 0, groups, bi + r * groups);
-    }
-  }
-};
-
 // 4-bit V: the weights p_r s_r of every (head, group, row) and the bias terms
 // sum_r p_r b_r first (8 rows at a time), then the rows stream through NH
 // heads x 16 columns of accumulators: one 8-byte load is 16 values, its low
 // nibbles the even columns and its high nibbles the odd ones.
-// Rows is StridedQuantRows or GatheredQuantRows.
-template <int NH, int GS, FloatKind KIND, typename Rows>
-void accumulate_u4_heads(const float* p, const float* corr, Rows v, int n, int D, float* acc) {
+template <int NH, int GS, FloatKind KIND>
+void accumulate_u4_heads(const float* p, const float* corr, const QuantRows& v, int n, int D, float* acc) {
   const int groups = D / GS;
   alignas(32) float sc[kMaxTileRows * kMaxQ8Groups], bi[kMaxTileRows * kMaxQ8Groups];
-  v.template floats<KIND>(groups, n, sc, bi);
+  tile_floats<KIND>(v.scales, v.scale_stride, groups, n, sc);
+  tile_floats<KIND>(v.biases, v.bias_stride, groups, n, bi);
   const int n8 = (n + 7) & ~7;
   for (int i = n * groups; i < n8 * groups; ++i) sc[i] = bi[i] = 0.f;  // the gathers below read them
   // pw[(h * groups + g) * kMaxTileRows + r] = p_hr * s_rg; bsum[h * groups + g] sums p_hr * b_rg.
@@ -561,6 +509,7 @@ void accumulate_u4_heads(const float* p, const float* corr, Rows v, int n, int D
     beta[i] = _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
   }
   const __m256i low = _mm256_set1_epi32(0xF);
+  const int64_t stride = v.byte_stride;
   for (int c = 0; c < D / 16; ++c) {
     const int g = c * 16 / GS;
     __m256 a[NH][2];
@@ -570,9 +519,10 @@ void accumulate_u4_heads(const float* p, const float* corr, Rows v, int n, int D
       a[h][1] = _mm256_fmadd_ps(_mm256_loadu_ps(acc + h * D + 16 * c + 8), cv, bv);
     }
     const float* wt = pw + g * kMaxTileRows;  // head h's weights h * groups * kMaxTileRows further
+    const uint8_t* w = v.bytes + 8 * c;
 #pragma GCC unroll 2
-    for (int r = 0; r < n; ++r) {
-      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v(r) + 8 * c)));
+    for (int r = 0; r < n; ++r, w += stride) {
+      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
       const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(x, low));
       const __m256 odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
       for (int h = 0; h < NH; ++h) {
@@ -620,8 +570,7 @@ struct ScoresU8 {
 
 template <int GS, FloatKind KIND>
 struct AccumulateU4 {
-  template <typename Rows>
-  static void run(const float* p, const float* corr, int G, Rows v, int n, int D, float* acc) {
+  static void run(const float* p, const float* corr, int G, const QuantRows& v, int n, int D, float* acc) {
     over_head_blocks(G, [&](auto nh, int g) {
       accumulate_u4_heads<decltype(nh)::value, GS, KIND>(p + g * kMaxTileRows, corr + g, v, n, D, acc + g * D);
     });
@@ -633,12 +582,7 @@ void scores_u8(const float* q, int G, const QuantRows& k, int n, int D, float* o
 }
 
 void accumulate_u4(const float* p, const float* corr, int G, const QuantRows& v, int n, int D, float* acc) {
-  with_group_and_kind<AccumulateU4>(v.group_size, v.scale_kind, p, corr, G, StridedQuantRows{v}, n, D, acc);
-}
-
-// v[0] gives the group size and scale dtype (every row of a cache shares them).
-void accumulate_u4_gather(const float* p, const float* corr, int G, const QuantRows* v, int n, int D, float* acc) {
-  with_group_and_kind<AccumulateU4>(v[0].group_size, v[0].scale_kind, p, corr, G, GatheredQuantRows{v}, n, D, acc);
+  with_group_and_kind<AccumulateU4>(v.group_size, v.scale_kind, p, corr, G, v, n, D, acc);
 }
 
 // Bit width and group size become template arguments, so each group's steps
@@ -681,11 +625,7 @@ constexpr TileKernels make_tile_kernels(const char* name) {
                      to_f16<V>,
                      scores_k8,
                      scores_u8,
-                     accumulate_u4,
-                     accumulate_gather_t<V, float>,
-                     accumulate_gather_t<V, uint16_t>,
-                     accumulate_gather_bf16<V>,
-                     accumulate_u4_gather};
+                     accumulate_u4};
 }
 
 }  // namespace
