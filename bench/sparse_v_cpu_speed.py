@@ -33,7 +33,8 @@ def cpu_skips(q, k, scale, softcap, tau) -> float:
     """Share of (kv head, key) V rows the CPU walker skips (one query token, no window)."""
     hkv, tokens, _ = k.shape
     group = q.shape[0] // hkv
-    seeds = list(reference.sparse_v_seeds(tokens))
+    recent = min(max(tokens // 128, reference.SPARSE_V_RECENT_SEEDS), 255)  # bindings/sparse_v.h's count
+    seeds = sorted({0, *range(max(0, tokens - recent), tokens)})
     skipped = 0
     for h in range(hkv):
         s = (q[h * group:(h + 1) * group].astype(np.float64) @ k[h].astype(np.float64).T) * scale

@@ -342,44 +342,47 @@ class ItemWalker {
  public:
   // Sparse V (sparse_v.h, seed_running_max): the seed maxima of the chunk's kv
   // heads, seed(kvh)[j] for its R rows. Seeds are the first key row 0 sees and
-  // the kSparseVRecentSeeds newest keys every row sees (up to len - L), each
+  // the sparse_v_recent_seeds(len) newest keys every row sees (up to len - L), each
   // masked for the rows that do not see it; padding is never a seed. Computed
   // once per (sequence, kv head) and shared by its splits.
   template <typename SeedAt>
   void seeds(SeedAt seed) {
     const int first = row_range(p_, len_, 0).lo, newest = len_ - p_.query_len;
-    const int recent = std::max(first, newest - kSparseVRecentSeeds + 1);
-    int at[kMaxTileRows], n = 0;
-    if (first >= 0 && first < recent && first < len_) at[n++] = first;
-    for (int t = std::max(recent, 0); t <= newest && t < len_; ++t) at[n++] = t;
+    const int recent = std::max(first, newest - sparse_v_recent_seeds(len_) + 1);
+    std::vector<int> at;
+    if (first >= 0 && first < recent && first < len_) at.push_back(first);
+    for (int t = std::max(recent, 0); t <= newest && t < len_; ++t) at.push_back(t);
     for (int kvh = kvh0_; kvh < kvh1_; ++kvh) std::fill_n(seed(kvh), R_, kNegInf);
-    if (!n) return;
+    if (at.empty()) return;
     sc_.fit((kvh1_ - kvh0_) * R_, R_, D_);
     load_queries();
     float* scores = sc_.scores.data();
-    for (int kvh = kvh0_; kvh < kvh1_; ++kvh) {
-      // One segment per run of seeds inside a block.
-      for (int i = 0; i < n;) {
-        Tile tile;
-        tile.count = 1;
-        tile.seg[0] = seed_segment(at[i]);
-        int b = i + 1;
-        while (b < n && at[b] == at[b - 1] + 1 && (!p_.paged || at[b] % p_.block_size)) ++b;
-        tile.seg[0].n = tile.rows = b - i;
-        score(tile, kvh, sc_.q.data() + static_cast<int64_t>(kvh - kvh0_) * R_ * D_, scores + i);
-        if (!tile.seg[0].valid)  // padding is never a seed
-          for (int j = 0; j < R_; ++j) std::fill_n(scores + j * kMaxTileRows + i, b - i, kNegInf);
-        i = b;
+    for (int kvh = kvh0_; kvh < kvh1_; ++kvh)
+      for (size_t c0 = 0; c0 < at.size(); c0 += kMaxTileRows) {  // a tile's worth of seeds at a time
+        const int* chunk = at.data() + c0;
+        const int n = static_cast<int>(std::min<size_t>(kMaxTileRows, at.size() - c0));
+        // One segment per run of seeds inside a block.
+        for (int i = 0; i < n;) {
+          Tile tile;
+          tile.count = 1;
+          tile.seg[0] = seed_segment(chunk[i]);
+          int b = i + 1;
+          while (b < n && chunk[b] == chunk[b - 1] + 1 && (!p_.paged || chunk[b] % p_.block_size)) ++b;
+          tile.seg[0].n = tile.rows = b - i;
+          score(tile, kvh, sc_.q.data() + static_cast<int64_t>(kvh - kvh0_) * R_ * D_, scores + i);
+          if (!tile.seg[0].valid)  // padding is never a seed
+            for (int j = 0; j < R_; ++j) std::fill_n(scores + j * kMaxTileRows + i, b - i, kNegInf);
+          i = b;
+        }
+        p_.cap_scores(scores, R_, n, kMaxTileRows);
+        for (int l = 0; l < p_.query_len; ++l) {
+          const TokenRange seen = row_range(p_, len_, l);
+          for (int i = 0; i < n; ++i)
+            if (chunk[i] < seen.lo || chunk[i] >= seen.hi)
+              for (int g = 0; g < G_; ++g) scores[(l * G_ + g) * kMaxTileRows + i] = kNegInf;
+        }
+        seed_running_max(scores, R_, n, seed(kvh));
       }
-      p_.cap_scores(scores, R_, n, kMaxTileRows);
-      for (int l = 0; l < p_.query_len; ++l) {
-        const TokenRange seen = row_range(p_, len_, l);
-        for (int i = 0; i < n; ++i)
-          if (at[i] < seen.lo || at[i] >= seen.hi)
-            for (int g = 0; g < G_; ++g) scores[(l * G_ + g) * kMaxTileRows + i] = kNegInf;
-      }
-      seed_running_max(scores, R_, n, seed(kvh));
-    }
   }
 
  private:
