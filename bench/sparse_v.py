@@ -76,6 +76,28 @@ class Capture:
         self.ops.paged_attention = self.original
 
 
+def prefill(model, stream: np.ndarray, cache, pos: int, stop: int) -> int:
+    """Exact prefill of positions [pos, stop) in chunks aligned to CHUNK; returns stop."""
+    while pos < stop:
+        end = min(stop, (pos // CHUNK + 1) * CHUNK)
+        mx.eval(model.model(mx.array(stream[None, pos:end]), cache=cache))
+        pos = end
+    return pos
+
+
+def decode_logprobs(model, stream: np.ndarray, cache, pos: int, capture=None, armed: bool = False) -> np.ndarray:
+    """Next-token log-probs of one decode pass at ``pos`` (``capture`` keeps its calls when ``armed``)."""
+    if capture is not None:
+        capture.armed, capture.layer = armed, 0
+    logits = model(mx.array(stream[None, pos:pos + 1]), cache=cache)[0, -1].astype(mx.float32)
+    lp = logits - mx.logsumexp(logits)
+    mx.eval(lp)
+    if capture is not None and capture.armed:
+        mx.eval([a for _, args, _ in capture.calls for a in args if isinstance(a, mx.array)])
+        capture.armed = False
+    return np.array(lp)
+
+
 def decode_run(model, stream: np.ndarray, *, tau, contexts, window, capture=None, sim_steps=()):
     """Log-probs [window, vocab] of the decoded window before each context (one sequence)."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -87,22 +109,10 @@ def decode_run(model, stream: np.ndarray, *, tau, contexts, window, capture=None
         cache = make_prompt_cache(model)
         pos = 0
         for ctx in contexts:
-            first = ctx - window
-            while pos < first:  # exact prefill in chunks
-                stop = min(first, (pos // CHUNK + 1) * CHUNK)
-                mx.eval(model.model(mx.array(stream[None, pos:stop]), cache=cache))
-                pos = stop
+            pos = prefill(model, stream, cache, pos, ctx - window)
             rows = []
             for i in range(window):
-                if capture is not None:
-                    capture.armed, capture.layer = i in sim_steps, 0
-                logits = model(mx.array(stream[None, pos:pos + 1]), cache=cache)[0, -1].astype(mx.float32)
-                lp = logits - mx.logsumexp(logits)
-                mx.eval(lp)
-                if capture is not None and capture.armed:
-                    mx.eval([a for _, args, _ in capture.calls for a in args if isinstance(a, mx.array)])
-                    capture.armed = False
-                rows.append(np.array(lp))
+                rows.append(decode_logprobs(model, stream, cache, pos, capture, i in sim_steps))
                 pos += 1
             out[ctx] = np.stack(rows)
     return out
@@ -126,25 +136,13 @@ def one_pass_run(model, stream: np.ndarray, *, taus, contexts, window, capture=N
         shared = cache[0].model_cache
         pos = 0
         for ctx in contexts:
-            first = ctx - window
-            while pos < first:  # exact prefill in chunks
-                stop = min(first, (pos // CHUNK + 1) * CHUNK)
-                mx.eval(model.model(mx.array(stream[None, pos:stop]), cache=cache))
-                pos = stop
+            pos = prefill(model, stream, cache, pos, ctx - window)
             rows = {tau: [] for tau in out}
             for i in range(window):
-                token = mx.array(stream[None, pos:pos + 1])
                 for tau in (*taus, None):  # exact last: its pass is the one kept
                     shared.sparse_v = tau
-                    if capture is not None:
-                        capture.armed, capture.layer = tau is None and i in sim_steps, 0
-                    logits = model(token, cache=cache)[0, -1].astype(mx.float32)
-                    lp = logits - mx.logsumexp(logits)
-                    mx.eval(lp)
-                    if capture is not None and capture.armed:
-                        mx.eval([a for _, args, _ in capture.calls for a in args if isinstance(a, mx.array)])
-                        capture.armed = False
-                    rows[tau].append(np.array(lp))
+                    rows[tau].append(decode_logprobs(model, stream, cache, pos, capture,
+                                                     tau is None and i in sim_steps))
                     if tau is not None:
                         for c in cache:
                             c.trim(1)
