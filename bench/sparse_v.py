@@ -24,8 +24,9 @@ over the exact run's cache instead (then forgets it): one prefill for all taus (
 32K prefill is the cost of a run), and each step's error is sparse V's alone. Results go to ``--json``; ``--report`` prints the
 markdown table.
 
-    LD_PRELOAD=$(python -c "from kvmetal.models.blas import preload_value; print(preload_value())") \\
-        python bench/sparse_v.py --json bench/sparse_v_smollm2.json [--taus 1e-4,1e-6 --window 64]
+    python bench/sparse_v.py --json bench/sparse_v_smollm2.json [--taus 1e-4,1e-6 --window 64]
+    python bench/sparse_v.py --one-pass --model gemma3 --contexts 8192,32768 --window 32 \\
+        --sim-layers 5,11,17,8 --sim-steps 0,31 --taus 1e-4,1e-5,1e-6 --json out.json
     python bench/sparse_v.py --json bench/sparse_v_smollm2.json --report
 """
 from __future__ import annotations
@@ -241,6 +242,9 @@ def main(argv=None) -> int:
     if args.report:
         print(report_table(json.loads(Path(args.json).read_text())))
         return 0
+    from kvmetal.models.blas import preload_openblas_and_reexec
+
+    preload_openblas_and_reexec()  # float32 models on Linux: MLX's reference BLAS is ~30x slower
     from mlx_lm.utils import load
 
     from kvmetal.integrations.generate import resolve_model
