@@ -13,8 +13,9 @@
 // sequences: M x N under a few thousand outputs, M = 1 above all, which goes to gemv) in
 // other kernels than a product of many, and these round differently, so a row's result
 // would depend on how many rows share its call. cblas_sgemm here pads such a call with
-// zero rows up to kMinOutputs outputs (and 2 rows): every row then takes the kernels of a
-// large product, whatever its batch (tests/test_blas.py checks rows against a 512-row call).
+// zero rows up to kMinOutputs outputs (and 2 rows), and every call to whole blocks of
+// kAlignRows rows: every row then takes the kernels of a large product in a whole
+// micro-tile, whatever its batch (tests/test_blas.py checks rows against a larger call).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -67,6 +68,13 @@ const Table& table() {
 
 constexpr int kRowMajor = 101, kNoTrans = 111;
 constexpr int64_t kMinOutputs = 2048;  // padded calls: M x N >= this, M >= 2 (measured: differing rows up to 1,152)
+// Rows are computed in whole micro-tiles of the kernel's M unroll (12 on OpenBLAS's
+// Haswell/Zen sgemm kernels, 16 elsewhere): a row in a call's tail of M % unroll rows
+// takes another kernel and rounds differently (an AMD EPYC: a 1- to 257-row call and
+// the same rows of a 300-row call differed unless M was a multiple of 12). So every
+// row-major call is cut into whole kAlignRows blocks, computed in place, and a rest
+// computed in a call padded to kAlignRows rows (a multiple of both unrolls).
+constexpr int64_t kAlignRows = 48;
 
 template <typename I>
 void sgemm_call(const Table& t, int order, int ta, int tb, int m, int n, int k, float alpha, const float* a, int lda,
@@ -115,8 +123,18 @@ __attribute__((visibility("default"))) void cblas_sgemm(int order, int ta, int t
                                                         float* c, int ldc) {
   const Table& t = table();
   if (order == kRowMajor && m > 0 && n > 0 && k > 0) {
-    const int64_t mp = std::max<int64_t>(2, (kMinOutputs + n - 1) / n);
-    if (m < mp) return sgemm_padded(t, ta, tb, m, static_cast<int>(mp), n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    const int64_t small = std::max<int64_t>(2, (kMinOutputs + n - 1) / n);  // fewer rows: padded as a whole
+    int64_t done = m / kAlignRows * kAlignRows;  // whole blocks, in place
+    if (done < small) done = 0;                   // too few: the whole call is padded
+    if (done) sgemm_any(t, order, ta, tb, static_cast<int>(done), n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    const int64_t rest = m - done;
+    if (rest > 0) {
+      const int64_t mp = (std::max(rest, small) + kAlignRows - 1) / kAlignRows * kAlignRows;
+      const float* a_rest = ta != kNoTrans ? a + done : a + done * lda;  // op(A) rows done..m
+      sgemm_padded(t, ta, tb, static_cast<int>(rest), static_cast<int>(mp), n, k, alpha, a_rest, lda, b, ldb, beta,
+                   c + done * ldc, ldc);
+    }
+    return;
   }
   sgemm_any(t, order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
