@@ -25,13 +25,13 @@ struct Avx2 {
 
   static __m128i load_half(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
   static void store_half(void* p, __m128i x) { _mm_storeu_si128(static_cast<__m128i*>(p), x); }
+  // ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): the order of hsum8 and hsum4,
+  // so a score has the same bits from the paired-row kernel (store_scores_4x2) and
+  // from the one-row tail; with another order a row's score depended on whether a
+  // tile gave it a partner, i.e. on its batch or chunk (tests/test_batch_invariance.py).
   static float hsum(Reg v) {
-    __m128 lo = _mm256_castps256_ps128(v);
-    __m128 hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
   }
   static Reg round(Reg x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   // y, with 0 in the lanes where x < lo.
@@ -122,16 +122,21 @@ struct Avx2 {
     for (int r = 8; r < n8; r += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + r));
     return hmax(mx);
   }
-  // s[r] = exp(s[r] - ref); returns their sum.
+  // s[r] = exp(s[r] - ref); returns their sum, added up in double: a float sum's
+  // bits would depend on which lane each key falls in, i.e. on where the tile
+  // starts (a sliding window's first tile starts at the window in one walker and at
+  // a block boundary in another), and a row would round differently by chunk.
   static float exp_sum(float* s, int n, float ref) {
     const __m256 mn = _mm256_set1_ps(ref);
-    __m256 sum = _mm256_setzero_ps();
+    __m256d sum = _mm256_setzero_pd();
     for (int r = 0; r < n; r += 8) {
       const __m256 e = exp_approx<Avx2>(_mm256_sub_ps(_mm256_loadu_ps(s + r), mn));
       _mm256_storeu_ps(s + r, e);
-      sum = _mm256_add_ps(sum, e);
+      sum = _mm256_add_pd(sum, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)),
+                                             _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1))));
     }
-    return hsum(sum);
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(sum), _mm256_extractf128_pd(sum, 1));
+    return static_cast<float>(_mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h))));
   }
 
   // One group of GS values, 8 per step (groups are >= 32 values): 8-bit values

@@ -48,6 +48,8 @@ def test_openblas_serves_mlx_and_a_rows_bits_do_not_depend_on_the_row_count():
             big = x @ w.T
             for m in list(range(1, 34)) + [47, 48, 49, 64, 96, 129, 257]:  # 48: the shim's row blocks
                 assert mx.array_equal(x[:m] @ w.T, big[:m]), (k, n, m)   # padded or not, the same bits
+            for off in range(1, 13):  # a row at any place in its call (a batch's rows move)
+                assert mx.array_equal(x[off:off + 48] @ w.T, big[off:off + 48]), (k, n, "offset", off)
             xt = mx.array(rng.standard_normal((k, 40)).astype(np.float32))  # A transposed
             assert all(mx.array_equal(xt[:, :m].T @ w.T, (xt.T @ w.T)[:m]) for m in (1, 2, 5, 17))
             want = np.asarray(x, dtype=np.float64) @ np.asarray(w, dtype=np.float64).T

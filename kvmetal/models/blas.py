@@ -19,6 +19,7 @@ import ctypes
 import glob
 import importlib.util
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -113,6 +114,8 @@ def use_openblas() -> str | None:
     lib, shim = wheel_openblas(), shim_library()
     if lib is None or shim is None:
         return None
+    for name, value in invariant_kernel_env().items():
+        os.environ.setdefault(name, value)  # read by OpenBLAS when it loads
     try:
         openblas = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
         # Local first: a shim that found no OpenBLAS must never serve libmlx's symbols.
@@ -127,6 +130,24 @@ def use_openblas() -> str | None:
                 getattr(openblas, name)(default_threads())
                 break
     return lib
+
+
+def invariant_kernel_env() -> dict:
+    """``OPENBLAS_CORETYPE=Sandybridge`` on an x86 CPU without AVX-512, unless set.
+
+    There OpenBLAS picks its Haswell sgemm kernel (Intel AVX2, every AMD Zen), whose
+    12-row micro-tile computes rows 0-5 and 6-11 in other instruction orders: a row's
+    bits depend on its place in the call (measured on an AMD EPYC: every row of a
+    48-row product at an offset of 6 differed), so no padding makes a request's rows
+    the same alone and in a batch. The Sandybridge kernel rounds a row the same at every
+    place (tests/test_blas.py); the AVX-512 kernel did too, so those CPUs keep it."""
+    if os.environ.get("OPENBLAS_CORETYPE") or platform.machine() not in ("x86_64", "AMD64"):
+        return {}
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
+    except OSError:
+        return {}
+    return {} if " avx512f" in flags else {"OPENBLAS_CORETYPE": "Sandybridge"}
 
 
 def default_threads() -> int:
@@ -177,6 +198,7 @@ def preload_openblas_and_reexec(argv: list | None = None) -> None:
           f"{OPT_OUT}=1 keeps the bundled reference BLAS)", file=sys.stderr, flush=True)
     env = dict(os.environ, _KVMETAL_OPENBLAS_REEXEC="1")
     env["LD_PRELOAD"] = value + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    env.update({k: v for k, v in invariant_kernel_env().items() if not env.get(k)})
     if not any(env.get(v) for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
         # Preloaded, OpenBLAS starts a spinning thread per core: on 2 shared cores a
         # teacher-forced study ran ~10x slower than with default_threads().
