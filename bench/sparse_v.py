@@ -168,7 +168,10 @@ def sim_v_bytes(call, tau, **options) -> tuple[int, int]:
         mx.eval(kv.paged_attention(query, kc, vc, tables, lens, **kwargs))
     c = next(c for c in t.calls if "paged_attention_partials" in c.name)
     loaded = sum(c.buffers[n].loaded for n in ("value_data", "value_scales", "value_biases") if n in c.buffers)
-    live = int(np.array(lens).sum()) * vc.shape[1] * row_bytes(vc, vc.shape[-1])
+    seen = np.array(lens)
+    if kwargs.get("sliding_window"):  # a window layer's kernel reads only its window
+        seen = np.minimum(seen, kwargs["sliding_window"])
+    live = int(seen.sum()) * vc.shape[1] * row_bytes(vc, vc.shape[-1])
     return loaded, live
 
 
