@@ -347,8 +347,8 @@ inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, threa
 template <int D, int NSG, int RPS, int LPK, int KBITS, int KGS, int KAW, int KNA, int KAE4, int VNA, int VAE4,
           typename SRC, typename PKD, typename PKS>
 inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread SRC& src, PKD kdata,
-                                PKS kscales, PKS kbiases, KvSteps ksteps, int first, int newest, int len,
-                                KvVariant var, int kl, int kg, int sg, int lane, threadgroup float* stats) {
+                                     PKS kscales, PKS kbiases, KvSteps ksteps, int first, int newest, int len,
+                                     KvVariant var, int kl, int kg, int sg, int lane, threadgroup float* stats) {
   constexpr int KPP = 32 / LPK;
   kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps, first, newest, len, var, kl,
                                               kg, sg * KPP, NSG * KPP);
@@ -599,8 +599,9 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
   if (!SHARED) {
     kv_init_rows<D, RPS, LPK, KBITS>(st, q, 0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
     if (SV) {
-      kv_seed_rows_cooperative<D, NSG, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps, seed_first,
-                                                             len - QL, len, var, kl, kg, sg, lane, merge_stats);
+      kv_seed_rows_cooperative<D, NSG, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps,
+                                                                  seed_first, len - QL, len, var, kl, kg, sg, lane,
+                                                                  merge_stats);
     }
     // Register mode: this simdgroup's contiguous run of the split, KPP keys per pass.
     const int n = max(0, range.hi - range.lo);
