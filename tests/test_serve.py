@@ -118,13 +118,17 @@ def chat(server, question, **kw):
                                                 {"role": "user", "content": question}], **kw)
 
 
-def mlx_lm_greedy_text(model_dir, prompt_ids, max_tokens):
-    """mlx-lm's own generation (its own KVCache, no kvmetal) of the same prompt."""
+def mlx_lm_greedy_text(model_dir, prompt_ids, max_tokens, *, completion=False):
+    """mlx-lm's own generation (its own KVCache, no kvmetal) of the same prompt. A chat answer
+    is its streamed text (the first token's leading space trimmed, as mlx_lm.server answers);
+    a completion is every token decoded, leading space kept, as OpenAI's /v1/completions."""
     from mlx_lm import load, stream_generate
 
     model, tokenizer = load(str(model_dir))
-    text = "".join(r.text for r in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens))
-    return text
+    results = list(stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens))
+    if completion:
+        return tokenizer.decode([r.token for r in results])
+    return "".join(r.text for r in results)
 
 
 # ---------------------------------------------------------------------------- units
@@ -167,7 +171,8 @@ def test_openai_client_completions_and_chat_streaming_and_not(capped, model_dir)
 
     _, tokenizer = load(str(model_dir))
     ids = tokenizer.encode(prompt)
-    assert whole.choices[0].text == mlx_lm_greedy_text(model_dir, ids, 12), "greedy output differs from mlx-lm"
+    assert whole.choices[0].text == mlx_lm_greedy_text(model_dir, ids, 12, completion=True), \
+        "greedy output differs from mlx-lm"
 
     answer = chat(capped, QUESTIONS[0])
     stream = list(chat(capped, QUESTIONS[0], stream=True, stream_options={"include_usage": True}))
@@ -179,6 +184,38 @@ def test_openai_client_completions_and_chat_streaming_and_not(capped, model_dir)
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert answer.usage.prompt_tokens == len(chat_ids)  # the tokenizer's chat template was applied
     assert answer.choices[0].message.content == mlx_lm_greedy_text(model_dir, chat_ids, 24)
+
+
+def test_a_completion_keeps_its_first_tokens_leading_space(capped, model_dir):
+    """The BPE detokenizer trims a first token's space (right for chat); a completion's text
+    continues the prompt, so it keeps it, streamed or not, and its logprob tokens spell it."""
+    from mlx_lm import load
+
+    from kvmetal.serve.app import TextStream
+
+    _, tokenizer = load(str(model_dir))
+    ids = tokenizer.encode(" keys and values", add_special_tokens=False)
+    assert tokenizer.decode(ids[:1]).startswith(" ")
+    for keep, expected in ((True, " keys and values"), (False, "keys and values")):
+        stream = TextStream(tokenizer, [], keep_leading_space=keep)
+        offsets = [stream.add(t) for t in ids]
+        assert offsets[0] == 0
+        assert stream.take() + stream.take(final=True) == expected
+
+    # A prompt whose greedy continuation (random weights) starts with a spaced token.
+    c = client(capped)
+    kw = dict(model=str(model_dir), max_tokens=8, temperature=0, logprobs=0)
+    spaced = [p for p in QUESTIONS + [SYSTEM] if mlx_lm_greedy_text(
+        model_dir, tokenizer.encode(p), 1, completion=True).startswith(" ")]
+    assert spaced, "no prompt's greedy continuation starts with a space: pick other prompts"
+    whole = c.completions.create(prompt=spaced[0], **kw)
+    streamed = list(c.completions.create(prompt=spaced[0], stream=True, **kw))
+    text = whole.choices[0].text
+    assert text.startswith(" ")
+    assert text == "".join(ch.choices[0].text for ch in streamed)
+    assert text == "".join(whole.choices[0].logprobs.tokens)
+    assert text == mlx_lm_greedy_text(model_dir, tokenizer.encode(spaced[0]), 8, completion=True)
+    assert whole.choices[0].logprobs.text_offset[0] == 0
 
 
 def test_seeded_sampling_is_reproducible(capped):

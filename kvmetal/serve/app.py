@@ -110,18 +110,35 @@ class ServeState:
         return tuple(self.tokenizer.encode("\n")) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
 
-class TextStream:
-    """Token ids -> text pieces for one request, with stop strings held back and cut."""
+# mlx-lm's BPE and SentencePiece streaming detokenizers drop the first token's leading space
+# while their text is empty: right for a chat answer, wrong for a completion, whose text
+# continues the prompt (" Paris" after "The capital of France is"). Priming the text with one
+# character keeps that space; the primer is cut from everything handed out.
+_PRIMER = "\x00"
 
-    def __init__(self, tokenizer, stop: list):
+
+class TextStream:
+    """Token ids -> text pieces for one request, with stop strings held back and cut.
+    ``keep_leading_space``: a completion's text starts with its first token's space, as
+    OpenAI's /v1/completions returns it."""
+
+    def __init__(self, tokenizer, stop: list, *, keep_leading_space: bool = False):
         self.detokenizer = tokenizer.detokenizer
+        self.primer = 0  # characters of _PRIMER at the start of the detokenizer's text
+        text_attr = getattr(type(self.detokenizer), "text", None)
+        if keep_leading_space and not isinstance(text_attr, property):  # the naive one trims nothing
+            self.detokenizer.text = _PRIMER
+            self.primer = len(_PRIMER)
         self.stop = stop
         self.sent = 0  # characters already handed out
         self.stopped = False  # a stop string was found
 
+    def _text(self) -> str:
+        return self.detokenizer.text[self.primer:]
+
     def add(self, token: int) -> int:
         """Add a token; returns where its text starts (characters of the output so far)."""
-        offset = len(self.detokenizer.text)
+        offset = len(self._text())
         self.detokenizer.add_token(token)
         return offset
 
@@ -129,7 +146,7 @@ class TextStream:
         """New text that is safe to send (all of it when ``final``)."""
         if final:
             self.detokenizer.finalize()
-        text = self.detokenizer.text
+        text = self._text()
         if self.stop:
             hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0]
             if hits:
@@ -360,7 +377,7 @@ class _Run:
     def __init__(self, state: ServeState, req, request_id: str, prompt: list, eos: frozenset, deliveries):
         self.state, self.req, self.id, self.prompt, self.eos = state, req, request_id, prompt, eos
         self.deliveries = deliveries
-        self.text = TextStream(state.tokenizer, req.stop)
+        self.text = TextStream(state.tokenizer, req.stop, keep_leading_space=not req.chat)
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason = None
