@@ -9,7 +9,7 @@ from .. import ops, quant
 from ..backends import use_backend
 from .cascade import bench_case as cascade_bench_case
 from .prefill import prefill as prefill_chunked
-from .timing import time_stats
+from .timing import time_interleaved, time_stats
 from .workloads import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, paged_setup
 
 # A baseline slower than this per call (mlx-lm's quantized SDPA on a CPU takes seconds at
@@ -37,20 +37,36 @@ def _result(name, backend, stats, kv_bytes, baselines=None, **extra):
     return r
 
 
-def _baseline(name: str, fn, repeat: int, **kwargs) -> dict:
-    stats = time_stats(fn, repeat=repeat, **kwargs)
+def _baseline_row(name: str, stats: dict, **extra) -> dict:
     return {"name": name, "seconds": stats["seconds"], "min_seconds": stats["min"], "max_seconds": stats["max"],
-            "repeats": stats["repeats"]}
+            "repeats": stats["repeats"], **extra}
+
+
+def _baseline(name: str, fn, repeat: int, **kwargs) -> dict:
+    return _baseline_row(name, time_stats(fn, repeat=repeat, **kwargs))
 
 
 def _device() -> str:
     return "gpu" if mx.metal.is_available() else "cpu"
 
 
-def _sdpa_baseline(query, keys, values, repeat: int) -> dict:
+def _sdpa_name() -> str:
+    return f"mx.fast.scaled_dot_product_attention ({_device()}, contiguous)"
+
+
+def _sdpa(query, keys, values):
+    """MLX's own decode attention over the contiguous K/V: the baseline of the float cases."""
     q4 = query[:, :, None, :]
-    return _baseline(f"mx.fast.scaled_dot_product_attention ({_device()}, contiguous)",
-                     lambda: mx.fast.scaled_dot_product_attention(q4, keys, values, scale=HEAD_DIM ** -0.5), repeat)
+    return lambda: mx.fast.scaled_dot_product_attention(q4, keys, values, scale=HEAD_DIM ** -0.5)
+
+
+def _timed_with_baseline(backend: str, kernel, baseline_fn, repeat: int) -> tuple:
+    """kvmetal's call and (when given) its baseline timed in turns: (stats, baseline stats or None)."""
+    with use_backend(backend):
+        if baseline_fn is None:
+            return time_stats(kernel, repeat=repeat), None
+        both = time_interleaved({"kvmetal": kernel, "baseline": baseline_fn}, repeat=repeat)
+    return both["kvmetal"], both["baseline"]
 
 
 def _mlx_lm_quantized_baseline(query, keys, values, repeat: int, *, bits: int = 8) -> dict | None:
@@ -89,10 +105,10 @@ def paged_decode(dtype_name: str):
 
     def run(*, backend, tokens, repeat, baseline, progress):
         query, kc, vc, tables, lens, keys, values = paged_setup(tokens, dtype)
-        with use_backend(backend):
-            stats = time_stats(lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
-                               repeat=repeat)
-        base = _sdpa_baseline(query, keys, values, repeat) if baseline else None
+        stats, base = _timed_with_baseline(
+            backend, lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
+            _sdpa(query, keys, values) if baseline else None, repeat)
+        base = _baseline_row(_sdpa_name(), base) if base else None
         kv_bytes = _live_kv_bytes(tokens, dtype.size, dtype.size)
         return [_result(f"paged_decode_{dtype_name} T={tokens}", backend, stats, kv_bytes, base,
                         shape=f"H={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bs={BLOCK_SIZE}")]
@@ -105,9 +121,11 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
         qk = quant.quantize(kc, bits=k_bits, group_size=64)
         qv = quant.quantize(vc, bits=v_bits, group_size=64)
         mx.eval(*qk.arrays(), *qv.arrays())
-        with use_backend(backend):
-            stats = time_stats(lambda: ops.paged_attention(query, qk, qv, tables, lens, validate=False),
-                               repeat=repeat)
+        # kvmetal's own float16 kernel over the same cache is timed in turns with the
+        # quantized one, so "K8/V4 vs f16" is a ratio of one moment.
+        stats, f16 = _timed_with_baseline(
+            backend, lambda: ops.paged_attention(query, qk, qv, tables, lens, validate=False),
+            (lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False)) if baseline else None, repeat)
         bases, skipped = [], []
         if baseline:
             # mlx-lm's own quantized path first (the fair comparison), then the gather +
@@ -118,10 +136,7 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
 
                 skipped.append(f"mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed: {install_hint('mlx_lm')}")
             bases.append(_gather_sdpa_baseline(query, qk, qv, tables, lens, backend, repeat))
-            with use_backend(backend):
-                bases.append(_baseline(f"kvmetal paged_decode_f16 ({backend})",
-                                       lambda: ops.paged_attention(query, kc, vc, tables, lens, validate=False),
-                                       repeat))
+            bases.append(_baseline_row(f"kvmetal paged_decode_f16 ({backend}, timed in turns)", f16))
         live_fraction = tokens / (kc.shape[0] * BLOCK_SIZE)
         kv_bytes = int((qk.nbytes + qv.nbytes) * live_fraction)
         return [_result(f"paged_decode_k{k_bits}v{v_bits} T={tokens}", backend, stats, kv_bytes, bases,
@@ -133,9 +148,9 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
 def decode_contiguous(*, backend, tokens, repeat, baseline, progress):
     query, _, _, _, _, keys, values = paged_setup(tokens, mx.float16)
     q4 = query[:, :, None, :]
-    with use_backend(backend):
-        stats = time_stats(lambda: ops.decode_attention(q4, keys, values), repeat=repeat)
-    base = _sdpa_baseline(query, keys, values, repeat) if baseline else None
+    stats, base = _timed_with_baseline(backend, lambda: ops.decode_attention(q4, keys, values),
+                                       _sdpa(query, keys, values) if baseline else None, repeat)
+    base = _baseline_row(_sdpa_name(), base) if base else None
     return [_result(f"decode_attention_f16 T={tokens}", backend, stats, _live_kv_bytes(tokens, 2, 2), base)]
 
 

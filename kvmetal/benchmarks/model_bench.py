@@ -28,6 +28,33 @@ import numpy as np
 from ..kv_format import KVFormat
 
 DEFAULT_QUANTIZED = KVFormat(k_bits=8, v_bits=4)  # the kvmetal row when no K/V flag is given
+DEFAULT_CONTEXTS = "512,4K,16K"  # less those past the model's trained context
+
+
+def pick_contexts(given: str | None, trained: int | None, gen_tokens: int, *, warn) -> list:
+    """Prompt lengths to measure. The default drops those whose prompt and generated tokens do
+    not fit the context the model was trained for (SmolLM2: 8K); lengths the user gave are kept,
+    with a warning for those past it."""
+    from ..budget import parse_tokens
+
+    text = DEFAULT_CONTEXTS if given is None else given
+    contexts = [parse_tokens(c.strip(), name="--contexts") for c in text.split(",") if c.strip()]
+    if not contexts:
+        raise ValueError("--contexts is empty")
+    if not trained:
+        return contexts
+    past = [c for c in contexts if c + gen_tokens > trained]
+    if not past:
+        return contexts
+    names = ", ".join(f"{c:,}" for c in past)
+    if given is None:
+        kept = [c for c in contexts if c not in past]
+        warn(f"kvmetal bench: context {names} skipped: the model was trained for {trained:,} tokens "
+             f"(max_position_embeddings); --contexts chooses others")
+        return kept or [max(1, trained - gen_tokens)]
+    warn(f"kvmetal bench: warning: context {names} + {gen_tokens} generated tokens is past the {trained:,} "
+         f"tokens the model was trained for (max_position_embeddings): timed all the same, quality not assured")
+    return contexts
 
 
 def configs(fmt: KVFormat, head_dim: int) -> list:
@@ -123,6 +150,9 @@ def kv_dtype_label(model) -> str:
 
 
 def print_table(rows: list, *, header: str) -> None:
+    if not rows:
+        print(header + "no run finished")
+        return
     configs = list(dict.fromkeys(r["config"] for r in rows))
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     cell = {(r["context"], r["config"]): r for r in rows}
@@ -149,7 +179,7 @@ def print_table(rows: list, *, header: str) -> None:
 
 
 def main(args, backend: str) -> int:
-    from ..budget import parse_tokens, shape_from_config
+    from ..budget import shape_from_config
     from ..kv_format import format_from_args
     from ..integrations.generate import UserError, resolve_model
     from .provenance import provenance
@@ -157,9 +187,7 @@ def main(args, backend: str) -> int:
     try:
         fmt = format_from_args(args)
         fmt = fmt if fmt.quantized else DEFAULT_QUANTIZED
-        contexts = [parse_tokens(c.strip(), name="--contexts") for c in args.contexts.split(",") if c.strip()]
-        if not contexts:
-            raise ValueError("--contexts is empty")
+        pick_contexts(args.contexts, None, args.gen_tokens, warn=print)  # a bad --contexts fails before loading
         if args.gen_tokens < 2:
             raise ValueError(f"--gen-tokens must be >= 2, got {args.gen_tokens}")
         path = resolve_model(args.model)
@@ -175,34 +203,36 @@ def main(args, backend: str) -> int:
     except ValueError as exc:
         print(f"kvmetal bench: error: {exc}", file=sys.stderr)
         return 2
+    contexts = pick_contexts(args.contexts, shape.max_position_embeddings, args.gen_tokens,
+                             warn=lambda line: print(line, file=sys.stderr, flush=True))
     rng = np.random.default_rng(0)
     vocab = shape.vocab_size or 1000
     float_label = f"kvmetal {kv_dtype_label(model)}"
     rows = []
     samples = getattr(args, "samples", 1)
-    for context in contexts:
-        prompt = [int(t) for t in rng.integers(0, vocab, context)]
-        runs = {}
-        for sample in range(samples):  # the configurations take turns
-            for name, cfg in rows_of:
-                name = float_label if name == "kvmetal float" else name
-                if any("error" in run for run in runs.get(name, ())):
-                    continue  # a configuration this model cannot run: said once
-                print(f"[{context} tokens] {name} (run {sample + 1} of {samples}) ...", file=sys.stderr, flush=True)
-                try:
-                    run = measure(model, prompt, gen_tokens=args.gen_tokens, config=cfg, backend=backend)
-                except (NotImplementedError, ValueError) as exc:
-                    run = {"error": str(exc)}
-                    print(f"  {name}: {exc}", file=sys.stderr)
-                runs.setdefault(name, []).append(run)
-        for name, got in runs.items():
-            row = got[0] if "error" in got[0] else summarize(got)
-            rows.append({"context": context, "config": name, **row})
+    progress = _Progress(total=len(contexts) * samples * len(rows_of))
+    interrupted = None
+    try:
+        for context in contexts:
+            prompt = [int(t) for t in rng.integers(0, vocab, context)]
+            runs: dict = {}
+            try:
+                _measure_context(model, prompt, runs, rows_of, float_label=float_label, samples=samples,
+                                 gen_tokens=args.gen_tokens, backend=backend, progress=progress)
+            finally:  # an interrupted context keeps the runs it finished
+                for name, got in runs.items():
+                    row = got[0] if "error" in got[0] else summarize(got)
+                    rows.append({"context": context, "config": name, **row})
+    except KeyboardInterrupt:
+        interrupted = f"interrupted after {progress.done - 1} of {progress.total} runs; the finished ones follow"
+        print(f"\nkvmetal bench: {interrupted}", file=sys.stderr, flush=True)
     report = {"model": str(path), "family": config.get("model_type"), "backend": backend,
               "gen_tokens": args.gen_tokens, "samples": samples,
               "kv_format": rows_of[1][1]["kv_format"].label,
               "provenance": provenance(backend), "rows": rows}
-    if getattr(args, "speculative", False):
+    if interrupted:
+        report["interrupted"] = interrupted
+    if getattr(args, "speculative", False) and not interrupted:
         report["speculative"] = speculative_rows(model, tokenizer, gen_tokens=args.gen_tokens, backend=backend)
     if args.plot:
         from .plots import plot_model_results
@@ -223,7 +253,53 @@ def main(args, backend: str) -> int:
                                  f"kvmetal quantized: {report['kv_format']}\n")
         if report.get("speculative"):
             print_speculative(report["speculative"])
+    if interrupted:
+        return 130
     return 1 if "plot_error" in report else 0
+
+
+class _Progress:
+    """Progress lines on stderr: which run starts, and each finished run's rates and seconds
+    with an estimate of what is left at its context (longer contexts are not guessed)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.started = total, 0, time.perf_counter()
+
+    def start(self, context: int, name: str, sample: int, samples: int) -> None:
+        self.done += 1
+        print(f"[{self.done}/{self.total}] {context:,} tokens, {name} (run {sample + 1} of {samples}) ...",
+              file=sys.stderr, flush=True)
+
+    def finished(self, run: dict, took: list, left_here: int) -> None:
+        gen = run.get("generation_tps")
+        line = f"prompt {run['prompt_tps']:,.1f} tok/s" + (f", generation {gen:,.1f} tok/s" if gen else "")
+        line += f", {took[-1]:,.1f} s ({time.perf_counter() - self.started:,.0f} s so far"
+        line += f"; ~{sum(took) / len(took) * left_here:,.0f} s more at this context)" if left_here else ")"
+        print("  " + line, file=sys.stderr, flush=True)
+
+
+def _measure_context(model, prompt: list, runs: dict, rows_of: list, *, float_label: str, samples: int,
+                     gen_tokens: int, backend: str, progress: _Progress) -> None:
+    """Every configuration ``samples`` times on one prompt, taking turns, into ``runs``
+    (name -> list of runs; filled as they finish, so an interrupt keeps them)."""
+    took = []
+    for sample in range(samples):  # the configurations take turns
+        for j, (name, cfg) in enumerate(rows_of):
+            name = float_label if name == "kvmetal float" else name
+            if any("error" in run for run in runs.get(name, ())):
+                progress.done += 1
+                continue  # a configuration this model cannot run: said once
+            progress.start(len(prompt), name, sample, samples)
+            tic = time.perf_counter()
+            try:
+                run = measure(model, prompt, gen_tokens=gen_tokens, config=cfg, backend=backend)
+            except (NotImplementedError, ValueError) as exc:
+                run = {"error": str(exc)}
+                print(f"  {name}: {exc}", file=sys.stderr)
+            else:
+                took.append(time.perf_counter() - tic)
+                progress.finished(run, took, samples * len(rows_of) - (sample * len(rows_of) + j + 1))
+            runs.setdefault(name, []).append(run)
 
 
 def speculative_rows(model, tokenizer, *, gen_tokens: int, backend: str) -> list:
