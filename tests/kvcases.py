@@ -261,3 +261,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_LAYOUT_MODEL = []
+
+
+def kv_layout_model():
+    """A model with the KV layout of the served tiny model (2 layers, 2 kv heads, head_dim 64,
+    float32), built once per process."""
+    if not _LAYOUT_MODEL:
+        from kvmetal.integrations import tiny_models
+
+        _LAYOUT_MODEL.append(tiny_models.build("llama"))
+    return _LAYOUT_MODEL[0]

@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from test_macho import dylib
+from macho_images import dylib
 
 from kvmetal import _macho
 

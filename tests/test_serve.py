@@ -26,7 +26,7 @@ from kvmetal.serve.memory import blocks_under_cap, model_pool_bytes, parse_memor
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402
 
-from kvcases import free_port  # noqa: E402
+from kvcases import free_port, kv_layout_model  # noqa: E402
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 64 * 4  # layers * (K, V) * kv heads * block tokens * head_dim * float32
 CAP_BLOCKS = 12
@@ -37,16 +37,6 @@ QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea
              "What happens when the pool runs out?", "How many bits do values keep?",
              "Servers batch many requests.", "Say something about Lyon.", "Quantized keys keep eight bits.",
              "A block table maps every sequence."]
-
-
-_LAYOUT_MODEL = []
-
-
-def kv_layout_model():
-    """A model with the served model's KV layout (2 layers, 2 kv heads, head_dim 64, float32)."""
-    if not _LAYOUT_MODEL:
-        _LAYOUT_MODEL.append(tiny_models.build("llama"))
-    return _LAYOUT_MODEL[0]
 
 
 def test_the_kv_format_is_read_as_generate_reads_it():

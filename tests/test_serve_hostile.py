@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 from kvmetal.serve import metrics  # noqa: E402
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402
-from test_serve import free_port  # noqa: E402
+from kvcases import free_port  # noqa: E402
 
 CASES: dict = {}  # case -> the server's answer
 

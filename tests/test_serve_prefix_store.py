@@ -32,7 +32,7 @@ from kvmetal.serve import metrics, prefix_store  # noqa: E402
 from kvmetal.serve.prefix_store import PrefixStore, StoreInUse  # noqa: E402
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402
-from test_serve import free_port, kv_layout_model  # noqa: E402
+from kvcases import free_port, kv_layout_model  # noqa: E402
 
 BS = 16
 

@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402
-from test_serve import free_port  # noqa: E402
+from kvcases import free_port  # noqa: E402
 
 BAN_END = {"logit_bias": {"0": -100}}  # <|end|> (token 0) never comes: answers run to max_tokens
 OUTCOME: dict = {}
