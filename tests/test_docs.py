@@ -135,3 +135,29 @@ def test_the_parser_sees_markers_and_listings(tmp_path):
     assert [(b.lang, b.options[:1], b.line) for b in blocks] == [("python", ["no-run"], 3), ("", [], 7),
                                                                   ("bash", [], 10)]
     assert shell_commands(blocks[2].code) == ["kvmetal budget -m llama-3-8b    --context 8K"]
+
+
+def _repository_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Repository"):]
+    return re.search(r"```[^\n]*\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_repository_block_names_what_exists_and_nothing_else():
+    """Issue 43: the block was two turns stale. Each line starts with a path that exists, and
+    every tracked top-level folder and every package under kvmetal/ has a line."""
+    named = [line.split()[0] for line in _repository_block().splitlines() if line.strip()]
+    for path in named:
+        assert (ROOT / path).exists(), f"README's Repository block names {path}, which does not exist"
+    folders = {f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and _tracked(p)}
+    packages = {f"kvmetal/{p.parent.name}/" for p in (ROOT / "kvmetal").glob("*/__init__.py")}
+    missing = sorted(((folders - {"kvmetal/"}) | packages) - set(named))
+    assert not missing, f"README's Repository block has no line for {missing}"
+
+
+def _tracked(path: Path) -> bool:
+    """A folder git tracks (build outputs and caches are not the repository's)."""
+    import subprocess
+
+    out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "--", path.name], capture_output=True, text=True)
+    return out.returncode != 0 or bool(out.stdout.strip())  # no git (an sdist): every folder counts
