@@ -1,0 +1,140 @@
+"""The cost model (kvmetal/sim/cost_model.py): monotonic and sane, every figure sourced."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvmetal.sim import cost_model as cm
+
+CHIP = "m2-max"
+
+
+def streaming(bytes_: int = 64 << 20, threadgroups: int = 1024, **kw) -> cm.Work:
+    """A memory-bound launch: plenty of threadgroups, wide loads, little ALU work."""
+    base = dict(name="stream", threadgroups=threadgroups, threads_per_threadgroup=128, threadgroup_memory=2048,
+                registers=64, dram_bytes=bytes_, core_bytes=bytes_, dram_bytes_per_load=16.0,
+                load_instructions=bytes_ / 16 / 32, store_instructions=0, barriers=0, reductions=0, shuffles=0,
+                mma=0, transcendental_lanes=0, fma_lanes=bytes_ / 2, source="test")
+    base.update(kw)
+    return cm.Work(**base)
+
+
+def seconds(work, chip=CHIP, **params) -> float:
+    return cm.estimate(work, chip, cm.Params(**params))["seconds"]
+
+
+def test_more_bytes_more_time():
+    times = [seconds(streaming(b)) for b in (1 << 20, 8 << 20, 64 << 20, 512 << 20)]
+    assert times == sorted(times) and times[0] < times[-1]
+
+
+def test_more_alu_work_never_faster():
+    w = streaming()
+    assert seconds(dataclasses.replace(w, fma_lanes=w.fma_lanes * 100)) > seconds(w)
+    assert seconds(dataclasses.replace(w, mma=10 ** 8)) > seconds(w)
+    assert seconds(dataclasses.replace(w, chain_loads=128)) > seconds(w)
+    assert seconds(dataclasses.replace(w, barriers=w.threadgroups * 100)) >= seconds(w)
+
+
+def test_memory_bound_decode_lands_near_bytes_over_bandwidth():
+    w = streaming(256 << 20)
+    chip = cm.ChipModel.of(CHIP)
+    floor = w.dram_bytes / (chip.bandwidth_gbs * 1e9)
+    t = seconds(w)
+    r = cm.estimate(w, CHIP)
+    assert r["bound"] == "memory"
+    assert floor < t < floor / cm.Params().sustained_fraction * 1.05
+
+
+def test_launch_overhead_dominates_tiny_calls():
+    w = streaming(4096, threadgroups=1)
+    r = cm.estimate(w, CHIP)
+    assert r["launch_s"] > 0.5 * r["seconds"] - r["serial_s"]
+    assert r["seconds"] < 2 * (r["launch_s"] + r["serial_s"])
+    assert seconds(w, launch_overhead_us=10.0) > seconds(w, launch_overhead_us=1.0)
+
+
+def test_occupancy_starved_launch_is_slower():
+    many = streaming(64 << 20, threadgroups=4096)
+    few = dataclasses.replace(many, threadgroups=4)  # same bytes through 4 threadgroups
+    assert seconds(few) > 3 * seconds(many)
+    assert cm.estimate(few, CHIP)["bound"].startswith("memory (occupancy")
+    # threadgroup memory that lets one threadgroup per core in: fewer loads in flight
+    fat = dataclasses.replace(many, threadgroups=64, threadgroup_memory=48 * 1024)
+    thin = dataclasses.replace(many, threadgroups=64, threadgroup_memory=1024)
+    assert cm.estimate(fat, CHIP)["threadgroups_per_core"] < cm.estimate(thin, CHIP)["threadgroups_per_core"]
+    assert seconds(cm.Work(**{**dataclasses.asdict(fat), "threadgroups": 4096})) >= seconds(
+        cm.Work(**{**dataclasses.asdict(thin), "threadgroups": 4096}))
+
+
+def test_registers_limit_residency():
+    w = streaming(threadgroups=10 ** 5)
+    light = cm.estimate(dataclasses.replace(w, registers=32), CHIP)
+    heavy = cm.estimate(dataclasses.replace(w, registers=128), CHIP)
+    assert heavy["threadgroups_per_core"] < light["threadgroups_per_core"]
+    assert cm.estimate(dataclasses.replace(w, registers=250), CHIP)["spills"]
+
+
+def test_faster_chip_is_faster_on_memory_bound_work():
+    w = streaming(256 << 20)
+    assert seconds(w, "m4-max") < seconds(w, "m2-max") < seconds(w, "m2") < seconds(w, "m1")
+
+
+def test_every_figure_cites_a_source():
+    rows = cm.figures_table()
+    assert len(rows) > 20
+    for name, value, unit, source, note in rows:
+        assert source in (cm.METAL_BENCHMARKS, cm.APPLE, cm.ASSUMPTION), name
+        assert note, f"{name} has no note"
+        assert isinstance(value, (int, float)), name
+        if source == cm.ASSUMPTION:
+            assert len(note) > 20, f"assumption {name} needs its reasoning"
+    assert "github.com/philipturner/metal-benchmarks" in cm.METAL_BENCHMARKS
+    # every Params field is in the table, as an assumption
+    names = {r[0] for r in rows}
+    assert {f.name for f in dataclasses.fields(cm.Params)} <= names
+    for chip in cm.MODELLED_CHIPS:
+        assert f"clock {chip}" in names and f"bandwidth {chip}" in names
+
+
+def test_kvmetal_registers_parsed_from_the_call_name():
+    name = ("kvmetal_paged_attention_partials_tkf16_tvf16_d128_g4_bs16_ql1_nsg4_rps4_lpk8_tt0_kbits0_kgs32_kaw0"
+            "_vbits0_vgs32_vaw0_sv0")
+    regs = cm.kvmetal_registers(name)
+    from kvmetal.backends import metal
+    spec = metal.SPECS["paged_attention_partials"]
+    if "BS" not in spec.template:  # the template changed under us: the parser must not guess
+        assert regs is None or regs > 0
+    else:
+        assert regs is not None and regs > 32
+    assert cm.kvmetal_registers("mlx_sdpa_vector") is None
+
+
+def test_simulated_counters_scale_linearly_with_kv_heads():
+    """cost_cases simulates one kv head and scales by 8: the counters of 2 kv heads are twice those of 1."""
+    from kvmetal.sim import cost_cases as cc
+
+    one = cc.kvmetal_decode(1024, 4, "f16", kv_heads_sim=1)
+    two = cc.kvmetal_decode(1024, 4, "f16", kv_heads_sim=2)
+    for a, b in zip(one, two):
+        s = a.scaled(2)
+        for field in ("threadgroups", "load_instructions", "barriers", "shuffles", "transcendental_lanes", "mma"):
+            assert getattr(b, field) == pytest.approx(getattr(s, field), rel=0.01), (a.name, field)
+        # the tiny shared buffers (query, params) are read by every head: within 5%
+        assert b.dram_bytes == pytest.approx(s.dram_bytes, rel=0.05), a.name
+    _, m1 = cc.mlx_decode(4096, 4, kv_heads_sim=1)
+    _, m2 = cc.mlx_decode(4096, 4, kv_heads_sim=2)
+    for a, b in zip(m1, m2):
+        assert b.threadgroups == 2 * a.threadgroups
+        assert b.dram_bytes == pytest.approx(2 * a.dram_bytes, rel=0.05)
+
+
+def test_modelled_decode_is_memory_bound_and_quantized_is_cheaper():
+    from kvmetal.sim import cost_cases as cc
+
+    f16 = [w.scaled(cc.KV_HEADS) for w in cc.kvmetal_decode(4096, 4, "f16")]
+    q84 = [w.scaled(cc.KV_HEADS) for w in cc.kvmetal_decode(4096, 4, "K8/V4")]
+    a, b = cm.estimate_launches(f16, CHIP), cm.estimate_launches(q84, CHIP)
+    assert b["seconds"] < a["seconds"]
+    assert a["launches"][0]["bound"].startswith("memory")
