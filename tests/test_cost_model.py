@@ -138,3 +138,15 @@ def test_modelled_decode_is_memory_bound_and_quantized_is_cheaper():
     a, b = cm.estimate_launches(f16, CHIP), cm.estimate_launches(q84, CHIP)
     assert b["seconds"] < a["seconds"]
     assert a["launches"][0]["bound"].startswith("memory")
+
+
+def test_bench_rows_are_labelled_modelled_never_timed():
+    from kvmetal.benchmarks.sim_cases import MODEL_LABEL, modelled_rows
+
+    rows = modelled_rows(lambda message: None, tokens=2048, chips=("m2-max",))
+    assert len(rows) == 2
+    for r in rows:
+        assert r["seconds"] is None and r["gbps"] is None  # never printed as a measured time
+        assert r["note"].startswith(MODEL_LABEL) and "MODELLED, not measured" in r["note"]
+        assert r["name"].startswith("modelled ") and r["modelled_seconds"] > 0
+    assert "measured" not in MODEL_LABEL.replace("not measured", "")
