@@ -83,12 +83,13 @@ def mlx_decode(tokens: int, gqa: int, *, arch_suffix: str = "g", kv_heads_sim: i
         if "2pass_2" in call.name:
             nb = plan["blocks"]
             works.append(cm.work_from_call(call, fma_lanes=rows * nb * (D + SOFTMAX_OPS),
-                                           chain_loads=_split_chain(call, "maxs"),
+                                           chain_loads=_split_chain(call, "maxs"), exclude=("params",),
                                            registers=MLX_REGISTERS["2pass_2"], name="MLX sdpa_vector_2pass_2"))
         else:
             kind = "2pass_1_gqa" if "gqa" in call.name else "2pass_1" if "2pass" in call.name else "sdpa_vector"
             works.append(cm.work_from_call(call, fma_lanes=rows * tokens * (2 * D + SOFTMAX_OPS),
-                                           registers=MLX_REGISTERS[kind], name=f"MLX {call.name.split('mlx_')[1]}"))
+                                           registers=MLX_REGISTERS[kind], name=f"MLX {call.name.split('mlx_')[1]}",
+                                           exclude=("params",)))
     return plan, works
 
 
@@ -121,6 +122,23 @@ def kvmetal_varlen(tokens: int = 2048, gqa: int = 4, *, kv_heads_sim: int = 1, s
     return works
 
 
+def steel_attention(tokens: int = 2048, gqa: int = 4, *, kv_heads_sim: int = 1, seed: int = 0) -> cm.Work:
+    """MLX's steel attention run in the simulator (causal prefill, float16): its Work for
+    ``kv_heads_sim`` kv heads (not scaled). Registers: STEEL_REGISTERS."""
+    from .mlx_kernels import mlx_steel_attention_call
+
+    call = mlx_steel_attention_call(tokens, gqa=gqa, num_kv_heads=kv_heads_sim, head_dim=D, seed=seed)
+    scores = kv_heads_sim * gqa * tokens * (tokens + 1) // 2
+    return cm.work_from_call(call, fma_lanes=scores * SOFTMAX_OPS, registers=STEEL_REGISTERS,
+                             name="MLX steel_attention", exclude=("params",))
+
+
+# Registers per lane of steel attention (D 128, BQ 32, BK 16, one 8-row fragment per simdgroup), from
+# its arrays: the O tile (16 fragments x 2), the S tile (2 x 2), the K/V fragment being loaded,
+# row max/sum, plus 32 for indices and addresses.
+STEEL_REGISTERS = 2 * (D // 8) + 2 * (16 // 8) + 16 + 32
+
+
 def steel_varlen(tokens: int = 2048, gqa: int = 4, *, kv_heads: int = KV_HEADS) -> cm.Work:
     """MLX's steel attention (causal prefill, float16, D 128), modelled analytically from its tile
     sizes (the simulator does not run it; docs/cost_model.md): BQ 32, BK 16, 4 simdgroups of one
@@ -141,7 +159,7 @@ def steel_varlen(tokens: int = 2048, gqa: int = 4, *, kv_heads: int = KV_HEADS) 
     loaded = tiles * kv_tile_bytes + q_bytes
     return cm.Work(
         name="MLX steel_attention (analytic)", threadgroups=nq * heads, threads_per_threadgroup=32 * sg,
-        threadgroup_memory=tg_mem, registers=2 * (D // 8) + 2 * (bk // 8) + 16 + 32,
+        threadgroup_memory=tg_mem, registers=STEEL_REGISTERS,
         dram_bytes=kv_bytes + q_bytes + out_bytes, core_bytes=loaded + out_bytes, dram_bytes_per_load=16.0,
         load_instructions=loaded / 16 / 32, store_instructions=out_bytes / 8 / 32 + loaded / 16 / 32,
         barriers=tiles * 4 + nq * heads, reductions=0, shuffles=tiles * sg * 2 * 2,

@@ -212,9 +212,11 @@ def kvmetal_registers(call_name: str) -> int | None:
 
 
 def work_from_call(call, *, fma_lanes: float, unpack_elements: float = 0.0, chain_loads: int = 0,
-                   registers: int | None = None, name: str | None = None) -> Work:
-    """A Work from one traced KernelCall (kvmetal.sim.trace) and the ALU work of its shapes."""
-    bufs = call.buffers.values()
+                   registers: int | None = None, name: str | None = None, exclude: tuple = ()) -> Work:
+    """A Work from one traced KernelCall (kvmetal.sim.trace) and the ALU work of its shapes.
+    ``exclude``: buffers only the simulator harness reads (e.g. the scalars MLX passes as
+    constant bytes, which our wrapper reads from a small buffer)."""
+    bufs = [b for n, b in call.buffers.items() if n not in exclude]
     distinct = sum(b.distinct_loaded for b in bufs)
     heavy = [b for b in bufs if b.distinct_loaded * 8 >= distinct and b.load_ops]
     bpl = (sum(b.loaded for b in heavy) / sum(b.load_ops for b in heavy)) if heavy else 4.0
@@ -224,7 +226,7 @@ def work_from_call(call, *, fma_lanes: float, unpack_elements: float = 0.0, chai
         threads_per_threadgroup=math.prod(call.threadgroup), threadgroup_memory=call.threadgroup_memory,
         registers=int(regs if regs is not None else 64),
         dram_bytes=distinct + sum(b.distinct_stored for b in bufs),
-        core_bytes=call.loaded + call.stored, dram_bytes_per_load=bpl,
+        core_bytes=sum(b.loaded + b.stored for b in bufs), dram_bytes_per_load=bpl,
         load_instructions=sum(b.load_ops for b in bufs) / 32.0,
         store_instructions=sum(b.store_ops for b in bufs) / 32.0,
         barriers=call.barriers, reductions=call.reductions, shuffles=call.shuffles, mma=call.mma,

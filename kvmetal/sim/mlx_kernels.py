@@ -159,3 +159,129 @@ def mlx_decode_calls(tokens: int, *, gqa: int, num_kv_heads: int = 1, head_dim: 
     if return_output:
         return plan, list(t.calls), (q, k, v, out)
     return plan, list(t.calls)
+
+
+# ----------------------------------------------------------------------------- steel attention (prefill)
+
+def mlx_include_root():
+    import pathlib
+
+    return pathlib.Path(mx.__file__).parent / "include"
+
+
+STEEL_HEADER = "mlx/backend/metal/kernels/steel/attn/kernels/steel_attention.h"
+
+# What the simulator's MSL runtime lacks of Metal's <metal_type_traits>, written here from the
+# C++ standard's definitions (the steel headers use them through namespace metal).
+_STEEL_PRELUDE = """
+namespace metal {
+using namespace ::metal;
+template <bool B> struct bool_constant { static constexpr bool value = B; };
+template <class T> struct remove_cv { using type = T; };
+template <class T> struct remove_cv<const T> { using type = T; };
+template <class T> struct remove_cv<volatile T> { using type = T; };
+template <class T> struct remove_cv<const volatile T> { using type = T; };
+template <class T> using remove_cv_t = typename remove_cv<T>::type;
+template <class T> using remove_addrspace_t = remove_cv_t<T>;
+template <class T> struct is_integral : bool_constant<false> {};
+#define KMSL_INTEGRAL(t) template <> struct is_integral<t> : bool_constant<true> {};
+KMSL_INTEGRAL(bool) KMSL_INTEGRAL(char) KMSL_INTEGRAL(signed char) KMSL_INTEGRAL(unsigned char)
+KMSL_INTEGRAL(short) KMSL_INTEGRAL(unsigned short) KMSL_INTEGRAL(int) KMSL_INTEGRAL(unsigned int)
+KMSL_INTEGRAL(long) KMSL_INTEGRAL(unsigned long) KMSL_INTEGRAL(long long) KMSL_INTEGRAL(unsigned long long)
+template <bool B, class T, class F> struct conditional { using type = T; };
+template <class T, class F> struct conditional<false, T, F> { using type = F; };
+template <bool B, class T, class F> using conditional_t = typename conditional<B, T, F>::type;
+template <bool B, class T = void> struct enable_if {};
+template <class T> struct enable_if<true, T> { using type = T; };
+template <bool B, class T = void> using enable_if_t = typename enable_if<B, T>::type;
+template <class A, class B> struct is_same : bool_constant<false> {};
+template <class A> struct is_same<A, A> : bool_constant<true> {};
+}
+template <class A, class B> constexpr bool is_same_v = metal::is_same<A, B>::value;
+"""
+
+
+def _inline_includes(root, rel: str, seen: list) -> str:
+    path = root / rel
+    if path in seen:
+        return ""
+    seen.append(path)
+    out = []
+    for line in path.read_text().splitlines():
+        m = re.match(r'\s*#\s*include\s*"(mlx/[^"]+)"', line)
+        if m:
+            out.append(_inline_includes(root, m.group(1), seen))
+        elif not re.match(r"\s*#\s*pragma once", line):
+            out.append(line)
+    return "\n".join(out)
+
+
+def steel_header(*, causal: bool, align_q: bool, align_k: bool) -> str:
+    """MLX's steel attention header with its includes inlined, read from the installed MLX at run
+    time (never copied into this project), adapted to the simulator: function constants fixed,
+    the params structs bound from device memory (the harness has no constant-space bytes), and
+    one pointer_element specialisation for the simulator's pointer type in place of Metal's
+    per-address-space ones (which coincide there)."""
+    text = _inline_includes(mlx_include_root(), STEEL_HEADER, [])
+    consts = {"align_Q": align_q, "align_K": align_k, "has_mask": False, "do_causal": causal, "has_sinks": False,
+              "save_lse": False}
+    text = re.sub(r"constant (bool|int) (\w+) \[\[function_constant\(\d+\)\]\];",
+                  lambda m: f"constant constexpr {m.group(1)} {m.group(2)} = {str(consts[m.group(2)]).lower()};",
+                  text)
+    text = text.replace("const constant AttnParams* params", "const device AttnParams* params")
+    text = text.replace("const constant AttnMaskParams* mask_params", "const device AttnMaskParams* mask_params")
+    for space in ("device", "constant", "threadgroup"):
+        text = text.replace(f"template <typename T>\nstruct pointer_element<{space} T*> {{\n"
+                            f"  using type = remove_cv_t<T>;\n}};\n", "")
+    text = text.replace("using pointer_element_t = typename pointer_element<remove_cv_t<T>>::type;",
+                        "using pointer_element_t = typename pointer_element<remove_cv_t<T>>::type;\n"
+                        "template <class T, int AS> struct pointer_element<::kmsl::dptr<T, AS>> "
+                        "{ using type = remove_cv_t<T>; };", 1)
+    return _STEEL_PRELUDE + text
+
+
+_STEEL_BODY = """
+attention<T, BQ, BK, BD, BD, WM, WN, T, float>(
+    Q, K, V, O, reinterpret_cast<const device AttnParams*>(params),
+    reinterpret_cast<const device AttnMaskParams*>(params), Q, Q, reinterpret_cast<device float*>(O),
+    thread_index_in_simdgroup, simdgroup_index_in_threadgroup, threadgroup_position_in_grid,
+    thread_position_in_threadgroup);
+"""
+
+# MLX's tile choice for its (non-NAX) steel attention at D 128 (scaled_dot_product_attention.cpp):
+# bq 32, bk 16 (32 below D 128), wm 4, wn 1.
+STEEL_TILES = {"BQ": 32, "BK": 16, "WM": 4, "WN": 1}
+
+
+def mlx_steel_attention_call(tokens: int, *, gqa: int, num_kv_heads: int = 1, head_dim: int = 128, seed: int = 0,
+                             return_output: bool = False):
+    """Simulate MLX's steel attention on one causal prefill of ``tokens`` queries over as many
+    keys (batch 1, float16), launched as MLX launches it: the KernelCall (and (q, k, v, out))."""
+    bq, bk, wm, wn = (STEEL_TILES[k] for k in ("BQ", "BK", "WM", "WN"))
+    if head_dim < 128:
+        bk = 32
+    H, D, L = num_kv_heads * gqa, head_dim, tokens
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((1, H, L, D)).astype(np.float32)).astype(mx.float16)
+    k = mx.array(rng.standard_normal((1, num_kv_heads, L, D)).astype(np.float32)).astype(mx.float16)
+    v = mx.array(rng.standard_normal((1, num_kv_heads, L, D)).astype(np.float32)).astype(mx.float16)
+    nq, nk = -(-L // bq), -(-L // bk)
+    words = np.zeros(38, np.int32)  # AttnParams: 14 x 4-byte fields, then 12 int64 strides
+    words[:14] = [1, H, D, L, L, gqa, 0, nq, nk, L // bq, L // bk, L - (L // bq) * bq, L - (L // bk) * bk, 0]
+    words[6] = np.array(D ** -0.5, np.float32).view(np.int32)
+    strides = np.array([H * L * D, L * D, D, num_kv_heads * L * D, L * D, D, num_kv_heads * L * D, L * D, D,
+                        H * L * D, L * D, D], np.int64)
+    words[14:] = strides.view(np.int32)
+    header = steel_header(causal=True, align_q=L % bq == 0, align_k=L % bk == 0)
+    kern = metal_kernel(f"mlx_steel_attention_{int(L % bq == 0)}{int(L % bk == 0)}", ["Q", "K", "V", "params"], ["O"],
+                        _STEEL_BODY, header=header)
+    with trace() as t:
+        (out,) = kern(inputs=[q, k, v, mx.array(words)],
+                      template=[("T", mx.float16), ("BQ", bq), ("BK", bk), ("BD", D), ("WM", wm), ("WN", wn)],
+                      grid=(32 * nq, wm * H, wn), threadgroup=(32, wm, wn), output_shapes=[(1, H, L, D)],
+                      output_dtypes=[mx.float16])
+        mx.eval(out)
+    call = t.calls[0]
+    if return_output:
+        return call, (q, k, v, out)
+    return call
