@@ -191,3 +191,13 @@ def test_mlx_two_pass_decode_runs_in_the_simulator():
     f = lambda a: np.array(a.astype(mx.float32))
     ref = _attention_oracle(f(q)[:, None, :], f(k), f(v), causal=False)[:, 0]
     assert np.abs(f(out) - ref).max() < 3e-3
+
+
+def test_params_calibration_file(tmp_path):
+    path = tmp_path / "params.json"
+    path.write_text('{"sustained_fraction": 0.9, "dram_latency_ns": 450}')
+    p = cm.Params.from_json(str(path))
+    assert p.sustained_fraction == 0.9 and p.dram_latency_ns == 450 and p.barrier_cycles == cm.Params().barrier_cycles
+    path.write_text('{"no_such_field": 1}')
+    with pytest.raises(ValueError, match="no_such_field"):
+        cm.Params.from_json(str(path))

@@ -13,6 +13,7 @@ none is measured. --quick: 8K decode at GQA 4 only (what `kvmetal bench` prints)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -38,7 +39,7 @@ def live_kv_bytes(tokens: int, fmt: str) -> int:
     return tokens * cc.KV_HEADS * row
 
 
-def decode_rows(sizes, gqas, formats, chips, progress) -> list:
+def decode_rows(sizes, gqas, formats, chips, progress, params=cm.Params()) -> list:
     rows, mlx_cache = [], {}
     for tokens in sizes:
         for gqa in gqas:
@@ -55,16 +56,16 @@ def decode_rows(sizes, gqas, formats, chips, progress) -> list:
                 row = {"case": f"decode T={tokens // 1024}K G{gqa} {fmt}", "kind": "decode", "tokens": tokens,
                        "gqa": gqa, "format": fmt, "kv_heads": cc.KV_HEADS, "live_kv_bytes": live, "chips": {}}
                 for chip in chips:
-                    k = cm.estimate_launches(works, chip)
+                    k = cm.estimate_launches(works, chip, params)
                     plan, mworks = plans[cm.MLX_ARCH_SUFFIX[chip]]
-                    m = cm.estimate_launches(mworks, chip)
-                    sustained = cm.ChipModel.of(chip).bandwidth_gbs * 1e9 * cm.Params().sustained_fraction
+                    m = cm.estimate_launches(mworks, chip, params)
+                    sustained = cm.ChipModel.of(chip).bandwidth_gbs * 1e9 * params.sustained_fraction
                     row["chips"][chip] = {
                         "kvmetal_s": k["seconds"], "mlx_f16_s": m["seconds"],
                         "mlx_kernel": plan["kernel"] + (f" blocks {plan['blocks']}" if plan["blocks"] else "")
                         + (" gqa" if plan["gqa_variant"] else ""),
                         "kvmetal_fraction_of_modelled_bw": live / k["seconds"] / sustained,
-                        "kvmetal_fraction_of_peak_bw": live / k["seconds"] / (sustained / cm.Params().sustained_fraction),
+                        "kvmetal_fraction_of_peak_bw": live / k["seconds"] / (sustained / params.sustained_fraction),
                         "kvmetal_launches": k["launches"], "mlx_launches": m["launches"]}
                 rows.append(row)
     # K8/V4 time / f16 time (kvmetal)
@@ -77,7 +78,7 @@ def decode_rows(sizes, gqas, formats, chips, progress) -> list:
     return rows
 
 
-def varlen_rows(tokens, gqa, chips, progress) -> list:
+def varlen_rows(tokens, gqa, chips, progress, params=cm.Params()) -> list:
     progress(f"  simulating kvmetal varlen prefill T={tokens} G{gqa} (one kv head, scaled x{cc.KV_HEADS}) ...")
     works = [w.scaled(cc.KV_HEADS) for w in cc.kvmetal_varlen(tokens, gqa)]
     progress(f"  simulating MLX steel attention T={tokens} G{gqa} (one kv head, scaled x{cc.KV_HEADS}) ...")
@@ -87,9 +88,9 @@ def varlen_rows(tokens, gqa, chips, progress) -> list:
     row = {"case": f"varlen prefill T={tokens // 1024}K G{gqa} f16", "kind": "varlen", "tokens": tokens, "gqa": gqa,
            "format": "f16", "kv_heads": cc.KV_HEADS, "flops": flops, "chips": {}}
     for chip in chips:
-        k = cm.estimate_launches(works, chip)
-        m = cm.estimate_launches([steel], chip)
-        a = cm.estimate_launches([analytic], chip)
+        k = cm.estimate_launches(works, chip, params)
+        m = cm.estimate_launches([steel], chip, params)
+        a = cm.estimate_launches([analytic], chip, params)
         row["chips"][chip] = {"kvmetal_s": k["seconds"], "mlx_steel_s": m["seconds"],
                               "mlx_steel_analytic_s": a["seconds"],
                               "mlx_kernel": "steel_attention (simulated)",
@@ -99,17 +100,17 @@ def varlen_rows(tokens, gqa, chips, progress) -> list:
     return [row]
 
 
-def measure(*, quick: bool = False, chips=cm.MODELLED_CHIPS, progress=lambda s: None) -> dict:
+def measure(*, quick: bool = False, chips=cm.MODELLED_CHIPS, progress=lambda s: None, params=cm.Params()) -> dict:
     t0 = time.time()
     if quick:
-        rows = decode_rows([8192], [4], ["f16", "K8/V4"], chips, progress)
+        rows = decode_rows([8192], [4], ["f16", "K8/V4"], chips, progress, params)
     else:
-        rows = decode_rows([8192, 32768], [1, 4, 8], ["f16", "K8/V4"], chips, progress)
-        rows += varlen_rows(2048, 4, chips, progress)
+        rows = decode_rows([8192, 32768], [1, 4, 8], ["f16", "K8/V4"], chips, progress, params)
+        rows += varlen_rows(2048, 4, chips, progress, params)
     return {"label": "MODELLED from published figures and assumptions (kvmetal/sim/cost_model.py); not measured",
             "shape": f"batch 1, head_dim {cc.D}, {cc.KV_HEADS} kv heads; decode one token; varlen: one 2K prefill",
             "figures": [dict(zip(("name", "value", "unit", "source", "note"), r)) for r in cm.figures_table()],
-            "rows": rows, "simulated_seconds": round(time.time() - t0, 1)}
+            "params": dataclasses.asdict(params), "rows": rows, "simulated_seconds": round(time.time() - t0, 1)}
 
 
 def _us(s: float) -> str:
@@ -122,7 +123,7 @@ def format_table(result: dict, chips=TABLE_CHIPS) -> str:
     for chip in chips:
         c = cm.ChipModel.of(chip)
         lines.append(f"== {chip}: {c.bandwidth_gbs:g} GB/s peak, {c.cores} GPU cores, {c.clock_ghz:g} GHz "
-                     f"(modelled sustained {c.bandwidth_gbs * cm.Params().sustained_fraction:g} GB/s)")
+                     f"(modelled sustained {c.bandwidth_gbs * result['params']['sustained_fraction']:g} GB/s)")
         lines.append(f"{'case':32s} {'kvmetal us':>10s} {'MLX us':>9s} {'MLX/kvm':>7s} {'of mod. BW':>10s} "
                      f"{'K8V4/f16':>8s}  MLX kernel")
         for r in result["rows"]:
@@ -148,8 +149,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the full result (every chip, every launch) here")
     parser.add_argument("--quick", action="store_true", help="8K decode at GQA 4 only")
+    parser.add_argument("--params", help="a JSON object of calibrated Params fields (docs/cost_model.md)")
     args = parser.parse_args(argv)
-    result = measure(quick=args.quick, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    params = cm.Params.from_json(args.params) if args.params else cm.Params()
+    result = measure(quick=args.quick, progress=lambda s: print(s, file=sys.stderr, flush=True), params=params)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -120,6 +120,19 @@ class Params:
     barrier_cycles: float = 32.0
 
     @staticmethod
+    def from_json(path: str) -> "Params":
+        """Params with the fields a calibration file sets (a JSON object; unknown keys refused)."""
+        import json
+
+        with open(path) as f:
+            values = json.load(f)
+        known = {f.name for f in dataclasses.fields(Params)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"[cost_model] unknown Params field(s) {unknown}; known: {sorted(known)}")
+        return Params(**{k: float(v) for k, v in values.items()})
+
+    @staticmethod
     def notes() -> dict:
         return {
             "sustained_fraction": "fraction of Apple's peak DRAM bandwidth a streaming kernel sustains "
