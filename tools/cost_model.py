@@ -113,6 +113,42 @@ def measure(*, quick: bool = False, chips=cm.MODELLED_CHIPS, progress=lambda s: 
             "params": dataclasses.asdict(params), "rows": rows, "simulated_seconds": round(time.time() - t0, 1)}
 
 
+def sensitivity(tokens: int = 32768, gqa: int = 4, chip: str = "m2-max", progress=lambda s: None) -> list:
+    """How the headline ratios move when each assumption is halved or doubled (one at a time):
+    rows of (param, factor, kvmetal f16 us, MLX/kvmetal, K8V4/f16, of modelled BW)."""
+    progress(f"  sensitivity: simulating T={tokens} G{gqa} once ...")
+    f16 = [w.scaled(cc.KV_HEADS) for w in cc.kvmetal_decode(tokens, gqa, "f16")]
+    q84 = [w.scaled(cc.KV_HEADS) for w in cc.kvmetal_decode(tokens, gqa, "K8/V4")]
+    _, mlx = cc.mlx_decode(tokens, gqa, arch_suffix=cm.MLX_ARCH_SUFFIX[chip])
+    mlx = [w.scaled(cc.KV_HEADS) for w in mlx]
+    live = live_kv_bytes(tokens, "f16")
+    rows = []
+    base = cm.Params()
+    for field in [None] + [f.name for f in dataclasses.fields(cm.Params)]:
+        for factor in ((1.0,) if field is None else (0.5, 2.0)):
+            params = base if field is None else dataclasses.replace(
+                base, **{field: min(1.0, getattr(base, field) * factor) if field == "sustained_fraction"
+                         else getattr(base, field) * factor})
+            k = cm.estimate_launches(f16, chip, params)["seconds"]
+            q = cm.estimate_launches(q84, chip, params)["seconds"]
+            m = cm.estimate_launches(mlx, chip, params)["seconds"]
+            bw = cm.ChipModel.of(chip).bandwidth_gbs * 1e9 * params.sustained_fraction
+            rows.append({"param": field or "(defaults)", "factor": factor,
+                         "value": getattr(params, field) if field else None, "kvmetal_f16_s": k,
+                         "mlx_over_kvmetal": m / k, "k8v4_over_f16": q / k, "of_modelled_bw": live / k / bw})
+    return rows
+
+
+def format_sensitivity(rows, tokens=32768, gqa=4, chip="m2-max") -> str:
+    lines = [f"sensitivity (MODELLED), decode T={tokens // 1024}K G{gqa} on {chip}: each assumption halved / doubled",
+             f"{'assumption':22s} {'value':>8s} {'kvmetal f16 us':>14s} {'MLX/kvm':>8s} {'K8V4/f16':>8s} {'of mod. BW':>10s}"]
+    for r in rows:
+        value = "default" if r["value"] is None else f"{r['value']:g}"
+        lines.append(f"{r['param']:22s} {value:>8s} {r['kvmetal_f16_s'] * 1e6:14.1f} {r['mlx_over_kvmetal']:8.2f} "
+                     f"{r['k8v4_over_f16']:8.2f} {r['of_modelled_bw']:10.2f}")
+    return "\n".join(lines)
+
+
 def _us(s: float) -> str:
     return f"{s * 1e6:8.1f}"
 
@@ -149,11 +185,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the full result (every chip, every launch) here")
     parser.add_argument("--quick", action="store_true", help="8K decode at GQA 4 only")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also print how 32K G4 decode on M2 Max moves with each assumption halved/doubled")
     parser.add_argument("--params", help="a JSON object of calibrated Params fields (docs/cost_model.md)")
     args = parser.parse_args(argv)
     params = cm.Params.from_json(args.params) if args.params else cm.Params()
     result = measure(quick=args.quick, progress=lambda s: print(s, file=sys.stderr, flush=True), params=params)
     print(format_table(result))
+    if args.sensitivity:
+        rows = sensitivity(progress=lambda s: print(s, file=sys.stderr, flush=True))
+        result["sensitivity"] = rows
+        print()
+        print(format_sensitivity(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=float)
