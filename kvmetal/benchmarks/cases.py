@@ -222,9 +222,9 @@ def metal_kernels(*, backend, tokens, repeat, baseline, progress):
     if missing:
         return [{"name": "metal kernels (simulator traffic)", "backend": "sim", "seconds": None,
                  "kv_bytes": None, "gbps": None, "note": missing, "skipped": True}]
-    from .sim_cases import cost_rows, traffic_rows  # the simulator is loaded only here
+    from .sim_cases import cost_rows, modelled_rows, traffic_rows  # the simulator is loaded only here
 
-    return traffic_rows(progress) + cost_rows(progress)
+    return traffic_rows(progress) + cost_rows(progress) + modelled_rows(progress)
 
 
 def _sparse_v_captured(**kwargs):

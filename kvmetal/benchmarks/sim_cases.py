@@ -73,3 +73,37 @@ def cost_rows(progress, tokens: int = 8192) -> list:
         rows.append({"name": f"{name} T={tokens} D=128", "backend": "sim", "seconds": None,
                      "kv_bytes": fig["live_bytes"], "gbps": None, "note": note, "costs": fig})
     return rows
+
+
+# ----------------------------------------------------------------------------- modelled times
+
+MODEL_LABEL = "MODELLED, not measured (kvmetal/sim/cost_model.py; docs/cost_model.md)"
+
+
+def modelled_rows(progress, tokens: int = 8192, chips=("m2-max", "m4-max")) -> list:
+    """Rows of modelled decode times (cost model over the simulator's counters): kvmetal's
+    paged decode (partials + reduce) and MLX's decode kernels as MLX dispatches them, D 128,
+    8 kv heads, GQA 4, f16 and K8/V4. Untimed rows: ``seconds`` stays None, the modelled
+    time is in the note and in ``modelled_seconds``. Full table: tools/cost_model.py."""
+    from ..sim import cost_cases as cc
+    from ..sim import cost_model as cm
+
+    progress(f"  modelling decode T={tokens} G4 (cost model over simulator counters) ...")
+    mlx = {}
+    for chip in chips:
+        suffix = cm.MLX_ARCH_SUFFIX[chip]
+        if suffix not in mlx:
+            mlx[suffix] = cc.mlx_decode(tokens, 4, arch_suffix=suffix)
+    rows = []
+    for fmt in ("f16", "K8/V4"):
+        works = [w.scaled(cc.KV_HEADS) for w in cc.kvmetal_decode(tokens, 4, fmt)]
+        for chip in chips:
+            plan, mworks = mlx[cm.MLX_ARCH_SUFFIX[chip]]
+            k = cm.estimate_launches(works, chip)["seconds"]
+            m = cm.estimate_launches([w.scaled(cc.KV_HEADS) for w in mworks], chip)["seconds"]
+            note = (f"{MODEL_LABEL}: kvmetal {k * 1e6:.0f} us vs MLX {plan['kernel']} (f16) {m * 1e6:.0f} us "
+                    f"on {chip}")
+            rows.append({"name": f"modelled {chip} paged {fmt} G4 T={tokens} D=128 Hkv=8", "backend": "model",
+                         "seconds": None, "kv_bytes": None, "gbps": None, "note": note, "modelled_seconds": k,
+                         "modelled_mlx_seconds": m, "modelled": True})
+    return rows
