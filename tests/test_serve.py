@@ -269,6 +269,16 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         ("/v1/completions", json.dumps({"prompt": "hi", "xtc_threshold": 0.9}), 400, "xtc_threshold"),
         ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n"),
         ("/v1/completions", json.dumps({"prompt": "hi", "priority": 1.5}), 400, "priority"),
+        # seed: what mx.random.seed takes (0 to 2**64 - 1), at any temperature (issue 44)
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": -1}), 400, "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": -1, "temperature": 0.7}), 400, "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": 2**70, "temperature": 0.7}), 400, "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": 2**64}), 400, "seed"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}), 400,
+         "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": True}), 400, "seed"),
+        # a token id outside the vocabulary: refused by the request layer, naming the field
+        ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"100000": 1}}), 400, "logit_bias"),
         ("/v1/completions", json.dumps({"prompt": "hi", "priority": 2}), 400, "priority"),  # fcfs reads none
         ("/v1/completions", json.dumps({"prompt": ["hi", "there"]}), 400, "prompt"),
         ("/v1/completions", json.dumps({"prompt": "hi", "echo": True}), 400, "echo"),
@@ -300,9 +310,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
     assert r.status_code == 200, r.text
     r = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}))
     assert "one choice per request" in r.json()["error"]["message"]
-    # A logit bias on a token the model does not have: the engine's check, named.
+    # A logit bias on a token the model does not have: one line naming the field, not the engine.
     r = post("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"100000": 1}}))
-    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert "[Engine" not in r.json()["error"]["message"] and "vocabulary size" in r.json()["error"]["message"]
+    r = post("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1, "seed": 2**64 - 1, "temperature": 1}))
+    assert r.status_code == 200, r.text  # the largest seed MLX takes
     # Fields mlx_lm.server ignores are ignored here too.
     r = post("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "num_draft_tokens": 3, "whatever": 1}))
     assert r.status_code == 200, r.text

@@ -105,6 +105,19 @@ class ServeState:
         return frozenset(int(t) for t in getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
     @functools.cached_property
+    def vocab_size(self) -> int | None:
+        """The model's logits width (its config's vocab_size, what the engine checks token
+        ids against), else the tokenizer's size; None when neither is known."""
+        engine = getattr(self.worker, "engine", None)
+        size = getattr(getattr(getattr(engine, "model", None), "args", None), "vocab_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+        try:
+            return len(self.tokenizer)
+        except TypeError:
+            return None
+
+    @functools.cached_property
     def xtc_special_tokens(self) -> tuple:
         """What mlx_lm.server keeps out of XTC's cut: the newline and the end tokens."""
         return tuple(self.tokenizer.encode("\n")) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
@@ -281,6 +294,11 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
         raise APIError("the prompt encodes to no tokens", param="messages" if chat else "prompt")
     if not chat and isinstance(req.prompt, list) and max(prompt) >= len(state.tokenizer):
         raise APIError(f"token ids must be < {len(state.tokenizer)}, the tokenizer's size", param="prompt")
+    vocab = state.vocab_size
+    outside = [t for t, _ in req.sampling.logit_bias if vocab is not None and t >= vocab]
+    if outside:  # here, not in the engine: a 400 naming the field, without the engine's prefix
+        raise APIError(f"'logit_bias' token ids must be < {vocab}, the model's vocabulary size; got {outside[0]}",
+                       param="logit_bias")
     max_tokens = protocol.check_fits(len(prompt), req, max_prompt=worker.max_prompt_tokens,
                                      max_total=worker.max_sequence_tokens, context_limit=state.context_limit)
     if req.priority and not worker.uses_priority:
