@@ -277,19 +277,36 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     """Write an mlx-lm model directory for a llama or gemma3 GGUF file; returns ``out_dir``.
 
     The directory is written in a temporary sibling and renamed into place, so a failed
-    or interrupted conversion leaves nothing at ``out_dir``.
+    or interrupted conversion leaves nothing at ``out_dir``. The header is checked against
+    the file and the sibling created before any weight is converted.
     """
-    import mlx.core as mx
-
     if dtype not in DTYPES:
         raise GGUFError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
-        raise GGUFError(f"{str(out_dir)!r} already exists")
+        raise GGUFError(f"{str(out_dir)!r} already exists (overwrite=True replaces it)")
     header = read_header(gguf_path)  # checked against the file before any reader trusts it
     arch = _architecture(header)  # the architecture first: the clearest error for another model
     if arch not in ARCHITECTURES:
         raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    # Where the result goes, before any weight is converted: the temporary sibling it is
+    # written in and renamed from.
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as exc:
+        raise GGUFError(f"cannot create {str(out_dir)!r}: {exc.strerror or exc}") from None
+    try:
+        _convert_into(tmp, out_dir, gguf_path, header, arch, dtype=dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _convert_into(tmp: Path, out_dir: Path, gguf_path, header, arch: str, *, dtype: str) -> None:
+    import mlx.core as mx
+
     if arch == "gemma3":
         from .gemma3_convert import convert_gemma3
 
@@ -318,21 +335,14 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     config["torch_dtype"] = dtype if dtype != "keep" else ("float16" if "float16" in float_dtypes else
                                                            sorted(float_dtypes)[0])
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
-        mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n", encoding="utf-8")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
-                                                   encoding="utf-8")
-        if out_dir.exists():  # overwrite: move the old one aside only once the new one is complete
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
+    mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n", encoding="utf-8")
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
+                                               encoding="utf-8")
+    if out_dir.exists():  # overwrite: move the old one aside only once the new one is complete
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)

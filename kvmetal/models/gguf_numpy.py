@@ -25,7 +25,10 @@ def _gguf_package():
     try:
         import gguf
     except ImportError:
-        raise GGUFError("reading K-quantized GGUF files needs llama.cpp's gguf package (pip install gguf)") from None
+        from ..cli import install_hint
+
+        raise GGUFError(f"reading K-quantized GGUF files needs llama.cpp's gguf package: {install_hint('gguf')}") \
+            from None
     return gguf
 
 
