@@ -130,8 +130,10 @@ class _Reader:
         self.fail(f"{what} has unknown metadata type {kind}")
 
 
-def parse_header(buf, name: str = "GGUF", *, path: Path | None = None) -> GGUFHeader:
-    """The checked header of the GGUF bytes ``buf`` (bytes, or an mmap of the whole file)."""
+def parse_header(buf, name: str = "GGUF", *, path: Path | None = None, file_size: int | None = None) -> GGUFHeader:
+    """The checked header of the GGUF bytes ``buf`` (bytes, or an mmap of the whole file).
+    ``file_size``: the whole file's size when ``buf`` is only its first part (a GGUF shipped
+    in chunks): the header must lie in ``buf``, the tensors within ``file_size``."""
     r = _Reader(buf, name)
     if r.size < 4 or bytes(buf[:4]) != b"GGUF":
         raise GGUFError(f"{name} is not a GGUF file (no GGUF magic)")
@@ -169,6 +171,8 @@ def parse_header(buf, name: str = "GGUF", *, path: Path | None = None) -> GGUFHe
         offset = r.scalar("Q", f"the offset of tensor {tname!r}")
         infos.append((tname, dims, type_id, offset))
     data_start = -(-r.pos // alignment) * alignment
+    if file_size is not None:
+        r.size = max(r.size, file_size)  # the tensor data may lie in the later parts
     if infos and data_start > r.size:
         r.fail(f"the tensor data would start at byte {data_start}, past the end of the {r.size}-byte file")
     tensors: dict = {}
@@ -201,8 +205,9 @@ def parse_header(buf, name: str = "GGUF", *, path: Path | None = None) -> GGUFHe
     return GGUFHeader(path or Path(name), version, meta, tensors, alignment, data_start, r.size)
 
 
-def read_header(path: str | os.PathLike) -> GGUFHeader:
-    """The checked header of the GGUF file ``path`` (see the module docstring)."""
+def read_header(path: str | os.PathLike, *, file_size: int | None = None) -> GGUFHeader:
+    """The checked header of the GGUF file ``path`` (see the module docstring); with
+    ``file_size``, ``path`` is the first of the chunks of a file that long."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{str(path)!r}: no such file")
@@ -211,4 +216,4 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         if size < 4 or f.read(4) != b"GGUF":
             raise GGUFError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return parse_header(m, path.name, path=path)
+            return parse_header(m, path.name, path=path, file_size=file_size)

@@ -217,6 +217,30 @@ def _needs(name: str, model: NamedModel) -> None:
                                f"GGUF: {install_hint(module)}") from None
 
 
+def named_config(name: str, dtype: str | None = None) -> dict:
+    """The mlx-lm ``config.json`` a named model converts to (the fields that size it), from
+    its GGUF header alone: nothing is converted or joined (``kvmetal budget -m NAME``)."""
+    from .gemma3_convert import gemma3_config
+    from .gguf import DTYPES, _architecture, llama_config
+    from .gguf_header import read_header
+
+    model = _model(name)
+    dtype = default_dtype() if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"[named_config] dtype must be one of {DTYPES}, got {dtype!r}")
+    parts = gguf_parts(name)
+    header = read_header(parts[0], file_size=sum(p.stat().st_size for p in parts))
+    arch = _architecture(header)
+    config = gemma3_config(header.meta) if arch == "gemma3" else llama_config(header.meta)
+    config["vocab_size"] = len(header.meta.get("tokenizer.ggml.tokens") or ())
+    config["tie_word_embeddings"] = "output.weight" not in header.tensors
+    if dtype == "keep":  # the GGUF's own bits, near enough: most weights are 4-bit in both
+        config["quantization"] = {"group_size": 32, "bits": 4}
+    else:
+        config["torch_dtype"] = dtype
+    return config
+
+
 def _joined_gguf(model: NamedModel, parts: list[Path], where: Path) -> Path:
     """The GGUF as one file: the part itself when there is one, else the parts joined
     into ``where`` and checked against the published sha256."""
