@@ -732,3 +732,51 @@ def test_bench_summary_survives_a_run_where_every_request_failed(monkeypatch):
     summary = serve_load.replay("http://127.0.0.1:9", "m", [{"path": "/completions"}] * 3, 2)
     assert summary["errors"] == 3 and summary["first_error"] == "503 down"
     assert summary["ttft_p50_ms"] is None and summary["ttft_p95_ms"] is None and summary["tpot_p50_ms"] is None
+
+
+def test_a_chat_without_a_chat_template_stops_at_the_next_user_line():
+    """Issue 44: the base Gemma chat ran on into "\\nuser: ..." (its prompt is role-prefixed
+    lines); such chats stop there by default, added to the request's own stop strings."""
+    from kvmetal.serve import protocol
+    from kvmetal.serve.app import ServeState, TextStream, with_default_stop
+
+    class Plain:
+        has_chat_template = False
+
+    class Templated:
+        has_chat_template = True
+
+    def parsed(**extra):
+        return protocol.parse({"messages": [{"role": "user", "content": "hi"}], **extra}, chat=True,
+                              defaults=protocol.Defaults())
+
+    plain = ServeState(worker=None, tokenizer=Plain(), model_id="m")
+    assert with_default_stop(plain, parsed()).stop == ["\nuser:"]
+    assert with_default_stop(plain, parsed(stop=["END"])).stop == ["END", "\nuser:"]
+    assert with_default_stop(plain, parsed(stop="\nuser:")).stop == ["\nuser:"]
+    assert with_default_stop(plain, parsed(role_mapping={"user": "U: "})).stop == []  # the caller's format
+    assert with_default_stop(ServeState(worker=None, tokenizer=Templated(), model_id="m"), parsed()).stop == []
+    completion = protocol.parse({"prompt": "user: hi\nassistant:"}, chat=False, defaults=protocol.Defaults())
+    assert with_default_stop(plain, completion).stop == []  # a completion's text is the caller's
+
+    pieces = [" Paris", ".", "\n", "user", ":", " and"]
+
+    class Detok:  # what TextStream reads: the text so far, token by token
+        text = ""
+
+        def add_token(self, token):
+            self.text += pieces[token]
+
+        def finalize(self):
+            pass
+
+    class Tok:
+        detokenizer = Detok()
+
+    stream = TextStream(Tok(), with_default_stop(plain, parsed()).stop)
+    out = ""
+    for token in range(len(pieces)):
+        stream.add(token)
+        out += stream.take()
+    out += stream.take(final=True)
+    assert out == " Paris." and stream.stopped

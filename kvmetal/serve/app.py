@@ -267,6 +267,16 @@ def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
     return list(tokenizer.encode(_plain_chat(messages, req.role_mapping)))
 
 
+def with_default_stop(state: ServeState, req: protocol.GenerationRequest) -> protocol.GenerationRequest:
+    """A chat for a model without a chat template (a base model, prompted with "role:
+    content" lines) also stops at :data:`protocol.PLAIN_CHAT_STOP` ("\\nuser:"): such a model
+    otherwise writes the user's next turn itself. Added to the request's own stop strings;
+    not with ``role_mapping`` (the caller chose the format) nor with a chat template."""
+    if not req.chat or req.role_mapping is not None or getattr(state.tokenizer, "has_chat_template", False):
+        return req
+    return dataclasses.replace(req, stop=list(req.stop) + [s for s in protocol.PLAIN_CHAT_STOP if s not in req.stop])
+
+
 def _plain_chat(messages: list, role_mapping: dict | None) -> str:
     """The prompt of a tokenizer without a chat template. With ``role_mapping``, mlx_lm.server's
     format (each message as role prefix + content + "stop", then the assistant prefix,
@@ -280,7 +290,7 @@ def _plain_chat(messages: list, role_mapping: dict | None) -> str:
 
 async def _generate(state: ServeState, request: Request, *, chat: bool):
     body = await _json_body(request)
-    req = protocol.parse(body, chat=chat, defaults=state.defaults)
+    req = with_default_stop(state, protocol.parse(body, chat=chat, defaults=state.defaults))
     model = body.get("model")
     if model is not None and model not in state.model_names:
         raise APIError(f"the model '{model}' does not exist; this server serves '{state.model_id}'",

@@ -64,6 +64,12 @@ class GenerationRequest:
     speculative: bool = True  # False: no speculative decoding for this request (when the server has it)
 
 
+# What a chat with a model that has no chat template also stops at (kvmetal/serve/app.py,
+# with_default_stop): its prompt is "role: content" lines, and a base model goes on to
+# write the user's next line itself.
+PLAIN_CHAT_STOP = ("\nuser:",)
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
