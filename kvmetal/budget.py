@@ -23,6 +23,7 @@ Apple publishes it. Context lengths accept K/M suffixes (32K = 32768 tokens).
     kvmetal budget --model path/to/config.json --context 128K --kv k8v4 --chip m4-max
     kvmetal budget --model qwen2.5-7b --context 64K --batch 4 --memory 64 --bandwidth 400 --json
     kvmetal budget --model gemma-3-12b --context 128K --kv k8v4 --chip m3-ultra --tp 2
+    kvmetal budget --model default --context 8K --kv-bits 4 --k-bits 8     # SmolLM2, as serve runs it
 """
 from __future__ import annotations
 
