@@ -197,7 +197,10 @@ def _locked(root: Path):
         return
     fd = os.open(root, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock (some network mounts): the rename still holds
+            pass
         yield
     finally:
         os.close(fd)
