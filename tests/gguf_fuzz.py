@@ -150,6 +150,137 @@ def mutations(data: bytes, fields: list, *, seed: int = 0, flips: int = 200) -> 
     return out
 
 
+def header_fields(data: bytes, *, array_items: int = 2, tensors: int = 24) -> list:
+    """The (label, offset, format) of the counts, lengths, types and offsets in a real GGUF's
+    header (``data``: at least the header's bytes); a long array's first ``array_items``
+    string lengths only, the first ``tensors`` tensor entries only."""
+    fields, pos = [], 4
+
+    def take(fmt, label=None):
+        nonlocal pos
+        if label is not None:
+            fields.append((label, pos, fmt))
+        (value,) = struct.unpack_from("<" + fmt, data, pos)
+        pos += struct.calcsize("<" + fmt)
+        return value
+
+    def string(label=None):
+        nonlocal pos
+        n = take("Q", label)
+        text = data[pos:pos + n].decode("utf-8", "replace")
+        pos += n
+        return text
+
+    scalars = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    take("I", "version")
+    n_tensors, n_kv = take("Q", "tensor_count"), take("Q", "kv_count")
+    for _ in range(n_kv):
+        key = string(None)
+        fields.append((f"strlen key {key}", pos - 8 - len(key.encode()), "Q"))
+        kind = take("I", f"type {key}")
+        if kind == STRING:
+            string(f"strlen value {key}")
+        elif kind == ARRAY:
+            inner = take("I", f"array type {key}")
+            count = take("Q", f"array len {key}")
+            if inner == STRING:
+                for i in range(count):
+                    string(f"strlen {key}[{i}]" if i < array_items else None)
+            else:
+                pos += count * struct.calcsize("<" + scalars[inner])
+        else:
+            take(scalars[kind], "alignment" if key == "general.alignment" else None)
+    for t in range(n_tensors):
+        name = string(f"tensor {t}" if t < tensors else None)
+        label = (lambda what: f"{what} {name}") if t < tensors else (lambda what: None)
+        n_dims = take("I", label("n_dims"))
+        for i in range(n_dims):
+            take("Q", label(f"dim{i}"))
+        take("I", label("ggml type"))
+        take("Q", label("offset"))
+    return fields
+
+
+def field_patches(data: bytes, fields: list, *, seed: int = 0, flips: int = 60) -> list:
+    """[(label, (offset, bytes))]: each field of :func:`header_fields` set to edge values, and
+    single-bit flips in the header, as patches of a large file (not copies of it)."""
+    rng = random.Random(seed)
+    out = []
+    for label, offset, fmt in fields:
+        (value,) = struct.unpack_from("<" + fmt, data, offset)
+        top = (1 << (8 * struct.calcsize("<" + fmt))) - 1
+        if label.startswith(("type ", "array type ", "ggml type ")):
+            candidates = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 30, 40, top}
+        else:
+            candidates = {value + 1, value - 1, 0, top, 1 << 32}
+        for v in sorted(c for c in candidates if 0 <= c <= top and c != value):
+            out.append((f"{label}={v}", (offset, struct.pack("<" + fmt, v))))
+    header_end = max(offset for _, offset, _ in fields) + 8
+    for _ in range(flips):
+        pos = rng.randrange(header_end)
+        out.append((f"flip at byte {pos}", (pos, bytes([data[pos] ^ (1 << rng.randrange(8))]))))
+    return out
+
+
+def run_patches(source: Path, patches: list, workdir: Path, *, timeout: float = 3600) -> list:
+    """Like :func:`run_inputs` for a large file: ``patches`` are [(offset, bytes)] applied in
+    turn to one copy of ``source`` (restored after each), converted in child processes."""
+    import shutil
+
+    workdir = Path(workdir)
+    copy = workdir / source.name
+    shutil.copyfile(source, copy)
+    outcomes: list = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                     os.environ.get("PYTHONPATH")])))
+    while len(outcomes) < len(patches):
+        todo, results = workdir / "patches.jsonl", workdir / "results.jsonl"
+        todo.write_text("".join(json.dumps([o, b.hex()]) + "\n" for o, b in patches[len(outcomes):]))
+        results.write_text("")
+        proc = subprocess.run([sys.executable, __file__, "--patches", str(copy), str(todo), str(results),
+                               str(workdir / "out")], env=env, capture_output=True, text=True, timeout=timeout)
+        done = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+        outcomes += [d["outcome"] for d in done]
+        if proc.returncode != 0 and len(outcomes) < len(patches):
+            offset, blob = patches[len(outcomes)]
+            with open(copy, "r+b") as f, open(source, "rb") as g:  # undo the patch the child died on
+                g.seek(offset)
+                f.seek(offset)
+                f.write(g.read(len(blob)))
+            how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            outcomes.append(f"{how}: {proc.stderr.strip()[-300:]}")
+    return outcomes
+
+
+def _patch_child(path: str, todo: str, results: str, out: str) -> None:
+    import shutil
+
+    from kvmetal.models import GGUFError, convert_gguf
+
+    with open(results, "a") as sink:
+        for line in Path(todo).read_text().splitlines():
+            offset, blob = json.loads(line)
+            blob = bytes.fromhex(blob)
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                original = f.read(len(blob))
+                f.seek(offset)
+                f.write(blob)
+            try:
+                convert_gguf(path, out, dtype="keep", overwrite=True)
+                outcome = "converted"
+            except GGUFError as exc:
+                outcome = f"error: {exc}"
+            except Exception as exc:  # noqa: BLE001
+                outcome = f"raised {type(exc).__name__}: {exc}"
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                f.write(original)
+            shutil.rmtree(out, ignore_errors=True)
+            sink.write(json.dumps({"offset": offset, "outcome": outcome}) + "\n")
+            sink.flush()
+
+
 def run_inputs(paths: list, workdir: Path, *, timeout: float = 600) -> list:
     """The outcome of converting each file of ``paths``, in child processes: a child that
     dies by a signal is recorded for the file it was on, and a new child goes on after it."""
@@ -192,4 +323,7 @@ def _child(todo: str, results: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:4])
+    if sys.argv[1] == "--patches":
+        _patch_child(*sys.argv[2:6])
+    else:
+        _child(*sys.argv[1:4])

@@ -5,8 +5,9 @@ llama.cpp's own ``gguf`` package.
 Q4_1, Q8_0) and float ones; K-quants (Q4_K, Q5_K, Q6_K, ...) and Q5_0/Q5_1 it cannot
 read. The ``gguf`` package dequantizes every type llama.cpp writes, so the converters
 for such files (:mod:`kvmetal.models.gemma3_convert`) read through here. The header is
-parsed (and checked against the file) by :mod:`kvmetal.models.gguf_header` rather than with ``gguf.GGUFReader``, which builds an object per array
-element (36 s for Gemma's 262,144-piece vocabulary on a busy 2-core host; this: ~1 s).
+parsed (and checked against the file) by :mod:`kvmetal.models.gguf_header` rather than
+with ``gguf.GGUFReader``, which builds an object per array element (36 s for Gemma's
+262,144-piece vocabulary on a busy 2-core host; this: ~1 s).
 
     f = GGUFFile(path)
     f.meta                                  # {key: int | float | bool | str | list}
