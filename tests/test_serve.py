@@ -714,6 +714,10 @@ def test_tools_and_template_kwargs_reach_the_chat_template(capped, model_dir):
     plain = NoTemplate()
     assert _tokenize(ServeState(worker=None, tokenizer=plain, model_id="m"), req) == [5]
     assert plain.text == "U: hi\nA:"  # mlx_lm.server's format, trailing space stripped
+    req = protocol.parse({"messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "hi"}]}, chat=True, defaults=protocol.Defaults())
+    assert _tokenize(ServeState(worker=None, tokenizer=plain, model_id="m"), req) == [5]
+    assert plain.text == "system: Be brief.\nuser: hi\nassistant:"  # no trailing space either
     # The real server takes tools (its template ignores them) instead of rejecting the request.
     r = client(capped).chat.completions.create(model=capped.model, messages=messages[:1], tools=tools, max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -736,7 +740,7 @@ def test_bench_summary_survives_a_run_where_every_request_failed(monkeypatch):
 
 def test_a_chat_without_a_chat_template_stops_at_the_next_user_line():
     """Issue 44: the base Gemma chat ran on into "\\nuser: ..." (its prompt is role-prefixed
-    lines); such chats stop there by default, added to the request's own stop strings."""
+    lines); such chats stop where a new turn starts, added to the request's own stop strings."""
     from kvmetal.serve import protocol
     from kvmetal.serve.app import ServeState, TextStream, with_default_stop
 
@@ -746,14 +750,16 @@ def test_a_chat_without_a_chat_template_stops_at_the_next_user_line():
     class Templated:
         has_chat_template = True
 
-    def parsed(**extra):
-        return protocol.parse({"messages": [{"role": "user", "content": "hi"}], **extra}, chat=True,
+    def parsed(messages=({"role": "user", "content": "hi"},), **extra):
+        return protocol.parse({"messages": [dict(m) for m in messages], **extra}, chat=True,
                               defaults=protocol.Defaults())
 
     plain = ServeState(worker=None, tokenizer=Plain(), model_id="m")
-    assert with_default_stop(plain, parsed()).stop == ["\nuser:"]
-    assert with_default_stop(plain, parsed(stop=["END"])).stop == ["END", "\nuser:"]
-    assert with_default_stop(plain, parsed(stop="\nuser:")).stop == ["\nuser:"]
+    assert with_default_stop(plain, parsed()).stop == ["\nuser:", "\nassistant:"]
+    assert with_default_stop(plain, parsed(stop=["END"])).stop == ["END", "\nuser:", "\nassistant:"]
+    assert with_default_stop(plain, parsed(stop="\nuser:")).stop == ["\nuser:", "\nassistant:"]
+    system = parsed([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert with_default_stop(plain, system).stop == ["\nuser:", "\nassistant:", "\nsystem:"]
     assert with_default_stop(plain, parsed(role_mapping={"user": "U: "})).stop == []  # the caller's format
     assert with_default_stop(ServeState(worker=None, tokenizer=Templated(), model_id="m"), parsed()).stop == []
     completion = protocol.parse({"prompt": "user: hi\nassistant:"}, chat=False, defaults=protocol.Defaults())

@@ -269,20 +269,25 @@ def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
 
 def with_default_stop(state: ServeState, req: protocol.GenerationRequest) -> protocol.GenerationRequest:
     """A chat for a model without a chat template (a base model, prompted with "role:
-    content" lines) also stops at :data:`protocol.PLAIN_CHAT_STOP` ("\\nuser:"): such a model
-    otherwise writes the user's next turn itself. Added to the request's own stop strings;
-    not with ``role_mapping`` (the caller chose the format) nor with a chat template."""
+    content" lines) also stops where a new turn starts: :data:`protocol.PLAIN_CHAT_STOP`
+    ("\\nuser:", "\\nassistant:") and "\\n<role>:" for each other role of the messages;
+    such a model otherwise writes the next turns itself. Added to the request's own stop
+    strings; not with ``role_mapping`` (the caller chose the format) nor with a chat template."""
     if not req.chat or req.role_mapping is not None or getattr(state.tokenizer, "has_chat_template", False):
         return req
-    return dataclasses.replace(req, stop=list(req.stop) + [s for s in protocol.PLAIN_CHAT_STOP if s not in req.stop])
+    stops = list(protocol.PLAIN_CHAT_STOP) + [f"\n{m['role']}:" for m in req.prompt]
+    return dataclasses.replace(req, stop=list(req.stop) + [s for s in dict.fromkeys(stops) if s not in req.stop])
 
 
 def _plain_chat(messages: list, role_mapping: dict | None) -> str:
     """The prompt of a tokenizer without a chat template. With ``role_mapping``, mlx_lm.server's
     format (each message as role prefix + content + "stop", then the assistant prefix,
-    trailing whitespace stripped); without, "role: content" lines."""
+    trailing whitespace stripped); without, "role: content" lines and "assistant:"."""
     if role_mapping is None:
-        return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant: "
+        # no space after the last colon (mlx_lm.server strips its prompt likewise): a BPE
+        # model's answer starts with its own " word" token; after "assistant: " base Gemma
+        # answered "What is the capital of France?" with "19th century"
+        return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
     stop = role_mapping.get("stop", "")
     text = "".join(f"{role_mapping.get(m['role'], '')}{m.get('content') or ''}{stop}" for m in messages)
     return (text + role_mapping.get("assistant", "")).rstrip()

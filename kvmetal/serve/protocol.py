@@ -65,9 +65,9 @@ class GenerationRequest:
 
 
 # What a chat with a model that has no chat template also stops at (kvmetal/serve/app.py,
-# with_default_stop): its prompt is "role: content" lines, and a base model goes on to
-# write the user's next line itself.
-PLAIN_CHAT_STOP = ("\nuser:",)
+# with_default_stop; and a line for every other role the messages use): its prompt is
+# "role: content" lines, and a base model goes on to write the next turns itself.
+PLAIN_CHAT_STOP = ("\nuser:", "\nassistant:")
 
 
 def _is_int(v) -> bool:
