@@ -7,7 +7,7 @@
 Backends: "metal" (Apple GPU, hand-written kernels), "cpu" (native C++), "sim"
 (the metal backend's kernels run by a CPU simulator). See ``kv.use_backend``.
 """
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
@@ -46,15 +46,15 @@ def __getattr__(name):
         problem = extension_problem()
         if problem:
             raise ImportError(problem)
-        return importlib.import_module(f"{__name__}._ext")
+        return _importlib.import_module(f"{__name__}._ext")
     home = _HOME.get(name)
     if home is not None:
-        value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+        value = getattr(_importlib.import_module(f"{__name__}.{home}"), name)
         globals()[name] = value
         return value
     if not name.startswith("_"):  # a submodule, as `import kvmetal; kvmetal.backends` found it before
         try:
-            return importlib.import_module(f"{__name__}.{name}")
+            return _importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as exc:
             if exc.name != f"{__name__}.{name}":
                 raise

@@ -34,14 +34,30 @@ def _inside_source_checkout() -> bool:
     return (root / "pyproject.toml").is_file() and (root / "bindings").is_dir()
 
 
-def missing_extension_message() -> str:
+def pinned_mlx_version(root: Path | None = None) -> str | None:
+    """The MLX version ``pyproject.toml`` pins (``mlx==X`` / ``mlx[cpu]==X``) in a source
+    checkout, else None."""
+    import re
+
+    try:
+        text = ((root or PACKAGE_DIR.parent) / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    found = re.search(r'"mlx(?:\[cpu\])?==([0-9][0-9A-Za-z.+-]*)', text)
+    return found.group(1) if found else None
+
+
+def missing_extension_message(*, platform: str = sys.platform) -> str:
     if _inside_source_checkout():
+        mlx = "mlx" if platform == "darwin" else "mlx[cpu]"
+        pin = pinned_mlx_version()
+        mlx_req = f"\"{mlx}=={pin}\"" if pin else f"\"{mlx}\" (at the version pyproject.toml pins)"
         return (
             f"kvmetal was imported from the source tree {PACKAGE_DIR}, which has no compiled extension "
             f"(kvmetal._ext). Python puts the current directory first on sys.path, so running it from the "
             f"repository root shadows the installed package. Run Python from another directory, or install "
             f"for development (it builds the extension where this tree can find it):\n"
-            f"  pip install scikit-build-core \"nanobind>=3,<4\" \"mlx[cpu]==<pinned version>\" && "
+            f"  pip install scikit-build-core \"nanobind>=3,<4\" {mlx_req} && "
             f"pip install --no-build-isolation -e \".[test]\"")
     return (f"kvmetal's compiled extension (kvmetal._ext) is missing from {PACKAGE_DIR}; "
             f"reinstall kvmetal: pip install --force-reinstall --no-deps kvmetal")

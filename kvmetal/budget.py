@@ -23,6 +23,7 @@ Apple publishes it. Context lengths accept K/M suffixes (32K = 32768 tokens).
     kvmetal budget --model path/to/config.json --context 128K --kv k8v4 --chip m4-max
     kvmetal budget --model qwen2.5-7b --context 64K --batch 4 --memory 64 --bandwidth 400 --json
     kvmetal budget --model gemma-3-12b --context 128K --kv k8v4 --chip m3-ultra --tp 2
+    kvmetal budget --model default --context 8K --kv-bits 4 --k-bits 8     # SmolLM2, as serve runs it
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from . import quant
 from .chips import CHIPS
-from .kv_format import FLOAT_BYTES, KVFormat, largest_group_size  # noqa: F401  (re-exported)
+from .kv_format import FLOAT_BYTES, KVFormat, default_group_size, largest_group_size  # noqa: F401  (re-exported)
 from .kv_format import FLOAT_NAMES as _FLOAT_NAMES
 
 OP = "budget"
@@ -209,11 +210,34 @@ def _sliding_layers(cfg: dict, layers: int) -> tuple:
     return None, 0
 
 
+def _named_model(spec: str) -> ModelShape | None:
+    """A named model of ``kvmetal generate``/``serve`` (``default``, ``smollm2``, ``gemma3``,
+    optionally ``NAME:DTYPE``) from its GGUF header, as those commands would convert it;
+    None when ``spec`` is no such name (or a local path of that name exists)."""
+    from .models.named import DEFAULT, MODELS, ModelMissing, named_config
+
+    name, _, dtype = spec.partition(":")
+    name = DEFAULT if name.lower() == "default" else name.lower()
+    if name not in MODELS or Path(spec).exists():
+        return None
+    try:
+        cfg = named_config(name, dtype or None)
+    except ModelMissing as exc:
+        _fail(str(exc))
+    except ValueError as exc:  # a bad dtype, a damaged GGUF (one line either way)
+        _fail(f"--model {spec!r}: {str(exc).removeprefix('[named_config] ')}")
+    return shape_from_config(cfg, name=MODELS[name].name)  # weights estimated from the config
+
+
 def load_model(spec: str) -> ModelShape:
-    """A preset name, a ``config.json`` path, or a model directory holding one.
+    """A preset name, a named model (``default``/``smollm2``/``gemma3``, read from its GGUF
+    header), a ``config.json`` path, or a model directory holding one.
 
     For a directory with ``*.safetensors`` files the weights are their total size.
     """
+    named = _named_model(spec)
+    if named is not None:
+        return named
     key = spec.lower()
     if key in ALIASES:
         preset, context = ALIASES[key]
@@ -648,13 +672,19 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"presets: {', '.join(sorted(PRESETS))}\nchips: {', '.join(CHIPS)}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", "-m", required=True, help="preset name, config.json path, or model directory")
+    p.add_argument("--model", "-m", required=True,
+                   help="preset name, named model (default, smollm2, gemma3; NAME:DTYPE as in generate), "
+                        "config.json path, or model directory")
     p.add_argument("--context", "-c", default="32K", help="tokens per sequence, e.g. 8192, 32K, 1M (default 32K)")
     p.add_argument("--batch", "-b", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--kv", default=None, help="K/V storage: f16, bf16, f32, k8v4, k4v4, q8 ... (default f16)")
     p.add_argument("--k-bits", type=int, default=None, help="quantize K to these bits (overrides --kv)")
     p.add_argument("--v-bits", type=int, default=None, help="quantize V to these bits (overrides --kv)")
-    p.add_argument("--group-size", type=int, default=None, help="quantization group size for K and V (default 64)")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="quantize K and V to these bits (generate's and serve's flag; --k-bits/--v-bits win)")
+    p.add_argument("--group-size", "--kv-group-size", dest="group_size", type=int, default=None,
+                   help="quantization group size for K and V (default 32, as generate and serve use, or the "
+                        "largest that divides head_dim)")
     p.add_argument("--k-group-size", type=int, default=None, help="group size of K (overrides --group-size)")
     p.add_argument("--v-group-size", type=int, default=None, help="group size of V (overrides --group-size)")
     p.add_argument("--dtype", default=None, help="float dtype of the cache / of scales and biases (default f16)")
@@ -675,7 +705,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _format_from_args(args) -> KVFormat:
+def _default_group(head_dim: int) -> int:
+    """What generate and serve use when no group size is given (kv_format.default_group_size,
+    32), or the largest that divides head_dim, as KVFormat.for_head_dim picks."""
+    group = default_group_size(head_dim)
+    return group if head_dim % group == 0 else (largest_group_size(head_dim) or group)
+
+
+def _format_from_args(args, head_dim: int) -> KVFormat:
     fmt = parse_kv(args.kv or (args.dtype or "f16"), dtype=args.dtype)
     if args.k_bits is not None or args.v_bits is not None:
         k = None if args.k_bits is None else quant.check_bits(args.k_bits, op=OP, name="--k-bits")
@@ -683,9 +720,16 @@ def _format_from_args(args) -> KVFormat:
         if args.kv is not None and (fmt.k_bits is not None or fmt.v_bits is not None):
             _fail(f"give either --kv {args.kv} or --k-bits/--v-bits, not both")
         fmt = replace(fmt, k_bits=k, v_bits=v)
+    if args.kv_bits is not None:  # the shared flag of generate/serve: both sides, unless one is given
+        kv = quant.check_bits(args.kv_bits, op=OP, name="--kv-bits")
+        spec = parse_kv(args.kv or (args.dtype or "f16"), dtype=args.dtype)
+        if args.kv is not None and (spec.k_bits is not None or spec.v_bits is not None):
+            _fail(f"give either --kv {args.kv} or --kv-bits, not both")
+        fmt = replace(fmt, k_bits=kv if args.k_bits is None else fmt.k_bits,
+                      v_bits=kv if args.v_bits is None else fmt.v_bits)
     g = args.group_size
-    kg = args.k_group_size or g or quant.DEFAULT_GROUP_SIZE
-    vg = args.v_group_size or g or quant.DEFAULT_GROUP_SIZE
+    kg = args.k_group_size or g or _default_group(head_dim)
+    vg = args.v_group_size or g or _default_group(head_dim)
     quant.check_group_size(kg, op=OP, name="--k-group-size" if args.k_group_size else "--group-size")
     quant.check_group_size(vg, op=OP, name="--v-group-size" if args.v_group_size else "--group-size")
     return replace(fmt, k_group_size=kg, v_group_size=vg)
@@ -695,7 +739,7 @@ def run(argv: list[str] | None = None) -> tuple:
     """Parse ``argv`` and compute: ``(report, text)``; raises ValueError on bad input."""
     args = _parser().parse_args(argv)
     model = load_model(args.model)
-    fmt = _format_from_args(args)
+    fmt = _format_from_args(args, model.head_dim)
     context = parse_tokens(args.context)
     if args.batch <= 0:
         _fail(f"--batch must be positive, got {args.batch}")

@@ -26,7 +26,7 @@ NEEDS_EXTENSION = frozenset({"bench", "serve", "demo", "generate"})
 # optional dependency -> what installs it (pip names; the same packages as kvmetal's extras)
 OPTIONAL_MODULES = {"mlx_lm": ('"mlx-lm>=0.32,<0.33"', "lm"), "transformers": ('"mlx-lm>=0.32,<0.33"', "lm"),
                     "matplotlib": ("matplotlib", "plot"), "fastapi": ("fastapi uvicorn", "serve"),
-                    "uvicorn": ("fastapi uvicorn", "serve")}
+                    "uvicorn": ("fastapi uvicorn", "serve"), "gguf": ('"gguf>=0.17"', "gguf")}
 
 
 def install_hint(module: str) -> str:
@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: error: this needs {name}: {install_hint(name)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        # on its own line: the output it cut off (a streamed answer) may have left one open
+        sys.stdout.flush()
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # `kvmetal ... | head`: the reader left. Stop quietly; point stdout at devnull so

@@ -149,8 +149,8 @@ def test_quantized_cache_fits_more_context(capsys):
     f16 = run_json(capsys, *common)
     k8v4 = run_json(capsys, *common, "--kv", "k8v4")
     ratio = k8v4["bytes_per_token"] / f16["bytes_per_token"]
-    assert ratio == pytest.approx(208 / 512)
-    assert k8v4["memory"]["max_context_by_memory"] > 2.4 * f16["memory"]["max_context_by_memory"]
+    assert ratio == pytest.approx(224 / 512)  # group 32 (the default, as serve): K 128 + 16, V 64 + 16
+    assert k8v4["memory"]["max_context_by_memory"] > 2.2 * f16["memory"]["max_context_by_memory"]
     assert k8v4["decode_floor"]["cache_ms_per_step"] == pytest.approx(ratio * f16["decode_floor"]["cache_ms_per_step"])
 
 
@@ -170,8 +170,8 @@ def test_block_size_rounds_contexts_up(capsys):
 def test_text_output_and_compare(capsys):
     assert B.main(["--model", "llama-3-8b", "--kv", "k8v4", "--chip", "m4-pro", "--compare"]) == 0
     out = capsys.readouterr().out
-    assert "K8/V4 g64" in out and "0.406 x f16" in out and "decode floor at 273 GB/s" in out
-    assert "K4/V2 g64" in out and "largest context at batch 1" in out
+    assert "K8/V4 g32" in out and "0.438 x f16" in out and "decode floor at 273 GB/s" in out
+    assert "K4/V2 g32" in out and "largest context at batch 1" in out
 
 
 # ----------------------------------------------------------------------------- errors
@@ -185,7 +185,9 @@ def test_text_output_and_compare(capsys):
     (["--model", "llama-3-8b", "--batch", "0"], r"--batch must be positive"),
     (["--model", "llama-3-8b", "--chip", "m9"], r"--chip must be one of"),
     (["--model", "llama-3-8b", "--kv", "k8v4", "--group-size", "48"], r"--group-size must be one of \(32, 64, 128\)"),
-    (["--model", "phi-3-mini", "--kv", "k8v4"], r"head_dim 96 is not a multiple of group_size 64"),
+    (["--model", "phi-3-mini", "--kv", "k8v4", "--group-size", "64"],
+     r"head_dim 96 is not a multiple of group_size 64"),
+    (["--model", "llama-3-8b", "--kv", "k8v4", "--kv-bits", "4"], r"either --kv k8v4 or --kv-bits"),
     (["--model", "llama-3-8b", "--kv", "k8v4", "--k-bits", "4"], r"either --kv k8v4 or --k-bits"),
     (["--model", "llama-3-8b", "--memory", "-1"], r"memory must be positive"),
     (["--model", "llama-3-8b", "--memory", "8", "--usable-fraction", "1.5"], r"usable fraction must be in"),
@@ -300,15 +302,16 @@ def test_largest_context_with_windows_is_the_true_boundary():
 def test_json_includes_the_compare_table(capsys):
     r = run_json(capsys, "-m", "llama-3-8b", "--context", "8K", "--compare")
     labels = [row["label"] for row in r["compare"]]
-    assert labels[:3] == ["f16", "K8/V8 g64", "K8/V4 g64"]
+    assert labels[:3] == ["f16", "K8/V8 g32", "K8/V4 g32"]
     f16 = r["compare"][0]
     assert f16["bytes_per_token"] == 128 * KIB and f16["cache_bytes"] == 128 * KIB * 8192
 
 
 def test_head_dim_96_suggests_group_size_32(capsys):
-    assert B.main(["-m", "phi-3-mini", "--kv", "k8v4"]) == 2
+    assert B.main(["-m", "phi-3-mini", "--kv", "k8v4", "--group-size", "64"]) == 2
     assert "try --group-size 32" in capsys.readouterr().err
-    r = run_json(capsys, "-m", "phi-3-mini", "--kv", "f16", "--compare")
+    assert run_json(capsys, "-m", "phi-3-mini", "--kv", "k8v4")["format"]["k_group_size"] == 32  # the default
+    r = run_json(capsys, "-m", "phi-3-mini", "--kv", "f16", "--group-size", "64", "--compare")
     assert all("try --group-size 32" in row["error"] for row in r["compare"][1:])
 
 
@@ -360,7 +363,7 @@ def test_largest_context_stops_at_the_models_maximum(tmp_path, capsys):
     assert B.main(["-m", "gemma-3-12b", "--context", "32K", "--kv", "k8v4", "--chip", "m4-pro"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fits"))
     assert "largest context at batch 1: 131,072 tokens, the model's maximum (max_position_embeddings; " \
-           "memory would hold 1,046,784)" in line
+           "memory would hold 971,648)" in line
     config = tmp_path / "config.json"  # SmolLM2's shapes: 8K context
     config.write_text('{"model_type": "llama", "num_hidden_layers": 30, "num_key_value_heads": 3, '
                       '"num_attention_heads": 9, "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152, '
@@ -368,3 +371,36 @@ def test_largest_context_stops_at_the_models_maximum(tmp_path, capsys):
     report, _ = B.run(["-m", str(config), "--context", "4K", "--chip", "m4-max"])
     assert report["memory"]["max_context_at_batch"] == 8192 and report["memory"]["max_context_is_model_limit"]
     assert report["memory"]["max_context_by_memory"] > 1_000_000
+
+
+# ----------------------------------------------------------------------------- issue 44
+
+def test_the_default_group_size_is_the_one_generate_and_serve_use(capsys):
+    from kvmetal.kv_format import DEFAULT_KV_GROUP_SIZE
+
+    r = run_json(capsys, "-m", "llama-3-8b", "--kv", "k8v4")
+    assert (r["format"]["k_group_size"], r["format"]["v_group_size"]) == (DEFAULT_KV_GROUP_SIZE,) * 2 == (32, 32)
+    # the shared flags of generate/serve mean the same here
+    same = run_json(capsys, "-m", "llama-3-8b", "--kv-bits", "4", "--k-bits", "8", "--kv-group-size", "32")
+    assert same["bytes_per_token"] == r["bytes_per_token"]
+    g64 = run_json(capsys, "-m", "llama-3-8b", "--kv", "k8v4", "--group-size", "64")
+    assert g64["bytes_per_token"] < r["bytes_per_token"]
+
+
+@pytest.mark.parametrize("name", ["default", "smollm2", "gemma3", "smollm2:keep"])
+def test_named_models_are_read_from_their_gguf_header(capsys, name):
+    from kvmetal.models.named import ModelMissing, gguf_parts
+
+    try:
+        gguf_parts("gemma3" if name == "gemma3" else "smollm2")
+    except ModelMissing as exc:
+        pytest.skip(str(exc))
+    r = run_json(capsys, "-m", name, "--kv-bits", "4", "--k-bits", "8", "--context", "8K")
+    m = r["model"]
+    if name == "gemma3":
+        assert (m["num_layers"], m["num_kv_heads"], m["head_dim"]) == (18, 1, 256)
+    else:  # SmolLM2-135M: K8/V4 at group 32, what kvmetal serve allocates: 30 x (72 + 8 + 32 + 8) x 3 heads
+        assert (m["num_layers"], m["num_kv_heads"], m["head_dim"]) == (30, 3, 64)
+        assert r["bytes_per_token"] == 30 * 3 * ((64 + 2 * 2 * 2) + (32 + 2 * 2 * 2))
+    assert B.main(["-m", f"{name.partition(':')[0]}:int8"]) == 2
+    assert "dtype must be one of" in capsys.readouterr().err

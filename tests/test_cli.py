@@ -6,6 +6,7 @@ import importlib
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +81,9 @@ BAD_FLAGS = [
     (["generate", "-p", "x", "--num-blocks", "zero"], "--num-blocks"),
     (["generate", "-m", "/nonexistent", "-p", "x", "--kv-bits", "8", "--k-group-size", "48"], "--k-group-size"),
     (["generate", "-p", "x", "--bogus"], "--bogus"),
+    (["generate", "-p", "x", "--seed", "-1"], "--seed"),  # issue 44: mx.random.seed takes 0..2**64-1
+    (["generate", "-p", "x", "--seed", str(2**70)], "--seed"),
+    (["generate", "-p", "x", "--seed", str(2**64)], "--seed"),
     (["generate"], "--prompt"),
     (["serve", "--port", "99999"], "--port"),
     (["serve", "--temp", "-1"], "--temp"),
@@ -106,6 +110,7 @@ BAD_FLAGS = [
     (["budget", "--context", "8K"], "--model"),
     (["demo", "--requests", "0"], "--requests"),
     (["demo", "--k-bits", "7"], "--k-bits"),
+    (["demo", "--seed", "-1"], "--seed"),
     (["selfcheck", "--sweep", "-1"], "--sweep"),
     (["selfcheck", "--backend", "cuda"], "--backend"),
     (["selfcheck", "--json", "/nonexistent/dir/r.json"], "--json"),
@@ -154,3 +159,109 @@ def test_commands_that_need_no_kernel_run_with_an_extension_for_another_mlx(caps
     for command in sorted(cli.NEEDS_EXTENSION):
         status, err = _run([command], capsys)
         assert status == 2 and "built against MLX 0.0.1" in err and "Traceback" not in err, (command, err)
+
+
+# ----------------------------------------------------------------------------- issue 44
+
+def _tiny_gguf(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_fuzz import tiny_llama_gguf
+
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(tiny_llama_gguf()[0])
+    return path
+
+
+def test_convert_gguf_already_exists_names_force(tmp_path, capsys):
+    gguf = _tiny_gguf(tmp_path)
+    (tmp_path / "out").mkdir()
+    status, err = _run(["convert-gguf", str(gguf), str(tmp_path / "out")], capsys)
+    assert status == 2 and err.count("\n") == 1 and "already exists" in err and "--force" in err, err
+    assert cli.main(["convert-gguf", str(gguf), str(tmp_path / "out"), "--force"]) == 0
+
+
+def test_convert_gguf_uncreatable_output_is_one_line_before_any_weight(tmp_path, capsys, monkeypatch):
+    from kvmetal.models import gguf as gguf_mod
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("converted weights before checking the output directory")
+
+    monkeypatch.setattr(gguf_mod, "convert_weights", no_weights)
+    gguf = _tiny_gguf(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    status, err = _run(["convert-gguf", str(gguf), str(blocker / "out")], capsys)
+    assert status == 2 and err.count("\n") == 1 and "cannot create" in err and "Traceback" not in err, err
+
+
+def test_an_uncreatable_model_cache_is_one_line_before_converting(tmp_path, capsys, monkeypatch):
+    from kvmetal.models import gguf as gguf_mod
+    from kvmetal.models import named
+
+    try:
+        named.gguf_parts("smollm2")
+    except named.ModelMissing as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setattr(gguf_mod, "convert_gguf", lambda *a, **k: pytest.fail("converted before the cache check"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVMETAL_MODEL_CACHE", str(blocker / "models"))
+    status, err = _run(["generate", "-p", "hi"], capsys)
+    lines = [line for line in err.splitlines() if not line.startswith("kvmetal: note")]  # the BLAS note
+    assert status == 2 and "Traceback" not in err, err
+    assert lines[-1].startswith("kvmetal generate: error: cannot write the model cache") and \
+        "KVMETAL_MODEL_CACHE" in lines[-1], err
+    assert "kvmetal: converting" not in err
+
+
+def test_gemma3_without_the_gguf_package_fails_before_joining(tmp_path, capsys, monkeypatch):
+    from kvmetal.models import named
+
+    try:
+        named.gguf_parts("gemma3")
+    except named.ModelMissing as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setitem(sys.modules, "gguf", None)  # what importing it does where it is not installed
+    monkeypatch.setattr(named, "_joined_gguf", lambda *a, **k: pytest.fail("joined the parts first"))
+    monkeypatch.setenv("KVMETAL_MODEL_CACHE", str(tmp_path / "models"))
+    status, err = _run(["generate", "-m", "gemma3", "-p", "hi"], capsys)
+    assert status == 2 and "Traceback" not in err and "kvmetal: converting" not in err, err
+    assert err.splitlines()[-1] == ("kvmetal generate: error: the model gemma3 (gemma-3-270m) needs llama.cpp's gguf "
+                                    'package to convert its GGUF: pip install "gguf>=0.17"; in a kvmetal checkout, '
+                                    'pip install ".[gguf]" also does'), err
+
+
+def test_interrupted_starts_on_its_own_line(monkeypatch, capsys):
+    from kvmetal import budget
+
+    def interrupted(argv):
+        print("a streamed answer with no newline yet", end="")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(budget, "main", interrupted)
+    assert cli.main(["budget"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "\nkvmetal budget: interrupted\n", captured
+
+
+def test_the_source_tree_hint_names_the_pinned_mlx(monkeypatch):
+    from kvmetal import _install_check
+
+    monkeypatch.setattr(_install_check, "_inside_source_checkout", lambda: True)
+    message = _install_check.missing_extension_message(platform="linux")
+    pin = _install_check.pinned_mlx_version()
+    import mlx.core as mx
+
+    assert pin == mx.__version__  # this environment runs the pinned MLX (test_install checks it too)
+    assert f'"mlx[cpu]=={pin}"' in message and "<pinned version>" not in message
+    assert f'"mlx=={pin}"' in _install_check.missing_extension_message(platform="darwin")
+
+
+def test_import_kvmetal_leaks_no_module_it_imported():
+    code = ("import types, kvmetal; print(sorted(n for n in dir(kvmetal) if not n.startswith('_') and "
+            "isinstance(getattr(kvmetal, n), types.ModuleType))); print(hasattr(kvmetal, 'importlib'))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr
+    modules, has_importlib = run.stdout.splitlines()
+    assert modules == "[]" and has_importlib == "False", run.stdout

@@ -296,6 +296,16 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
         ("/v1/completions", json.dumps({"prompt": "hi", "xtc_threshold": 0.9}), 400, "xtc_threshold"),
         ("/v1/completions", json.dumps({"prompt": "hi", "n": 2}), 400, "n"),
         ("/v1/completions", json.dumps({"prompt": "hi", "priority": 1.5}), 400, "priority"),
+        # seed: what mx.random.seed takes (0 to 2**64 - 1), at any temperature (issue 44)
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": -1}), 400, "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": -1, "temperature": 0.7}), 400, "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": 2**70, "temperature": 0.7}), 400, "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": 2**64}), 400, "seed"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}), 400,
+         "seed"),
+        ("/v1/completions", json.dumps({"prompt": "hi", "seed": True}), 400, "seed"),
+        # a token id outside the vocabulary: refused by the request layer, naming the field
+        ("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"100000": 1}}), 400, "logit_bias"),
         ("/v1/completions", json.dumps({"prompt": "hi", "priority": 2}), 400, "priority"),  # fcfs reads none
         ("/v1/completions", json.dumps({"prompt": ["hi", "there"]}), 400, "prompt"),
         ("/v1/completions", json.dumps({"prompt": "hi", "echo": True}), 400, "echo"),
@@ -327,9 +337,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(capped, mod
     assert r.status_code == 200, r.text
     r = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 3}))
     assert "one choice per request" in r.json()["error"]["message"]
-    # A logit bias on a token the model does not have: the engine's check, named.
+    # A logit bias on a token the model does not have: one line naming the field, not the engine.
     r = post("/v1/completions", json.dumps({"prompt": "hi", "logit_bias": {"100000": 1}}))
-    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert "[Engine" not in r.json()["error"]["message"] and "vocabulary size" in r.json()["error"]["message"]
+    r = post("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1, "seed": 2**64 - 1, "temperature": 1}))
+    assert r.status_code == 200, r.text  # the largest seed MLX takes
     # Fields mlx_lm.server ignores are ignored here too.
     r = post("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "num_draft_tokens": 3, "whatever": 1}))
     assert r.status_code == 200, r.text
@@ -728,6 +741,10 @@ def test_tools_and_template_kwargs_reach_the_chat_template(capped, model_dir):
     plain = NoTemplate()
     assert _tokenize(ServeState(worker=None, tokenizer=plain, model_id="m"), req) == [5]
     assert plain.text == "U: hi\nA:"  # mlx_lm.server's format, trailing space stripped
+    req = protocol.parse({"messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "hi"}]}, chat=True, defaults=protocol.Defaults())
+    assert _tokenize(ServeState(worker=None, tokenizer=plain, model_id="m"), req) == [5]
+    assert plain.text == "system: Be brief.\nuser: hi\nassistant:"  # no trailing space either
     # The real server takes tools (its template ignores them) instead of rejecting the request.
     r = client(capped).chat.completions.create(model=capped.model, messages=messages[:1], tools=tools, max_tokens=3)
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -746,3 +763,53 @@ def test_bench_summary_survives_a_run_where_every_request_failed(monkeypatch):
     summary = serve_load.replay("http://127.0.0.1:9", "m", [{"path": "/completions"}] * 3, 2)
     assert summary["errors"] == 3 and summary["first_error"] == "503 down"
     assert summary["ttft_p50_ms"] is None and summary["ttft_p95_ms"] is None and summary["tpot_p50_ms"] is None
+
+
+def test_a_chat_without_a_chat_template_stops_at_the_next_user_line():
+    """Issue 44: the base Gemma chat ran on into "\\nuser: ..." (its prompt is role-prefixed
+    lines); such chats stop where a new turn starts, added to the request's own stop strings."""
+    from kvmetal.serve import protocol
+    from kvmetal.serve.app import ServeState, TextStream, with_default_stop
+
+    class Plain:
+        has_chat_template = False
+
+    class Templated:
+        has_chat_template = True
+
+    def parsed(messages=({"role": "user", "content": "hi"},), **extra):
+        return protocol.parse({"messages": [dict(m) for m in messages], **extra}, chat=True,
+                              defaults=protocol.Defaults())
+
+    plain = ServeState(worker=None, tokenizer=Plain(), model_id="m")
+    assert with_default_stop(plain, parsed()).stop == ["\nuser:", "\nassistant:"]
+    assert with_default_stop(plain, parsed(stop=["END"])).stop == ["END", "\nuser:", "\nassistant:"]
+    assert with_default_stop(plain, parsed(stop="\nuser:")).stop == ["\nuser:", "\nassistant:"]
+    system = parsed([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert with_default_stop(plain, system).stop == ["\nuser:", "\nassistant:", "\nsystem:"]
+    assert with_default_stop(plain, parsed(role_mapping={"user": "U: "})).stop == []  # the caller's format
+    assert with_default_stop(ServeState(worker=None, tokenizer=Templated(), model_id="m"), parsed()).stop == []
+    completion = protocol.parse({"prompt": "user: hi\nassistant:"}, chat=False, defaults=protocol.Defaults())
+    assert with_default_stop(plain, completion).stop == []  # a completion's text is the caller's
+
+    pieces = [" Paris", ".", "\n", "user", ":", " and"]
+
+    class Detok:  # what TextStream reads: the text so far, token by token
+        text = ""
+
+        def add_token(self, token):
+            self.text += pieces[token]
+
+        def finalize(self):
+            pass
+
+    class Tok:
+        detokenizer = Detok()
+
+    stream = TextStream(Tok(), with_default_stop(plain, parsed()).stop)
+    out = ""
+    for token in range(len(pieces)):
+        stream.add(token)
+        out += stream.take()
+    out += stream.take(final=True)
+    assert out == " Paris." and stream.stopped

@@ -154,6 +154,7 @@ def _mib(n: float) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     from ..cli import ArgumentParser, checked
+    from ..seeds import is_seed
     from ..quant import SUPPORTED_BITS
 
     bits = dict(type=int, choices=SUPPORTED_BITS, metavar="{" + ",".join(map(str, SUPPORTED_BITS)) + "}")
@@ -168,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="override the workload's request count")
     parser.add_argument("--shared-prefix", type=checked(int, lambda v: v >= 0, ">= 0"),
                         help="override the workload's shared prompt prefix (tokens)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random model and workload (default 0)")
+    parser.add_argument("--seed", type=checked(int, is_seed, "in [0, 2**64 - 1] (unsigned 64-bit)"), default=0,
+                        help="seed of the random model and workload (default 0)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model and cache dtype")
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per cache block")
     parser.add_argument("--k-bits", **bits, help="quantize K in kvmetal's cache")

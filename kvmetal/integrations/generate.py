@@ -29,6 +29,7 @@ class UserError(Exception):
 def _parser() -> argparse.ArgumentParser:
     from ..cli import ArgumentParser, checked
     from ..kv_format import FORMAT_FLAGS_HELP, add_format_flags
+    from ..seeds import is_seed
 
     at_least = lambda low: checked(int, lambda v: v >= low, f">= {low}")
     fraction = checked(float, lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -53,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="sample from the k most likely tokens (default 0: all)")
     p.add_argument("--min-p", type=fraction, default=0.0,
                    help="drop tokens below min-p x the top probability (default 0)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--seed", type=checked(int, is_seed, "in [0, 2**64 - 1] (unsigned 64-bit)"), default=None,
+                   help="random seed for sampling (0 to 2**64 - 1)")
     add_format_flags(p)
     p.add_argument("--quantized-kv-start", type=at_least(0), default=0,
                    help="accepted for mlx-lm compatibility; kvmetal quantizes from the first token")
@@ -103,9 +105,11 @@ def resolve_model(spec: str | None, *, say=None) -> Path:
 
         if dtype and dtype not in DTYPES:
             raise UserError(f"--model {spec!r}: the named model's dtype must be one of {DTYPES}")
+        from ..models.named import ModelCacheError
+
         try:
             return named_model_path(name, dtype or None, progress=say)
-        except ModelMissing as exc:
+        except (ModelMissing, ModelCacheError) as exc:
             raise UserError(str(exc)) from None
     path = Path(spec).expanduser()
     if not path.exists():

@@ -35,8 +35,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from .gguf import GGUFError, convert_gguf
 
+    from pathlib import Path
+
     args = _parser().parse_args(argv)
     tic = time.perf_counter()
+    if Path(args.out_dir).exists() and not args.force:
+        print(f"{PROG}: error: {args.out_dir!r} already exists; --force replaces it", file=sys.stderr)
+        return 2
     try:
         out = convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, overwrite=args.force)
     except GGUFError as exc:

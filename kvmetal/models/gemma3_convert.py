@@ -146,12 +146,13 @@ def convert_weights(gguf_file, *, dtype: str) -> tuple[dict, dict]:
     return out, quantization
 
 
-def convert_gemma3(path, *, dtype: str) -> tuple[dict, dict, dict, dict, dict]:
-    """(config, tokenizer.json, tokenizer_config.json, weights, quantization) for a gemma3 GGUF."""
+def convert_gemma3(path, *, dtype: str, header=None) -> tuple[dict, dict, dict, dict, dict]:
+    """(config, tokenizer.json, tokenizer_config.json, weights, quantization) for a gemma3 GGUF
+    (``header``: its :func:`~kvmetal.models.gguf_header.read_header`, when already read)."""
     from .gguf_numpy import GGUFFile
     from .spm_tokenizer import spm_tokenizer_files
 
-    gguf_file = GGUFFile(path)
+    gguf_file = GGUFFile(path, header=header)
     config = gemma3_config(gguf_file.meta)
     tokenizer, tokenizer_config, token_ids = spm_tokenizer_files(gguf_file.meta)
     weights, quantization = convert_weights(gguf_file, dtype=dtype)

@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
 from .gguf_base import (_GGUF_ARRAY, _GGUF_SCALARS, _GGUF_STRING, DTYPES, GGUFError, _float32,  # noqa: F401
                         _scalar, hf_tokenizer_config, module_path)
+from .gguf_header import read_header
 
 ARCHITECTURES = ("gemma3", "llama")
 
@@ -61,65 +61,27 @@ PRE_TOKENIZERS = ("default", "gpt2", "smollm", "llama-bpe", "llama3")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def _gguf_path(path: str | os.PathLike) -> Path:
-    """``path`` as a Path, after checking it is a file that starts with GGUF's magic."""
-    path = Path(path)
-    if not path.is_file():
-        raise GGUFError(f"{str(path)!r}: no such file")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise GGUFError(f"{str(path)!r} is not a GGUF file (no GGUF magic)")
-    return path
-
-
 def gguf_architecture(path: str | os.PathLike) -> str:
-    """``general.architecture`` from the file's header alone (no tensor is read)."""
-    path = _gguf_path(path)
-    with open(path, "rb") as f:
-        f.seek(4)
+    """``general.architecture`` from the file's header alone (no tensor is read; the whole
+    header is checked against the file, :func:`kvmetal.models.gguf_header.read_header`)."""
+    return _architecture(read_header(path))
 
-        def read(fmt):
-            size = struct.calcsize("<" + fmt)
-            data = f.read(size)
-            if len(data) != size:
-                raise GGUFError(f"{path.name}: the GGUF header is truncated")
-            return struct.unpack("<" + fmt, data)[0]
 
-        def string():
-            return f.read(read("Q")).decode("utf-8", errors="replace")
-
-        def skip(kind):
-            if kind == _GGUF_STRING:
-                f.seek(read("Q"), 1)
-            elif kind == _GGUF_ARRAY:
-                inner, count = read("I"), read("Q")
-                if inner in _GGUF_SCALARS:
-                    f.seek(struct.calcsize("<" + _GGUF_SCALARS[inner]) * count, 1)
-                else:
-                    for _ in range(count):
-                        skip(inner)
-            elif kind in _GGUF_SCALARS:
-                read(_GGUF_SCALARS[kind])
-            else:
-                raise GGUFError(f"{path.name}: unknown GGUF metadata type {kind}")
-
-        version = read("I")
-        if version < 2:
-            raise GGUFError(f"{path.name}: GGUF version {version} is not supported (2 or later)")
-        read("Q")  # tensor count
-        for _ in range(read("Q")):
-            key, kind = string(), read("I")
-            if key == "general.architecture" and kind == _GGUF_STRING:
-                return string()
-            skip(kind)
-    raise GGUFError(f"{path.name}: GGUF metadata has no 'general.architecture'")
+def _architecture(header) -> str:
+    arch = header.meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFError(f"{header.path.name}: GGUF metadata has no 'general.architecture'"
+                        + ("" if arch is None else " string"))
+    return arch
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
-    """(weights, metadata) as ``mx.load`` returns them, with one-line errors."""
+    """(weights, metadata) as ``mx.load`` returns them, with one-line errors. The header is
+    checked against the file first (MLX's reader trusts it: a wrong count can segfault)."""
     import mlx.core as mx
 
-    path = _gguf_path(path)
+    path = Path(path)
+    read_header(path)
     try:
         weights, meta = mx.load(str(path), return_metadata=True)
     except Exception as exc:  # MLX's own message names the tensor type it cannot read
@@ -315,22 +277,41 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     """Write an mlx-lm model directory for a llama or gemma3 GGUF file; returns ``out_dir``.
 
     The directory is written in a temporary sibling and renamed into place, so a failed
-    or interrupted conversion leaves nothing at ``out_dir``.
+    or interrupted conversion leaves nothing at ``out_dir``. The header is checked against
+    the file and the sibling created before any weight is converted.
     """
-    import mlx.core as mx
-
     if dtype not in DTYPES:
         raise GGUFError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
-        raise GGUFError(f"{str(out_dir)!r} already exists")
-    arch = gguf_architecture(gguf_path)  # the architecture first: the clearest error for another model
+        raise GGUFError(f"{str(out_dir)!r} already exists (overwrite=True replaces it)")
+    header = read_header(gguf_path)  # checked against the file before any reader trusts it
+    arch = _architecture(header)  # the architecture first: the clearest error for another model
     if arch not in ARCHITECTURES:
         raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    # Where the result goes, before any weight is converted: the temporary sibling it is
+    # written in and renamed from.
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as exc:
+        raise GGUFError(f"cannot create {str(out_dir)!r}: {exc.strerror or exc}") from None
+    try:
+        _convert_into(tmp, out_dir, gguf_path, header, arch, dtype=dtype)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _convert_into(tmp: Path, out_dir: Path, gguf_path, header, arch: str, *, dtype: str) -> None:
+    import mlx.core as mx
+
     if arch == "gemma3":
         from .gemma3_convert import convert_gemma3
 
-        config, tokenizer, tokenizer_config, mlx_weights, quantization = convert_gemma3(gguf_path, dtype=dtype)
+        config, tokenizer, tokenizer_config, mlx_weights, quantization = convert_gemma3(gguf_path, dtype=dtype,
+                                                                                        header=header)
     else:
         weights, meta = read_gguf(gguf_path)
         config = llama_config(meta)
@@ -354,21 +335,14 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     config["torch_dtype"] = dtype if dtype != "keep" else ("float16" if "float16" in float_dtypes else
                                                            sorted(float_dtypes)[0])
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
-        mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n", encoding="utf-8")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
-                                                   encoding="utf-8")
-        if out_dir.exists():  # overwrite: move the old one aside only once the new one is complete
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
+    mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n", encoding="utf-8")
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n",
+                                               encoding="utf-8")
+    if out_dir.exists():  # overwrite: move the old one aside only once the new one is complete
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)

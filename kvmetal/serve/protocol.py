@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..integrations.engine import SamplingParams
+from ..seeds import SEED_RANGE_TEXT, is_seed
 
 
 class APIError(Exception):
@@ -61,6 +62,12 @@ class GenerationRequest:
     role_mapping: dict | None = None  # prompt format when the tokenizer has no chat template
     priority: int = 0  # lower is served first, under a scheduling policy that reads it (vLLM's field)
     speculative: bool = True  # False: no speculative decoding for this request (when the server has it)
+
+
+# What a chat with a model that has no chat template also stops at (kvmetal/serve/app.py,
+# with_default_stop; and a line for every other role the messages use): its prompt is
+# "role: content" lines, and a base model goes on to write the next turns itself.
+PLAIN_CHAT_STOP = ("\nuser:", "\nassistant:")
 
 
 def _is_int(v) -> bool:
@@ -184,7 +191,7 @@ def parse(body, *, chat: bool, defaults: Defaults) -> GenerationRequest:
     top_p = _get(body, "top_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]", defaults.top_p)
     top_k = _get(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0", defaults.top_k)
     min_p = _get(body, "min_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]", defaults.min_p)
-    seed = _get(body, "seed", _is_int, "an integer", None)
+    seed = _get(body, "seed", is_seed, SEED_RANGE_TEXT, None)  # at any temperature
     stream = _get(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = options.get("include_usage", False)
