@@ -19,7 +19,7 @@ AREAS = (
     ("engine", ("varlen_mlx_lm", "cascade_engine", "engine", "mlx_lm", "cache", "batch_invariance",
                 "greedy_quant")),
     ("serve", ("serve",)),
-    ("models", ("real_model", "blas")),
+    ("models", ("real_model", "blas", "gguf", "named")),
     ("tools", ("bench", "varlen_bench", "sparse_v_bench", "budget", "chips", "cli", "docs", "import_cycles",
                "install", "macho", "macos_crossbuild", "selfcheck")),
     ("kernels", ("metal", "sim", "varlen", "cascade", "ops", "cpu", "sparse_v", "quant", "kv_format", "query_tokens",
