@@ -213,12 +213,13 @@ def test_default_contexts_stay_within_the_models_trained_context():
     from kvmetal.benchmarks.model_bench import pick_contexts
 
     said = []
-    assert pick_contexts(None, 8192, 32, warn=said.append) == [512, 4096]
+    assert pick_contexts(None, 8192, 32, warn=said.append, backend="metal") == [512, 4096]
     assert "16,384 skipped" in said[0] and "8,192" in said[0] and "--contexts" in said[0]
     said.clear()
     assert pick_contexts("512,16K", 8192, 32, warn=said.append) == [512, 16384]  # the user's choice is kept
     assert "warning" in said[0] and "16,384" in said[0]
     assert pick_contexts(None, None, 32, warn=said.append) == [512, 4096, 16384]
+    assert pick_contexts(None, 8192, 32, warn=said.append, backend="cpu") == [512, 2048]  # MLX's CPU attention
     with pytest.raises(ValueError, match="--contexts"):
         pick_contexts("512,lots", 8192, 32, warn=said.append)
 

@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                         "kvmetal quantized (K8/V4 unless the K/V flags below say otherwise), mlx-lm "
                         "KVCache and mlx-lm kv_bits (8, or --kv-bits)")
     p.add_argument("--contexts", default=None,
-                   help="with --model: prompt lengths to measure (default 512,4K,16K, less those past the model's "
-                        "trained context)")
+                   help="with --model: prompt lengths to measure (default 512,4K,16K on a Mac, 512,2K elsewhere, "
+                        "where MLX's CPU attention is slow; less those past the model's trained context)")
     p.add_argument("--gen-tokens", type=at_least(2), default=32,
                    help="with --model: tokens generated per run (default 32)")
     p.add_argument("--samples", type=at_least(1), default=3,

@@ -28,16 +28,23 @@ import numpy as np
 from ..kv_format import KVFormat
 
 DEFAULT_QUANTIZED = KVFormat(k_bits=8, v_bits=4)  # the kvmetal row when no K/V flag is given
-DEFAULT_CONTEXTS = "512,4K,16K"  # less those past the model's trained context
+# Less those past the model's trained context. Off a Mac the mlx-lm rows run MLX's CPU
+# attention, seconds per token past a few thousand (a 2-core machine took 40 minutes for
+# 512 and 4K), so the default stops at 2K there.
+DEFAULT_CONTEXTS = {"metal": "512,4K,16K", "other": "512,2K"}
 
 
-def pick_contexts(given: str | None, trained: int | None, gen_tokens: int, *, warn) -> list:
+def default_contexts(backend: str) -> str:
+    return DEFAULT_CONTEXTS["metal" if backend == "metal" else "other"]
+
+
+def pick_contexts(given: str | None, trained: int | None, gen_tokens: int, *, warn, backend: str = "metal") -> list:
     """Prompt lengths to measure. The default drops those whose prompt and generated tokens do
     not fit the context the model was trained for (SmolLM2: 8K); lengths the user gave are kept,
     with a warning for those past it."""
     from ..budget import parse_tokens
 
-    text = DEFAULT_CONTEXTS if given is None else given
+    text = default_contexts(backend) if given is None else given
     contexts = [parse_tokens(c.strip(), name="--contexts") for c in text.split(",") if c.strip()]
     if not contexts:
         raise ValueError("--contexts is empty")
@@ -203,7 +210,7 @@ def main(args, backend: str) -> int:
     except ValueError as exc:
         print(f"kvmetal bench: error: {exc}", file=sys.stderr)
         return 2
-    contexts = pick_contexts(args.contexts, shape.max_position_embeddings, args.gen_tokens,
+    contexts = pick_contexts(args.contexts, shape.max_position_embeddings, args.gen_tokens, backend=backend,
                              warn=lambda line: print(line, file=sys.stderr, flush=True))
     rng = np.random.default_rng(0)
     vocab = shape.vocab_size or 1000
