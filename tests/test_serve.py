@@ -674,9 +674,9 @@ def test_penalties_and_logit_bias_match_mlx_lm_processors(capped, model_dir):
                                     extra_body=body).choices[0].text
 
     def expected(extra):
-        processors = make_logits_processors(**extra)
-        return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=16,
-                                                       logits_processors=processors))
+        processors = make_logits_processors(**extra)  # a completion keeps its first token's space
+        return tokenizer.decode([r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=16,
+                                                                  logits_processors=processors)])
 
     plain = served({})
     with ThreadPoolExecutor(len(settings)) as pool:  # batched together: each applies its own processors

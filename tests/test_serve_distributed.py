@@ -163,7 +163,8 @@ def greedy_alone(model_dir, prompt, max_tokens):
     from mlx_lm import load, stream_generate
 
     model, tokenizer = load(str(model_dir))
-    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+    # A completion keeps its first token's leading space (the streamed text trims it).
+    return tokenizer.decode([r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)])
 
 
 def test_two_ranks_answer_like_one_process_with_half_the_kv_per_rank(launch_ok, model_dir):
