@@ -621,8 +621,11 @@ class PagedLayerCache(_LayerGroupView):
         return mx.array(self._offsets, dtype=mx.int32)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Write the new rows ([B, Hkv, L, D]) into the pool and return them: ``attention``
-        reads the pool itself (and gathers only for a mask it did not make)."""
+        """Write the new rows ([B, Hkv, L, D]) into the pool and return every row written
+        so far, [B, Hkv, T, D] (mlx-lm's protocol; rows a window layer released, and rows
+        past a shorter sequence's end, read as zeros). The returned arrays are a lazy
+        gather from the pool: ``attention`` reads the pool itself, so unless the model
+        uses them otherwise they are never computed."""
         batch, num_kv_heads, num_new, head_dim = keys.shape
         if batch != len(self.seq_ids):
             self._widen(batch)
@@ -631,7 +634,7 @@ class PagedLayerCache(_LayerGroupView):
         self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        return keys, values
+        return self._gather(plan)
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None) -> mx.array:

@@ -1,0 +1,232 @@
+"""Every architecture of the installed mlx-lm, built tiny and random, under ``use_paged_cache``.
+
+``architectures()`` walks ``mlx_lm.models`` (pkgutil) for modules with a ``ModelArgs`` and a
+``Model``; ``tiny_args(name)`` derives a small config from the module's ``ModelArgs`` fields
+(``SIZES`` by field name, then by annotated type for any other required field), with a
+few per-architecture ``OVERRIDES`` where a family needs a field to make sense (a layer
+pattern that must contain an attention layer, say). A family mlx-lm adds is picked up
+without editing anything here.
+
+``check(name)`` compares, on the cpu backend in float32, the logits of a prefill and
+``DECODE_STEPS`` greedy decode steps with mlx-lm's own cache against kvmetal's paged cache
+(max relative difference, greedy tokens identical), runs the same path teacher-forced
+with a K8/V4 cache (finite, top-1 agreement with float), and checks ``generate_step``'s
+tokens are unchanged. ``tools/model_coverage.py`` writes the table; the test is
+tests/test_mlx_lm_all_models.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+import time
+import typing
+
+import mlx.core as mx
+import numpy as np
+
+PROMPT_TOKENS = 20  # crosses a 16-token block
+DECODE_STEPS = 16
+WINDOW = 24  # sliding windows, so that prompt + decode (36 tokens) runs past them
+VOCAB = 256
+TOLERANCE = 1e-4  # max |paged - mlx-lm| / max |mlx-lm| over every logit, float32
+
+# Values for fields by name, used whether or not the field has a default (a default is
+# usually a full-size model's). head_dim 64: hidden 256 over 4 heads, or set directly.
+SIZES = dict(
+    hidden_size=256, d_model=256, n_embd=256, dim=256, model_dim=256, embedding_size=256,
+    num_hidden_layers=2, num_layers=2, n_layer=2, n_layers=2, num_transformer_layers=2,
+    intermediate_size=256, n_inner=256, ffn_hidden_size=256, ff_intermediate_size=256, hidden_dim=256,
+    intermediate_size_mlp=256, mlp_hidden_size=256, shared_intermediate_size=128, block_dim=256,
+    num_attention_heads=4, n_head=4, n_heads=4, num_heads=4, num_query_heads=4,
+    num_key_value_heads=2, num_kv_heads=2, n_kv_heads=2, multi_query_group_num=2,
+    head_dim=64, v_head_dim=64, vocab_size=VOCAB,
+    moe_intermediate_size=64, expert_ffn_hidden_size=64, shared_expert_intermediate_size=64,
+    num_experts=4, n_routed_experts=4, num_local_experts=4, moe_num_experts=4,
+    num_experts_per_tok=2, moe_topk=2, n_shared_experts=1, num_shared_experts=1, num_shared_expert=1,
+    n_group=1, topk_group=1, first_k_dense_replace=1, num_dense_layers=1,
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=48,
+    sliding_window=WINDOW, sliding_window_size=WINDOW, attention_window_size=WINDOW,
+    max_position_embeddings=4096, n_positions=4096, n_ctx=4096, model_max_length=4096,
+    tie_word_embeddings=False,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, conv_kernel=4, conv_L_cache=3, conv1d_width=4,
+    state_size=16, ssm_state_size=16, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+    mamba_num_heads=8, mamba_head_dim=32, n_groups=1, time_step_rank=16,
+    index_head_dim=32, index_n_heads=2, index_topk=8,
+)
+# Required fields of other names, by annotated type.
+BY_TYPE = {int: 2, float: 1.0, bool: False, str: ""}
+
+# Per architecture, only where one needs a field to make sense at this size.
+OVERRIDES: dict = {
+}
+
+
+@dataclasses.dataclass
+class Row:
+    """One architecture's result (``status``: exact, refused, broken or unbuilt)."""
+
+    name: str
+    status: str
+    reason: str = ""
+    max_rel_diff: float | None = None
+    greedy_identical: bool | None = None
+    generate_step_identical: bool | None = None
+    k8v4_finite: bool | None = None
+    k8v4_top1: float | None = None
+    paged_layers: int | None = None
+    native_layers: int | None = None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def architectures() -> list:
+    """Names of the mlx_lm.models modules that define ``ModelArgs`` and ``Model``."""
+    import mlx_lm.models as pkg
+
+    names = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        try:
+            module = importlib.import_module(f"mlx_lm.models.{info.name}")
+        except (Exception, SystemExit):  # an optional dependency missing (olmo exits): unbuilt
+            names.append(info.name)
+            continue
+        if hasattr(module, "ModelArgs") and hasattr(module, "Model"):
+            names.append(info.name)
+    return sorted(names)
+
+
+def _required(field) -> bool:
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+def tiny_args(name: str) -> dict:
+    """A small config for architecture ``name``, derived from its ``ModelArgs``."""
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    hints = typing.get_type_hints(module.ModelArgs) if dataclasses.is_dataclass(module.ModelArgs) else {}
+    config = {}
+    for field in dataclasses.fields(module.ModelArgs):
+        if field.name == "model_type":
+            config[field.name] = name
+        elif field.name in SIZES:
+            config[field.name] = SIZES[field.name]
+        elif _required(field):
+            kind = hints.get(field.name, field.type)
+            kind = typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Union else kind
+            if kind in BY_TYPE:
+                config[field.name] = BY_TYPE[kind]
+            elif typing.get_origin(kind) in (dict,) or kind is dict:
+                config[field.name] = {}
+    config.update(OVERRIDES.get(name, {}))
+    return config
+
+
+def build(name: str, *, seed: int = 0):
+    """The random tiny model of ``name`` in float32."""
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    args = module.ModelArgs.from_dict(tiny_args(name))
+    mx.random.seed(seed)
+    model = module.Model(args)
+    # Learnt scalars initialised to zero (attention sinks, gates) would make paths trivial.
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def _run(model, prompt: list, steps: int, *, forced: list | None = None):
+    """Logits [1 + steps, vocab] of a prefill and ``steps`` decode steps through the
+    model's prompt cache (whatever ``make_prompt_cache`` gives), greedy or ``forced``."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    out, tokens = [logits], []
+    for i in range(steps):
+        token = int(mx.argmax(out[-1])) if forced is None else forced[i]
+        tokens.append(token)
+        out.append(model(mx.array([[token]]), cache=cache)[0, -1])
+    got = mx.stack(out).astype(mx.float32)
+    mx.eval(got)
+    return np.array(got), tokens
+
+
+def _generate_step_tokens(model, prompt: list, steps: int) -> list:
+    from mlx_lm.generate import generate_step
+
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=steps,
+                                             sampler=lambda lp: mx.argmax(lp, axis=-1))]
+
+
+def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0) -> Row:
+    """One architecture: build, refuse or compare (see the module docstring)."""
+    from .. import use_backend
+    from .mlx_lm import UnsupportedModel, analyse_model, use_paged_cache
+
+    start = time.perf_counter()
+    row = Row(name, "unbuilt")
+    try:
+        model = build(name, seed=seed)
+    except SystemExit as exc:  # olmo's module exits when its optional dependency is missing
+        row.reason = f"module not importable: {exc}"
+        row.seconds = time.perf_counter() - start
+        return row
+    except Exception as exc:
+        row.reason = f"tiny model not built: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        row.seconds = time.perf_counter() - start
+        return row
+    try:
+        vocab = min(VOCAB, int(model(mx.array([[0]]))[0, -1].shape[-1]))
+    except Exception as exc:
+        row.reason = f"tiny model not built: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        row.seconds = time.perf_counter() - start
+        return row
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(1, vocab, PROMPT_TOKENS)]
+    with use_backend("cpu"):
+        try:
+            expected, tokens = _run(model, prompt, steps)
+            expected_gen = _generate_step_tokens(model, prompt, 8)
+        except Exception as exc:
+            row.reason = f"mlx-lm's own cache fails on the tiny model: {type(exc).__name__}: {str(exc)[:160]}"
+            row.seconds = time.perf_counter() - start
+            return row
+        try:
+            layout = analyse_model(model)
+        except UnsupportedModel as exc:
+            row.status, row.reason = "refused", str(exc).replace("[use_paged_cache] ", "", 1)
+            row.seconds = time.perf_counter() - start
+            return row
+        row.paged_layers, row.native_layers = len(layout.specs), len(layout.native)
+        try:
+            with use_paged_cache(model, block_size=16):
+                got, got_tokens = _run(model, prompt, steps)
+                got_gen = _generate_step_tokens(model, prompt, 8)
+            with use_paged_cache(model, block_size=16, k_bits=8, v_bits=4):
+                quant, _ = _run(model, prompt, steps, forced=tokens)
+        except Exception as exc:
+            row.status = "broken"
+            row.reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            row.seconds = time.perf_counter() - start
+            return row
+    scale = float(np.abs(expected).max()) or 1.0
+    row.max_rel_diff = float(np.abs(got - expected).max() / scale) if np.isfinite(got).all() else float("inf")
+    row.greedy_identical = got_tokens == tokens
+    row.generate_step_identical = got_gen == expected_gen
+    row.k8v4_finite = bool(np.isfinite(quant).all())
+    row.k8v4_top1 = float((quant.argmax(-1) == expected.argmax(-1)).mean())
+    problems = []
+    if not row.max_rel_diff <= TOLERANCE:
+        problems.append(f"logits differ (max rel {row.max_rel_diff:.2e} > {TOLERANCE:.0e})")
+    if not row.greedy_identical:
+        problems.append("greedy tokens differ")
+    if not row.generate_step_identical:
+        problems.append("generate_step tokens differ")
+    if not row.k8v4_finite:
+        problems.append("K8/V4 logits not finite")
+    row.status = "broken" if problems else "exact"
+    row.reason = "; ".join(problems)
+    row.seconds = time.perf_counter() - start
+    return row
