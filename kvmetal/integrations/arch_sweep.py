@@ -55,12 +55,40 @@ SIZES = dict(
     state_size=16, ssm_state_size=16, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
     mamba_num_heads=8, mamba_head_dim=32, n_groups=1, time_step_rank=16,
     index_head_dim=32, index_n_heads=2, index_topk=8,
+    rope_theta=10000.0, sliding_window_pattern=2, full_attention_interval=2,
+    # per-layer patterns of a 2-layer model: one window (or recurrent) layer, one full
+    layer_types=["sliding_attention", "full_attention"], is_moe_layer=[False, True],
+    mlp_only_layers=[], sliding_window_layers=[0], moe_layer_freq=[0, 1], hybrid_layer_pattern=[1, 0],
+    no_rope_layers=[1, 1], cla_share_factor=2, time_step_limit=(0.0, float("inf")),
 )
 # Required fields of other names, by annotated type.
 BY_TYPE = {int: 2, float: 1.0, bool: False, str: ""}
 
 # Per architecture, only where one needs a field to make sense at this size.
+_ROPE4 = {"llama_4_scaling_beta": 0.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+          "rope_type": "default"}
 OVERRIDES: dict = {
+    "dbrx": dict(ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+                 attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}),
+    "deepseek_v2": dict(rope_scaling={"factor": 1.0, "mscale_all_dim": 0, "mscale": 1.0, "beta_fast": 32,
+                                      "beta_slow": 1, "original_max_position_embeddings": 4096}),
+    "minicpm3": dict(rope_scaling={"original_max_position_embeddings": 4096, "short_factor": 1.0,
+                                   "long_factor": 1.0}),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2),
+    "nemotron_h": dict(layer_types=None, hybrid_override_pattern=["M", "*"]),
+    "mellum": dict(layer_types=["full_attention", "full_attention"]),
+    "phi": dict(partial_rotary_factor=0.5),
+    "qwen": dict(intermediate_size=512),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+    "step3p5": dict(moe_top_k=2),
+    "spark2_5": dict(rope_parameters={t: {"rope_theta": 10000.0, "rope_type": "default"}
+                                      for t in ("full_attention", "sliding_attention")}),
+    "mimo_v2_flash": dict(topk_method="noaux_tc"),
+    "openelm": dict(num_query_heads=[4, 4], num_kv_heads=[2, 2], ffn_multipliers=[1.0, 1.0], ffn_dim_divisor=8),
+    "ministral3": dict(rope_parameters=_ROPE4),
+    "mistral4": dict(rope_parameters=_ROPE4),
+    "mistral3": dict(text_config=dict(SIZES, model_type="ministral3", rope_parameters=_ROPE4)),
 }
 
 
@@ -78,6 +106,7 @@ class Row:
     k8v4_top1: float | None = None
     paged_layers: int | None = None
     native_layers: int | None = None
+    gathered_calls: int | None = None  # attention calls that took the model's own mask array (gather + MLX sdpa)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -112,6 +141,8 @@ def tiny_args(name: str) -> dict:
     for field in dataclasses.fields(module.ModelArgs):
         if field.name == "model_type":
             config[field.name] = name
+        elif field.name == "text_config":  # a wrapper: its language model reads what it knows
+            config[field.name] = dict(SIZES, model_type=name)
         elif field.name in SIZES:
             config[field.name] = SIZES[field.name]
         elif _required(field):
@@ -185,6 +216,7 @@ def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0) -> Row:
         row.seconds = time.perf_counter() - start
         return row
     prompt = [int(t) for t in np.random.default_rng(seed).integers(1, vocab, PROMPT_TOKENS)]
+    _mark(name, "reference")
     with use_backend("cpu"):
         try:
             expected, tokens = _run(model, prompt, steps)
@@ -200,9 +232,11 @@ def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0) -> Row:
             row.seconds = time.perf_counter() - start
             return row
         row.paged_layers, row.native_layers = len(layout.specs), len(layout.native)
+        _mark(name, "paged")
         try:
-            with use_paged_cache(model, block_size=16):
+            with use_paged_cache(model, block_size=16) as handle:
                 got, got_tokens = _run(model, prompt, steps)
+                row.gathered_calls = handle.shared_cache.gathered_attention
                 got_gen = _generate_step_tokens(model, prompt, 8)
             with use_paged_cache(model, block_size=16, k_bits=8, v_bits=4):
                 quant, _ = _run(model, prompt, steps, forced=tokens)
@@ -230,3 +264,93 @@ def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0) -> Row:
     row.reason = "; ".join(problems)
     row.seconds = time.perf_counter() - start
     return row
+
+
+def sweep(names: list | None = None, *, timeout: float = 120.0) -> list:
+    """``check`` every architecture in ``names`` (default: all), in a worker process that
+    is restarted when one crashes or runs past ``timeout`` seconds (MLX's own CPU kernels
+    segfault on a few tiny configs): a crash in mlx-lm's own run leaves the architecture
+    unbuilt, a crash after kvmetal took over is broken."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    names = list(architectures() if names is None else names)
+    rows, pending = [], list(names)
+    while pending:
+        worker = subprocess.Popen([sys.executable, "-m", "kvmetal.integrations.arch_sweep", "--worker"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  text=True, env=dict(os.environ, PYTHONFAULTHANDLER=""))
+        worker.stdin.write("\n".join(pending) + "\n")
+        worker.stdin.close()
+        phase, current = None, None
+        import selectors
+
+        selector = selectors.DefaultSelector()
+        selector.register(worker.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while True:
+            if not selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                worker.kill()
+                worker.wait()
+                line = ""
+                died = f"ran past {timeout:.0f} s"
+            else:
+                line = worker.stdout.readline()
+                died = f"the worker process died (exit {worker.wait()})" if not line else None
+            if died:
+                if current is None:
+                    return rows + [Row(n, "unbuilt", f"no result: {died}") for n in pending]
+                status = "broken" if phase == "paged" else "unbuilt"
+                where = "under use_paged_cache" if phase == "paged" else "in mlx-lm's own run of the tiny model"
+                rows.append(Row(current, status, f"{died} {where}"))
+                pending.remove(current)
+                break
+            if not line.startswith(_TAG):  # a model module printing something
+                continue
+            message = json.loads(line[len(_TAG):])
+            if "phase" in message:
+                phase, current = message["phase"], message["name"]
+                if phase == "start":
+                    deadline = time.monotonic() + timeout
+            else:
+                rows.append(Row(**message))
+                pending.remove(message["name"])
+                current = None
+                if not pending:
+                    worker.wait()
+                    break
+    order = {n: i for i, n in enumerate(names)}
+    return sorted(rows, key=lambda r: order[r.name])
+
+
+def _worker() -> None:
+    import json
+    import sys
+
+    def report(**kwargs):
+        sys.stdout.write(_TAG + json.dumps(kwargs) + "\n")
+        sys.stdout.flush()
+
+    global _phase
+    _phase = lambda name, phase: report(name=name, phase=phase)  # noqa: E731
+    for name in sys.stdin.read().split():
+        report(name=name, phase="start")
+        report(**check(name).as_dict())
+
+
+_TAG = "@kvmetal-sweep "  # marks the worker's result lines among anything a module prints
+_phase = None  # set in a sweep worker: reports which phase a check is in
+
+
+def _mark(name: str, phase: str) -> None:
+    if _phase is not None:
+        _phase(name, phase)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--worker"]:
+        _worker()

@@ -102,6 +102,7 @@ class PagedModelCache:
         self.growable = num_blocks is None
         self.options = dict(block_size=block_size, num_blocks=num_blocks, kv_format=self.kv_format,
                             cascade=bool(cascade), sparse_v=self.sparse_v)
+        self.gathered_attention = 0  # layer calls with a mask array we did not make: rows gathered, MLX's sdpa
         self.cascade_steps = 0  # one-token passes (per full-attention layer group) that ran the cascade op
         group_keys = []
         self.layer_group, self.layer_index = [], []
@@ -653,6 +654,7 @@ class PagedLayerCache(_LayerGroupView):
         known, requested = self.model_cache._mask_window(mask)
         plan = self._plan
         if not known:
+            self.model_cache.gathered_attention += 1
             keys, values = self._gather(plan)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
