@@ -56,6 +56,8 @@ SIZES = dict(
     mamba_num_heads=8, mamba_head_dim=32, n_groups=1, time_step_rank=16,
     index_head_dim=32, index_n_heads=2, index_topk=8,
     rope_theta=10000.0, sliding_window_pattern=2, full_attention_interval=2,
+    rms_norm_eps=1e-5, norm_eps=1e-5, layer_norm_eps=1e-5, layer_norm_epsilon=1e-5, layernorm_epsilon=1e-5,
+    decoder_sparse_step=1, norm_topk_prob=True,
     # per-layer patterns of a 2-layer model: one window (or recurrent) layer, one full
     layer_types=["sliding_attention", "full_attention"], is_moe_layer=[False, True],
     mlp_only_layers=[], sliding_window_layers=[0], moe_layer_freq=[0, 1], hybrid_layer_pattern=[1, 0],
@@ -68,6 +70,7 @@ BY_TYPE = {int: 2, float: 1.0, bool: False, str: ""}
 _ROPE4 = {"llama_4_scaling_beta": 0.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
           "rope_type": "default"}
 OVERRIDES: dict = {
+    "gemma2": dict(attn_logit_softcapping=0.5),  # scores of a tiny model are small: make the cap bite
     "dbrx": dict(ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
                  attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}),
     "deepseek_v2": dict(rope_scaling={"factor": 1.0, "mscale_all_dim": 0, "mscale": 1.0, "beta_fast": 32,
@@ -129,6 +132,23 @@ def architectures() -> list:
     return sorted(names)
 
 
+def _fits(value, kind) -> bool:
+    """Whether a SIZES value suits a field annotated ``kind`` (a list only a list field, an
+    int only a number field...); an annotation it cannot read accepts anything."""
+    origin = typing.get_origin(kind)
+    if origin is typing.Union:
+        return any(_fits(value, k) for k in typing.get_args(kind) if k is not type(None))
+    if origin in (list, tuple) or kind in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin is dict or kind is dict:
+        return isinstance(value, dict)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind in (int, str, bool):
+        return type(value) is kind
+    return True
+
+
 def _required(field) -> bool:
     return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
 
@@ -143,7 +163,7 @@ def tiny_args(name: str) -> dict:
             config[field.name] = name
         elif field.name == "text_config":  # a wrapper: its language model reads what it knows
             config[field.name] = dict(SIZES, model_type=name)
-        elif field.name in SIZES:
+        elif field.name in SIZES and _fits(SIZES[field.name], hints.get(field.name, field.type)):
             config[field.name] = SIZES[field.name]
         elif _required(field):
             kind = hints.get(field.name, field.type)

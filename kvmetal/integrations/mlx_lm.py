@@ -97,6 +97,62 @@ def _attention_modules(model) -> list:
                   and callable(getattr(sys.modules[n], "scaled_dot_product_attention", None)))
 
 
+# Families that attend by hand over the keys their cache returns, mapped onto kvmetal's
+# attention variant: (module, class) -> a replacement for the class's __call__, taking the
+# original. It runs the family's own code for any other cache (mlx-lm's, during the probe
+# too, where it marks the probed layer as mapped). The sweep re-checks each against mlx-lm.
+def _gemma2_attention(original):
+    """gemma2: scores softcapped (c * tanh(s / c)) before the mask and softmax."""
+    def __call__(self, x, mask=None, cache=None):
+        if not isinstance(cache, (PagedLayerCache, RaggedLayerCache)):
+            probe = _probes.get(id(cache)) if _probes else None
+            if probe is not None:
+                probe.mapped = f"softcap {self.attn_logit_softcapping}"
+            return original(self, x, mask=mask, cache=cache)
+        b, n, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = cache.attention(queries, keys, values, scale=self.scale, mask=mask,
+                              softcap=float(self.attn_logit_softcapping))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+    return __call__
+
+
+HAND_ATTENTION = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention}
+_patched_classes: dict = {}  # class -> [original __call__, number of live patches]
+
+
+def _hand_attention_classes(model) -> list:
+    found = {type(m) for _, m in model.named_modules()
+             if (type(m).__module__, type(m).__name__) in HAND_ATTENTION}
+    return sorted(found, key=lambda c: (c.__module__, c.__name__))
+
+
+def _patch_class(cls) -> None:
+    with _patch_lock:
+        if cls in _patched_classes:
+            _patched_classes[cls][1] += 1
+            return
+        original = cls.__call__
+        cls.__call__ = HAND_ATTENTION[(cls.__module__, cls.__name__)](original)
+        _patched_classes[cls] = [original, 1]
+
+
+def _unpatch_class(cls) -> None:
+    with _patch_lock:
+        entry = _patched_classes[cls]
+        entry[1] -= 1
+        if entry[1] == 0:
+            cls.__call__ = entry[0]
+            del _patched_classes[cls]
+
+
 def _original_caches(model) -> list:
     """The caches mlx-lm itself would build for ``model``."""
     make = getattr(type(model), "make_cache", None)
@@ -152,6 +208,7 @@ class _Probe:
     fetches: list = field(default_factory=list)  # per update_and_fetch: (keys, values) it returned
     calls: list = field(default_factory=list)  # per attention call with this cache: (q shape, keys, values, options)
     passes: list = field(default_factory=list)  # fetches after each probe pass
+    mapped: str | None = None  # a HAND_ATTENTION mapping served this layer's attention (what it maps)
 
 
 _analyse_lock = threading.Lock()
@@ -211,9 +268,11 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
     """Two passes through the model (two prompt tokens, then one decode token) with
     mlx-lm's own caches, recording every write and every attention call. Lazy: nothing
     is computed, only the graph is built."""
-    modules = _attention_modules(model)
+    modules, classes = _attention_modules(model), _hand_attention_classes(model)
     for name in modules:
         _patch_module(name)
+    for cls in classes:
+        _patch_class(cls)
     with _analyse_lock:
         for p in probes:
             _instrument(p)
@@ -237,6 +296,8 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
                 vars(p.cache).pop("update_and_fetch", None)
             for name in modules:
                 _unpatch_module(name)
+            for cls in classes:
+                _unpatch_class(cls)
     for p in probes:
         p.strays = [s for s in strays if any(s[0] is k or s[1] is v for k, v in p.fetches)]
 
@@ -254,7 +315,9 @@ def _layer_spec(probe: _Probe, family: str):
     if head_dim != v_head_dim:
         _refuse(family, name, f"K head_dim {head_dim} and V head_dim {v_head_dim} differ (MLA-style attention); "
                               f"kvmetal's pools and kernels hold one head_dim for K and V")
-    if not calls:
+    if not calls and probe.mapped and not probe.strays:
+        calls = [(None, keys, values, [])] * len(fetches)  # kvmetal's variant stands in (HAND_ATTENTION)
+    elif not calls:
         if probe.strays:
             _refuse(family, name, "its keys reach scaled_dot_product_attention without its cache, so kvmetal "
                                   "cannot attend over its paged rows")
@@ -266,10 +329,10 @@ def _layer_spec(probe: _Probe, family: str):
     for (q_shape, k, v, options), (fk, fv) in zip(calls, fetches):
         if options:
             _refuse(family, name, f"attention option(s) {', '.join(options)}, which kvmetal's attention does not model")
-        if k is not fk or v is not fv:
+        if q_shape is not None and (k is not fk or v is not fv):
             _refuse(family, name, "the keys/values it attends over are not the ones its cache returned (changed "
                                   "after the fetch), so kvmetal's paged rows would differ from them")
-        if q_shape[-1] != head_dim or q_shape[1] % int(keys.shape[1]):
+        if q_shape is not None and (q_shape[-1] != head_dim or q_shape[1] % int(keys.shape[1])):
             _refuse(family, name, f"queries {q_shape} do not match keys {tuple(keys.shape)} (head_dim, or query "
                                   f"heads a multiple of kv heads)")
     if probe.strays:
@@ -346,10 +409,13 @@ class PagedCacheHandle:
             self.layout = analyse_model(model)
             self.specs = self.layout.specs
             self._modules = _attention_modules(model)
+            self._classes = _hand_attention_classes(model)
             self._had_instance_make_cache = "make_cache" in vars(model)
             self._instance_make_cache = vars(model).get("make_cache")
             for name in self._modules:
                 _patch_module(name)
+            for cls in self._classes:
+                _patch_class(cls)
         except BaseException:
             with _patch_lock:
                 del _patched_models[id(model)]
@@ -398,6 +464,8 @@ class PagedCacheHandle:
             del _patched_models[id(self.model)]
         for name in self._modules:
             _unpatch_module(name)
+        for cls in self._classes:
+            _unpatch_class(cls)
 
     def __enter__(self):
         return self

@@ -499,7 +499,7 @@ class RaggedLayerCache(_LayerGroupView):
         return keys, values
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
-                  sinks: mx.array | None = None) -> mx.array:
+                  sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
         self._check_rows(queries, "queries")
         known, requested = self.model_cache._mask_window(mask)
         if not known:
@@ -511,8 +511,8 @@ class RaggedLayerCache(_LayerGroupView):
         d = self.batch.decodes
         if d == 0:
             out = ops.paged_attention_varlen(queries[:, :, 0], kc, vc, plan.block_tables, plan.seq_lens,
-                                             plan.query_start_loc, scale=scale, sliding_window=window, sinks=sinks,
-                                             validate=False)
+                                             plan.query_start_loc, scale=scale, softcap=softcap,
+                                             sliding_window=window, sinks=sinks, validate=False)
             return out[:, :, None]
         # Decode rows as a pass of decodes only runs them (PagedLayerCache.attention), the rest as
         # prefill. A decode with drafts brings L rows: the decode kernel's L query tokens.
@@ -521,13 +521,14 @@ class RaggedLayerCache(_LayerGroupView):
         for row, seqs, n, tables, lens in runs:
             q = queries[row:row + seqs * n, :, 0]
             q = q if n == 1 else q.reshape(seqs, n, *q.shape[1:])
-            out = ops.paged_attention(q, kc, vc, tables, lens, scale=scale, sliding_window=window, sinks=sinks,
-                                      sparse_v=self.model_cache.sparse_v, validate=False)
+            out = ops.paged_attention(q, kc, vc, tables, lens, scale=scale, softcap=softcap, sliding_window=window,
+                                      sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)
             outs.append(out if n == 1 else out.reshape(seqs * n, *out.shape[2:]))
         if d < len(self.batch.seq_ids):
             r = self.batch.decode_rows
             outs.append(ops.paged_attention_varlen(queries[r:, :, 0], kc, vc, pre_tables, pre_lens, pre_starts,
-                                                   scale=scale, sliding_window=window, sinks=sinks, validate=False))
+                                                   scale=scale, softcap=softcap, sliding_window=window, sinks=sinks,
+                                                   validate=False))
         return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[:, :, None]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -575,6 +576,25 @@ class _SequenceRef:
                 self.model_cache.free(self.seq_id)
         except Exception:  # interpreter shutdown: nothing left to give back to
             pass
+
+
+def _softcapped_attention(queries, keys, values, scale: float, softcap: float, mask) -> mx.array:
+    """Softcapped attention over gathered rows with a mask array: [B, H, L, D] queries,
+    [B, Hkv, T, D] keys and values (GQA by head groups)."""
+    b, h, n, d = queries.shape
+    hkv = keys.shape[1]
+    q = (queries * scale).reshape(b, hkv, h // hkv, n, d)
+    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    scores = softcap * mx.tanh(scores / softcap)
+    if mask is not None:
+        if mask.ndim == 4:  # [B, 1, L, T] -> [B, 1, 1, L, T] against [B, Hkv, H / Hkv, L, T]
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    out = mx.softmax(scores, axis=-1, precise=True) @ mx.expand_dims(values, 2)
+    return out.reshape(b, h, n, d)
 
 
 def _min_window(a, b):
@@ -638,8 +658,9 @@ class PagedLayerCache(_LayerGroupView):
         return self._gather(plan)
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
-                  sinks: mx.array | None = None) -> mx.array:
-        """Attention of ``queries`` [B, H, L, D] after ``update_and_fetch``.
+                  sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+        """Attention of ``queries`` [B, H, L, D] after ``update_and_fetch`` (``softcap``:
+        ``c * tanh(s / c)`` on the scores, for families that attend by hand, e.g. gemma2).
 
         A mask from our own ``make_mask`` (or None / "causal") means causal attention,
         within the layer's window and any window the model asked for. Passes of up to
@@ -656,6 +677,8 @@ class PagedLayerCache(_LayerGroupView):
         if not known:
             self.model_cache.gathered_attention += 1
             keys, values = self._gather(plan)
+            if softcap is not None:
+                return _softcapped_attention(queries, keys, values, scale, softcap, mask)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
         if num_queries == 1 and window is None and self.model_cache.options["cascade"]:
@@ -663,21 +686,22 @@ class PagedLayerCache(_LayerGroupView):
             if shared is not None:
                 out = ops.paged_attention_cascade(
                     queries[:, :, 0], self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                    *shared, scale=scale, sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)
+                    *shared, scale=scale, softcap=softcap, sinks=sinks, sparse_v=self.model_cache.sparse_v,
+                    validate=False)
                 return out[:, :, None]
         if num_queries <= MAX_PAGED_QUERY_TOKENS:
             out = ops.paged_attention(
                 queries.transpose(0, 2, 1, 3),  # [B, L, H, D]
                 self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
+                plan.block_tables, plan.seq_lens, scale=scale, softcap=softcap, sliding_window=window,
                 sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)  # ops casts sinks to float32
             return out.transpose(0, 2, 1, 3)
         # Sequence i owns query rows [i * L, (i + 1) * L): its last L cached positions.
         out = ops.paged_attention_varlen(
             queries.transpose(0, 2, 1, 3).reshape(batch * num_queries, num_heads, head_dim),
             self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-            plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale, sliding_window=window,
-            sinks=sinks, validate=False)
+            plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale, softcap=softcap,
+            sliding_window=window, sinks=sinks, validate=False)
         return out.reshape(batch, num_queries, num_heads, head_dim).transpose(0, 2, 1, 3)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
