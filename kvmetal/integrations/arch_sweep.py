@@ -77,10 +77,19 @@ OVERRIDES: dict = {
                                       "beta_slow": 1, "original_max_position_embeddings": 4096}),
     "minicpm3": dict(rope_scaling={"original_max_position_embeddings": 4096, "short_factor": 1.0,
                                    "long_factor": 1.0}),
-    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
     "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2),
     "nemotron_h": dict(layer_types=None, hybrid_override_pattern=["M", "*"]),
-    "mellum": dict(layer_types=["full_attention", "full_attention"]),
+    "mellum": dict(rope_parameters={t: {"rope_theta": 10000.0, "rope_type": "default"}
+                                    for t in ("full_attention", "sliding_attention")}),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
+                             mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_proj_bias=False,
+                             mamba_conv_bias=True),
+    "gemma4_text": dict(num_kv_shared_layers=0),
+    "gemma4": dict(text_config=dict({k: v for k, v in SIZES.items() if not isinstance(v, list)},
+                                    model_type="gemma4_text", num_kv_shared_layers=0)),
+    "kimi_linear": dict(linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "num_heads": 4,
+                                            "head_dim": 32, "short_conv_kernel_size": 4}),
+    "hunyuan": dict(rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
     "phi": dict(partial_rotary_factor=0.5),
     "qwen": dict(intermediate_size=512),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
@@ -162,7 +171,8 @@ def tiny_args(name: str) -> dict:
         if field.name == "model_type":
             config[field.name] = name
         elif field.name == "text_config":  # a wrapper: its language model reads what it knows
-            config[field.name] = dict(SIZES, model_type=name)
+            config[field.name] = {k: v for k, v in SIZES.items() if not isinstance(v, (list, tuple))}
+            config[field.name]["model_type"] = name
         elif field.name in SIZES and _fits(SIZES[field.name], hints.get(field.name, field.type)):
             config[field.name] = SIZES[field.name]
         elif _required(field):
