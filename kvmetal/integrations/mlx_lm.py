@@ -154,7 +154,13 @@ def _unpatch_class(cls) -> None:
 
 
 def _original_caches(model) -> list:
-    """The caches mlx-lm itself would build for ``model``."""
+    """The caches mlx-lm itself would build for ``model`` (its own ``make_cache``, one set
+    on the instance included, never a kvmetal patch's)."""
+    own = vars(model).get("make_cache")
+    if isinstance(getattr(own, "__self__", None), PagedCacheHandle):
+        own = own.__self__._instance_make_cache
+    if own is not None:
+        return own()
     make = getattr(type(model), "make_cache", None)
     if make is not None:
         return make(model)
