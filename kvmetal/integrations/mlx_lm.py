@@ -4,11 +4,17 @@
     with use_paged_cache(model, block_size=16, k_bits=8, v_bits=4):
         text = mlx_lm.generate(model, tokenizer, prompt)
 
+Which layers kvmetal serves is decided from the model, not from a list of families
+(``analyse_model``): the caches its own ``make_cache()`` builds (K/V caches become paged
+layers, recurrent-state caches stay mlx-lm's) and what its layers call in two lazy probe
+passes; what kvmetal cannot reproduce exactly is refused up front, naming the layer.
+
 Two patches, both undone on exit: ``model.make_cache`` returns kvmetal caches (mlx-lm's
 ``make_prompt_cache`` prefers it, so ``generate``, ``stream_generate`` and
 ``generate_step`` pick them up unchanged), and the name ``scaled_dot_product_attention``
-in the model's module is wrapped so that a layer holding a kvmetal cache attends through
-kvmetal: ``paged_attention`` for decode and passes of up to 8 tokens (speculative
+in every module the model's layers come from is wrapped so that a layer holding a kvmetal
+cache attends through kvmetal (families that attend by hand, ``HAND_ATTENTION``, have
+their attention class's ``__call__`` wrapped instead): ``paged_attention`` for decode and passes of up to 8 tokens (speculative
 verification, short chunks), ``paged_attention_varlen`` for longer passes (a prompt, a
 chunk after a cached prefix, a batch of prompts), both reading the pool in place. Any
 other cache goes to mlx-lm's own function untouched.
