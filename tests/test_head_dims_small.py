@@ -94,3 +94,28 @@ def test_head_dim_32_quantized_k8_v4(backend):
 def test_quantized_formats_without_a_dividing_group_size_are_refused(head_dim):
     with pytest.raises(KVFormatError):
         KVFormat(k_bits=8, v_bits=4).for_head_dim(head_dim)
+
+
+def test_small_head_dims_reach_no_kernel_family_the_registry_lacks():
+    """The registry (kvmetal/backends/specialisations.py) picks its candidates at head dims
+    64/128/256; the rules, mutants and sweeps run what it reaches. Every candidate at 64
+    traced again at 32, 48 and 72 (where its formats fit) must reach only families it
+    already covers: head_dim stays a size, not a code path, for these dims."""
+    import dataclasses
+
+    from kvmetal.backends import specialisations as sp
+    from kvmetal.backends.metal import KernelBackend
+
+    known = sp.all_family_keys()
+    recorder = sp._Recorder()
+    backend = KernelBackend("families", recorder, macos=15)
+    traced = 0
+    for f in sp._candidates():
+        if f.head_dim != 64:
+            continue
+        for head_dim in SMALL:
+            if sp._fits(head_dim, f.k_quant) and sp._fits(head_dim, f.v_quant):
+                keys = sp._trace_keys(backend, recorder, dataclasses.replace(f, head_dim=head_dim))
+                assert keys <= known, (f, head_dim, sorted(keys - known, key=str)[:3])
+                traced += 1
+    assert traced > 100
