@@ -48,6 +48,33 @@ def markdown_table(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _kind(reason: str) -> str:
+    """A refusal's reason without the architecture and layer (what rows are grouped by)."""
+    tail = reason.split(": ", 1)[1] if ": " in reason else reason
+    return tail.split(" (")[0].split(";")[0].replace("K head_dim 32 and V head_dim 16", "K and V head_dims")
+
+
+def readme_table(rows) -> str:
+    """The README's short form: architectures grouped by status (refusals by reason)."""
+    c = counts(rows)
+    groups: dict = {}
+    for r in rows:
+        if r.status in ("exact", "broken"):
+            key = (r.status, "")
+        elif r.status == "refused":
+            key = ("refused", _kind(r.reason))
+        else:
+            key = ("unbuilt", "no tiny model here (optional dependency, config, or mlx-lm's own run fails on CPU)")
+        groups.setdefault(key, []).append(r.name)
+    lines = [f"| status | architectures (mlx-lm {{version}}: {len(rows)}; {c['exact']} exact, {c['refused']} refused, "
+             f"{c['broken']} broken, {c['unbuilt']} unbuilt) | reason |", "|---|---|---|"]
+    for status in STATUSES:
+        for (s, reason), names in groups.items():
+            if s == status:
+                lines.append(f"| {status} ({len(names)}) | {', '.join(names)} | {_cell(reason)} |")
+    return "\n".join(lines) + "\n"
+
+
 def replace_section(doc: str, table: str) -> str:
     if START not in doc or END not in doc:
         raise SystemExit(f"[model_coverage] {DOC_PATH} lacks the markers {START!r} ... {END!r}")
@@ -60,12 +87,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from-json", action="store_true", help="rewrite the table from the JSON only")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
+    parser.add_argument("--readme", action="store_true", help="print the README's grouped table and stop")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from kvmetal.integrations import arch_sweep
 
-    if args.from_json:
-        rows = [arch_sweep.Row(**r) for r in json.loads(JSON_PATH.read_text())["rows"]]
+    if args.from_json or args.readme:
+        data = json.loads(JSON_PATH.read_text())
+        rows = [arch_sweep.Row(**r) for r in data["rows"]]
+        if args.readme:
+            print(readme_table(rows).replace("{version}", data["mlx_lm_version"]), end="")
+            return 0
     else:
         import mlx_lm
 
