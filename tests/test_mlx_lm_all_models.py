@@ -8,8 +8,9 @@ greedy tokens, ``generate_step`` tokens and a K8/V4 run. A family mlx-lm adds is
 without editing anything.
 
 The first cases cover one architecture of each kind; the whole sweep (126 architectures
-in mlx-lm 0.32.2) takes about a minute on 2 cores, so it is not marked slow. docs/integration.md's table comes from the same
-sweep (``tools/model_coverage.py``) and is checked against its JSON here.
+in mlx-lm 0.32.2) takes about a minute on 2 cores, so it is not marked slow.
+docs/integration.md's table comes from the same sweep (``tools/model_coverage.py``) and is
+checked against its JSON here.
 """
 from __future__ import annotations
 

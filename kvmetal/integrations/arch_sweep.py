@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import pkgutil
 import time
 import typing

@@ -14,15 +14,14 @@ Two patches, both undone on exit: ``model.make_cache`` returns kvmetal caches (m
 ``generate_step`` pick them up unchanged), and the name ``scaled_dot_product_attention``
 in every module the model's layers come from is wrapped so that a layer holding a kvmetal
 cache attends through kvmetal (families that attend by hand, ``HAND_ATTENTION``, have
-their attention class's ``__call__`` wrapped instead): ``paged_attention`` for decode and passes of up to 8 tokens (speculative
-verification, short chunks), ``paged_attention_varlen`` for longer passes (a prompt, a
-chunk after a cached prefix, a batch of prompts), both reading the pool in place. Any
-other cache goes to mlx-lm's own function untouched.
-
-Every ``make_cache()`` of one patch draws its sequences from one shared pool, so
-mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table operations; a
-cache's blocks go back when the cache is dropped. Patching is atomic per model: a
-second ``use_paged_cache`` on a patched model raises, from any thread.
+their attention class's ``__call__`` wrapped instead): ``paged_attention`` for decode
+and passes of up to 8 tokens (speculative verification, short chunks),
+``paged_attention_varlen`` for longer passes (a prompt, a chunk after a cached prefix, a
+batch of prompts), both reading the pool in place. Any other cache goes to mlx-lm's own
+function untouched. Every ``make_cache()`` of one patch draws its sequences from one
+shared pool, so mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table
+operations; a cache's blocks go back when the cache is dropped. Patching is atomic per
+model: a second ``use_paged_cache`` on a patched model raises, from any thread.
 """
 from __future__ import annotations
 
@@ -249,7 +248,8 @@ def _classify(cache, name: str, family: str, probes: list, native: list):
         if kind is mc.RotatingKVCache:
             if cache.keep:
                 _refuse(family, name, f"RotatingKVCache(max_size={cache.max_size}, keep={cache.keep}) keeps "
-                                      f"{cache.keep} sink tokens beside a rotating window, which kvmetal does not model")
+                                      f"{cache.keep} sink tokens beside a rotating window, which kvmetal does "
+                                      f"not model")
             window = int(cache.max_size)
         probes.append(_Probe(name, cache, window))
         return len(probes) - 1  # provisional: renumbered once the probe knows which layers attend
