@@ -164,3 +164,18 @@ def test_every_architecture_is_exact_refused_or_unbuilt():
             assert r.reason.startswith(r.name), r  # one line naming the architecture and layer
     exact = {r.name for r in rows if r.status == "exact"}
     assert {"llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss"} <= exact
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "mixtral", "cohere2"])
+def test_batch_generator_gives_mlx_lms_tokens_on_hybrid_moe_and_window_models(name):
+    # mlx-lm's BatchGenerator merges, filters and extracts the prompt caches: the paged
+    # layers as table operations, a hybrid's ArraysCache layers as mlx-lm does.
+    from test_mlx_lm_batching import batch_generate
+
+    model = arch_sweep.build(name)
+    max_tokens = [9, 4, 30, 12, 7, 16]
+    expected, _ = batch_generate(model, max_tokens)
+    with use_paged_cache(model):
+        got, caches = batch_generate(model, max_tokens)
+        assert any(isinstance(c, PagedLayerCache) for c in caches[0])
+    assert got == expected
