@@ -108,10 +108,14 @@ def test_two_models_of_one_family_patch_and_unpatch_independently():
     assert module.scaled_dot_product_attention is original_sdpa
 
 
-def test_unsupported_family_raises():
-    fake = type("Model", (), {"__module__": "mlx_lm.models.cohere"})()
-    with pytest.raises(NotImplementedError, match=r"\[use_paged_cache\] model family 'cohere' is not supported"):
-        use_paged_cache(fake)
+def test_a_model_without_k_v_caches_is_refused_up_front():
+    # No family list: what is refused is refused for what the model does (here: recurrent state only).
+    from kvmetal.integrations import arch_sweep
+
+    model = arch_sweep.build("mamba")
+    with pytest.raises(NotImplementedError, match=r"\[use_paged_cache\] mamba: no layer keeps a K/V cache"):
+        use_paged_cache(model)
+    assert "make_cache" not in vars(model)
 
 
 @pytest.mark.parametrize("kwargs,match", [

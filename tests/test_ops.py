@@ -33,8 +33,10 @@ def matrix(backend):
     cases = [(d, h, b, GQA[i % len(GQA)]) for i, (d, h, b) in enumerate(full)]
     if backend != "sim":
         return cases
-    pairs = itertools.product(DTYPES, BLOCK_SIZES)
-    return [(d, HEAD_DIMS[i % len(HEAD_DIMS)], b, GQA[i % len(GQA)]) for i, (d, b) in enumerate(pairs)]
+    pairs = list(itertools.product(DTYPES, BLOCK_SIZES))
+    count = max(len(pairs), len(HEAD_DIMS), len(GQA))  # every head dim, even with more dims than pairs
+    return [(pairs[i % len(pairs)][0], HEAD_DIMS[i % len(HEAD_DIMS)], pairs[i % len(pairs)][1], GQA[i % len(GQA)])
+            for i in range(count)]
 
 
 def backend_matrix():

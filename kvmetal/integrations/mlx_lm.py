@@ -4,24 +4,30 @@
     with use_paged_cache(model, block_size=16, k_bits=8, v_bits=4):
         text = mlx_lm.generate(model, tokenizer, prompt)
 
+Which layers kvmetal serves is decided from the model, not from a list of families
+(``analyse_model``): the caches its own ``make_cache()`` builds (K/V caches become paged
+layers, recurrent-state caches stay mlx-lm's) and what its layers call in two lazy probe
+passes; what kvmetal cannot reproduce exactly is refused up front, naming the layer.
+
 Two patches, both undone on exit: ``model.make_cache`` returns kvmetal caches (mlx-lm's
 ``make_prompt_cache`` prefers it, so ``generate``, ``stream_generate`` and
 ``generate_step`` pick them up unchanged), and the name ``scaled_dot_product_attention``
-in the model's module is wrapped so that a layer holding a kvmetal cache attends through
-kvmetal: ``paged_attention`` for decode and passes of up to 8 tokens (speculative
-verification, short chunks), ``paged_attention_varlen`` for longer passes (a prompt, a
-chunk after a cached prefix, a batch of prompts), both reading the pool in place. Any
-other cache goes to mlx-lm's own function untouched.
-
-Every ``make_cache()`` of one patch draws its sequences from one shared pool, so
-mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table operations; a
-cache's blocks go back when the cache is dropped. Patching is atomic per model: a
-second ``use_paged_cache`` on a patched model raises, from any thread.
+in every module the model's layers come from is wrapped so that a layer holding a kvmetal
+cache attends through kvmetal (families that attend by hand, ``HAND_ATTENTION``, have
+their attention class's ``__call__`` wrapped instead): ``paged_attention`` for decode
+and passes of up to 8 tokens (speculative verification, short chunks),
+``paged_attention_varlen`` for longer passes (a prompt, a chunk after a cached prefix, a
+batch of prompts), both reading the pool in place. Any other cache goes to mlx-lm's own
+function untouched. Every ``make_cache()`` of one patch draws its sequences from one
+shared pool, so mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table
+operations; a cache's blocks go back when the cache is dropped. Patching is atomic per
+model: a second ``use_paged_cache`` on a patched model raises, from any thread.
 """
 from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -29,12 +35,20 @@ from .. import ops, quant
 from ..kv_format import KVFormat, KVFormatError
 from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache
 
-# model families whose attention we have checked token for token against mlx-lm
+# What kvmetal checks token for token in depth (engine, batching, speculative tests) and what
+# kvmetal's Engine (heads.py) runs. ``use_paged_cache`` itself does not consult this list: it
+# decides per layer from the caches mlx-lm builds and the calls the model makes (see
+# ``analyse_model``); tests/test_mlx_lm_all_models.py checks every architecture mlx-lm ships.
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss")
 
 _patch_lock = threading.Lock()
 _patched_modules: dict = {}  # module name -> [original function, number of live patches]
 _patched_models: dict = {}  # id(model) -> its live PagedCacheHandle (claimed before any work)
+_probes: dict = {}  # id(cache) -> _Probe, for the caches of a running analyse_model pass
+
+
+class UnsupportedModel(NotImplementedError):
+    """What ``use_paged_cache`` raises for a model (or one of its layers) it cannot serve exactly."""
 
 
 def model_family(model) -> str:
@@ -48,6 +62,8 @@ def _paged_sdpa_for(original):
             if kwargs:
                 raise NotImplementedError(f"[use_paged_cache] attention options {sorted(kwargs)} are not supported")
             return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if _probes:
+            _record_attention(queries, keys, values, cache, mask, sinks, kwargs)
         if sinks is not None:
             kwargs["sinks"] = sinks
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
@@ -77,8 +93,79 @@ def _unpatch_module(name: str) -> None:
             del _patched_modules[name]
 
 
+def _attention_modules(model) -> list:
+    """The modules whose ``scaled_dot_product_attention`` the model's layers call: the
+    module of every class in the model (a family may borrow another's attention class)."""
+    names = {type(model).__module__}
+    names.update(type(m).__module__ for _, m in model.named_modules())
+    return sorted(n for n in names if n in sys.modules
+                  and callable(getattr(sys.modules[n], "scaled_dot_product_attention", None)))
+
+
+# Families that attend by hand over the keys their cache returns, mapped onto kvmetal's
+# attention variant: (module, class) -> a replacement for the class's __call__, taking the
+# original. It runs the family's own code for any other cache (mlx-lm's, during the probe
+# too, where it marks the probed layer as mapped). The sweep re-checks each against mlx-lm.
+def _gemma2_attention(original):
+    """gemma2: scores softcapped (c * tanh(s / c)) before the mask and softmax."""
+    def __call__(self, x, mask=None, cache=None):
+        if not isinstance(cache, (PagedLayerCache, RaggedLayerCache)):
+            probe = _probes.get(id(cache)) if _probes else None
+            if probe is not None:
+                probe.mapped = f"softcap {self.attn_logit_softcapping}"
+            return original(self, x, mask=mask, cache=cache)
+        b, n, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = keys.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = values.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = cache.attention(queries, keys, values, scale=self.scale, mask=mask,
+                              softcap=float(self.attn_logit_softcapping))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+    return __call__
+
+
+HAND_ATTENTION = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention}
+_patched_classes: dict = {}  # class -> [original __call__, number of live patches]
+
+
+def _hand_attention_classes(model) -> list:
+    found = {type(m) for _, m in model.named_modules()
+             if (type(m).__module__, type(m).__name__) in HAND_ATTENTION}
+    return sorted(found, key=lambda c: (c.__module__, c.__name__))
+
+
+def _patch_class(cls) -> None:
+    with _patch_lock:
+        if cls in _patched_classes:
+            _patched_classes[cls][1] += 1
+            return
+        original = cls.__call__
+        cls.__call__ = HAND_ATTENTION[(cls.__module__, cls.__name__)](original)
+        _patched_classes[cls] = [original, 1]
+
+
+def _unpatch_class(cls) -> None:
+    with _patch_lock:
+        entry = _patched_classes[cls]
+        entry[1] -= 1
+        if entry[1] == 0:
+            cls.__call__ = entry[0]
+            del _patched_classes[cls]
+
+
 def _original_caches(model) -> list:
-    """The caches mlx-lm itself would build for ``model``."""
+    """The caches mlx-lm itself would build for ``model`` (its own ``make_cache``, one set
+    on the instance included, never a kvmetal patch's)."""
+    own = vars(model).get("make_cache")
+    if isinstance(getattr(own, "__self__", None), PagedCacheHandle):
+        own = own.__self__._instance_make_cache
+    if own is not None:
+        return own()
     make = getattr(type(model), "make_cache", None)
     if make is not None:
         return make(model)
@@ -87,30 +174,234 @@ def _original_caches(model) -> list:
     return [KVCache() for _ in model.layers]
 
 
-def layer_specs(model) -> list:
-    """Per layer: the attention window and the K/V row shape and dtype.
+@dataclass
+class ModelLayout:
+    """Which of a model's caches kvmetal keeps, from ``analyse_model``.
 
-    Windows come from the caches mlx-lm would build (a ``RotatingKVCache(max_size=W)``
-    layer attends to the last W tokens); shapes from one probe token through the model."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    ``template`` mirrors what the model's ``make_cache()`` returns: per entry an int (the
+    index of a paged layer in ``specs``), None (mlx-lm's own cache stays: recurrent state,
+    or a cache the model never writes) or a tuple of those (a ``CacheList``)."""
 
+    template: list
+    specs: list
+    names: list  # per paged layer: "layer 3", or "layer 3.1" inside a CacheList
+    native: list  # names of the entries that keep mlx-lm's own cache
+
+    @property
+    def plain(self) -> bool:
+        """Every entry is a paged layer, in order (no recurrent state, no CacheList)."""
+        return self.template == list(range(len(self.specs)))
+
+    def fill(self, paged: list, originals: list | None) -> list:
+        """A prompt cache: the paged layer caches where the template has them, mlx-lm's
+        own (from ``originals``, a fresh ``make_cache()``) elsewhere."""
+        if self.plain:
+            return paged
+        from mlx_lm.models.cache import CacheList
+
+        def one(t, original):
+            if t is None:
+                return original
+            if isinstance(t, int):
+                return paged[t]
+            return CacheList(*(one(s, o) for s, o in zip(t, original.caches)))
+
+        return [one(t, o) for t, o in zip(self.template, originals)]
+
+
+@dataclass
+class _Probe:
+    """What one K/V cache saw during ``analyse_model``'s probe passes."""
+
+    name: str
+    cache: object
+    window: int | None
+    fetches: list = field(default_factory=list)  # per update_and_fetch: (keys, values) it returned
+    calls: list = field(default_factory=list)  # per attention call with this cache: (q shape, keys, values, options)
+    passes: list = field(default_factory=list)  # fetches after each probe pass
+    mapped: str | None = None  # a HAND_ATTENTION mapping served this layer's attention (what it maps)
+
+
+_analyse_lock = threading.Lock()
+_stray_calls: list = []  # attention calls during a probe whose cache is not a probed one: (keys, values)
+
+
+def _record_attention(queries, keys, values, cache, mask, sinks, kwargs) -> None:
+    probe = _probes.get(id(cache))
+    if probe is not None and probe.cache is cache:
+        probe.calls.append((tuple(queries.shape), keys, values, sorted(kwargs)))
+    else:
+        _stray_calls.append((keys, values))
+
+
+def _refuse(family: str, name: str, reason: str):
+    raise UnsupportedModel(f"[use_paged_cache] {family} {name}: {reason}")
+
+
+def _classify(cache, name: str, family: str, probes: list, native: list):
+    """Template entry of one cache mlx-lm builds (refuses a type kvmetal cannot stand in for)."""
+    from mlx_lm.models import cache as mc
+
+    kind = type(cache)
+    if kind is mc.KVCache or kind is mc.RotatingKVCache:
+        window = None
+        if kind is mc.RotatingKVCache:
+            if cache.keep:
+                _refuse(family, name, f"RotatingKVCache(max_size={cache.max_size}, keep={cache.keep}) keeps "
+                                      f"{cache.keep} sink tokens beside a rotating window, which kvmetal does "
+                                      f"not model")
+            window = int(cache.max_size)
+        probes.append(_Probe(name, cache, window))
+        return len(probes) - 1  # provisional: renumbered once the probe knows which layers attend
+    if kind is mc.ChunkedKVCache:
+        _refuse(family, name, f"chunked attention (ChunkedKVCache, chunk_size={cache.chunk_size}: a token sees only "
+                              f"its own chunk) is not modelled by kvmetal's kernels")
+    if isinstance(cache, mc.ArraysCache):  # recurrent state (MambaCache too): mlx-lm keeps it
+        native.append(name)
+        return None
+    if kind is mc.CacheList:
+        return tuple(_classify(c, f"{name}.{j}", family, probes, native) for j, c in enumerate(cache.caches))
+    _refuse(family, name, f"its cache is a {kind.__name__}, a cache type kvmetal does not know (it stands in for "
+                          f"KVCache and RotatingKVCache, keeps ArraysCache/MambaCache, and looks inside CacheList)")
+
+
+def _instrument(probe: _Probe) -> None:
+    fetch = probe.cache.update_and_fetch
+
+    def update_and_fetch(keys, values):
+        out = fetch(keys, values)
+        probe.fetches.append(out)
+        return out
+
+    probe.cache.update_and_fetch = update_and_fetch  # an instance attribute, removed after the probe
+
+
+def _probe_passes(model, caches: list, probes: list, family: str) -> None:
+    """Two passes through the model (two prompt tokens, then one decode token) with
+    mlx-lm's own caches, recording every write and every attention call. Lazy: nothing
+    is computed, only the graph is built."""
+    modules, classes = _attention_modules(model), _hand_attention_classes(model)
+    for name in modules:
+        _patch_module(name)
+    for cls in classes:
+        _patch_class(cls)
+    with _analyse_lock:
+        for p in probes:
+            _instrument(p)
+            _probes[id(p.cache)] = p
+        _stray_calls.clear()
+        try:
+            for tokens in ([[0, 1]], [[2]]):
+                try:
+                    model(mx.array(tokens), cache=caches)
+                except Exception as exc:
+                    raise UnsupportedModel(f"[use_paged_cache] {family}: a probe pass of {len(tokens[0])} token(s) "
+                                           f"through the model with mlx-lm's own caches failed: "
+                                           f"{type(exc).__name__}: {exc}") from exc
+                for p in probes:
+                    p.passes.append(len(p.fetches))
+        finally:
+            strays = list(_stray_calls)
+            _stray_calls.clear()
+            for p in probes:
+                _probes.pop(id(p.cache), None)
+                vars(p.cache).pop("update_and_fetch", None)
+            for name in modules:
+                _unpatch_module(name)
+            for cls in classes:
+                _unpatch_class(cls)
+    for p in probes:
+        p.strays = [s for s in strays if any(s[0] is k or s[1] is v for k, v in p.fetches)]
+
+
+def _layer_spec(probe: _Probe, family: str):
+    """The LayerSpec of a probed K/V cache, None for one the model never writes, or a refusal."""
+    name, fetches, calls = probe.name, probe.fetches, probe.calls
+    if not fetches:
+        return None
+    if probe.passes != [1, 2]:
+        _refuse(family, name, f"its cache is written {probe.passes[0]} and {probe.passes[1] - probe.passes[0]} times "
+                              f"in two passes; kvmetal expects one update_and_fetch per pass")
+    keys, values = fetches[0]
+    head_dim, v_head_dim = int(keys.shape[-1]), int(values.shape[-1])
+    if head_dim != v_head_dim:
+        _refuse(family, name, f"K head_dim {head_dim} and V head_dim {v_head_dim} differ (MLA-style attention); "
+                              f"kvmetal's pools and kernels hold one head_dim for K and V")
+    if not calls and probe.mapped and not probe.strays:
+        calls = [(None, keys, values, [])] * len(fetches)  # kvmetal's variant stands in (HAND_ATTENTION)
+    elif not calls:
+        if probe.strays:
+            _refuse(family, name, "its keys reach scaled_dot_product_attention without its cache, so kvmetal "
+                                  "cannot attend over its paged rows")
+        _refuse(family, name, "it attends by hand over the keys its cache returns (not through "
+                              "scaled_dot_product_attention), which kvmetal's attention cannot stand in for")
+    if len(calls) != len(fetches):
+        _refuse(family, name, f"{len(calls)} attention calls for {len(fetches)} cache writes; kvmetal expects "
+                              f"one scaled_dot_product_attention call per write")
+    for (q_shape, k, v, options), (fk, fv) in zip(calls, fetches):
+        if options:
+            _refuse(family, name, f"attention option(s) {', '.join(options)}, which kvmetal's attention does not model")
+        if q_shape is not None and (k is not fk or v is not fv):
+            _refuse(family, name, "the keys/values it attends over are not the ones its cache returned (changed "
+                                  "after the fetch), so kvmetal's paged rows would differ from them")
+        if q_shape is not None and (q_shape[-1] != head_dim or q_shape[1] % int(keys.shape[1])):
+            _refuse(family, name, f"queries {q_shape} do not match keys {tuple(keys.shape)} (head_dim, or query "
+                                  f"heads a multiple of kv heads)")
+    if probe.strays:
+        _refuse(family, name, "its keys are also used by another attention call that does not pass its cache")
+    if head_dim not in ops.SUPPORTED_HEAD_DIMS:
+        _refuse(family, name, f"head_dim {head_dim} is not one kvmetal's kernels serve "
+                              f"({', '.join(map(str, ops.SUPPORTED_HEAD_DIMS))})")
+    return LayerSpec(probe.window, int(keys.shape[1]), head_dim, keys.dtype)
+
+
+def analyse_model(model) -> ModelLayout:
+    """Decide per layer what kvmetal can serve, from what mlx-lm builds and what the model calls.
+
+    The caches come from the model's own ``make_cache()``: a ``KVCache`` or
+    ``RotatingKVCache`` layer (inside a ``CacheList`` too) becomes a paged layer, an
+    ``ArraysCache``/``MambaCache`` (recurrent state) keeps mlx-lm's cache. Two probe
+    passes (lazy: a graph, nothing computed) check that each paged layer writes its
+    cache once per pass and attends over exactly the rows the cache returned, through
+    ``scaled_dot_product_attention`` with that cache and no option kvmetal does not
+    model, with one head_dim for K and V that kvmetal's kernels serve. Anything else
+    raises :class:`UnsupportedModel` naming the layer and the reason."""
+    family = model_family(model)
     caches = _original_caches(model)
-    windows = []
-    for i, c in enumerate(caches):
-        if type(c) is KVCache:
-            windows.append(None)
-        elif type(c) is RotatingKVCache and c.keep == 0:
-            windows.append(int(c.max_size))
-        else:
-            raise NotImplementedError(f"[use_paged_cache] layer {i} uses {type(c).__name__}"
-                                      f"{f'(keep={c.keep})' if hasattr(c, 'keep') else ''}, which kvmetal does not model")
-    model(mx.array([[0]]), cache=caches)
-    specs = []
-    for i, (c, window) in enumerate(zip(caches, windows)):
-        if c.keys is None or c.keys.shape[-1] != c.values.shape[-1]:
-            raise NotImplementedError(f"[use_paged_cache] layer {i}: keys and values must share head_dim")
-        specs.append(LayerSpec(window, int(c.keys.shape[1]), int(c.keys.shape[-1]), c.keys.dtype))
-    return specs
+    probes, native = [], []
+    template = [_classify(c, f"layer {i}", family, probes, native) for i, c in enumerate(caches)]
+    if not probes:
+        raise UnsupportedModel(f"[use_paged_cache] {family}: no layer keeps a K/V cache (its {len(caches)} caches "
+                               f"hold recurrent state: {', '.join(sorted({type(c).__name__ for c in caches}))}); "
+                               f"there is nothing to page, run it without use_paged_cache")
+    _probe_passes(model, caches, probes, family)
+    specs, names, index = [], [], {}
+    for i, p in enumerate(probes):
+        spec = _layer_spec(p, family)
+        if spec is None:
+            native.append(p.name)
+            continue
+        index[i] = len(specs)
+        specs.append(spec)
+        names.append(p.name)
+    if not specs:
+        raise UnsupportedModel(f"[use_paged_cache] {family}: the model never writes its K/V caches in a forward "
+                               f"pass; there is nothing to page")
+
+    def renumber(t):
+        if t is None:
+            return None
+        if isinstance(t, int):
+            return index.get(t)
+        return tuple(renumber(s) for s in t)
+
+    return ModelLayout([renumber(t) for t in template], specs, names, native)
+
+
+def layer_specs(model) -> list:
+    """Per paged layer: the attention window and the K/V row shape and dtype (see
+    ``analyse_model``; windows come from the ``RotatingKVCache(max_size=W)`` mlx-lm builds)."""
+    return analyse_model(model).specs
 
 
 class PagedCacheHandle:
@@ -127,11 +418,16 @@ class PagedCacheHandle:
                 raise ValueError("[use_paged_cache] this model already uses a paged cache; undo that one first")
             _patched_models[id(model)] = self
         try:
-            self.specs = layer_specs(model)
-            self._module = type(model).__module__
+            self.layout = analyse_model(model)
+            self.specs = self.layout.specs
+            self._modules = _attention_modules(model)
+            self._classes = _hand_attention_classes(model)
             self._had_instance_make_cache = "make_cache" in vars(model)
             self._instance_make_cache = vars(model).get("make_cache")
-            _patch_module(self._module)
+            for name in self._modules:
+                _patch_module(name)
+            for cls in self._classes:
+                _patch_class(cls)
         except BaseException:
             with _patch_lock:
                 del _patched_models[id(model)]
@@ -142,14 +438,22 @@ class PagedCacheHandle:
 
     def new_model_cache(self, **overrides) -> PagedModelCache:
         """An empty paged cache for this model (the engine adds its own sequences);
-        ``overrides`` replace PagedModelCache options (the Engine's ``cascade``)."""
+        ``overrides`` replace PagedModelCache options (the Engine's ``cascade``).
+        The Engine's ragged passes give every model entry a paged layer cache, so a model
+        with recurrent-state layers or a CacheList is refused here (mlx-lm's own
+        ``generate``/``BatchGenerator`` path serves it through ``make_cache``)."""
+        if not self.layout.plain:
+            where = self.layout.native[0] if self.layout.native else "a CacheList entry"
+            raise UnsupportedModel(f"[use_paged_cache] {model_family(self.model)}: kvmetal's Engine runs models "
+                                   f"whose every layer is a K/V attention layer; {where} keeps mlx-lm's own cache "
+                                   f"(use mlx-lm's generate with use_paged_cache for this model)")
         return PagedModelCache(self.specs, **{**self.options, **overrides})
 
     @property
     def shared_cache(self) -> PagedModelCache:
         """The pool every ``make_cache()`` of this patch draws its sequences from."""
         if self._shared is None:
-            self._shared = self.new_model_cache()
+            self._shared = PagedModelCache(self.specs, **self.options)
         return self._shared
 
     def make_cache(self) -> list:
@@ -157,7 +461,8 @@ class PagedCacheHandle:
         (a batch in the first forward pass widens them) whose blocks live in the shared
         pool until the caches are dropped."""
         _refuse_dropped_options()
-        return self.shared_cache.owned_layer_caches(1)
+        paged = self.shared_cache.owned_layer_caches(1)
+        return self.layout.fill(paged, None if self.layout.plain else _original_caches(self.model))
 
     def undo(self) -> None:
         with _patch_lock:
@@ -169,7 +474,10 @@ class PagedCacheHandle:
             else:
                 vars(self.model).pop("make_cache", None)
             del _patched_models[id(self.model)]
-        _unpatch_module(self._module)
+        for name in self._modules:
+            _unpatch_module(name)
+        for cls in self._classes:
+            _unpatch_class(cls)
 
     def __enter__(self):
         return self
@@ -211,7 +519,10 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
     """Make an mlx-lm ``model`` keep its KV cache in kvmetal's paged pools.
 
     Args:
-        model: an mlx-lm model of a supported family (``SUPPORTED_FAMILIES``).
+        model: an mlx-lm model. Which layers kvmetal serves is decided from the caches the
+            model's ``make_cache()`` builds and the calls its layers make (``analyse_model``);
+            recurrent-state layers of a hybrid keep mlx-lm's cache, and anything kvmetal cannot
+            reproduce exactly is refused here (``UnsupportedModel``, naming the layer).
         block_size: tokens per block (8, 16 or 32).
         num_blocks: blocks per pool; None grows the pool on demand.
         kv_format: how K and V are stored (``kvmetal.KVFormat(k_bits=8, v_bits=4)``): bits and
@@ -224,10 +535,6 @@ def use_paged_cache(model, *, block_size: int = 16, num_blocks: int | None = Non
     Returns:
         A handle: use it as a context manager or call ``undo()``.
     """
-    family = model_family(model)
-    if family not in SUPPORTED_FAMILIES:
-        raise NotImplementedError(f"[use_paged_cache] model family {family!r} is not supported; "
-                                  f"supported: {', '.join(SUPPORTED_FAMILIES)}")
     if block_size not in ops.SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"[use_paged_cache] block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}")
     if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .. import ops, quant
+from .. import backends, ops, quant
 from ..cache import HOLE, KVCacheFull, PagedKVCache
 from ..kv_format import KVFormat
 from . import cascade_plan
@@ -102,6 +102,7 @@ class PagedModelCache:
         self.growable = num_blocks is None
         self.options = dict(block_size=block_size, num_blocks=num_blocks, kv_format=self.kv_format,
                             cascade=bool(cascade), sparse_v=self.sparse_v)
+        self.gathered_attention = 0  # layer calls with a mask array we did not make: rows gathered, MLX's sdpa
         self.cascade_steps = 0  # one-token passes (per full-attention layer group) that ran the cascade op
         group_keys = []
         self.layer_group, self.layer_index = [], []
@@ -498,7 +499,7 @@ class RaggedLayerCache(_LayerGroupView):
         return keys, values
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
-                  sinks: mx.array | None = None) -> mx.array:
+                  sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
         self._check_rows(queries, "queries")
         known, requested = self.model_cache._mask_window(mask)
         if not known:
@@ -510,8 +511,8 @@ class RaggedLayerCache(_LayerGroupView):
         d = self.batch.decodes
         if d == 0:
             out = ops.paged_attention_varlen(queries[:, :, 0], kc, vc, plan.block_tables, plan.seq_lens,
-                                             plan.query_start_loc, scale=scale, sliding_window=window, sinks=sinks,
-                                             validate=False)
+                                             plan.query_start_loc, scale=scale, softcap=softcap,
+                                             sliding_window=window, sinks=sinks, validate=False)
             return out[:, :, None]
         # Decode rows as a pass of decodes only runs them (PagedLayerCache.attention), the rest as
         # prefill. A decode with drafts brings L rows: the decode kernel's L query tokens.
@@ -520,13 +521,14 @@ class RaggedLayerCache(_LayerGroupView):
         for row, seqs, n, tables, lens in runs:
             q = queries[row:row + seqs * n, :, 0]
             q = q if n == 1 else q.reshape(seqs, n, *q.shape[1:])
-            out = ops.paged_attention(q, kc, vc, tables, lens, scale=scale, sliding_window=window, sinks=sinks,
-                                      sparse_v=self.model_cache.sparse_v, validate=False)
+            out = ops.paged_attention(q, kc, vc, tables, lens, scale=scale, softcap=softcap, sliding_window=window,
+                                      sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)
             outs.append(out if n == 1 else out.reshape(seqs * n, *out.shape[2:]))
         if d < len(self.batch.seq_ids):
             r = self.batch.decode_rows
             outs.append(ops.paged_attention_varlen(queries[r:, :, 0], kc, vc, pre_tables, pre_lens, pre_starts,
-                                                   scale=scale, sliding_window=window, sinks=sinks, validate=False))
+                                                   scale=scale, softcap=softcap, sliding_window=window, sinks=sinks,
+                                                   validate=False))
         return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[:, :, None]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -576,6 +578,25 @@ class _SequenceRef:
             pass
 
 
+def _softcapped_attention(queries, keys, values, scale: float, softcap: float, mask) -> mx.array:
+    """Softcapped attention over gathered rows with a mask array: [B, H, L, D] queries,
+    [B, Hkv, T, D] keys and values (GQA by head groups)."""
+    b, h, n, d = queries.shape
+    hkv = keys.shape[1]
+    q = (queries * scale).reshape(b, hkv, h // hkv, n, d)
+    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    scores = softcap * mx.tanh(scores / softcap)
+    if mask is not None:
+        if mask.ndim == 4:  # [B, 1, L, T] -> [B, 1, 1, L, T] against [B, Hkv, H / Hkv, L, T]
+            mask = mx.expand_dims(mask, 2)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + mask
+    out = mx.softmax(scores, axis=-1, precise=True) @ mx.expand_dims(values, 2)
+    return out.reshape(b, h, n, d)
+
+
 def _min_window(a, b):
     return b if a is None else a if b is None else min(a, b)
 
@@ -621,8 +642,11 @@ class PagedLayerCache(_LayerGroupView):
         return mx.array(self._offsets, dtype=mx.int32)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Write the new rows ([B, Hkv, L, D]) into the pool and return them: ``attention``
-        reads the pool itself (and gathers only for a mask it did not make)."""
+        """Write the new rows ([B, Hkv, L, D]) into the pool and return every row written
+        so far, [B, Hkv, T, D] (mlx-lm's protocol; rows a window layer released, and rows
+        past a shorter sequence's end, read as zeros). The returned arrays are a lazy
+        gather from the pool: ``attention`` reads the pool itself, so unless the model
+        uses them otherwise they are never computed."""
         batch, num_kv_heads, num_new, head_dim = keys.shape
         if batch != len(self.seq_ids):
             self._widen(batch)
@@ -631,11 +655,15 @@ class PagedLayerCache(_LayerGroupView):
         self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        return keys, values
+        # Straight to the backend: the plan's indices are ours, and this graph node is built
+        # on every layer and step (the checked op costs about 24 us of host time a layer).
+        return backends.get().gather_kv_cache(self.pool.key_caches[self._index], self.pool.value_caches[self._index],
+                                              plan.block_tables, plan.seq_lens, max_len=max(plan.max_len, 1))
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
-                  sinks: mx.array | None = None) -> mx.array:
-        """Attention of ``queries`` [B, H, L, D] after ``update_and_fetch``.
+                  sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
+        """Attention of ``queries`` [B, H, L, D] after ``update_and_fetch`` (``softcap``:
+        ``c * tanh(s / c)`` on the scores, for families that attend by hand, e.g. gemma2).
 
         A mask from our own ``make_mask`` (or None / "causal") means causal attention,
         within the layer's window and any window the model asked for. Passes of up to
@@ -650,7 +678,10 @@ class PagedLayerCache(_LayerGroupView):
         known, requested = self.model_cache._mask_window(mask)
         plan = self._plan
         if not known:
+            self.model_cache.gathered_attention += 1
             keys, values = self._gather(plan)
+            if softcap is not None:
+                return _softcapped_attention(queries, keys, values, scale, softcap, mask)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
         if num_queries == 1 and window is None and self.model_cache.options["cascade"]:
@@ -658,21 +689,22 @@ class PagedLayerCache(_LayerGroupView):
             if shared is not None:
                 out = ops.paged_attention_cascade(
                     queries[:, :, 0], self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                    *shared, scale=scale, sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)
+                    *shared, scale=scale, softcap=softcap, sinks=sinks, sparse_v=self.model_cache.sparse_v,
+                    validate=False)
                 return out[:, :, None]
         if num_queries <= MAX_PAGED_QUERY_TOKENS:
             out = ops.paged_attention(
                 queries.transpose(0, 2, 1, 3),  # [B, L, H, D]
                 self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                plan.block_tables, plan.seq_lens, scale=scale, sliding_window=window,
+                plan.block_tables, plan.seq_lens, scale=scale, softcap=softcap, sliding_window=window,
                 sinks=sinks, sparse_v=self.model_cache.sparse_v, validate=False)  # ops casts sinks to float32
             return out.transpose(0, 2, 1, 3)
         # Sequence i owns query rows [i * L, (i + 1) * L): its last L cached positions.
         out = ops.paged_attention_varlen(
             queries.transpose(0, 2, 1, 3).reshape(batch * num_queries, num_heads, head_dim),
             self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-            plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale, sliding_window=window,
-            sinks=sinks, validate=False)
+            plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale, softcap=softcap,
+            sliding_window=window, sinks=sinks, validate=False)
         return out.reshape(batch, num_queries, num_heads, head_dim).transpose(0, 2, 1, 3)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
