@@ -17,7 +17,8 @@
 //   reduction is simd_shuffle_xor by 1 and 8.
 // - K/V tiles of BK tokens are copied from the paged blocks into threadgroup
 //   memory in the storage type (quantized rows dequantized once into the tile,
-//   in the scales' float type, by every thread in runs of whole words); lanes
+//   K in float32 and V in the scales' float type (metal.py picks TK, TV), by
+//   every thread in runs of whole words); lanes
 //   read fragments from the tile by their own coordinates, each fragment's two
 //   elements in one vector load: V row-major, K transposed (KT = 1, dims as
 //   rows) so that a K fragment's two keys are adjacent (rows padded by 16 bytes

@@ -949,12 +949,16 @@ class KernelBackend:
         gqa = num_heads // num_kv_heads
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(key_cache)
         vd, vs, vb, vdt, vbits, vgs = _cache_parts(value_cache)
-        tiles = tiles or varlen_tiles(head_dim=head_dim, k_itemsize=kdt.size, v_itemsize=vdt.size)
+        # A quantized K tile holds float32 rows: K rounded to the scales' 16-bit type moves
+        # a score by ~|q||k| 2^-9 sqrt(D) (bfloat16), which an explicit large scale turns
+        # into a wrong softmax weight (issue 41, defect 1). V stays in the scales' type.
+        ktt = mx.float32 if kbits else kdt
+        tiles = tiles or varlen_tiles(head_dim=head_dim, k_itemsize=ktt.size, v_itemsize=vdt.size)
         plan = varlen_plan(query_start_loc, seq_lens, num_tokens=num_tokens, gqa=gqa, block_q=tiles.block_q,
                            max_len=max_blocks * block_size, sliding_window=sliding_window)
         outs = []
         if plan.tiles.shape[0]:
-            tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=kdt.size,
+            tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=ktt.size,
                                                 v_itemsize=vdt.size, transposed_k=tiles.transposed_k)
             useful = max(1, -(-plan.max_work // tiles.block_k))
             split_tokens = 0
@@ -973,7 +977,7 @@ class KernelBackend:
                                            num_blocks=num_blocks, window=sliding_window or 0,
                                            num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1,
                                            split_tokens=split_tokens)
-            template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
+            template = dict(TQ=query.dtype, TK=ktt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
                             NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), KBITS=kbits, KGS=kgs,
                             VBITS=vbits, VGS=vgs)
             geometry = SPECS["paged_varlen_partials"].geometry(
