@@ -722,6 +722,30 @@ def _placeholder(dtype):
     return _placeholder_cached(DTYPE_TAGS[dtype])
 
 
+# MLX binds an input with fewer than this many elements as a `constant` buffer, which
+# is part of the pipeline's signature (its mangled name ends in "c").
+MIN_DEVICE_ELEMENTS = 8
+
+
+def _device_bound(a: mx.array) -> mx.array:
+    """``a``, or ``a`` grown along its first axis with zero rows to at least
+    MIN_DEVICE_ELEMENTS elements (an empty one: zeros of its rank; a scalar stays), so that
+    MLX binds it `device` whatever the batch: seq_lens, slot_of, prefix_lens, sinks,
+    small block tables and partials of a batch of 1-7 would otherwise be `constant` and
+    run another compiled pipeline than batch 8+ (under relaxed math the two need not
+    give the same bits: issue 41, R1). Kernels index these arrays by row and never read
+    their shapes, so the added rows are never read."""
+    if a.ndim == 0 or a.size >= MIN_DEVICE_ELEMENTS:
+        return a
+    row = 1
+    for d in a.shape[1:]:
+        row *= d
+    if row == 0:
+        return mx.zeros((MIN_DEVICE_ELEMENTS,) + (1,) * (a.ndim - 1), dtype=a.dtype)
+    extra = -(-MIN_DEVICE_ELEMENTS // row) - a.shape[0]
+    return mx.concatenate([a, mx.zeros((extra,) + tuple(a.shape[1:]), dtype=a.dtype)], axis=0)
+
+
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 
 
@@ -792,7 +816,7 @@ class KernelBackend:
         if len(output_shapes) != len(spec.outputs) or len(output_dtypes) != len(spec.outputs):
             raise TypeError(f"[metal] {name} has outputs {list(spec.outputs)}")
         kernel = self.kernel(spec, template_values)
-        return kernel(inputs=[inputs[n] for n in spec.inputs],
+        return kernel(inputs=[_device_bound(inputs[n]) for n in spec.inputs],
                       template=[(k, template_values[k]) for k in spec.template],
                       grid=geometry.grid, threadgroup=geometry.threadgroup,
                       output_shapes=output_shapes, output_dtypes=output_dtypes, **self._call_options())
