@@ -277,15 +277,19 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   }
 
   // Online softmax over the tile: mask, row max, probabilities, row sum.
+  // A key's weight is chosen by its visibility flag, not by its score: a NaN score
+  // of a visible key (a NaN in its K row) gives a NaN weight and a NaN row, as in
+  // decode (issue 41, R3; comparing the score dropped it silently).
   float tile_max = KV_NEG_BIG;
+  bool vis[KF][2];
   KV_UNROLL
   for (int kb = 0; kb < KF; kb++) {
     KV_UNROLL
     for (int e = 0; e < 2; e++) {
       const int c = kb * 8 + fn + e;
       const int t = t0 + c;
-      const bool vis = row_ok && tile_ok[c] != 0 && var.visible(t, pos);
-      const float s = vis ? var.logit(sf[kb].thread_elements()[e]) : KV_NEG_BIG;
+      vis[kb][e] = row_ok && tile_ok[c] != 0 && var.visible(t, pos);
+      const float s = vis[kb][e] ? var.logit(sf[kb].thread_elements()[e]) : KV_NEG_BIG;
       sf[kb].thread_elements()[e] = s;
       tile_max = max(tile_max, s);
     }
@@ -293,14 +297,17 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
   tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
   const float m_new = max(m, tile_max);
-  const float factor = kv_weight(m, m_new);
+  // Rescale only when the max rises (issue 41, R2): a tile the row cannot see, or one
+  // below its max, leaves (l, O) as they are, not times exp2(0) (exact 1 only if
+  // the fast exp2 is exact there).
+  const float factor = m_new > m ? kv_weight(m, m_new) : 1.0f;
   float tile_sum = 0.0f;
   KV_UNROLL
   for (int kb = 0; kb < KF; kb++) {
     KV_UNROLL
     for (int e = 0; e < 2; e++) {
       const float s = sf[kb].thread_elements()[e];
-      const float pr = s > 0.5f * KV_NEG_BIG ? kv_weight(s, m_new) : 0.0f;
+      const float pr = vis[kb][e] ? kv_weight(s, m_new) : 0.0f;
       sf[kb].thread_elements()[e] = pr;
       tile_sum += pr;
     }

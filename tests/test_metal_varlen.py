@@ -229,3 +229,46 @@ def test_issue41_sinks_with_an_explicit_scale(softcap, tie_sink):
         assert_close(out, expected, bf16)
     with kv.use_backend("cpu"):
         assert_close(kv.paged_attention_varlen(*args, validate=False, **options), expected, bf16)
+
+
+def test_nan_in_a_visible_k_row_propagates():
+    # Issue 41, R3: a NaN in a K row a query row sees makes that row NaN (as decode does
+    # and the oracle does); rows that cannot see it stay finite and right. Before the fix
+    # the tiled kernel chose weights by `score > -big/2`, which a NaN score fails: the key
+    # was dropped silently.
+    rng = np.random.default_rng(3)
+    query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
+        rng, lens=(40,), counts=(17,), num_kv_heads=1, gqa=2, head_dim=64, block_size=16, dtype=f16, use_sinks=True)
+    bad = 30  # key 30: query rows at positions >= 30 (new rows 7..16) see it
+    k = np.array(kc.astype(f32))
+    block = int(np.array(tables)[0, bad // 16])
+    k[block, 0, bad % 16, 5] = np.nan
+    kc = mx.array(k).astype(f16)
+    options = dict(sinks=sinks)
+    expected = oracle(query, kc, vc, tables, seq_lens, qsl, **options)
+    first_seeing = bad - (40 - 17)
+    assert np.isnan(expected[first_seeing:]).all() and np.isfinite(expected[:first_seeing]).all()
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, **options)
+    assert any("paged_varlen_partials" in c.name for c in trace.calls)
+    for out in outs:
+        o = np.array(out.astype(f32))
+        assert np.isnan(o[first_seeing:]).all(), "a NaN in a visible K row was dropped"
+        assert_close(out[:first_seeing], expected[:first_seeing], f16)
+
+
+def test_rescale_only_when_the_max_rises():
+    # Issue 41, R2: the tiled kernel rescales (l, O) by exp2(m - m_new) only on lanes whose
+    # row max rose; a tile a row cannot see, or one below its max, leaves it untouched
+    # (before: times exp2(0), exact only where the fast exp2 is). Counted on the simulator:
+    # one sequence of 9 new rows (no context), G 1, D 64 float16: one query tile of 32 rows
+    # (4 simdgroups) and one K/V tile of 32 keys. Rows 0..8 see 1..9 keys (45 weights);
+    # each row lives on 4 lanes whose max rises once (36 rescales). Before: all 128 lanes
+    # rescaled (128 + 45 = 173 exp2 calls).
+    rng = np.random.default_rng(9)
+    query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
+        rng, lens=(9,), counts=(9,), num_kv_heads=1, gqa=1, head_dim=64, block_size=16, dtype=f16)
+    tiles = metal.VarlenTiles(simdgroups=4, block_k=32)
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], tiles=tiles, num_splits=1)
+    assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
+    (call,) = [c for c in trace.calls if "paged_varlen_partials" in c.name]
+    assert call.math.get("exp2", 0) == 45 + 36, call.math
