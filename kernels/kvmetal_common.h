@@ -305,7 +305,7 @@ inline float kv_sink_logit(float sink) {
 // The one softmax-state merge: states (m_a, l_a, o_a) and (m_b, l_b, o_b), with
 // maxima in log2 units, combine as m = max(m_a, m_b), l = l_a * scale_a +
 // l_b * scale_b, o = o_a * scale_a + o_b * scale_b. Used by the simdgroup merge
-// inside the partial kernels and by attention_reduce across splits.
+// inside the partial kernels (the reduces across splits use kv_fold_splits).
 struct KvSoftmaxMerge {
   float m;
   float scale_a;

@@ -29,7 +29,7 @@
 //   position]: tiles above the causal diagonal are never visited, tiles before
 //   the sliding window never loaded. Splits cut that range in whole K/V tiles;
 //   every split writes partials (max in log2 units, sum, unnormalized acc) that
-//   attention_reduce merges with kv_softmax_merge (and the sinks).
+//   attention_reduce merges with kv_fold_splits (and the sinks).
 // - Index guards (validate=False): seq_lens clamped to the block table, n to
 //   the length, block ids outside [0, N) read as zero rows, query and output
 //   rows bounded by the launch's own sizes.
