@@ -434,18 +434,31 @@ inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, PQ q,
 // 0 the live range is cut into num_splits equal runs of whole 32-token units (an
 // explicit num_splits). Either way tiles of TT | 32 tokens never straddle a split,
 // and a sliding window never assigns out-of-window blocks.
+// With split_div > 0 (issue 41, P4) the window is a function of the sequence's
+// length alone, kv_split_window: clamp(pow2ceil(len) / split_div, split_tokens,
+// split_max) (powers of two), so long sequences get longer windows (fewer
+// partials) and batch invariance holds as with fixed windows.
+inline int kv_split_window(int len, int split_tokens, int split_max, int split_div) {
+  int w = split_tokens;
+  while (split_div > 0 && w < split_max && w * split_div < len) {
+    w *= 2;
+  }
+  return w;
+}
+
 struct KvSplitRange {
   int lo;
   int hi;
   int begin;  // unit-aligned start (<= lo)
 };
 
-inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits, int split_tokens) {
+inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits, int split_tokens,
+                                   int split_max, int split_div) {
   const int first = kv_first_visible(len - L, window);
   int begin;
   int per;
   if (split_tokens > 0) {
-    per = split_tokens;
+    per = kv_split_window(len, split_tokens, split_max, split_div);
     begin = (first / per + split) * per;
   } else {
     const int start = (first / 32) * 32;
@@ -910,7 +923,8 @@ const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
 // Index guards: a length beyond the block table is cut to it; a negative one is 0.
 const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
-const KvSplitRange range = kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens);
+const KvSplitRange range =
+    kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];
@@ -956,7 +970,7 @@ const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
 const int len = p.num_tokens;
-const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens);
+const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];

@@ -199,6 +199,8 @@ struct KvAttnParams {
   float sparse_v;   // sparse V threshold tau on exp2(s - m_running); read only by SV = 1 kernels
   int split_tokens; // > 0: split k of a sequence is its k-th window of this many tokens, cut at
                     // the multiples of split_tokens (batch invariance); 0: num_splits equal runs
+  int split_max;    // split_div > 0: a sequence of length len gets windows of
+  int split_div;    // clamp(pow2ceil(len) / split_div, split_tokens, split_max) (attention.metal)
 };
 
 // gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).

@@ -82,3 +82,36 @@ def test_a_rows_result_does_not_depend_on_the_split_count():
     splits = next(c for c in t.calls if "paged_attention_partials" in c.name).grid[0] // partials_a.threadgroup[0]
     assert splits > partials_a.grid[0] // partials_a.threadgroup[0]
     np.testing.assert_array_equal(np.array(out[0]), np.array(out_a[0]))
+
+
+def test_split_window_is_a_function_of_the_length():
+    # Issue 41, P4: windows of clamp(pow2ceil(len) / 32, 256, 2048) tokens.
+    w = lambda n: metal.split_window(n, metal.SPLIT_TOKENS, metal.SPLIT_WINDOW_MAX, metal.SPLIT_WINDOW_DIV)
+    assert [w(n) for n in (1, 256, 8192, 8193, 16384, 16385, 32768, 65536, 65537, 1 << 20)] == \
+        [256, 256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048]
+    # the launch's split count bounds every length up to the work (brute force)
+    for work in (1, 255, 256, 8192, 8193, 9000, 16384, 16385, 20000, 65537, 200000):
+        most = max(-(-n // w(n)) for n in range(1, work + 1))
+        assert metal.window_splits(work, metal.SPLIT_TOKENS, misaligned=False, split_max=metal.SPLIT_WINDOW_MAX,
+                                   split_div=metal.SPLIT_WINDOW_DIV) == most, work
+    assert metal.window_splits(32768, 256, misaligned=False, split_max=2048, split_div=32) == 32  # was 128
+
+
+def test_long_sequence_gets_length_windows_and_stays_batch_invariant():
+    # A 9000-token sequence: windows of 512 (18 live splits, not 36); its rows are the same
+    # bits alone and next to a short sequence; both match the oracle.
+    rng = np.random.default_rng(5)
+    q, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=(9000, 40), num_kv_heads=1, gqa=1, head_dim=64, block_size=32, dtype=mx.float32, use_sinks=True)
+    outs = []
+    for batch in (1, 2):
+        with sim.trace(strict=True, seed=batch) as t, kv.use_backend("sim"):
+            out = kv.paged_attention(q[:batch], kc, vc, tables[:batch], seq_lens[:batch], sinks=sinks)
+            mx.eval(out)
+        outs.append(out)
+        partials = next(c for c in t.calls if "paged_attention_partials" in c.name)
+        splits = partials.grid[0] // partials.threadgroup[0]
+        assert splits >= 18  # the launch bounds any length up to the table's (8192 tokens: 32)
+        assert partials.buffers["part_acc"].stored == (18 + (batch == 2)) * 1 * 64 * 4
+    np.testing.assert_array_equal(np.array(outs[0][0]), np.array(outs[1][0]))
+    assert_close(outs[1], ref.paged_attention(q, kc, vc, tables, seq_lens, sinks=sinks), mx.float32)
