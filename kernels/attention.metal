@@ -434,18 +434,31 @@ inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, PQ q,
 // 0 the live range is cut into num_splits equal runs of whole 32-token units (an
 // explicit num_splits). Either way tiles of TT | 32 tokens never straddle a split,
 // and a sliding window never assigns out-of-window blocks.
+// With split_div > 0 (issue 41, P4) the window is a function of the sequence's
+// length alone, kv_split_window: clamp(pow2ceil(len) / split_div, split_tokens,
+// split_max) (powers of two), so long sequences get longer windows (fewer
+// partials) and batch invariance holds as with fixed windows.
+inline int kv_split_window(int len, int split_tokens, int split_max, int split_div) {
+  int w = split_tokens;
+  while (split_div > 0 && w < split_max && w * split_div < len) {
+    w *= 2;
+  }
+  return w;
+}
+
 struct KvSplitRange {
   int lo;
   int hi;
   int begin;  // unit-aligned start (<= lo)
 };
 
-inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits, int split_tokens) {
+inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits, int split_tokens,
+                                   int split_max, int split_div) {
   const int first = kv_first_visible(len - L, window);
   int begin;
   int per;
   if (split_tokens > 0) {
-    per = split_tokens;
+    per = kv_split_window(len, split_tokens, split_max, split_div);
     begin = (first / per + split) * per;
   } else {
     const int start = (first / 32) * 32;
@@ -593,6 +606,21 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
   const KvVariant var = kv_variant(scale, softcap, window);
   const float qscale = var.q_scale;
   const int seed_first = kv_first_visible(len - QL, window);  // sparse V's first seed (kv_seed_rows)
+
+  // An empty split (past the sequence's last window: a sequence shorter than the
+  // launch's longest) writes (m, l) = (-big, 0) for its rows and returns (issue 41,
+  // P3): no q load, no sparse-V seeds, no merge barriers, no accumulator. The reduces
+  // skip a split whose sum is 0 and never read its accumulator. `range` is the same
+  // for the whole threadgroup, so the return is uniform.
+  if (range.hi <= range.lo) {
+    for (int row = tid; row < R; row += NSG * 32) {
+      const size_t at =
+          (part_row0 + size_t(row / QL) * row_stride_g + size_t(row % QL) * row_stride_l) * num_splits + split;
+      part_max[at] = KV_NEG_BIG;
+      part_sum[at] = 0.0f;
+    }
+    return;
+  }
 
   KvRowState<RPS, KNA, KAE4, VNA, VAE4> st;
 
@@ -778,6 +806,81 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
   }
 }
 
+// The split partials of one output row, for the reduces: splits [0, n0) at rows
+// at0 + s of (max0, sum0, acc0), then splits [n0, n0 + n1) at at1 + s - n0 of
+// (max1, sum1, acc1) (attention_reduce: n1 = 0; cascade_reduce: prefix, then own).
+template <int D>
+struct KvSplitParts {
+  const device float* max0;
+  const device float* sum0;
+  const device float* acc0;
+  const device float* max1;
+  const device float* sum1;
+  const device float* acc1;
+  size_t at0;
+  size_t at1;
+  int n0;
+  int n1;
+
+  float part_max(int s) const {
+    return s < n0 ? max0[at0 + s] : max1[at1 + (s - n0)];
+  }
+  float part_sum(int s) const {
+    return s < n0 ? sum0[at0 + s] : sum1[at1 + (s - n0)];
+  }
+  float4 acc(int s, int chunk) const {
+    return s < n0 ? kv_load4(acc0 + (at0 + s) * D + chunk * 4) : kv_load4(acc1 + (at1 + (s - n0)) * D + chunk * 4);
+  }
+};
+
+// The reduce of one row's split partials and its sink (32 lanes; lane owns the D / 4
+// chunks lane + 32 c of the accumulator, c < CPL), in two phases (issue 41, P2):
+// 1. the row max M over the sink and the splits that saw a key (sum != 0), lanes
+//    taking splits lane, lane + 32, ... in parallel, then one simd_max;
+// 2. every lane walks the splits in order s = 0, 1, ...: weight w = exp2(m_s - M)
+//    (exactly 1 for the split that holds M), denominator += l_s w, its chunks +=
+//    acc_s w. A split's loads depend on nothing computed in the walk (before: each
+//    split's two exp2 waited on the running max of the previous one), and the sum's
+//    order is fixed: splits past a row's last window are skipped, so the result does
+//    not depend on the launch's split count (batch invariance). A split with sum 0 is
+//    never read further (an empty split writes no accumulator, P3); a NaN sum or max
+//    propagates. Returns the denominator; o[c] holds the unnormalized output.
+inline float kv_weight_to_max(float x, float m) {
+  return x == m ? 1.0f : kv_weight(x, m);
+}
+
+template <int D, int CPL>
+inline float kv_fold_splits(thread const KvSplitParts<D>& sp, int lane, bool has_sink, float sink_logit,
+                            thread float4* o) {
+  const int n = sp.n0 + sp.n1;
+  float m = has_sink ? sink_logit : KV_NEG_BIG;
+  for (int s = lane; s < n; s += 32) {
+    if (sp.part_sum(s) != 0.0f) {
+      m = max(m, sp.part_max(s));
+    }
+  }
+  m = simd_max(m);
+  float denom = has_sink ? kv_weight_to_max(sink_logit, m) : 0.0f;
+  for (int c = 0; c < CPL; c++) {
+    o[c] = float4(0.0f);
+  }
+  for (int s = 0; s < n; s++) {
+    const float l = sp.part_sum(s);
+    if (l == 0.0f) {
+      continue;  // a split that saw no key
+    }
+    const float w = kv_weight_to_max(sp.part_max(s), m);
+    denom += l * w;
+    for (int c = 0; c < CPL; c++) {
+      const int chunk = lane + 32 * c;
+      if (chunk < D / 4) {
+        o[c] += sp.acc(s, chunk) * w;
+      }
+    }
+  }
+  return denom;
+}
+
 // The data element type of a cache array: the float type, or uint32 words.
 template <int BITS, typename T>
 struct KvDataType {
@@ -820,7 +923,8 @@ const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
 // Index guards: a length beyond the block table is cut to it; a negative one is 0.
 const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
-const KvSplitRange range = kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens);
+const KvSplitRange range =
+    kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];
@@ -866,7 +970,7 @@ const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
 const int len = p.num_tokens;
-const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens);
+const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];
@@ -932,36 +1036,22 @@ const int row = int(threadgroup_position_in_grid.x);
 const int lane = int(thread_index_in_threadgroup);
 const int num_splits = p.num_splits;
 const int head = (row / p.head_div) % p.num_heads;
-// Fold the splits (and the sink, a logit with no value) with the merge helper;
-// each lane carries its float4 chunks of the accumulator through the fold.
+// The splits and the sink (a logit with no value), in kv_fold_splits' two phases.
 constexpr int CPL = (D / 4 + 31) / 32;
-float m = KV_NEG_BIG;
-float denom = 0.0f;
-if (HAS_SINKS) {
-  m = kv_sink_logit(sinks[head]);
-  denom = 1.0f;
-}
+KvSplitParts<D> sp;
+sp.max0 = part_max;
+sp.sum0 = part_sum;
+sp.acc0 = part_acc;
+sp.max1 = part_max;
+sp.sum1 = part_sum;
+sp.acc1 = part_acc;
+sp.at0 = size_t(row) * num_splits;
+sp.at1 = 0;
+sp.n0 = num_splits;
+sp.n1 = 0;
 float4 o[CPL];
-for (int c = 0; c < CPL; c++) {
-  o[c] = float4(0.0f);
-}
-for (int s = 0; s < num_splits; s++) {
-  const size_t at = size_t(row) * num_splits + s;
-  // A split that saw no key (past the row's last window) is skipped, not folded in
-  // as a zero: the fold of a row's real splits is then the same at any split count.
-  if (part_sum[at] == 0.0f) {
-    continue;
-  }
-  const KvSoftmaxMerge mg = kv_softmax_merge(m, part_max[at]);
-  denom = denom * mg.scale_a + part_sum[at] * mg.scale_b;
-  m = mg.m;
-  for (int c = 0; c < CPL; c++) {
-    const int chunk = lane + 32 * c;
-    if (chunk < D / 4) {
-      o[c] = o[c] * mg.scale_a + kv_load4(part_acc + at * D + chunk * 4) * mg.scale_b;
-    }
-  }
-}
+const float denom =
+    kv_fold_splits<D, CPL>(sp, lane, HAS_SINKS, HAS_SINKS ? kv_sink_logit(sinks[head]) : KV_NEG_BIG, o);
 const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
 for (int c = 0; c < CPL; c++) {
   const int chunk = lane + 32 * c;

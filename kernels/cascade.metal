@@ -20,7 +20,7 @@
 //   the last token, while the split range is cut from the true length.
 // - cascade_reduce folds, per output row (sequence, head), the prefix
 //   partials of its member slot (if any) and its own partials, and the sink,
-//   with kv_softmax_merge: the same fold attention_reduce does over splits.
+//   with kv_fold_splits: the same two-phase reduce attention_reduce runs.
 // - Index guards (validate=False): lengths clamped to the table width, block
 //   ids outside [0, N) are padding (KvPagedRows), a member slot outside the
 //   prefix partials is "no prefix".
@@ -51,7 +51,7 @@ const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
 const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
 // The split range of a one-row query over [0, len): every token of the row.
-const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits, p.split_tokens);
+const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
 threadgroup float merge_stats[MERGE_STATS];
 threadgroup float merge_acc[MERGE_ACC];
@@ -103,38 +103,22 @@ const int seq = row / p.num_heads;
 const int slot = seq < p.num_seqs ? slot_of[seq] : -1;
 const bool has_prefix = slot >= 0 && slot < p.prefix_slots;
 constexpr int CPL = (D / 4 + 31) / 32;
-float m = KV_NEG_BIG;
-float denom = 0.0f;
-if (HAS_SINKS) {
-  m = kv_sink_logit(sinks[head]);
-  denom = 1.0f;
-}
+// Prefix splits first, then the own splits: one fold over both (kv_fold_splits, the
+// reduce attention_reduce runs over splits).
+KvSplitParts<D> sp;
+sp.max0 = prefix_max;
+sp.sum0 = prefix_sum;
+sp.acc0 = prefix_acc;
+sp.max1 = own_max;
+sp.sum1 = own_sum;
+sp.acc1 = own_acc;
+sp.at0 = has_prefix ? (size_t(slot) * p.num_heads + head) * p.prefix_splits : 0;
+sp.at1 = size_t(row) * p.own_splits;
+sp.n0 = has_prefix ? p.prefix_splits : 0;
+sp.n1 = p.own_splits;
 float4 o[CPL];
-for (int c = 0; c < CPL; c++) {
-  o[c] = float4(0.0f);
-}
-// Prefix splits first, then the own splits: one fold over both.
-const int n_prefix = has_prefix ? p.prefix_splits : 0;
-for (int s = 0; s < n_prefix + p.own_splits; s++) {
-  const bool from_prefix = s < n_prefix;
-  const size_t at = from_prefix ? (size_t(slot) * p.num_heads + head) * p.prefix_splits + s
-                                : size_t(row) * p.own_splits + (s - n_prefix);
-  const float part_m = from_prefix ? prefix_max[at] : own_max[at];
-  const float part_l = from_prefix ? prefix_sum[at] : own_sum[at];
-  if (part_l == 0.0f) {
-    continue;  // a split that saw no key: skipped, as attention_reduce does
-  }
-  const KvSoftmaxMerge mg = kv_softmax_merge(m, part_m);
-  denom = denom * mg.scale_a + part_l * mg.scale_b;
-  m = mg.m;
-  for (int c = 0; c < CPL; c++) {
-    const int chunk = lane + 32 * c;
-    if (chunk < D / 4) {
-      const float4 acc = from_prefix ? kv_load4(prefix_acc + at * D + chunk * 4) : kv_load4(own_acc + at * D + chunk * 4);
-      o[c] = o[c] * mg.scale_a + acc * mg.scale_b;
-    }
-  }
-}
+const float denom =
+    kv_fold_splits<D, CPL>(sp, lane, HAS_SINKS, HAS_SINKS ? kv_sink_logit(sinks[head]) : KV_NEG_BIG, o);
 const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
 for (int c = 0; c < CPL; c++) {
   const int chunk = lane + 32 * c;

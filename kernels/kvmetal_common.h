@@ -199,6 +199,8 @@ struct KvAttnParams {
   float sparse_v;   // sparse V threshold tau on exp2(s - m_running); read only by SV = 1 kernels
   int split_tokens; // > 0: split k of a sequence is its k-th window of this many tokens, cut at
                     // the multiples of split_tokens (batch invariance); 0: num_splits equal runs
+  int split_max;    // split_div > 0: a sequence of length len gets windows of
+  int split_div;    // clamp(pow2ceil(len) / split_div, split_tokens, split_max) (attention.metal)
 };
 
 // gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).
@@ -233,12 +235,27 @@ inline float kv_exp2(float x) {
   return exp2(x);
 }
 
-// tanh that stays finite under fast math. Metal's fast tanh is (e^2x - 1) /
-// (e^2x + 1), NaN once e^2x overflows (x > ~44); with e = 2^(-2 log2(e) |x|) in
-// (0, 1] nothing overflows, and a NaN argument still gives NaN.
+// tanh exact to a few ulp over the whole float range, finite under fast math
+// (Metal's fast tanh is (e^2x - 1) / (e^2x + 1), NaN once e^2x overflows, x > ~44).
+// - |x| < 0.625: x + x y P(y), y = x^2, P a degree-5 fit of (tanh(x) / x - 1) / y
+//   (Chebyshev nodes, float64; under 1 ulp evaluated in float32). A softcap far
+//   above the scores lives here: (1 - e) / (1 + e) lost ~ulp / |x| of relative
+//   precision and was 0 below |x| ~ 3e-8, so a cap of 1e30 gave uniform attention
+//   (issue 41, defect 2). Tiny x returns x itself (y underflows).
+// - 0.625 <= |x| < 9.5: (1 - e) / (1 + e), e = 2^(-2 log2(e) |x|) in (0, 0.29]:
+//   nothing overflows and 1 - e loses no digits.
+// - |x| >= 9.5 (inf too): +-1 (tanh rounds to 1 in float32 past ~9.01).
+// A NaN argument fails every compare and takes the exponential: NaN out.
 inline float kv_tanh(float x) {
-  const float e = kv_exp2(-2.0f * KV_LOG2E * fabs(x));
-  return copysign((1.0f - e) / (1.0f + e), x);
+  const float a = fabs(x);
+  const float y = a < 0.625f ? x * x : 0.0f;
+  const float poly = -0.3333333432674408f +
+                     y * (0.13333304226398468f +
+                          y * (-0.05395938456058502f +
+                               y * (0.02176983468234539f + y * (-0.00834665633738041f + y * 0.0022955394815653563f))));
+  const float e = kv_exp2(-2.0f * KV_LOG2E * a);
+  const float curved = copysign((1.0f - e) / (1.0f + e), x);
+  return a < 0.625f ? x + x * y * poly : (a >= 9.5f ? copysign(1.0f, x) : curved);
 }
 
 // The first key a query at position pos sees under a sliding window (0 = off).
@@ -290,7 +307,7 @@ inline float kv_sink_logit(float sink) {
 // The one softmax-state merge: states (m_a, l_a, o_a) and (m_b, l_b, o_b), with
 // maxima in log2 units, combine as m = max(m_a, m_b), l = l_a * scale_a +
 // l_b * scale_b, o = o_a * scale_a + o_b * scale_b. Used by the simdgroup merge
-// inside the partial kernels and by attention_reduce across splits.
+// inside the partial kernels (the reduces across splits use kv_fold_splits).
 struct KvSoftmaxMerge {
   float m;
   float scale_a;

@@ -17,7 +17,8 @@
 //   reduction is simd_shuffle_xor by 1 and 8.
 // - K/V tiles of BK tokens are copied from the paged blocks into threadgroup
 //   memory in the storage type (quantized rows dequantized once into the tile,
-//   in the scales' float type, by every thread in runs of whole words); lanes
+//   K in float32 and V in the scales' float type (metal.py picks TK, TV), by
+//   every thread in runs of whole words); lanes
 //   read fragments from the tile by their own coordinates, each fragment's two
 //   elements in one vector load: V row-major, K transposed (KT = 1, dims as
 //   rows) so that a K fragment's two keys are adjacent (rows padded by 16 bytes
@@ -28,7 +29,7 @@
 //   position]: tiles above the causal diagonal are never visited, tiles before
 //   the sliding window never loaded. Splits cut that range in whole K/V tiles;
 //   every split writes partials (max in log2 units, sum, unnormalized acc) that
-//   attention_reduce merges with kv_softmax_merge (and the sinks).
+//   attention_reduce merges with kv_fold_splits (and the sinks).
 // - Index guards (validate=False): seq_lens clamped to the block table, n to
 //   the length, block ids outside [0, N) read as zero rows, query and output
 //   rows bounded by the launch's own sizes.
@@ -276,15 +277,19 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   }
 
   // Online softmax over the tile: mask, row max, probabilities, row sum.
+  // A key's weight is chosen by its visibility flag, not by its score: a NaN score
+  // of a visible key (a NaN in its K row) gives a NaN weight and a NaN row, as in
+  // decode (issue 41, R3; comparing the score dropped it silently).
   float tile_max = KV_NEG_BIG;
+  bool vis[KF][2];
   KV_UNROLL
   for (int kb = 0; kb < KF; kb++) {
     KV_UNROLL
     for (int e = 0; e < 2; e++) {
       const int c = kb * 8 + fn + e;
       const int t = t0 + c;
-      const bool vis = row_ok && tile_ok[c] != 0 && var.visible(t, pos);
-      const float s = vis ? var.logit(sf[kb].thread_elements()[e]) : KV_NEG_BIG;
+      vis[kb][e] = row_ok && tile_ok[c] != 0 && var.visible(t, pos);
+      const float s = vis[kb][e] ? var.logit(sf[kb].thread_elements()[e]) : KV_NEG_BIG;
       sf[kb].thread_elements()[e] = s;
       tile_max = max(tile_max, s);
     }
@@ -292,14 +297,17 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
   tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
   const float m_new = max(m, tile_max);
-  const float factor = kv_weight(m, m_new);
+  // Rescale only when the max rises (issue 41, R2): a tile the row cannot see, or one
+  // below its max, leaves (l, O) as they are, not times exp2(0) (exact 1 only if
+  // the fast exp2 is exact there).
+  const float factor = m_new > m ? kv_weight(m, m_new) : 1.0f;
   float tile_sum = 0.0f;
   KV_UNROLL
   for (int kb = 0; kb < KF; kb++) {
     KV_UNROLL
     for (int e = 0; e < 2; e++) {
       const float s = sf[kb].thread_elements()[e];
-      const float pr = s > 0.5f * KV_NEG_BIG ? kv_weight(s, m_new) : 0.0f;
+      const float pr = vis[kb][e] ? kv_weight(s, m_new) : 0.0f;
       sf[kb].thread_elements()[e] = pr;
       tile_sum += pr;
     }

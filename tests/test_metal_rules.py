@@ -100,19 +100,16 @@ def test_softcap_with_scores_far_past_fast_tanh_overflow(kernel, macos, monkeypa
 # ----------------------------------------------------------------------------- `constant` inputs
 
 def _constant_kernels():
-    keys = set().union(*(f.keys for f in specialisations.specialisation_families()
-                         if f.op in specialisations.ATTENTION_OPS))
+    keys = set().union(*(f.keys for f in specialisations.specialisation_families()))
     return sorted({k[0] for k in keys if k[1] == "constant"})
 
 
-def test_every_attention_kernel_is_reached_with_constant_inputs():
-    assert set(SCORE_KERNELS) | {"attention_reduce", "cascade_reduce"} <= set(_constant_kernels())
-
-
-@pytest.mark.parametrize("kernel", _constant_kernels())
-def test_inputs_under_8_elements_bound_as_constant(kernel):
-    f = cheapest(kernel, lambda f, keys: any(k[:2] == (kernel, "constant") for k in keys))
-    assert _launched(run_family(f), kernel)
+def test_no_kernel_is_reached_with_constant_inputs():
+    # Issue 41, R1: the backend grows every input under 8 elements (metal._device_bound),
+    # so no configuration of the registry binds one `constant` (before: every attention
+    # kernel, the reduces included, had such configurations: batch 1-7 ran other
+    # pipelines than batch 8+). tests/test_metal_device_binding.py runs batches 1-9.
+    assert _constant_kernels() == []
 
 
 # ----------------------------------------------------------------------------- empty splits

@@ -80,7 +80,7 @@ def test_varlen_matches_oracle(case):
         assert_close(out, expected, dtype)
     tiled = [c for c in trace.calls if "paged_varlen_partials" in c.name]
     assert len(tiled) == 1                                     # every long run in one launch
-    k_item = (kc.scales if kq else kc).dtype.size
+    k_item = 4 if kq else kc.dtype.size  # a quantized K tile holds float32 rows (issue 41, defect 1)
     v_item = (vc.scales if vq else vc).dtype.size
     tiles = metal.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item)
     assert tiled[0].threadgroup_memory == metal.varlen_threadgroup_bytes(
@@ -191,3 +191,84 @@ def test_mlx_lm_drop_in_greedy_parity_on_sim(family):
     assert got == expected
     # chunks of 20, 20, 19 tokens (mlx-lm keeps the last prompt token for decode): all tiled
     assert sum("paged_varlen_partials" in c.name for c in trace.calls) == 3 * len(model.layers)
+
+
+def _issue41_varlen_case(*, scale, softcap, tie_sink, seed=41):
+    """Issue 41, defect 1: bfloat16, D 256, block size 8, 2 kv heads, GQA 1, K 6-bit
+    (group 32) with float V, n = [130, 15, 8] new rows over [200, 0, 0] cached ones, junk
+    in the tables' unused columns. Row 130 (the second sequence's first row, position 0)
+    sees one key of a mostly masked K tile plus the sink; ``tie_sink`` sets head 0's sink
+    to that key's logit, so the row's output is half the key's value and any error in
+    the score shows at full strength."""
+    rng = np.random.default_rng(seed)
+    counts, ctx = (130, 15, 8), (200, 0, 0)
+    lens = tuple(c + n for c, n in zip(ctx, counts))
+    query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
+        rng, lens=lens, counts=counts, num_kv_heads=2, gqa=1, head_dim=256, block_size=8, dtype=bf16,
+        k_quant=(6, 32), use_sinks=True)
+    if tie_sink:
+        k0 = ref.to_f64(kc)[int(np.array(tables)[1, 0]), 0, 0]           # key 0 of sequence 1, kv head 0
+        s = scale * float(np.array(query[130, 0].astype(f32), np.float64) @ k0)
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
+        sinks = mx.array(np.array([s, *np.array(sinks)[1:]], np.float32))
+    return (query, kc, vc, tables, seq_lens, qsl), dict(scale=scale, softcap=softcap, sinks=sinks)
+
+
+@pytest.mark.parametrize("softcap", [50.0, None])
+@pytest.mark.parametrize("tie_sink", [True, False])
+def test_issue41_sinks_with_an_explicit_scale(softcap, tie_sink):
+    # Failed before the fix (rows up to 12% off, row 130 among them): the tile held the
+    # quantized K dequantized to the scales' type (bfloat16), so a score carried an error of
+    # ~|q||k| 2^-9 sqrt(D), which scale 4 made a large error in the row's weights; sinks
+    # exposed it on a one-key row (without a sink one key's weight cancels).
+    args, options = _issue41_varlen_case(scale=4.0, softcap=softcap, tie_sink=tie_sink)
+    expected = oracle(*args, **options)
+    outs, _ = run_varlen(*args, validate=False, **options)
+    for out in outs:
+        assert_close(out, expected, bf16)
+    with kv.use_backend("cpu"):
+        assert_close(kv.paged_attention_varlen(*args, validate=False, **options), expected, bf16)
+
+
+def test_nan_in_a_visible_k_row_propagates():
+    # Issue 41, R3: a NaN in a K row a query row sees makes that row NaN (as decode does
+    # and the oracle does); rows that cannot see it stay finite and right. Before the fix
+    # the tiled kernel chose weights by `score > -big/2`, which a NaN score fails: the key
+    # was dropped silently.
+    rng = np.random.default_rng(3)
+    query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
+        rng, lens=(40,), counts=(17,), num_kv_heads=1, gqa=2, head_dim=64, block_size=16, dtype=f16, use_sinks=True)
+    bad = 30  # key 30: query rows at positions >= 30 (new rows 7..16) see it
+    k = np.array(kc.astype(f32))
+    block = int(np.array(tables)[0, bad // 16])
+    k[block, 0, bad % 16, 5] = np.nan
+    kc = mx.array(k).astype(f16)
+    options = dict(sinks=sinks)
+    expected = oracle(query, kc, vc, tables, seq_lens, qsl, **options)
+    first_seeing = bad - (40 - 17)
+    assert np.isnan(expected[first_seeing:]).all() and np.isfinite(expected[:first_seeing]).all()
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, **options)
+    assert any("paged_varlen_partials" in c.name for c in trace.calls)
+    for out in outs:
+        o = np.array(out.astype(f32))
+        assert np.isnan(o[first_seeing:]).all(), "a NaN in a visible K row was dropped"
+        assert_close(out[:first_seeing], expected[:first_seeing], f16)
+
+
+def test_rescale_only_when_the_max_rises():
+    # Issue 41, R2: the tiled kernel rescales (l, O) by exp2(m - m_new) only on lanes whose
+    # row max rose; a tile a row cannot see, or one below its max, leaves it untouched
+    # (before: times exp2(0), exact only where the fast exp2 is). Counted on the simulator:
+    # one sequence of 9 new rows (no context), G 1, D 64 float16: one query tile of 32 rows
+    # (4 simdgroups) and one K/V tile of 32 keys. Rows 0..8 see 1..9 keys (45 weights);
+    # each row lives on 4 lanes whose max rises once (36 rescales). Before: all 128 lanes
+    # rescaled (128 + 45 = 173 exp2 calls).
+    rng = np.random.default_rng(9)
+    query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
+        rng, lens=(9,), counts=(9,), num_kv_heads=1, gqa=1, head_dim=64, block_size=16, dtype=f16)
+    tiles = metal.VarlenTiles(simdgroups=4, block_k=32)
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], tiles=tiles, num_splits=1)
+    assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
+    (call,) = [c for c in trace.calls if "paged_varlen_partials" in c.name]
+    assert call.math.get("exp2", 0) == 45 + 36, call.math

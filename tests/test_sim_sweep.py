@@ -21,6 +21,45 @@ def test_fixed_seed_sweep_matches_the_oracle():
     assert result["failed"] == 0, out.getvalue()
 
 
+CI_CLASS_CONFIGS = 24  # the sinks_scale class (issue 41), varlen and decode-style ops
+
+
+def test_sinks_scale_class_matches_the_oracle():
+    out = io.StringIO()
+    result = sweep.sweep(CI_CLASS_CONFIGS, seed=CI_SEED, pool=8, out=out, klass="sinks_scale",
+                         ops=("varlen", "paged"))
+    assert result["ran"] == CI_CLASS_CONFIGS
+    assert result["failed"] == 0, out.getvalue()
+
+
+def test_sinks_scale_class_draws_what_issue_41_needed():
+    cs = sweep.configs(300, seed=CI_SEED, pool=40, klass="sinks_scale")
+    varlen = [c for c in cs if c.op == "varlen"]
+    assert sum(c.sinks for c in cs) > 0.6 * len(cs) and sum(c.scale is not None for c in cs) > 0.6 * len(cs)
+    assert sum(c.sinks and c.scale is not None and c.scale > 2 * c.head_dim ** -0.5 for c in cs) > 0.2 * len(cs)
+    assert any(c.sink_spread for c in cs)
+    # rows that see one or a few keys of a mostly masked tile: tiled runs (n > 8) with little context
+    few = [c for c in varlen if any(n > 8 and l - n <= 3 for n, l in zip(c.counts, c.lens))]
+    assert len(few) > 0.3 * len(varlen) and any(c.block_size == 8 for c in few)
+    assert any(c.k_quant and c.dtype == "bfloat16" and c.sinks and c.scale for c in few)
+    # the default class draws explicit scales too, now and then
+    assert 0.1 < np.mean([c.scale is not None for c in sweep.configs(300, seed=CI_SEED, pool=40)]) < 0.5
+
+
+def test_errors_are_per_row():
+    # A wrong row with small outputs must not hide behind a large row (a batch-wide scale did).
+    expected = np.ones((2, 8))
+    expected[1] *= 1e-3
+    out = expected.copy()
+    out[1] *= 1.1
+    import mlx.core as mx
+
+    assert sweep._rel_error(mx.array(out.astype(np.float32)), expected) > 0.09
+    # outputs below the dtype's smallest normal number are measured against it
+    tiny = np.full((1, 8), 1e-9)
+    assert sweep._rel_error(mx.array(np.zeros((1, 8), np.float32)), tiny, floor=sweep.ROW_FLOOR["float16"]) < 1e-4
+
+
 def test_the_draws_cover_the_space():
     # Over a longer draw (no kernel runs) every axis the issue lists is reached.
     cs = sweep.configs(600, seed=CI_SEED, pool=150)

@@ -66,6 +66,15 @@ MAX_SPLITS = 64
 # kvmetal did before: fewer, longer splits for big batches, but a sequence's bits then
 # follow its batch. Which is faster on a big batch is for `kvmetal bench` on a Mac to say.
 SPLIT_TOKENS = MIN_TOKENS_PER_SPLIT
+# Length-dependent windows (issue 41, P4): a sequence of length len is cut into windows of
+# clamp(pow2ceil(len) / SPLIT_WINDOW_DIV, SPLIT_TOKENS, SPLIT_WINDOW_MAX) tokens (powers of
+# two; KvAttnParams.split_div / split_max): a function of the sequence alone, so batch
+# invariance holds, and a long sequence writes fewer partials (32K: 32 windows of 1024, not
+# 128 of 256). Up to 8192 tokens nothing changes. SPLIT_WINDOW_DIV = 0 restores fixed
+# windows of SPLIT_TOKENS. Which window is fastest (fewer partials against fewer
+# threadgroups for small batches) only a Mac can say: `kvmetal bench` compares them there.
+SPLIT_WINDOW_DIV = 32
+SPLIT_WINDOW_MAX = 2048
 # The varlen (prefill) kernel's windows are longer: its partials hold every query row of
 # a chunk (rows x splits x D floats), and a row's K/V tiles in one window are already
 # independent of its chunk, so windows only add parallelism for chunks of few tiles. At
@@ -120,11 +129,41 @@ def split_policy() -> str:
     return policy
 
 
-def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool) -> int:
-    """Splits a launch needs so that every sequence's windows of ``split_tokens`` fit:
-    a live range of at most ``work_tokens`` spans that many windows, one more when it
-    may start inside one (a sliding window's first visible key)."""
-    return max(1, -(-max(1, work_tokens) // split_tokens) + int(misaligned))
+def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool, split_max: int = 0,
+                  split_div: int = 0) -> int:
+    """Splits a launch needs so that every sequence's windows fit: a live range of at most
+    ``work_tokens`` spans that many windows of ``split_tokens`` (with ``split_div`` > 0:
+    of each length's own window, split_window), one more when it may start inside one (a
+    sliding window's first visible key)."""
+    work = max(1, work_tokens)
+    if split_div <= 0:
+        return max(1, -(-work // split_tokens) + int(misaligned))
+    # The most windows over lengths n <= work: for the lengths sharing a window w (those
+    # up to the next doubling of w's reach), the longest of them needs the most.
+    most, n = 0, 1
+    while True:
+        w = split_window(n, split_tokens, split_max, split_div)
+        reach = w * split_div if w < split_max else work  # longest length with window w
+        most = max(most, -(-min(work, reach) // w))
+        if reach >= work:
+            break
+        n = reach + 1
+    return max(1, most + int(misaligned))
+
+
+def _window_fields(split_tokens: int) -> dict:
+    """KvAttnParams' split_max / split_div of a launch cut in windows (split_tokens > 0)."""
+    if split_tokens <= 0:
+        return dict(split_max=0, split_div=0)
+    return dict(split_max=SPLIT_WINDOW_MAX, split_div=SPLIT_WINDOW_DIV)
+
+
+def split_window(length: int, split_tokens: int, split_max: int, split_div: int) -> int:
+    """The window of a sequence of ``length`` tokens (attention.metal's kv_split_window)."""
+    w = split_tokens
+    while split_div > 0 and w < split_max and w * split_div < length:
+        w *= 2
+    return w
 
 
 @dataclass(frozen=True)
@@ -367,7 +406,7 @@ class ParamStruct:
 ATTENTION_PARAMS = ParamStruct("KvAttnParams", (
     ("num_kv_heads", "i"), ("num_heads", "i"), ("query_len", "i"), ("num_splits", "i"), ("max_blocks", "i"),
     ("num_blocks", "i"), ("window", "i"), ("num_tokens", "i"), ("scale", "f"), ("softcap", "f"),
-    ("head_div", "i"), ("sparse_v", "f"), ("split_tokens", "i")))
+    ("head_div", "i"), ("sparse_v", "f"), ("split_tokens", "i"), ("split_max", "i"), ("split_div", "i")))
 GATHER_PARAMS = ParamStruct("KvGatherParams", (
     ("num_kv_heads", "i"), ("max_blocks", "i"), ("max_len", "i"), ("num_blocks", "i")))
 
@@ -722,6 +761,30 @@ def _placeholder(dtype):
     return _placeholder_cached(DTYPE_TAGS[dtype])
 
 
+# MLX binds an input with fewer than this many elements as a `constant` buffer, which
+# is part of the pipeline's signature (its mangled name ends in "c").
+MIN_DEVICE_ELEMENTS = 8
+
+
+def _device_bound(a: mx.array) -> mx.array:
+    """``a``, or ``a`` grown along its first axis with zero rows to at least
+    MIN_DEVICE_ELEMENTS elements (an empty one: zeros of its rank; a scalar stays), so that
+    MLX binds it `device` whatever the batch: seq_lens, slot_of, prefix_lens, sinks,
+    small block tables and partials of a batch of 1-7 would otherwise be `constant` and
+    run another compiled pipeline than batch 8+ (under relaxed math the two need not
+    give the same bits: issue 41, R1). Kernels index these arrays by row and never read
+    their shapes, so the added rows are never read."""
+    if a.ndim == 0 or a.size >= MIN_DEVICE_ELEMENTS:
+        return a
+    row = 1
+    for d in a.shape[1:]:
+        row *= d
+    if row == 0:
+        return mx.zeros((MIN_DEVICE_ELEMENTS,) + (1,) * (a.ndim - 1), dtype=a.dtype)
+    extra = -(-MIN_DEVICE_ELEMENTS // row) - a.shape[0]
+    return mx.concatenate([a, mx.zeros((extra,) + tuple(a.shape[1:]), dtype=a.dtype)], axis=0)
+
+
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}
 
 
@@ -792,7 +855,7 @@ class KernelBackend:
         if len(output_shapes) != len(spec.outputs) or len(output_dtypes) != len(spec.outputs):
             raise TypeError(f"[metal] {name} has outputs {list(spec.outputs)}")
         kernel = self.kernel(spec, template_values)
-        return kernel(inputs=[inputs[n] for n in spec.inputs],
+        return kernel(inputs=[_device_bound(inputs[n]) for n in spec.inputs],
                       template=[(k, template_values[k]) for k in spec.template],
                       grid=geometry.grid, threadgroup=geometry.threadgroup,
                       output_shapes=output_shapes, output_dtypes=output_dtypes, **self._call_options())
@@ -903,7 +966,8 @@ class KernelBackend:
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
                                        window=sliding_window or 0, scale=scale, softcap=softcap or 0.0, head_div=1,
-                                       sparse_v=sparse_v or 0.0, split_tokens=split_tokens)
+                                       sparse_v=sparse_v or 0.0, split_tokens=split_tokens,
+                                       **_window_fields(split_tokens))
         geometry = SPECS["paged_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                               num_seqs=num_seqs, layout=layout)
         rows = num_seqs * query_len * num_heads
@@ -924,7 +988,7 @@ class KernelBackend:
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, num_tokens=num_tokens, scale=scale,
                                        softcap=softcap or 0.0, head_div=query_len, sparse_v=sparse_v or 0.0,
-                                       split_tokens=split_tokens)
+                                       split_tokens=split_tokens, **_window_fields(split_tokens))
         geometry = SPECS["decode_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                                num_seqs=batch, layout=layout)
         rows = batch * num_heads * query_len
@@ -949,12 +1013,16 @@ class KernelBackend:
         gqa = num_heads // num_kv_heads
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(key_cache)
         vd, vs, vb, vdt, vbits, vgs = _cache_parts(value_cache)
-        tiles = tiles or varlen_tiles(head_dim=head_dim, k_itemsize=kdt.size, v_itemsize=vdt.size)
+        # A quantized K tile holds float32 rows: K rounded to the scales' 16-bit type moves
+        # a score by ~|q||k| 2^-9 sqrt(D) (bfloat16), which an explicit large scale turns
+        # into a wrong softmax weight (issue 41, defect 1). V stays in the scales' type.
+        ktt = mx.float32 if kbits else kdt
+        tiles = tiles or varlen_tiles(head_dim=head_dim, k_itemsize=ktt.size, v_itemsize=vdt.size)
         plan = varlen_plan(query_start_loc, seq_lens, num_tokens=num_tokens, gqa=gqa, block_q=tiles.block_q,
                            max_len=max_blocks * block_size, sliding_window=sliding_window)
         outs = []
         if plan.tiles.shape[0]:
-            tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=kdt.size,
+            tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=ktt.size,
                                                 v_itemsize=vdt.size, transposed_k=tiles.transposed_k)
             useful = max(1, -(-plan.max_work // tiles.block_k))
             split_tokens = 0
@@ -973,7 +1041,7 @@ class KernelBackend:
                                            num_blocks=num_blocks, window=sliding_window or 0,
                                            num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1,
                                            split_tokens=split_tokens)
-            template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
+            template = dict(TQ=query.dtype, TK=ktt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
                             NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), KBITS=kbits, KGS=kgs,
                             VBITS=vbits, VGS=vgs)
             geometry = SPECS["paged_varlen_partials"].geometry(
@@ -1061,7 +1129,7 @@ class KernelBackend:
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=tables.shape[1], num_blocks=num_blocks, window=0,
                                        scale=scale, softcap=softcap or 0.0, head_div=1, sparse_v=sparse_v or 0.0,
-                                       split_tokens=split_tokens)
+                                       split_tokens=split_tokens, **_window_fields(split_tokens))
         geometry = SPECS["cascade_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads, num_seqs=num_rows,
                                                       layout=layout)
         rows = num_rows * query_len * num_heads
@@ -1088,7 +1156,8 @@ class KernelBackend:
         per sequence: windows of SPLIT_TOKENS (split_tokens > 0), or, for an explicit
         ``requested`` count or the occupancy policy, equal runs (split_tokens = 0)."""
         if requested is None and split_policy() == "windows":
-            return window_splits(work_tokens, SPLIT_TOKENS, misaligned=misaligned), SPLIT_TOKENS
+            return window_splits(work_tokens, SPLIT_TOKENS, misaligned=misaligned, split_max=SPLIT_WINDOW_MAX,
+                                 split_div=SPLIT_WINDOW_DIV), SPLIT_TOKENS
         # Equal runs cut whole SPLIT_UNIT-token units: more than that many would be empty.
         useful = max(1, -(-work_tokens // SPLIT_UNIT))
         if requested is not None:

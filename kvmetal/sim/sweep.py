@@ -15,7 +15,15 @@ tiled kernel past 8); for ``paged_attention_cascade`` 1-3 shared prefixes of up 
 1e-3 or 1e-6) on 3 in 10 of the paged, decode and cascade configurations, checked
 against the exact oracle within its error bound. Slots no sequence owns are
 NaN (so is everything a view hides), and each configuration runs on the strict
-simulator under two schedule seeds.
+simulator under two schedule seeds. Explicit scales are drawn on 3 in 10
+configurations (0.25-16 x the default, or 1 and 4). Errors are measured per query
+row against the row's own largest output (a batch-wide scale hid wrong rows with
+small outputs, issue 41).
+
+``--class sinks_scale`` (issue 41) draws sinks (often at the spread of the logits)
+and explicit scales on 8 in 10 configurations, and for varlen tiled runs with no or
+little cached context, so their first rows see one or a few keys of a mostly masked
+K tile, block size 8 often.
 
 The kernel-selecting part of a configuration (op, dtypes, head_dim, G, L,
 formats, block size) is drawn from a pool of ``pool`` shapes so that a long
@@ -24,7 +32,7 @@ else is drawn per configuration.
 
 Usage::
 
-    python -m kvmetal.sim.sweep --fuzz 2000 [--seed 1] [--pool 150]
+    python -m kvmetal.sim.sweep --fuzz 2000 [--seed 1] [--pool 150] [--class sinks_scale]
     python -m kvmetal.sim.sweep --case '<json printed by a failure>'
 
 Every failure prints a one-line reproducer. ``tests/test_sim_sweep.py`` runs a
@@ -77,6 +85,8 @@ class Config:
     prefix_lens: tuple | None = None  # cascade: the shared prefixes' lengths (lens: own tokens)
     prefix_of: tuple | None = None    # cascade: each sequence's prefix, -1 for none
     sparse_v: float | None = None     # paged, decode, cascade: sparse V's tau (checked within its bound)
+    scale: float | None = None        # explicit scale (None: head_dim ** -0.5)
+    sink_spread: bool = False         # sinks drawn at the spread of the logits (scale * sqrt(D)), not N(0, 1)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -148,15 +158,59 @@ def _draw_len(rng, query_len, block_size):
     return max(n, query_len, 1)
 
 
-def draw_config(rng, shape: dict) -> Config:
+# Explicit scales drawn (factors on head_dim ** -0.5, and absolute ones): a scale well
+# above the default makes the softmax sharp, where an error in a score shows.
+SCALE_FACTORS = (0.25, 2.0, 4.0, 16.0)
+SCALES = (1.0, 4.0)
+
+
+def _draw_scale(rng, head_dim) -> float:
+    if rng.random() < 0.5:
+        return float(head_dim ** -0.5 * rng.choice(SCALE_FACTORS))
+    return float(rng.choice(SCALES))
+
+
+# Sweep classes: "default" draws over the whole space; "sinks_scale" (issue 41) draws
+# sinks and explicit scales often, and for varlen prefill sequences with no cached
+# context (the first rows see one or a few keys of a mostly masked K tile) next to
+# long-context ones, block size 8 often.
+CLASSES = ("default", "sinks_scale")
+
+
+def draw_config(rng, shape: dict, klass: str = "default") -> Config:
     """A full configuration over ``shape``: lengths, splits and options drawn afresh."""
+    if klass == "sinks_scale":
+        return _draw_sinks_scale(rng, shape)
     config = _draw_config(rng, shape)
+    # From their own streams, so the other draws of a seed stay what they were before
+    # sparse V and explicit scales.
+    scale_rng = np.random.default_rng(config.data_seed + 2)
+    if scale_rng.random() < 0.3:
+        config = dataclasses.replace(config, scale=_draw_scale(scale_rng, config.head_dim))
     if config.op == "varlen":  # no sparse V there
         return config
-    # From its own stream, so the other draws of a seed stay what they were before sparse V.
     extra = np.random.default_rng(config.data_seed + 1)
     tau = float(extra.choice((1e-1, 1e-3, 1e-6))) if extra.random() < 0.3 else None
     return dataclasses.replace(config, sparse_v=tau)
+
+
+def _draw_sinks_scale(rng, shape: dict) -> Config:
+    config = _draw_config(rng, shape)
+    scale = _draw_scale(rng, config.head_dim) if rng.random() < 0.8 else None
+    changes = dict(sinks=bool(rng.random() < 0.8), scale=scale, sink_spread=bool(rng.random() < 0.7))
+    if config.op == "varlen":
+        bs = int(rng.choice((8, 8, 16, 32)))
+        seqs = 1 if config.gqa > 16 else int(rng.integers(1, 4))
+        counts, lens = [], []
+        for _ in range(seqs):
+            n = int(rng.choice((1, 3, 9, 12, 15, 17, 33)))
+            # no context (row 0 sees one key of its tile), a few keys, or a long context
+            ctx = int(rng.choice((0, 0, 1, 2, 3, int(rng.integers(4, 201)))))
+            counts.append(n)
+            lens.append(n + ctx)
+        changes.update(block_size=bs, counts=tuple(counts), lens=tuple(lens),
+                       window=int(rng.integers(1, 5)) if rng.random() < 0.15 else None)
+    return dataclasses.replace(config, **changes)
 
 
 def _draw_config(rng, shape: dict) -> Config:
@@ -236,9 +290,20 @@ def _pool(c: Config, rng, lens):
     return kc, vc, mx.array(tables)
 
 
+def _sink_spread(c: Config) -> float:
+    """1, or (sink_spread) the spread of the logits: q . k of N(0, 1) rows is N(0, D)
+    (x 40 with big_scores), times the scale, bounded by a softcap: there a sink competes
+    with the keys rather than vanishing beside them."""
+    if not c.sink_spread:
+        return 1.0
+    spread = (c.scale if c.scale is not None else c.head_dim ** -0.5) * c.head_dim ** 0.5
+    spread *= 40.0 if c.big_scores else 1.0
+    return float(min(spread, c.softcap) if c.softcap else spread)
+
+
 def _query(c: Config, rng, shape):
     q = _rand(rng, shape) * (40.0 if c.big_scores else 1.0)
-    sinks = mx.array(_rand(rng, (shape[-2],))) if c.sinks else None
+    sinks = mx.array(_rand(rng, (shape[-2],)) * _sink_spread(c)) if c.sinks else None
     return mx.array(q).astype(_MX[c.dtype]), sinks
 
 
@@ -303,13 +368,24 @@ def decode_inputs(c: Config, rng):
     v = _view(c, rng, dtype, c.v_quant, B, Hkv, T, D)
     H = Hkv * c.gqa
     q = _rand(rng, (B, H, c.query_len, D)) * (40.0 if c.big_scores else 1.0)
-    sinks = mx.array(_rand(rng, (H,))) if c.sinks else None
+    sinks = mx.array(_rand(rng, (H,)) * _sink_spread(c)) if c.sinks else None
     return mx.array(q).astype(dtype), k, v, sinks
 
 
 # ----------------------------------------------------------------------------- running
 
-def _rel_error(out, expected) -> float:
+# A row is measured against at least this: a sink far above a row's keys leaves outputs
+# the dtype holds only as subnormals (float16: below 2^-14), or that the kernels compute
+# through float32 weights below 2^-126, which fast math flushes to zero (a float32 row of
+# 1e-39 came out 0); 2^-100 leaves such flushes ~2^-26 of the row's scale.
+ROW_FLOOR = {"float16": 2.0 ** -14, "bfloat16": 2.0 ** -100, "float32": 2.0 ** -100}
+
+
+def _rel_error(out, expected, bound=0.0, floor=ROW_FLOOR["float32"]):
+    """Per query row (the last axis is D): max |out - expected| over the row's max |expected|
+    (a batch-wide scale let a wrong row with small outputs hide behind large ones, issue 41;
+    at least ``floor``), less the sparse-V ``bound`` of the row over the same scale.
+    Returns the worst row."""
     out = np.array(out.astype(mx.float32), dtype=np.float64)
     if out.shape != np.shape(expected):
         raise AssertionError(f"output shape {out.shape} != oracle shape {np.shape(expected)}")
@@ -317,7 +393,20 @@ def _rel_error(out, expected) -> float:
         return float("inf")
     if out.size == 0:  # a batch with no query rows: nothing to compare, the shape matched
         return 0.0
-    return float(np.abs(out - expected).max() / max(np.abs(expected).max(), 1e-30))
+    scale = np.maximum(np.abs(expected).max(axis=-1), floor)
+    err = np.abs(out - expected).max(axis=-1) / scale - np.asarray(bound, dtype=np.float64) / scale
+    return float(err.max())
+
+
+def _scale_term(c: Config) -> float:
+    """The budget's share for an explicit scale: a score q . k carries a float32 rounding
+    error of about 2^-24 sum_d |q_d k_d| (~0.64 D for N(0, 1) rows, x 40 with big_scores),
+    which the scale multiplies and the softmax passes to the output at about that relative
+    size; at the default scale (D ** -0.5) the dtype budget covers it, at scale 4 and D 256
+    it does not for float32 (the cpu backend's own error was 1.9e-5 on a sweep row)."""
+    if c.scale is None:
+        return 0.0
+    return 2.0 * 2.0 ** -24 * c.head_dim * c.scale * (40.0 if c.big_scores else 1.0)
 
 
 def run_config(c: Config, seeds=SCHEDULE_SEEDS) -> float:
@@ -328,67 +417,71 @@ def run_config(c: Config, seeds=SCHEDULE_SEEDS) -> float:
     from . import trace
 
     rng = np.random.default_rng(c.data_seed)
-    options = dict(softcap=c.softcap, num_splits=c.splits)
+    options = dict(scale=c.scale, softcap=c.softcap, num_splits=c.splits)
     sparse = dict(sparse_v=c.sparse_v) if c.sparse_v else {}
     bound = 0.0  # sparse V: the oracle's bound on the rows it may leave out, added to the budget
     if c.op == "paged":
         q, kc, vc, tables, lens, sinks = paged_inputs(c, rng)
-        expected = ref.paged_attention(q, kc, vc, tables, lens, softcap=c.softcap, sinks=sinks,
+        expected = ref.paged_attention(q, kc, vc, tables, lens, scale=c.scale, softcap=c.softcap, sinks=sinks,
                                        sliding_window=c.window)
         if sparse:
-            bound = ref.paged_attention(q, kc, vc, tables, lens, softcap=c.softcap, sinks=sinks,
+            bound = ref.paged_attention(q, kc, vc, tables, lens, scale=c.scale, softcap=c.softcap, sinks=sinks,
                                         sliding_window=c.window, with_bound=True, **sparse)[1]
         fn = lambda: kv.paged_attention(q, kc, vc, tables, lens, sinks=sinks, sliding_window=c.window, **options,
                                         **sparse)
     elif c.op == "varlen":
         args = varlen_inputs(c, rng)
-        opts = dict(softcap=c.softcap, sinks=args[-1], sliding_window=c.window)
+        opts = dict(scale=c.scale, softcap=c.softcap, sinks=args[-1], sliding_window=c.window)
         expected = ref.paged_attention_varlen(*args[:-1], **opts)
         fn = lambda: kv.paged_attention_varlen(*args[:-1], **opts)
     elif c.op == "cascade":
         args, sinks = cascade_inputs(c, rng)
-        expected = ref.paged_attention_cascade(*args, softcap=c.softcap, sinks=sinks)
+        expected = ref.paged_attention_cascade(*args, scale=c.scale, softcap=c.softcap, sinks=sinks)
         if sparse:
-            bound = ref.paged_attention_cascade(*args, softcap=c.softcap, sinks=sinks, with_bound=True, **sparse)[1]
-        fn = lambda: kv.paged_attention_cascade(*args, softcap=c.softcap, sinks=sinks, **sparse)
+            bound = ref.paged_attention_cascade(*args, scale=c.scale, softcap=c.softcap, sinks=sinks, with_bound=True,
+                                                **sparse)[1]
+        fn = lambda: kv.paged_attention_cascade(*args, scale=c.scale, softcap=c.softcap, sinks=sinks, **sparse)
     else:
         q, k, v, sinks = decode_inputs(c, rng)
-        expected = ref.decode_attention(q, k, v, softcap=c.softcap, sinks=sinks)
+        expected = ref.decode_attention(q, k, v, scale=c.scale, softcap=c.softcap, sinks=sinks)
         if sparse:
-            bound = ref.decode_attention(q, k, v, softcap=c.softcap, sinks=sinks, with_bound=True, **sparse)[1]
+            bound = ref.decode_attention(q, k, v, scale=c.scale, softcap=c.softcap, sinks=sinks, with_bound=True,
+                                         **sparse)[1]
         fn = lambda: kv.decode_attention(q, k, v, sinks=sinks, **options, **sparse)
-    scale = max(float(np.abs(expected).max()), 1e-30) if np.size(expected) else 1.0
-    budget = TOLERANCE[c.dtype] + float(np.max(bound, initial=0.0)) / scale
+    budget = TOLERANCE[c.dtype] + _scale_term(c)
     worst = 0.0
     with kv.use_backend("sim"):
         for seed in seeds:
             with trace(strict=True, seed=seed):
                 out = fn()
                 mx.eval(out)
-            err = _rel_error(out, expected)
+            err = _rel_error(out, expected, bound, ROW_FLOOR[c.dtype])
             if not err <= budget:
                 raise AssertionError(f"schedule seed {seed}: relative error {err:.3g} > {budget:.3g}")
             worst = max(worst, err)
     return worst
 
 
-def configs(count: int, seed: int, pool: int, ops=None) -> list:
+def configs(count: int, seed: int, pool: int, ops=None, klass: str = "default") -> list:
     """``count`` configurations drawn with ``seed`` over a pool of ``pool`` kernel shapes
-    (of the sweep ops ``ops``; default every attention op of the registry)."""
+    (of the sweep ops ``ops``; default every attention op of the registry), of sweep
+    class ``klass`` (CLASSES)."""
     _check_ops()
+    if klass not in CLASSES:
+        raise ValueError(f"[kvmetal.sim.sweep] unknown class {klass!r}; choose from {', '.join(CLASSES)}")
     rng = np.random.default_rng(seed)
     shapes = [draw_shape(rng, ops) for _ in range(max(1, pool))]
-    return [draw_config(rng, shapes[int(rng.integers(len(shapes)))]) for _ in range(count)]
+    return [draw_config(rng, shapes[int(rng.integers(len(shapes)))], klass) for _ in range(count)]
 
 
 def sweep(count: int, *, seed: int = 0, pool: int = 32, out=sys.stdout, budget_s: float | None = None,
-          progress: int = 0, skip: int = 0, ops=None) -> dict:
+          progress: int = 0, skip: int = 0, ops=None, klass: str = "default") -> dict:
     """Run ``count`` configurations; prints one reproducer line per failure. Returns
     {"ran", "failed", "seconds", "failures": [(config, message)]}. ``budget_s`` stops
     early (reporting how many ran)."""
     t0 = time.perf_counter()
     failures, ran = [], 0
-    for c in configs(skip + count, seed, pool, ops)[skip:]:
+    for c in configs(skip + count, seed, pool, ops, klass)[skip:]:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
         try:
@@ -414,6 +507,8 @@ def main(argv=None) -> int:
                    help="start at configuration K of the seed's sequence (to split one sweep over processes)")
     p.add_argument("--case", type=str, default=None, help="rerun one configuration (a reproducer's JSON)")
     p.add_argument("--ops", type=str, default="", help=f"only these ops, comma-separated: {', '.join(OPS.values())}")
+    p.add_argument("--class", dest="klass", choices=CLASSES, default="default",
+                   help="sinks_scale: sinks and explicit scales often, varlen rows that see one or a few keys")
     args = p.parse_args(argv)
     if args.case:
         c = Config.from_json(args.case)
@@ -424,9 +519,9 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"--ops: unknown op(s) {sorted(unknown)}; choose from {', '.join(OPS.values())}")
     result = sweep(args.fuzz, seed=args.seed, pool=args.pool, budget_s=args.budget, progress=25, skip=args.skip,
-                   ops=ops or None)
+                   ops=ops or None, klass=args.klass)
     print(f"sweep: {result['ran']} configurations, {result['failed']} failed, {result['seconds']:.0f} s "
-          f"(seed {args.seed}, pool {args.pool}, from configuration {args.skip})")
+          f"(class {args.klass}, seed {args.seed}, pool {args.pool}, from configuration {args.skip})")
     return 1 if result["failed"] else 0
 
 

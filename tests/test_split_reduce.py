@@ -1,0 +1,117 @@
+"""Issue 41, P3 and P2 on the simulator: empty splits write only (max, sum) and
+return; the reduces fold splits in two phases (lane-parallel max, then a fixed-order
+sum), one exp2 per lane and split that saw a key; a row's result does not depend on
+the launch's split count. Counted with the simulator's per-buffer bytes and math calls."""
+import mlx.core as mx
+import numpy as np
+
+import kvmetal as kv
+from kvmetal import reference as ref
+from kvmetal import sim
+from kvmetal.backends import metal
+
+from kvcases import assert_close, paged_attention_inputs
+
+D, HKV, G = 64, 2, 4
+LENS = (600, 37, 1, 300)
+
+
+def _run(lens, *, use_sinks, seed=0):
+    rng = np.random.default_rng(seed)
+    q, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=lens, num_kv_heads=HKV, gqa=G, head_dim=D, block_size=16, dtype=mx.float32, use_sinks=use_sinks)
+    with sim.trace(strict=True, seed=0) as t, kv.use_backend("sim"):
+        out = kv.paged_attention(q, kc, vc, tables, seq_lens, sinks=sinks)
+        mx.eval(out)
+    assert_close(out, ref.paged_attention(q, kc, vc, tables, seq_lens, sinks=sinks), mx.float32)
+    partials = next(c for c in t.calls if "paged_attention_partials" in c.name)
+    reduce = next(c for c in t.calls if "attention_reduce" in c.name)
+    return (q, kc, vc, tables, seq_lens, sinks), out, partials, reduce
+
+
+def _live_splits(n):
+    return -(-n // metal.SPLIT_TOKENS)  # windows of SPLIT_TOKENS from position 0
+
+
+def test_empty_splits_write_only_max_and_sum():
+    _, _, partials, _ = _run(LENS, use_sinks=True)
+    splits = partials.grid[0] // partials.threadgroup[0]
+    assert splits == _live_splits(max(LENS)) == 3
+    live = sum(_live_splits(n) for n in LENS)  # 3 + 1 + 1 + 2 of 12 splits
+    # Every split writes (max, sum) of its G rows; only the live ones an accumulator.
+    assert partials.buffers["part_max"].stored == len(LENS) * HKV * splits * G * 4
+    assert partials.buffers["part_sum"].stored == len(LENS) * HKV * splits * G * 4
+    assert partials.buffers["part_acc"].stored == live * HKV * G * D * 4, \
+        "an empty split wrote its accumulator (before P3: all 12 splits did)"
+    # and an empty split loads no query (before P3 every split loaded q)
+    rows_q_bytes = G * D * 4
+    assert partials.buffers["query"].loaded <= live * HKV * rows_q_bytes * 32
+
+
+def test_reduce_is_two_phase_one_exp2_per_lane_and_live_split():
+    _, _, partials, reduce = _run(LENS, use_sinks=False)
+    rows = len(LENS) * HKV * G
+    assert reduce.collectives.get("simd_max", 0) == rows  # phase 1: one simd_max per row
+    # phase 2: each of the 32 lanes weighs every live split but the one holding the
+    # row max (weight exactly 1); before: two exp2 (kv_softmax_merge) per live split.
+    want = 32 * sum(G * HKV * (_live_splits(n) - 1) for n in LENS)
+    assert reduce.math.get("exp2", 0) == want, reduce.math
+
+
+def test_a_rows_result_does_not_depend_on_the_split_count():
+    # The same sequence alone (2 splits) and next to a longer one (the launch gets 8):
+    # its rows are bitwise the same (empty splits are skipped; the sum's order is fixed).
+    args_a, out_a, partials_a, _ = _run((300,), use_sinks=True, seed=3)
+    rng = np.random.default_rng(11)
+    q, kc, vc, tables, seq_lens, sinks = args_a
+    q2, kc2, vc2, tables2, lens2, _ = paged_attention_inputs(
+        rng, lens=(2000,), num_kv_heads=HKV, gqa=G, head_dim=D, block_size=16, dtype=mx.float32)
+    nb = kc.shape[0]
+    kc_all = mx.concatenate([kc, kc2], axis=0)
+    vc_all = mx.concatenate([vc, vc2], axis=0)
+    width = max(tables.shape[1], tables2.shape[1])
+    t1 = np.full((1, width), 0, np.int32)
+    t1[0, :tables.shape[1]] = np.array(tables)[0]
+    t2 = np.array(tables2) + nb
+    t2 = np.pad(t2, ((0, 0), (0, width - t2.shape[1])))
+    both_tables = mx.array(np.concatenate([t1, t2]).astype(np.int32))
+    with sim.trace(strict=True, seed=1) as t, kv.use_backend("sim"):
+        out = kv.paged_attention(mx.concatenate([q, q2]), kc_all, vc_all, both_tables,
+                                 mx.array([300, 2000], mx.int32), sinks=sinks)
+        mx.eval(out)
+    splits = next(c for c in t.calls if "paged_attention_partials" in c.name).grid[0] // partials_a.threadgroup[0]
+    assert splits > partials_a.grid[0] // partials_a.threadgroup[0]
+    np.testing.assert_array_equal(np.array(out[0]), np.array(out_a[0]))
+
+
+def test_split_window_is_a_function_of_the_length():
+    # Issue 41, P4: windows of clamp(pow2ceil(len) / 32, 256, 2048) tokens.
+    w = lambda n: metal.split_window(n, metal.SPLIT_TOKENS, metal.SPLIT_WINDOW_MAX, metal.SPLIT_WINDOW_DIV)
+    assert [w(n) for n in (1, 256, 8192, 8193, 16384, 16385, 32768, 65536, 65537, 1 << 20)] == \
+        [256, 256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048]
+    # the launch's split count bounds every length up to the work (brute force)
+    for work in (1, 255, 256, 8192, 8193, 9000, 16384, 16385, 20000, 65537, 200000):
+        most = max(-(-n // w(n)) for n in range(1, work + 1))
+        assert metal.window_splits(work, metal.SPLIT_TOKENS, misaligned=False, split_max=metal.SPLIT_WINDOW_MAX,
+                                   split_div=metal.SPLIT_WINDOW_DIV) == most, work
+    assert metal.window_splits(32768, 256, misaligned=False, split_max=2048, split_div=32) == 32  # was 128
+
+
+def test_long_sequence_gets_length_windows_and_stays_batch_invariant():
+    # A 9000-token sequence: windows of 512 (18 live splits, not 36); its rows are the same
+    # bits alone and next to a short sequence; both match the oracle.
+    rng = np.random.default_rng(5)
+    q, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=(9000, 40), num_kv_heads=1, gqa=1, head_dim=64, block_size=32, dtype=mx.float32, use_sinks=True)
+    outs = []
+    for batch in (1, 2):
+        with sim.trace(strict=True, seed=batch) as t, kv.use_backend("sim"):
+            out = kv.paged_attention(q[:batch], kc, vc, tables[:batch], seq_lens[:batch], sinks=sinks)
+            mx.eval(out)
+        outs.append(out)
+        partials = next(c for c in t.calls if "paged_attention_partials" in c.name)
+        splits = partials.grid[0] // partials.threadgroup[0]
+        assert splits >= 18  # the launch bounds any length up to the table's (8192 tokens: 32)
+        assert partials.buffers["part_acc"].stored == (18 + (batch == 2)) * 1 * 64 * 4
+    np.testing.assert_array_equal(np.array(outs[0][0]), np.array(outs[1][0]))
+    assert_close(outs[1], ref.paged_attention(q, kc, vc, tables, seq_lens, sinks=sinks), mx.float32)
