@@ -23,7 +23,8 @@ AREAS = (
     ("tools", ("bench", "varlen_bench", "sparse_v_bench", "budget", "chips", "cli", "docs", "import_cycles",
                "install", "macho", "macos_crossbuild", "selfcheck")),
     ("kernels", ("metal", "sim", "varlen", "cascade", "ops", "cpu", "sparse_v", "quant", "kv_format", "query_tokens",
-                 "cost_model", "head_dims", "edge_inputs", "empty_sequences", "errors", "index_guards", "bad_input_sweep")),
+                 "cost_model", "head_dims", "kv_tanh", "split_reduce", "edge_inputs", "empty_sequences", "errors",
+                 "index_guards", "bad_input_sweep")),
 )
 
 
