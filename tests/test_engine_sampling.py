@@ -90,3 +90,14 @@ def test_sampler_mutants_fail_the_check(peaked, monkeypatch, mutant, name):
     monkeypatch.setattr(sampler_module, "_sample_row", mutant)
     with pytest.raises(AssertionError, match="chi-square|removes"):
         assert_matches_distribution(first_tokens(model, params), mlx_lm_distribution(logits, **params))
+
+
+def test_sampling_params_take_the_seeds_mlx_takes():
+    """Issue 44: generate and serve refused seed -1 and 2**64, the Python API took them and failed
+    later inside MLX with nanobind's text."""
+    assert SamplingParams(seed=0).seed == 0 and SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    for bad in (-1, 2**64, 2**70):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64 - 1\]"):
+            SamplingParams(seed=bad)
+    with pytest.raises(TypeError, match="seed"):
+        SamplingParams(seed=1.5)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..cache import _is_int
+from ..seeds import check_seed
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,9 @@ class SamplingParams:
             _check_number(name, value, low, high)
         for name in ("top_k", "seed", "repetition_context_size", "presence_context_size", "frequency_context_size"):
             value = getattr(self, name)
-            if value is None and name == "seed":
+            if name == "seed":
+                if value is not None:  # what mx.random.seed takes (kvmetal/seeds.py), like generate and serve
+                    check_seed(value, name="[SamplingParams] seed")
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"[SamplingParams] {name} must be an int, got {value!r}")
