@@ -195,12 +195,36 @@ def _log_softmax(row: mx.array) -> mx.array:
     return row - mx.logsumexp(row, axis=-1, keepdims=True)
 
 
+def top_candidates(row, n: int, xp=mx):
+    """Ids holding a row's ``n`` most likely tokens, ties broken by the lower id, whatever
+    the partition picks: its ``n`` largest and the ``n`` lowest ids tied with the n-th
+    largest value (2n ids, some repeated); ``top_pairs`` makes the top n of them. ``xp``:
+    ``mx`` (a graph, the sampler's rows) or ``numpy`` (rows already on the host, the
+    speculative verification's), which choose the same ids."""
+    if n == 0:
+        return xp.zeros((0,), dtype=xp.int32)
+    if xp is mx:
+        top = mx.argpartition(-row, kth=n - 1)[:n].astype(mx.int32)
+    else:
+        top = xp.argpartition(-row, n - 1)[:n].astype(xp.int32)
+    ids = xp.arange(row.shape[-1], dtype=xp.int32)
+    tied = xp.where(row == row[top].min(), ids, row.shape[-1])  # the others sort past every id
+    low = (mx.argpartition(tied, kth=n - 1) if xp is mx else xp.argpartition(tied, n - 1))[:n]
+    return xp.concatenate([top, low.astype(xp.int32)])
+
+
+def top_pairs(ids, values, n: int) -> tuple:
+    """The ``n`` (token id, logprob) pairs of ``top_candidates``' ids, most likely first,
+    equal logprobs by id: one answer for the sampler's rows and the verification's."""
+    pairs = sorted({int(t): float(v) for t, v in zip(ids, values)}.items(), key=lambda p: (-p[1], p[0]))
+    return tuple(pairs[:n])
+
+
 def _logprob_parts(requests: list, rows: dict, tokens: mx.array) -> dict:
-    """{row: (chosen token's logprob, top ids, their logprobs)} as graphs."""
+    """{row: (chosen token's logprob, candidate ids, their logprobs)} as graphs."""
     wanted = {}
     for i, row in rows.items():
-        n = min(requests[i].logprobs, row.shape[-1])
-        top = mx.argpartition(-row, kth=n - 1)[:n] if n else mx.array([], dtype=mx.uint32)
+        top = top_candidates(row, min(requests[i].logprobs, row.shape[-1]))
         wanted[i] = (row[tokens[i]], top, row[top])
     return wanted
 
@@ -212,8 +236,8 @@ def read_logprobs(requests: list, wanted: dict) -> list:
         return out
     mx.eval(wanted)
     for i, (chosen, top, values) in wanted.items():
-        pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
-        out[i] = TokenLogprobs(float(chosen.item()), tuple((int(t), float(v)) for t, v in pairs))
+        n = min(requests[i].logprobs, top.size // 2)
+        out[i] = TokenLogprobs(float(chosen.item()), top_pairs(top.tolist(), values.tolist(), n))
     return out
 
 
