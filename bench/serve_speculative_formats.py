@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                "platform": platform.platform(), "python": sys.version.split()[0],
                "kvmetal": getattr(kvmetal, "__version__", None), "wall_seconds": round(time.time() - started, 1),
                "results": results}
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(out, separators=(",", ":")) + "\n")  # compact: every token's logprobs
     return 0 if all(r["identical_pairs"] == len(r["pairs"]) for r in results) else 1
 
 
