@@ -84,16 +84,6 @@ inline __m256 hsum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// One register's horizontal sum in hsum8's order, ((x0 + x1) + (x2 + x3)) +
-// ((x4 + x5) + (x6 + x7)): the one-row tails of the kernels that pair rows
-// through store_scores_4x2 use it, so a score has the same bits whether its
-// head was paired (4 heads: a speculative decode row's L * G query rows) or
-// not (a plain decode's G rows).
-inline float hsum8_order(__m256 v) {
-  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v, v), _mm256_hadd_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-}
-
 // Scores of 4 heads for 2 rows: s0[h] / s1[h] hold head h's products for
 // rows 0 / 1 (summed down to 8 lanes). One 8-way horizontal sum puts head h's
 // two scores in lanes 2h, 2h + 1, stored as one 8-byte pair at out[h * kMaxTileRows].
@@ -469,11 +459,21 @@ void scores_u8_heads(const float* __restrict q, const QuantRows& k, int n, int D
       store_scores_4x2(f0, f1, out + r);
     }
   }
+  // One row at a time: its NH heads' sums in one hsum4, whose order is hsum8's, so
+  // a score has the same bits whether its row was paired above (4 heads: a
+  // speculative decode row's L * G query rows) or not (a plain decode's G rows).
   for (; r < n; ++r) {
-    __m256 f[NH];
+    __m256 f[4];
     u8_row_dots<NH, GS, DC>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f);
-    // hsum8's order: the paired rows above (NH == 4) sum theirs that way.
-    for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = hsum8_order(f[h]);
+    if constexpr (NH == 1) {  // the same order, without three empty registers
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[0]), _mm256_hadd_ps(f[0], f[0]));
+      out[r] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      continue;
+    }
+    for (int h = NH; h < 4; ++h) f[h] = _mm256_setzero_ps();
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, hsum4(f[0], f[1], f[2], f[3]));
+    for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = sums[h];
   }
 }
 

@@ -189,10 +189,15 @@ def test_top_logprobs_break_ties_by_id_on_the_device_and_on_the_host():
         n = int(rng.integers(0, size + 1))
         expected = sorted(((float(v), i) for i, v in enumerate(row)), key=lambda p: (-p[0], p[1]))[:n]
         expected = tuple((i, v) for v, i in expected)
-        host = sampler.top_candidates(row, n, xp=np)
-        assert sampler.top_pairs(host.tolist(), row[host].tolist(), n) == expected, (row, n)
-        dev = sampler.top_candidates(mx.array(row), n)
-        assert sampler.top_pairs(dev.tolist(), row[np.array(dev)].tolist(), n) == expected, (row, n)
+        top, values, ties = sampler.top_parts(row, n, xp=np)
+        assert sampler.top_pairs(top.tolist(), values.tolist(), ties, n, lambda: row) == expected, (row, n)
+        top, values, ties = sampler.top_parts(mx.array(row), n)
+        got = sampler.top_pairs(np.array(top).tolist(), np.array(values).tolist(), int(np.array(ties)), n,
+                                lambda: row)
+        assert got == expected, (row, n)
+    # a partition that left out lower ids tied at the last place: they come from the row
+    row = np.array([-9, -9, -7, -9, -9, -6, -9, -9, -9, -7, -9, -7], dtype=np.float32)
+    assert sampler.top_pairs([5, 9], row[[5, 9]].tolist(), 3, 2, lambda: row) == ((5, -6.0), (2, -7.0))
 
 
 def test_max_tokens_and_stop_tokens_cut_inside_accepted_drafts(llama):

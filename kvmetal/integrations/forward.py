@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .heads import body, lm_head
 from . import speculative
-from .sampler import TokenLogprobs, read_logprobs, top_candidates, top_pairs
+from .sampler import TokenLogprobs, read_logprobs, top_pairs, top_parts
 
 
 @dataclass
@@ -200,6 +200,7 @@ def _verified_logprobs(request, v, emitted: list) -> list:
     n = min(request.logprobs, rows.shape[-1])
     out = []
     for row, token in zip(rows, emitted):  # the top as the sampler's rows choose it (ties by id)
-        top = top_candidates(row, n, xp=np)
-        out.append(TokenLogprobs(float(row[token]), top_pairs(top.tolist(), row[top].tolist(), n)))
+        top, values, ties = top_parts(row, n, xp=np)
+        out.append(TokenLogprobs(float(row[token]), top_pairs(top.tolist(), values.tolist(), ties, n,
+                                                             lambda row=row: row)))
     return out
