@@ -459,14 +459,21 @@ void scores_u8_heads(const float* __restrict q, const QuantRows& k, int n, int D
       store_scores_4x2(f0, f1, out + r);
     }
   }
+  // One row at a time: its NH heads' sums in one hsum4, whose order is hsum8's, so
+  // a score has the same bits whether its row was paired above (4 heads: a
+  // speculative decode row's L * G query rows) or not (a plain decode's G rows).
   for (; r < n; ++r) {
-    __m256 f[NH];
+    __m256 f[4];
     u8_row_dots<NH, GS, DC>(q, qsum, k.bytes + r * k.byte_stride, sc + r * groups, bi + r * groups, D, f);
-    for (int h = 0; h < NH; ++h) {
-      __m128 x = _mm_add_ps(_mm256_castps256_ps128(f[h]), _mm256_extractf128_ps(f[h], 1));
-      x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-      out[h * kMaxTileRows + r] = _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+    if constexpr (NH == 1) {  // the same order, without three empty registers
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[0]), _mm256_hadd_ps(f[0], f[0]));
+      out[r] = _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      continue;
     }
+    for (int h = NH; h < 4; ++h) f[h] = _mm256_setzero_ps();
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, hsum4(f[0], f[1], f[2], f[3]));
+    for (int h = 0; h < NH; ++h) out[h * kMaxTileRows + r] = sums[h];
   }
 }
 

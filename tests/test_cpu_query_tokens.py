@@ -130,3 +130,47 @@ def test_decode_rows_on_strided_and_quantized_keys():
     sinks = mx.array(rng.standard_normal(8).astype(np.float32))
     assert_close(kv.decode_attention(query, qk, qv, sinks=sinks),
                  reference.decode_attention(query, qk, qv, sinks=sinks), mx.float32)
+
+
+# Every K/V format kvmetal serve accepts (bits per side, group sizes; kvmetal.kv_format).
+_BITS = (None,) + __import__("kvmetal.quant", fromlist=["SUPPORTED_BITS"]).SUPPORTED_BITS
+
+
+@pytest.mark.parametrize("level", SIMD_LEVELS)
+@pytest.mark.parametrize("int8_k", [False, True], ids=["u8-k", "int8-k"])
+def test_each_row_has_the_bits_of_a_one_row_decode_at_its_position(level, int8_k):
+    """Speculative decoding's verify pass (issue 44): row l of an L-row query equals, to
+    the bit, the one-row query at position len - L + l, in every K/V format, whatever
+    the GQA factor (so the rows the kernels block 4 at a time meet the one-row tails)."""
+    _ext.cap_simd_level(level)
+    was = _ext.int8_k_scores()
+    _ext.set_int8_k_scores(int8_k)
+    rng = np.random.default_rng(44)
+    failures = []
+    try:
+        for i, (k_bits, v_bits) in enumerate(itertools.product(_BITS, _BITS)):
+            if int8_k and k_bits != 8:
+                continue
+            gqa = (1, 2, 3, 4, 5, 8)[i % 6]
+            rows = 2 + i % 7
+            head_dim = 128 if i % 2 == 0 else 64
+            group = (32, 64, 128)[i // 2 % 3] if head_dim == 128 else (32, 64)[i // 2 % 2]
+            dtype = (mx.float32, mx.float16, mx.bfloat16)[i % 3]
+            lens = [rows, 19 + rows, 40, 70]
+            case = paged_case(lens, num_heads=2 * gqa, num_kv_heads=2, head_dim=head_dim, block_size=(8, 16)[i % 2],
+                              dtype=dtype, seed=i, k_bits=k_bits, v_bits=v_bits, group_size=group)
+            query = _query(len(lens), rows, 2 * gqa, head_dim, dtype, int(rng.integers(1 << 30)))
+            opts = {"sliding_window": 13} if i % 4 == 1 else {}
+            if i % 5 == 2:
+                opts["sinks"] = mx.array(rng.standard_normal(2 * gqa).astype(np.float32))
+            out = kv.paged_attention(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                     **opts)
+            for l in range(rows):
+                lens_l = mx.array(np.array(lens, np.int32) - (rows - 1 - l))
+                one = kv.paged_attention(query[:, l], case.key_cache, case.value_cache, case.block_tables, lens_l,
+                                         **opts)
+                if not np.array_equal(np.array(out[:, l].astype(mx.float32)), np.array(one.astype(mx.float32))):
+                    failures.append(f"K{k_bits}/V{v_bits} g{group} gqa {gqa} {dtype} row {l} of {rows}")
+    finally:
+        _ext.set_int8_k_scores(was)
+    assert not failures, failures

@@ -8,6 +8,7 @@ the acceptance rule that must fail it); max_tokens and stop tokens cut as before
 from __future__ import annotations
 
 import collections
+import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -15,9 +16,11 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvmetal.integrations import speculative, tiny_models  # noqa: E402
+from kvmetal import quant  # noqa: E402
+from kvmetal.integrations import sampler, speculative, tiny_models  # noqa: E402
 from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
 from kvmetal.integrations.speculative import SpeculativeConfig, ngram_draft  # noqa: E402
+from kvmetal.kv_format import KVFormat  # noqa: E402
 
 EAGER = SpeculativeConfig(ngram_min=1, min_acceptance=0.0)  # drafts whenever anything matches
 
@@ -126,6 +129,75 @@ def test_penalties_and_logprobs_match_plain_decoding_to_the_bit(llama):
     spec, stats = generate(llama, prompts, spec=EAGER, per_request=per_request)
     assert spec == plain  # tokens and TokenLogprobs (float32 values, top ids) alike
     assert stats["accepted"] > 0
+
+
+# Every K/V format kvmetal serve accepts: each bit width (or float) on each side, at the
+# default group size, then every pair of group sizes (128 needs head_dim 128) and a float16
+# model (its cache is float16, and so are its scales and biases).
+_BITS = (None,) + quant.SUPPORTED_BITS
+FORMATS = ([dict(k_bits=k, v_bits=v) for k, v in itertools.product(_BITS, _BITS)]
+           + [dict(k_bits=8, v_bits=4, k_group_size=kg, v_group_size=vg, head_dim=128)
+              for kg, vg in itertools.product(quant.SUPPORTED_GROUP_SIZES, repeat=2)]
+           + [dict(k_bits=b, v_bits=b, k_group_size=g, v_group_size=g, head_dim=128)
+              for b in quant.SUPPORTED_BITS for g in (64, 128)]
+           + [dict(k_bits=k, v_bits=v, dtype=mx.float16) for k, v in ((None, None), (8, 4), (8, 8), (4, 4))])
+
+
+def _format_id(f: dict) -> str:
+    label = f"K{f['k_bits'] or 'f'}-V{f['v_bits'] or 'f'}"
+    if "k_group_size" in f:
+        label += f"-g{f['k_group_size']}-{f['v_group_size']}"
+    return label + ("-f16" if f.get("dtype") is mx.float16 else "")
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(head_dim: int, dtype) -> object:
+        if (head_dim, dtype) not in cache:
+            cache[head_dim, dtype] = tiny_models.build("llama", dtype=dtype, seed=0, head_dim=head_dim)
+        return cache[head_dim, dtype]
+    return get
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=[_format_id(f) for f in FORMATS])
+def test_logprobs_match_plain_decoding_to_the_bit_in_every_kv_format(models, fmt):
+    """Issue 44: with 8-bit K the verify pass's rows (L * G query rows per kv head) were
+    scored in another summation order than a plain decode's G rows, so logprobs differed
+    from the first verified draft on and greedy tokens could diverge."""
+    fmt = dict(fmt)
+    head_dim = fmt.pop("head_dim", 64)
+    model = models(head_dim, fmt.pop("dtype", mx.float32))
+    kv_format = KVFormat(**fmt).for_head_dim(head_dim)  # the server's default group size (32) where none is given
+    prompts = grounded_prompts(4, seed=11)
+    per_request = dict(logprobs=3)
+    plain, _ = generate(model, prompts, per_request=per_request, kv_format=kv_format, max_tokens=24)
+    spec, stats = generate(model, prompts, spec=EAGER, per_request=per_request, kv_format=kv_format, max_tokens=24)
+    assert spec == plain  # tokens and TokenLogprobs (float32 values, top ids) alike
+    assert stats["accepted"] > 0
+
+
+def test_top_logprobs_break_ties_by_id_on_the_device_and_on_the_host():
+    """The sampler's rows pick their top on the device, the verification's on the host;
+    a tie at the last place (float16 logits make them) went to whichever id each
+    partition met, so the K8/V4 float16 run above differed in one top entry (issue 44)."""
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        size = int(rng.integers(1, 40))
+        row = rng.choice(np.array([-1.0, -2.0, -2.5, -3.0, -7.0], dtype=np.float32), size=size)
+        n = int(rng.integers(0, size + 1))
+        expected = sorted(((float(v), i) for i, v in enumerate(row)), key=lambda p: (-p[0], p[1]))[:n]
+        expected = tuple((i, v) for v, i in expected)
+        top, values, ties = sampler.top_parts(row, n, xp=np)
+        assert sampler.top_pairs(top.tolist(), values.tolist(), ties, n, lambda: row) == expected, (row, n)
+        top, values, ties = sampler.top_parts(mx.array(row), n)
+        got = sampler.top_pairs(np.array(top).tolist(), np.array(values).tolist(), int(np.array(ties)), n,
+                                lambda: row)
+        assert got == expected, (row, n)
+    # a partition that left out lower ids tied at the last place: they come from the row
+    row = np.array([-9, -9, -7, -9, -9, -6, -9, -9, -9, -7, -9, -7], dtype=np.float32)
+    assert sampler.top_pairs([5, 9], row[[5, 9]].tolist(), 3, 2, lambda: row) == ((5, -6.0), (2, -7.0))
 
 
 def test_max_tokens_and_stop_tokens_cut_inside_accepted_drafts(llama):

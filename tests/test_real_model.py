@@ -212,6 +212,50 @@ def test_greedy_with_the_paged_cache_equals_mlx_lm_on_real_chats(f32_model):
     assert "Paris" in tokenizer.decode(expected[0])
 
 
+# K/V formats kvmetal serve accepts for SmolLM2 (head_dim 64: group sizes 32 and 64): every
+# bit width on each side and both group sizes on each side, float, and the K8/V4 default mix.
+REAL_FORMATS = [dict(k_bits=8, v_bits=4, k_group_size=32, v_group_size=32),
+                dict(k_bits=8, v_bits=8, k_group_size=64, v_group_size=64),
+                dict(k_bits=8, v_bits=None, k_group_size=64),
+                dict(k_bits=2, v_bits=3, k_group_size=32, v_group_size=64),
+                dict(k_bits=3, v_bits=2, k_group_size=64, v_group_size=32),
+                dict(k_bits=5, v_bits=6, k_group_size=32, v_group_size=64),
+                dict(k_bits=6, v_bits=5, k_group_size=64, v_group_size=32),
+                dict(k_bits=4, v_bits=4, k_group_size=64, v_group_size=32),
+                dict()]
+
+
+@pytest.mark.slow
+def test_speculative_logprobs_equal_plain_ones_to_the_bit_in_every_kv_format(f32_model):
+    """Issue 44: a request with ``speculative=False`` and one with speculation, side by side
+    in one engine (as two requests to one server), get the same tokens and logprobs to the
+    bit. With 8-bit K they differed from the first verified draft on."""
+    from kvmetal.integrations.engine import Engine
+    from kvmetal.integrations.speculative import SpeculativeConfig
+    from kvmetal.kv_format import KVFormat
+
+    model, tokenizer = f32_model
+    prompt = chat_ids(tokenizer, "Repeat this sentence exactly: The paged cache keeps keys and values in fixed blocks.")
+    eager = SpeculativeConfig(ngram_min=1, min_acceptance=0.0)  # low-bit caches' text drafts too
+    accepted = 0
+    for fmt in REAL_FORMATS:
+        kv_format = KVFormat(**fmt).for_head_dim(64)
+        with Engine(model, kv_format=kv_format, speculative=eager, tokenizer=tokenizer) as engine:
+            plain = engine.add_request(prompt, max_tokens=12, logprobs=2, speculative=False)
+            spec = engine.add_request(prompt, max_tokens=12, logprobs=2)
+            out = {plain: [], spec: []}
+            while engine.has_work():
+                for event in engine.step():
+                    if event.token is not None:
+                        out[event.request_id].append((event.token, event.logprobs))
+            # a verify pass computes every emitted token after it, accepted drafts or not
+            assert engine.drafted_tokens > 0, kv_format
+            accepted += engine.accepted_tokens
+        assert len(out[plain]) >= 8, tokenizer.decode([t for t, _ in out[plain]])
+        assert out[spec] == out[plain], (kv_format, tokenizer.decode([t for t, _ in out[plain]]))
+    assert accepted > len(REAL_FORMATS)
+
+
 def test_the_4bit_directory_runs_under_the_paged_cache(q4_dir):
     from mlx_lm import load
 

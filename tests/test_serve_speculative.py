@@ -72,6 +72,32 @@ def test_speculative_server_answers_as_the_plain_one(model_dir):
     assert seen["kvmetal_spec_acceptance_rate"] == 1 and seen["kvmetal_decode_tokens_per_pass"] > 2, seen
 
 
+def chat_logprobs(client, model_dir, prompt: str, **extra) -> list:
+    """A greedy chat's (token, logprob, top logprobs) entries, as the server sent them."""
+    reply = client.chat.completions.create(model=str(model_dir), max_tokens=40, temperature=0, logprobs=True,
+                                           top_logprobs=3, messages=[{"role": "user", "content": prompt}],
+                                           extra_body=extra or None)
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+            for e in reply.choices[0].logprobs.content]
+
+
+@pytest.mark.parametrize("flags", [["--kv-bits", "4", "--k-bits", "8"], ["--kv-bits", "8", "--kv-group-size", "64"]],
+                         ids=["k8v4", "kv8-g64"])
+def test_speculative_false_and_true_get_the_same_logprobs_from_a_quantized_cache(model_dir, flags):
+    """Issue 44: one quantized server, each chat asked with ``"speculative": false`` and
+    then with speculation: the same tokens and logprobs to the bit (8-bit K differed from
+    the first verified draft on)."""
+    with ServerProcess(model_dir, free_port(), "--log-level", "WARNING", *flags, "--speculative", "ngram",
+                       "--ngram-min", "1", "--spec-min-acceptance", "0") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for prompt in PROMPTS:
+            plain = chat_logprobs(client, model_dir, prompt, speculative=False)
+            spec = chat_logprobs(client, model_dir, prompt)
+            assert len(plain) > 10 and spec == plain, prompt
+        seen = metrics.parse(httpx.get(server.url + "/metrics").text)
+    assert seen["kvmetal_spec_accepted_tokens"] > 0, seen
+
+
 @pytest.mark.parametrize("flags,message", [(["--num-draft-tokens", "8"], "--num-draft-tokens"),
                                            (["--speculative", "eagle"], "neither 'ngram' nor a model directory"),
                                            (["--speculative", "ngram", "--ngram-min", "4"], "--ngram-min 4 must be")])

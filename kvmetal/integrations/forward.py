@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .heads import body, lm_head
 from . import speculative
-from .sampler import TokenLogprobs, read_logprobs
+from .sampler import TokenLogprobs, read_logprobs, top_pairs, top_parts
 
 
 @dataclass
@@ -199,8 +199,8 @@ def _verified_logprobs(request, v, emitted: list) -> list:
     rows = np.array(v.rows[:len(emitted)], dtype=np.float32)
     n = min(request.logprobs, rows.shape[-1])
     out = []
-    for row, token in zip(rows, emitted):
-        top = np.argpartition(-row, n - 1)[:n] if n else np.zeros(0, dtype=np.int64)
-        pairs = sorted(zip(top.tolist(), row[top].tolist()), key=lambda p: (-p[1], p[0]))
-        out.append(TokenLogprobs(float(row[token]), tuple((int(t), float(x)) for t, x in pairs)))
+    for row, token in zip(rows, emitted):  # the top as the sampler's rows choose it (ties by id)
+        top, values, ties = top_parts(row, n, xp=np)
+        out.append(TokenLogprobs(float(row[token]), top_pairs(top.tolist(), values.tolist(), ties, n,
+                                                             lambda row=row: row)))
     return out

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import _is_int
 from ..seeds import check_seed
@@ -198,13 +199,38 @@ def _log_softmax(row: mx.array) -> mx.array:
     return row - mx.logsumexp(row, axis=-1, keepdims=True)
 
 
+def top_parts(row, n: int, xp=mx) -> tuple:
+    """A row's ``n`` most likely tokens as its partition picks them: (ids, their values,
+    how many of the row's values equal the n-th largest). ``xp``: ``mx`` (graphs, the
+    sampler's rows) or ``numpy`` (rows on the host, the speculative verification's).
+    ``top_pairs`` turns them into one answer for both."""
+    if n == 0:
+        return xp.zeros((0,), dtype=xp.int32), xp.zeros((0,), dtype=row.dtype), 0
+    top = mx.argpartition(-row, kth=n - 1)[:n] if xp is mx else xp.argpartition(-row, n - 1)[:n]
+    values = row[top]
+    return top, values, (row == values.min()).sum()
+
+
+def top_pairs(ids, values, ties: int, n: int, row) -> tuple:
+    """The ``n`` (token id, logprob) pairs of ``top_parts``, most likely first and equal
+    logprobs by the lower id. Where the partition left out ids tied at the last place
+    (``ties`` counts them all; float16 logits make such ties) the lowest are taken from
+    ``row()`` (the whole row on the host: only then)."""
+    pairs = sorted(zip((int(t) for t in ids), (float(v) for v in values)), key=lambda p: (-p[1], p[0]))[:n]
+    if pairs and int(ties) > sum(v == pairs[-1][1] for _, v in pairs):
+        last = pairs[-1][1]
+        keep = [p for p in pairs if p[1] > last]
+        lowest = np.flatnonzero(np.asarray(row()) == last)[:n - len(keep)]
+        pairs = keep + [(int(t), last) for t in lowest]
+    return tuple(pairs)
+
+
 def _logprob_parts(requests: list, rows: dict, tokens: mx.array) -> dict:
-    """{row: (chosen token's logprob, top ids, their logprobs)} as graphs."""
+    """{row: (chosen token's logprob, (top ids, their logprobs, ties at the last place), the
+    row)} as graphs."""
     wanted = {}
     for i, row in rows.items():
-        n = min(requests[i].logprobs, row.shape[-1])
-        top = mx.argpartition(-row, kth=n - 1)[:n] if n else mx.array([], dtype=mx.uint32)
-        wanted[i] = (row[tokens[i]], top, row[top])
+        wanted[i] = (row[tokens[i]], top_parts(row, min(requests[i].logprobs, row.shape[-1])), row)
     return wanted
 
 
@@ -213,10 +239,11 @@ def read_logprobs(requests: list, wanted: dict) -> list:
     out = [None] * len(requests)
     if not wanted:
         return out
-    mx.eval(wanted)
-    for i, (chosen, top, values) in wanted.items():
-        pairs = sorted(zip(top.tolist(), values.tolist()), key=lambda p: (-p[1], p[0]))
-        out[i] = TokenLogprobs(float(chosen.item()), tuple((int(t), float(v)) for t, v in pairs))
+    mx.eval([(chosen, parts) for chosen, parts, _ in wanted.values()])
+    for i, (chosen, (top, values, ties), row) in wanted.items():
+        pairs = top_pairs(top.tolist(), values.tolist(), ties.item() if isinstance(ties, mx.array) else ties,
+                          top.size, lambda row=row: np.array(row))
+        out[i] = TokenLogprobs(float(chosen.item()), pairs)
     return out
 
 
