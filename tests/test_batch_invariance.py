@@ -89,6 +89,7 @@ def test_engine_tokens_alone_and_in_any_batch(model, cache):
             assert one[1] == many[1], f"{cache}, {name}: request {i}'s logprobs differ"  # bit for bit
 
 
+@pytest.mark.slow  # over 10 s here (tests/README.md)
 def test_engine_on_the_metal_kernels_alone_and_in_a_batch(model):
     """The same through the Metal kernels (on the simulator), K8/V4: split windows and the
     scheduler's chunk rule make it hold by construction. (Before them: 1 of 6 requests

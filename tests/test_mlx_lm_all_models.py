@@ -162,6 +162,7 @@ def test_the_docs_table_is_the_sweeps():
     assert replace_section(readme, grouped) == readme, "README's table is stale: python tools/model_coverage.py --from-json"
 
 
+@pytest.mark.slow  # over 10 s here (tests/README.md)
 def test_every_architecture_is_exact_refused_or_unbuilt():
     rows = arch_sweep.sweep()
     broken = [r for r in rows if r.status == "broken"]

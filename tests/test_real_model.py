@@ -199,6 +199,7 @@ def test_tokenizer_round_trips_real_text_and_matches_the_gguf_vocabulary(q4_dir,
 
 # --- decoding on the real model ----------------------------------------------------------
 
+@pytest.mark.slow  # over 10 s here (tests/README.md)
 def test_greedy_with_the_paged_cache_equals_mlx_lm_on_real_chats(f32_model):
     from kvmetal.integrations.mlx_lm import use_paged_cache
 

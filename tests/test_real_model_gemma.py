@@ -185,6 +185,7 @@ def test_gemma_answers_the_capital_of_france(gemma_model):
     assert "Paris" in tokenizer.decode(tokens)
 
 
+@pytest.mark.slow  # over 10 s here (tests/README.md)
 def test_paged_greedy_equals_mlx_lm_past_the_window_and_window_layers_keep_only_the_window(gemma_model):
     """A 560-token real prompt and 16 greedy tokens (past the 512 window, so the
     sliding layers evict); float32 weights and caches: the same tokens as mlx-lm's own

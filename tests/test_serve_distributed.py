@@ -167,6 +167,7 @@ def greedy_alone(model_dir, prompt, max_tokens):
     return tokenizer.decode([r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)])
 
 
+@pytest.mark.slow  # over 10 s here (tests/README.md)
 def test_two_ranks_answer_like_one_process_with_half_the_kv_per_rank(launch_ok, model_dir):
     prompts = ["The paged cache keeps keys and values in fixed blocks", "Write a short poem about the sea",
                "Servers batch many requests in one forward pass", "What is the capital of France?",

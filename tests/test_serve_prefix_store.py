@@ -334,6 +334,7 @@ def test_a_server_whose_disk_fills_keeps_serving_with_saving_off(model_dir, tmp_
     assert log.read_text().count("saving is off") == 1
 
 
+@pytest.mark.slow  # over 10 s here (tests/README.md)
 def test_kill_9_while_saving_at_random_points_restarts_with_only_whole_segments(model_dir, tmp_path):
     runs = int(os.environ.get("KVMETAL_KILL_RUNS", "3"))
     store = tmp_path / "prefixes"
