@@ -14,27 +14,11 @@ from kvmetal import reference, sim
 from kvmetal.backends import metal, metal_cascade
 from kvmetal.sim import traffic
 
-from kvcases import TOLERANCE, assert_close, backend_params, paged_case, run_on
+from kvcases import TOLERANCE, assert_close, backend_params, run_on
+from paged_cases import cascade_case
 
 f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
 BACKENDS = backend_params(("cpu", "sim", "metal"))
-
-
-def cascade_case(prefix_lens, own_lens, prefix_of, *, num_kv_heads=2, gqa=4, head_dim=64, block_size=16,
-                 dtype=f16, k_bits=None, v_bits=None, group_size=64, seed=0, sinks=False):
-    """Caches whose first P block-table rows are the prefixes and the next S the sequences'
-    own tokens (shuffled block ids, NaN where nothing is owned)."""
-    case = paged_case(list(prefix_lens) + list(own_lens), num_heads=num_kv_heads, num_kv_heads=num_kv_heads,
-                      head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed, k_bits=k_bits,
-                      v_bits=v_bits, group_size=group_size)
-    rng = np.random.default_rng(seed + 100)
-    num_prefixes, num_seqs = len(prefix_lens), len(own_lens)
-    query = mx.array(rng.standard_normal((num_seqs, num_kv_heads * gqa, head_dim)).astype(np.float32)).astype(dtype)
-    sink = mx.array(rng.standard_normal(num_kv_heads * gqa).astype(np.float32)) if sinks else None
-    return dict(query=query, key_cache=case.key_cache, value_cache=case.value_cache,
-                prefix_block_tables=case.block_tables[:num_prefixes], prefix_lens=case.seq_lens[:num_prefixes],
-                prefix_of=mx.array(np.asarray(prefix_of, np.int32)), block_tables=case.block_tables[num_prefixes:],
-                seq_lens=case.seq_lens[num_prefixes:]), sink
 
 
 def concatenated(args):

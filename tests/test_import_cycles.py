@@ -67,3 +67,27 @@ def test_no_import_cycle_inside_kvmetal():
 def test_the_check_sees_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_test_module_imports_another():
+    """Shared test helpers live in plain modules (kvcases, paged_cases, ...), never in a test
+    module: importing one runs its fixtures' module-level setup twice and hides where a
+    helper lives (tests/README.md)."""
+    tests = ROOT / "tests"
+    offenders = []
+    for f in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{f.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not offenders, offenders
+
+
+def test_every_test_file_has_an_area():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import area_of
+
+    assert {area_of(f) for f in (ROOT / "tests").glob("test_*.py")} == {"kernels", "engine", "serve", "models",
+                                                                        "tools"}

@@ -17,8 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kvmetal as kv
-from kvmetal import chips, quant
+from kvmetal import chips
 from kvmetal import reference as ref
 from kvmetal.backends import metal, specialisations
 

@@ -12,20 +12,10 @@ from kvmetal import reference as ref
 from kvmetal import sim
 from kvmetal.backends import metal
 
-from kvcases import SEEDS, assert_close, maybe_quantize, paged_cache, random
+from kvcases import SEEDS, assert_close
+from paged_cases import varlen_inputs
 
 f32, f16, bf16 = mx.float32, mx.float16, mx.bfloat16
-
-
-def varlen_inputs(rng, *, lens, counts, num_kv_heads, gqa, head_dim, block_size, dtype, k_quant=None,
-                  v_quant=None, use_sinks=False):
-    kc, vc, tables, seq_lens = paged_cache(rng, lens=lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                           block_size=block_size, dtype=dtype)
-    kc, vc = maybe_quantize(kc, k_quant), maybe_quantize(vc, v_quant)
-    qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    query = random(rng, (int(qsl[-1]), num_kv_heads * gqa, head_dim), dtype)
-    sinks = mx.array(rng.standard_normal(num_kv_heads * gqa).astype(np.float32)) if use_sinks else None
-    return query, kc, vc, tables, seq_lens, mx.array(qsl), sinks
 
 
 def oracle(query, kc, vc, tables, seq_lens, qsl, **options):

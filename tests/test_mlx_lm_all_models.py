@@ -178,7 +178,7 @@ def test_every_architecture_is_exact_refused_or_unbuilt():
 def test_batch_generator_gives_mlx_lms_tokens_on_hybrid_moe_and_window_models(name):
     # mlx-lm's BatchGenerator merges, filters and extracts the prompt caches: the paged
     # layers as table operations, a hybrid's ArraysCache layers as mlx-lm does.
-    from test_mlx_lm_batching import batch_generate
+    from mlx_lm_cases import batch_generate
 
     model = arch_sweep.build(name)
     max_tokens = [9, 4, 30, 12, 7, 16]

@@ -17,26 +17,7 @@ from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.integrations.mlx_lm import use_paged_cache  # noqa: E402
 from kvmetal.integrations.model_cache import PagedLayerCache  # noqa: E402
 
-GREEDY = lambda lp: mx.argmax(lp, axis=-1)  # noqa: E731
-
-
-def prompts():
-    return [list(range(3, 3 + n)) for n in (5, 37, 12, 20, 1, 29)]
-
-
-def batch_generate(model, max_tokens):
-    gen = BatchGenerator(model, sampler=GREEDY, prefill_batch_size=3, completion_batch_size=4)
-    uids = gen.insert(prompts(), max_tokens=max_tokens)
-    out = {u: [] for u in uids}
-    caches = {}
-    while len(caches) < len(uids):
-        for r in gen.next_generated():
-            out[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-    gen.close()
-    return [out[u] for u in uids], [caches[u] for u in uids]
-
+from mlx_lm_cases import GREEDY, batch_generate  # noqa: E402
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
 def test_batch_generator_over_kvmetal_caches_gives_mlx_lms_tokens(family):

@@ -21,7 +21,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from kvmetal.serve import metrics  # noqa: E402
-from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.serve.memory import blocks_under_cap, model_pool_bytes, parse_memory  # noqa: E402
 from kvmetal.serve.server import ServerProcess  # noqa: E402
 from kvmetal.serve.tiny import build_model_dir  # noqa: E402

@@ -23,8 +23,7 @@ from kvmetal import quant
 from kvmetal import reference as ref
 from kvmetal.backends import metal
 from kvcases import maybe_quantize, paged_attention_inputs, paged_cache, random, run_checked, run_on
-from test_cascade import cascade_case
-from test_metal_varlen import varlen_inputs
+from paged_cases import cascade_case, varlen_inputs
 
 f32, f16 = mx.float32, mx.float16
 

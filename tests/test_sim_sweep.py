@@ -5,7 +5,6 @@ one-line reproducer (``python -m kvmetal.sim.sweep --case '<json>'``)."""
 import io
 
 import numpy as np
-import pytest
 
 from kvmetal.sim import sweep
 

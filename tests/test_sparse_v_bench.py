@@ -3,7 +3,6 @@ and the capture file it reads (``kvmetal.benchmarks.attention_capture``)."""
 import json
 
 import numpy as np
-import pytest
 
 from kvmetal import cli
 from kvmetal.benchmarks import attention_capture, cases

@@ -12,48 +12,17 @@ The simulator (and Metal) join by adding their name to BACKENDS; cases marked
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import kvmetal as kv
 from kvmetal import reference
-from kvcases import TOLERANCE, paged_case
+from kvcases import TOLERANCE
+from paged_cases import VarlenCase, varlen_case
 
 BACKENDS = ["cpu"]
 FULL_BACKENDS = {"cpu"}  # backends that run every case; the others run the small ones
-
-
-@dataclass
-class VarlenCase:
-    query: mx.array
-    key_cache: object
-    value_cache: object
-    block_tables: mx.array
-    seq_lens: mx.array
-    query_start_loc: mx.array
-    sinks: mx.array | None = None
-
-    def args(self):
-        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
-                self.query_start_loc)
-
-
-def varlen_case(runs, *, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=mx.float16, seed=0,
-                k_bits=None, v_bits=None, sinks=False) -> VarlenCase:
-    """A hostile paged cache for ``runs`` [(seq_len, n_s)] and a random [T, H, D] query."""
-    lens = [n for n, _ in runs]
-    case = paged_case(lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      block_size=block_size, dtype=dtype, seed=seed, k_bits=k_bits, v_bits=v_bits)
-    rng = np.random.default_rng(seed + 100)
-    counts = [q for _, q in runs]
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    query = mx.array(rng.standard_normal((int(starts[-1]), num_heads, head_dim)).astype(np.float32)).astype(dtype)
-    sink_logits = mx.array(rng.standard_normal(num_heads).astype(np.float32)) if sinks else None
-    return VarlenCase(query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-                      mx.array(starts), sink_logits)
 
 
 def oracle(case: VarlenCase, **opts) -> np.ndarray:

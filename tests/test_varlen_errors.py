@@ -9,7 +9,7 @@ import pytest
 import kvmetal as kv
 from kvmetal import backends
 from kvcases import no_kernels  # noqa: F401 (an autouse fixture)
-from test_varlen import varlen_case
+from paged_cases import varlen_case
 
 
 @pytest.fixture

@@ -1,0 +1,26 @@
+"""mlx-lm's BatchGenerator run to the end over a model's caches, shared by the batching tests
+and the all-architectures sweep."""
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+GREEDY = lambda lp: mx.argmax(lp, axis=-1)  # noqa: E731
+
+
+def prompts():
+    return [list(range(3, 3 + n)) for n in (5, 37, 12, 20, 1, 29)]
+
+
+def batch_generate(model, max_tokens):
+    gen = BatchGenerator(model, sampler=GREEDY, prefill_batch_size=3, completion_batch_size=4)
+    uids = gen.insert(prompts(), max_tokens=max_tokens)
+    out = {u: [] for u in uids}
+    caches = {}
+    while len(caches) < len(uids):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    gen.close()
+    return [out[u] for u in uids], [caches[u] for u in uids]
