@@ -248,6 +248,8 @@ def test_the_source_tree_hint_names_the_pinned_mlx(monkeypatch):
     from kvmetal import _install_check
 
     monkeypatch.setattr(_install_check, "_inside_source_checkout", lambda: True)
+    # As if imported from this checkout (CI runs the tests against an installed wheel).
+    monkeypatch.setattr(_install_check, "PACKAGE_DIR", Path(__file__).resolve().parents[1] / "kvmetal")
     message = _install_check.missing_extension_message(platform="linux")
     pin = _install_check.pinned_mlx_version()
     import mlx.core as mx

@@ -314,22 +314,36 @@ def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0) -> Row:
     return row
 
 
+def _worker_env() -> dict:
+    """The worker imports the kvmetal this process imported: its folder goes first on
+    PYTHONPATH and the worker runs outside any checkout (from a repository root, ``python -m``
+    would find the uncompiled source tree before an installed wheel)."""
+    import os
+    from pathlib import Path
+
+    import kvmetal
+
+    home = str(Path(kvmetal.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (home, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONFAULTHANDLER="", PYTHONPATH=path)
+
+
 def sweep(names: list | None = None, *, timeout: float = 120.0) -> list:
     """``check`` every architecture in ``names`` (default: all), in a worker process that
     is restarted when one crashes or runs past ``timeout`` seconds (MLX's own CPU kernels
     segfault on a few tiny configs): a crash in mlx-lm's own run leaves the architecture
     unbuilt, a crash after kvmetal took over is broken."""
     import json
-    import os
     import subprocess
     import sys
+    import tempfile
 
     names = list(architectures() if names is None else names)
     rows, pending = [], list(names)
     while pending:
         worker = subprocess.Popen([sys.executable, "-m", "kvmetal.integrations.arch_sweep", "--worker"],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  text=True, env=dict(os.environ, PYTHONFAULTHANDLER=""))
+                                  text=True, env=_worker_env(), cwd=tempfile.gettempdir())
         worker.stdin.write("\n".join(pending) + "\n")
         worker.stdin.close()
         phase, current = None, None
