@@ -655,10 +655,7 @@ class PagedLayerCache(_LayerGroupView):
         self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        # Straight to the backend: the plan's indices are ours, and this graph node is built
-        # on every layer and step (the checked op costs about 24 us of host time a layer).
-        return backends.get().gather_kv_cache(self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                                              plan.block_tables, plan.seq_lens, max_len=max(plan.max_len, 1))
+        return self._gather(plan)
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
@@ -935,8 +932,11 @@ class PagedLayerCache(_LayerGroupView):
     # ------------------------------------------------------------------ internals
 
     def _gather(self, plan: _Plan):
-        return ops.gather_kv_cache(self.pool.key_caches[self._index], self.pool.value_caches[self._index],
-                                   plan.block_tables, plan.seq_lens, max_len=plan.max_len, validate=False)
+        """Every row of the plan's sequences, [B, Hkv, T, D], as a lazy graph. Straight to the
+        backend: the plan's indices are ours, and update_and_fetch builds this node on every
+        layer and step (the checked op costs about 24 us of host time a layer)."""
+        return backends.get().gather_kv_cache(self.pool.key_caches[self._index], self.pool.value_caches[self._index],
+                                              plan.block_tables, plan.seq_lens, max_len=max(plan.max_len, 1))
 
     def _first_live(self) -> int:
         """First token position every sequence still holds (a window layer drops blocks)."""
