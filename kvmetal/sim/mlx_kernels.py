@@ -18,7 +18,7 @@ import numpy as np
 
 from .kernel import metal_kernel
 from .trace import trace
-from .traffic import mlx_sdpa_path
+from .traffic import fix_function_constants, mlx_sdpa_header
 
 # Head-per-thread of MLX's duplication-free GQA kernel at D 128 and G 8: the instantiation list
 # (scaled_dot_product_attention.metal) is not in the Linux wheel; a third-party reading of it lists
@@ -59,14 +59,7 @@ def mlx_decode_plan(tokens: int, gqa: int, head_dim: int = 128, arch_suffix: str
 
 
 def _header(blocks: int) -> str:
-    text = mlx_sdpa_path().read_text()
-
-    def fix(m):
-        kind, name = m.group(1), m.group(2)
-        value = str(blocks) if name == "blocks" else ("false" if kind == "bool" else "0")
-        return f"constant constexpr {kind} {name} = {value};"
-
-    return re.sub(r"constant (bool|int) (\w+) \[\[function_constant\(\d+\)\]\];", fix, text)
+    return mlx_sdpa_header({"blocks": blocks})
 
 
 _ONE_PASS = """
@@ -225,9 +218,7 @@ def steel_header(*, causal: bool, align_q: bool, align_k: bool) -> str:
     text = _inline_includes(mlx_include_root(), STEEL_HEADER, [])
     consts = {"align_Q": align_q, "align_K": align_k, "has_mask": False, "do_causal": causal, "has_sinks": False,
               "save_lse": False}
-    text = re.sub(r"constant (bool|int) (\w+) \[\[function_constant\(\d+\)\]\];",
-                  lambda m: f"constant constexpr {m.group(1)} {m.group(2)} = {str(consts[m.group(2)]).lower()};",
-                  text)
+    text = fix_function_constants(text, consts, strict=True)
     text = text.replace("const constant AttnParams* params", "const device AttnParams* params")
     text = text.replace("const constant AttnMaskParams* mask_params", "const device AttnMaskParams* mask_params")
     for space in ("device", "constant", "threadgroup"):

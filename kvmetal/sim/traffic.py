@@ -147,16 +147,31 @@ def mlx_sdpa_path():
     return pathlib.Path(mx.__file__).parent / "include/mlx/backend/metal/kernels/sdpa_vector.h"
 
 
-def mlx_sdpa_header() -> str:
-    """MLX's own sdpa_vector.h from the installed package, read at run time (never
-    copied into the project), with its function constants fixed to the plain
-    decode configuration (no mask, not transposed, not causal, no sinks)."""
+def fix_function_constants(text: str, values: dict | None = None, *, strict: bool = False) -> str:
+    """An MLX kernel source with its ``[[function_constant(i)]]`` declarations turned into
+    compile-time constants (the simulator has no pipeline constants): ``values[name]``, else
+    false / 0 (``strict``: every constant must be in ``values``)."""
     import re
 
-    text = mlx_sdpa_path().read_text()
-    return re.sub(r"constant (bool|int) (\w+) \[\[function_constant\(\d+\)\]\];",
-                  lambda m: f"constant constexpr {m.group(1)} {m.group(2)} = {'false' if m.group(1) == 'bool' else 0};",
-                  text)
+    values = values or {}
+
+    def fixed(m):
+        kind, name = m.group(1), m.group(2)
+        if strict or name in values:
+            value = values[name]
+            value = str(value).lower() if isinstance(value, bool) else str(value)
+        else:
+            value = "false" if kind == "bool" else "0"
+        return f"constant constexpr {kind} {name} = {value};"
+
+    return re.sub(r"constant (bool|int) (\w+) \[\[function_constant\(\d+\)\]\];", fixed, text)
+
+
+def mlx_sdpa_header(values: dict | None = None) -> str:
+    """MLX's own sdpa_vector.h from the installed package, read at run time (never
+    copied into the project), with its function constants fixed: by default the plain
+    decode configuration (no mask, not transposed, not causal, no sinks)."""
+    return fix_function_constants(mlx_sdpa_path().read_text(), values)
 
 
 def mlx_sdpa_vector_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads: int = 1,
