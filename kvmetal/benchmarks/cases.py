@@ -37,9 +37,9 @@ def _result(name, backend, stats, kv_bytes, baselines=None, **extra):
     return r
 
 
-def _baseline_row(name: str, stats: dict, **extra) -> dict:
+def _baseline_row(name: str, stats: dict) -> dict:
     return {"name": name, "seconds": stats["seconds"], "min_seconds": stats["min"], "max_seconds": stats["max"],
-            "repeats": stats["repeats"], **extra}
+            "repeats": stats["repeats"]}
 
 
 def _baseline(name: str, fn, repeat: int, **kwargs) -> dict:
