@@ -15,7 +15,8 @@ A block is always in exactly one of three places:
     free     refcount 0, content meaningless
     cached   refcount 0, content still valid and findable by its prefix hash;
              reused by a new prompt with that prefix, or recycled in LRU order
-             when the free list is empty
+             when the free list is empty; a block that several sequences shared
+             (a system prompt) is *pinned*: recycled only after every unpinned one
     owned    refcount >= 1
 
 Shared blocks are never written: appending to a sequence whose partly filled last
@@ -35,6 +36,7 @@ import numpy as np
 from . import ops, quant
 
 HOLE = -1  # a table entry whose block was evicted by a sliding window
+PIN_SHARES = 2  # a cached block that this many sequences found is recycled after all others
 
 
 class KVCacheFull(RuntimeError):
@@ -116,6 +118,8 @@ class BlockAllocator:
         self.refcount: list = []
         self._free: deque = deque()
         self._cached: OrderedDict = OrderedDict()  # block -> None, least recently freed first
+        self._pinned: OrderedDict = OrderedDict()  # cached blocks shared >= PIN_SHARES times, recycled last
+        self._shares: dict = {}  # published block -> sequences that found it cached (reset on unpublish)
         self._hash_of_block: dict = {}
         self._block_of_hash: dict = {}
         self._seqs: dict = {}
@@ -128,7 +132,7 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (free plus cached-and-recyclable)."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self._cached) + len(self._pinned)
 
     @property
     def num_free_listed(self) -> int:
@@ -138,7 +142,12 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         """Blocks nobody owns whose content is still findable by prefix hash."""
-        return len(self._cached)
+        return len(self._cached) + len(self._pinned)
+
+    @property
+    def num_pinned(self) -> int:
+        """Cached blocks recycled last because several sequences shared them."""
+        return len(self._pinned)
 
     @property
     def num_sequences(self) -> int:
@@ -176,7 +185,8 @@ class BlockAllocator:
         return None if seq.tokens is None else list(seq.tokens)
 
     def cached_blocks(self) -> list:
-        return list(self._cached)
+        """Cached blocks in the order they would be recycled (pinned ones last)."""
+        return list(self._cached) + list(self._pinned)
 
     def free_blocks(self) -> list:
         return list(self._free)
@@ -224,6 +234,7 @@ class BlockAllocator:
             raise KVCacheFull(f"[add] sequence {seq_id!r} needs {needed} blocks, only {available} are free")
         for b in hits:
             self._acquire(b)
+            self._shares[b] = self._shares.get(b, 0) + 1
         seq = _Sequence(blocks=hits + self._take(needed), num_tokens=count,
                         tokens=tokens, hashes=hashes[: len(hits)])
         self._seqs[seq_id] = seq
@@ -338,6 +349,13 @@ class BlockAllocator:
                 released += 1
         return released
 
+    def unpublish(self, seq_id, first_block: int = 0) -> None:
+        """Withdraw the prefix hashes of the sequence's blocks from ``first_block`` on, so
+        no later prompt shares them (a loader whose rows never arrived calls this)."""
+        for b in self._seq("unpublish", seq_id).blocks[first_block:]:
+            if b != HOLE:
+                self._unpublish(b)
+
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens of a sequence (releases the rest)."""
         seq = self._seq("truncate", seq_id)
@@ -412,6 +430,7 @@ class BlockAllocator:
         h = self._hash_of_block.pop(b, None)
         if h is not None:
             del self._block_of_hash[h]
+            self._shares.pop(b, None)
 
     def _blocks_needed(self, seq: _Sequence, count: int) -> int:
         bs = self.block_size
@@ -427,7 +446,7 @@ class BlockAllocator:
             if self._free:
                 b = self._free.popleft()
             else:
-                b, _ = self._cached.popitem(last=False)
+                b, _ = (self._cached or self._pinned).popitem(last=False)
                 self._unpublish(b)
             self.refcount[b] = 1
             self.num_owned += 1
@@ -436,7 +455,7 @@ class BlockAllocator:
 
     def _acquire(self, b: int) -> None:
         if self.refcount[b] == 0:
-            del self._cached[b]
+            del (self._cached if b in self._cached else self._pinned)[b]
             self.num_owned += 1
         self.refcount[b] += 1
 
@@ -444,8 +463,8 @@ class BlockAllocator:
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
             self.num_owned -= 1
-            if b in self._hash_of_block:
-                self._cached[b] = None  # most recently used end
+            if b in self._hash_of_block:  # the most recently used end
+                (self._pinned if self._shares.get(b, 0) >= PIN_SHARES else self._cached)[b] = None
             else:
                 self._free.append(b)
 

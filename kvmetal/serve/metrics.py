@@ -29,6 +29,8 @@ METRICS = {
     "kv_blocks_total": ("gauge", "KV blocks of every layer-group pool together."),
     "kv_blocks_owned": ("gauge", "KV blocks owned by live requests."),
     "kv_blocks_cached": ("gauge", "KV blocks nobody owns that hold a published prefix (the prefix cache)."),
+    "kv_blocks_pinned": ("gauge", "Cached blocks recycled last because several requests shared them "
+                                  "(system prompts)."),
     "kv_blocks_free": ("gauge", "KV blocks on the free list (owned + cached + free = total)."),
     "prompt_cache_loaded_blocks": ("gauge", "Prefix blocks loaded from --prompt-cache-dir at start."),
     "prompt_cache_saved_blocks": ("counter", "Prefix blocks written to --prompt-cache-dir."),
@@ -38,6 +40,15 @@ METRICS = {
     "prompt_cache_discarded_files": ("gauge", "Files a crash left (temporary, or no index names them), deleted at start."),
     "prompt_cache_evicted_segments": ("counter", "Prompt-cache segments evicted under --prompt-cache-max-bytes."),
     "prompt_cache_saving": ("gauge", "1 while the prompt cache saves (0: no cache, or saving turned off)."),
+    "prompt_cache_restores": ("counter", "Requests whose prefix blocks were read back from --prompt-cache-dir "
+                                         "instead of recomputed (the disk tier)."),
+    "prompt_cache_restored_tokens": ("counter", "Prompt tokens restored from disk."),
+    "prompt_cache_restore_seconds": ("counter", "Seconds restores took, read start to rows in the pool, summed."),
+    "prompt_cache_restore_bytes": ("counter", "Bytes of segment files restores read."),
+    "prompt_cache_restore_misses": ("counter", "Restores that failed (unreadable or damaged segment, no room in "
+                                               "the pool): their tokens were recomputed."),
+    "prompt_cache_restore_missed_tokens": ("counter", "Prompt tokens on disk that misses recomputed."),
+    "prompt_cache_restores_in_flight": ("gauge", "Requests waiting for their blocks to come back from disk."),
 }
 
 

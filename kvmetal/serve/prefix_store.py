@@ -9,14 +9,25 @@ Layout of the directory::
 A *segment* is a run of full blocks ``[start, end)`` of one token chain; its file holds
 the blocks' K/V arrays and the chain's token ids up to ``end`` (``tokens``, int32), and
 it is keyed by the chain hash of its last block. An index entry is
-``{start, end, parent, bytes, used}``: ``parent`` is the segment holding block
-``start - 1`` (a segment cannot load without it), ``bytes`` its file size, ``used`` a
-logical clock for LRU eviction. The fingerprint covers the model (config, weight file
-names, sizes and sampled bytes) and the cache format (block size, K/V bits, layer
-groups), so a server never loads blocks written by another model or format: the
-subdirectory differs, and the fingerprint inside ``index.json`` is checked again. A
-corrupt index, a missing or unreadable segment, a token chain that does not match its
-key, or arrays of the wrong shape or dtype are skipped with a warning, never loaded.
+``{start, end, parent, bytes, used, uses, sum}``: ``parent`` is the segment holding
+block ``start - 1`` (a segment cannot load without it), ``bytes`` its file size,
+``used`` a logical clock for LRU eviction, ``uses`` how many later requests ran through
+it, ``sum`` the checksum of its arrays (``segment_file.checksum``). The fingerprint
+covers the model (config, weight file names, sizes and sampled bytes) and the cache
+format (block size, K/V bits, layer groups), so a server never loads blocks written by
+another model or format: the subdirectory differs, and the fingerprint inside
+``index.json`` is checked again. A corrupt index, a missing or unreadable segment, bytes
+that do not match their checksum, a token chain that does not match its key, or arrays
+of the wrong shape or dtype are skipped with a warning, never loaded.
+
+Two tiers. The pool's prefix cache is the hot tier; this store is the cold one, and it
+is read twice: at start (``load``: every segment that fits goes into the pool) and on
+demand (``plan_restore``, ``read_plan``, ``install``; ``restorer`` drives them): a
+request whose prompt continues a chain that is on disk but no longer in the pool gets
+those blocks read back (one read per segment file, off the engine thread) instead of
+recomputed. Every full block a request publishes reaches the disk when the request
+finishes (write-through), so a block the pool evicts later is already there: eviction
+from the pool never waits for a write.
 
 Crash safety (SQLite's rule: a write is whole or absent). Every file is written to a
 temporary name, fsynced, checked against the size its header promises, and renamed
@@ -30,8 +41,9 @@ read-only disk) turns saving off with one warning; requests never fail for it.
 
 ``max_bytes`` bounds what the store keeps on disk (segment files and the index): past
 it the least recently used segments are evicted whole, each with the segments that
-extend it. A segment is used when it is saved, loaded, or a finishing request's prompt
-runs through it.
+extend it, those that ``PIN_USES`` or more requests ran through (a shared system
+prompt, which every session's segments extend) after all others. A segment is used
+when it is saved, loaded, restored, or a finishing request's prompt runs through it.
 
 Writing: when a request finishes, the engine thread slices its full, un-evicted blocks
 that are not on disk yet (one small gather per layer) and queues them; ``flush`` (the
@@ -50,17 +62,21 @@ import json
 import logging
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ..integrations.model_cache import _pool_arrays
+from .segment_file import DTYPES, SegmentError, checksum, read_segment, to_mlx
 
 log = logging.getLogger("kvmetal.serve")
 
-STORE_FORMAT = 3  # 2: the chain's tokens live in the segment file; 3: entries carry parent, bytes, used
+STORE_FORMAT = 4  # 2: the chain's tokens live in the segment file; 3: entries carry parent, bytes, used;
+# 4: and ``sum``, the checksum of the segment's arrays (``segment_file.checksum``)
 _SAMPLE = 1 << 20  # bytes read from each end of a weight file for the fingerprint
+PIN_USES = 2  # a segment that this many later requests ran through is evicted after all others
 
 
 def chain_hashes(tokens, block_size: int) -> list:
@@ -211,6 +227,13 @@ class PrefixStore:
         self.discarded_files = 0  # temporary or unindexed files removed at start
         self.warnings = 0
         self.bytes_on_disk = 0  # as of the last index write (``disk_bytes`` computes it now)
+        # the on-demand tier (``plan_restore`` / ``install``): what came back from disk
+        self.restores = 0  # requests whose blocks were read back
+        self.restored_tokens = 0
+        self.restore_seconds = 0.0  # read start to rows in the pool, summed
+        self.restore_bytes = 0  # bytes read by restores
+        self.restore_misses = 0  # restores that failed (unreadable, corrupt, no room): recomputed
+        self.restore_missed_tokens = 0
         self.saving = True
         self._lock_fd = None
         try:
@@ -360,6 +383,8 @@ class PrefixStore:
         if path.stat().st_size != entry["bytes"]:
             raise _Skip(f"its file is {path.stat().st_size} bytes, the index says {entry['bytes']}")
         arrays = mx.load(str(path))
+        if checksum({name: _host_view(a) for name, a in arrays.items()}) != entry["sum"]:
+            raise _Skip("its bytes do not match its checksum")
         stored = arrays.get("tokens")
         if stored is None or tuple(stored.shape) != (end * bs,) or stored.dtype != mx.int32:
             found = None if stored is None else f"{tuple(stored.shape)} {stored.dtype}"
@@ -382,33 +407,131 @@ class PrefixStore:
         if not all(p.allocator.can_add(probe, recycle_cached=False) for p in pools):
             return None, hashes
         seq = ("kvmetal-prefix-store", key)
-        cached = self.model_cache.add_sequence(seq, probe)
-        first = cached // bs
+        first = self.model_cache.add_sequence(seq, probe) // bs
         try:
-            ids = [mx.array(pool.allocator.block_table(seq)[first:end], dtype=mx.int32) for pool in pools]
-            for g, name, target in _named_arrays(pools):
-                target[ids[g]] = arrays[name][first - start:]
-            mx.eval([pool.arrays() for pool in pools])
+            self._write_blocks(seq, first, [(start, end, lambda name: arrays[name])])
         finally:
             self.model_cache.free(seq)
         return end - first, hashes
 
-    def _check_arrays(self, arrays: dict, num_blocks: int) -> None:
+    def _write_blocks(self, seq, first: int, parts: list) -> None:
+        """Write the rows of ``seq``'s blocks from ``first`` on: ``parts`` are (start, end,
+        array of name) for runs of blocks [start, end) in chain order. If a write fails the
+        blocks are withdrawn from the prefix cache (their rows never arrived)."""
+        pools = self.model_cache.pools
+        tables = [pool.allocator.block_table(seq) for pool in pools]
+        try:
+            for start, end, array in parts:
+                lo = max(first, start)
+                if lo >= end:
+                    continue
+                ids = [mx.array(table[lo:end], dtype=mx.int32) for table in tables]
+                for g, name, target in _named_arrays(pools):
+                    target[ids[g]] = array(name)[lo - start:end - start]
+            mx.eval([pool.arrays() for pool in pools])
+        except BaseException:
+            for pool in pools:
+                pool.allocator.unpublish(seq, first)
+            raise
+
+    def _check_arrays(self, arrays: dict, num_blocks: int, numpy: bool = False) -> None:
+        """Every K/V array the pool needs is there with its shape and dtype (``numpy``:
+        the arrays are ``segment_file``'s (view, dtype name), compared by the MLX dtype
+        they become)."""
         for _, name, target in _named_arrays(self.model_cache.pools):
             got = arrays.get(name)
+            if numpy and got is not None:
+                got, dtype = got[0], DTYPES[got[1]][1]
+            else:
+                dtype = None if got is None else got.dtype
             want = (num_blocks, *target.shape[1:])
-            if got is None or tuple(got.shape) != want or got.dtype != target.dtype:
-                found = None if got is None else f"{tuple(got.shape)} {got.dtype}"
+            if got is None or tuple(got.shape) != want or dtype != target.dtype:
+                found = None if got is None else f"{tuple(got.shape)} {dtype}"
                 raise _Skip(f"array {name} is {found}, expected {want} {target.dtype}")
+
+    # ------------------------------------------------------------------ the tier on demand
+
+    def plan_restore(self, prompt: list) -> "RestorePlan | None":
+        """What of ``prompt``'s chain is on disk but not in the pool (None: nothing).
+
+        Only whole blocks the pool would share count: those before the prompt's last
+        token (a request always computes at least its last token)."""
+        bs = self.block_size
+        blocks = (len(prompt) - 1) // bs
+        if blocks == 0 or not self.entries:
+            return None
+        have = min(p.allocator.cached_prefix(prompt) for p in self.model_cache.pools) // bs
+        if have >= blocks:
+            return None
+        hashes = chain_hashes(prompt[: blocks * bs], bs)
+        end, segments = have, []
+        while end < blocks:
+            key = self._segment_of.get(hashes[end])
+            entry = self.entries.get(key)
+            if entry is None:  # not on disk (or queued, not written yet)
+                break
+            segments.append(_Segment(key, self.root / f"seg-{key}.safetensors", entry["bytes"],
+                                     entry["start"], entry["end"], entry["sum"]))
+            end = min(entry["end"], blocks)
+        if not segments:
+            return None
+        return RestorePlan(list(prompt[: end * bs]), have, end, segments)
+
+    def install(self, plan: "RestorePlan", arrays: dict, seq) -> int:
+        """Put the rows ``read_plan`` read into the pool as sequence ``seq`` (the caller
+        frees it once the request that asked is admitted; until then the blocks cannot be
+        recycled); returns the tokens restored (0: the pool already had them).
+
+        Raises ``DamagedSegment`` for a segment that must not be loaded (the caller drops
+        it with ``drop_segment``) and ``KVCacheFull`` when the pool has no room; nothing
+        is published then."""
+        bs = self.block_size
+        for segment in plan.segments:  # everything is checked before the pool changes
+            got = arrays[segment.key]
+            stored, kind = got.get("tokens", (None, None))
+            if kind != "I32" or stored.shape != (segment.end * bs,):
+                raise DamagedSegment(segment.key, "its token array is malformed")
+            n = min(segment.end, plan.end) * bs
+            if not np.array_equal(stored[:n], plan.tokens[:n]):
+                raise DamagedSegment(segment.key, "its tokens are not the chain it is filed under")
+            try:
+                self._check_arrays(got, segment.end - segment.start, numpy=True)
+            except _Skip as e:
+                raise DamagedSegment(segment.key, str(e)) from None
+        probe = plan.tokens + [0]  # one extra token so that every full block may be shared
+        first = self.model_cache.add_sequence(seq, probe) // bs
+        try:
+            self._write_blocks(seq, first, [
+                (g.start, min(g.end, plan.end), lambda name, got=arrays[g.key]: to_mlx(*got[name]))
+                for g in plan.segments])
+        except BaseException:
+            self.model_cache.free(seq)
+            raise
+        self._touch(g.key for g in plan.segments)
+        return max(0, plan.end - first) * bs
+
+    def drop_segment(self, key: str, why: str) -> None:
+        """Forget a segment found damaged on demand, with the segments that extend it;
+        their files go and the index is rewritten at the next ``flush``."""
+        self._warn(f"{why}; dropped, its tokens are recomputed")
+        if key not in self.entries:
+            return
+        for k in self._with_descendants(key):
+            self._forget(k, self._hashes.get(k, []))
+            with _suppress_os_error():
+                (self.root / f"seg-{k}.safetensors").unlink(missing_ok=True)
+        self._dirty = True
 
     # ------------------------------------------------------------------ saving
 
     def _touch(self, keys) -> None:
+        """Mark segments used now (LRU) and count the use (pinning: ``_evict``)."""
         self._clock += 1
         for key in keys:
             entry = self.entries.get(key)
             if entry is not None and entry["used"] != self._clock:
                 entry["used"] = self._clock
+                entry["uses"] = entry.get("uses", 0) + 1
                 self._dirty = True
 
     def record(self, seq_id, tokens: list) -> None:
@@ -439,7 +562,8 @@ class PrefixStore:
         arrays["tokens"] = mx.array(np.asarray(tokens[: end * bs], dtype=np.int32))
         mx.eval(list(arrays.values()))
         parent = self._segment_of.get(hashes[start - 1]) if start else None
-        entry = {"start": start, "end": end, "parent": parent, "bytes": 0, "used": 0}
+        entry = {"start": start, "end": end, "parent": parent, "bytes": 0, "used": 0, "uses": 0,
+                 "sum": checksum({name: _host_view(a) for name, a in arrays.items()})}
         key = hashes[end - 1]
         self._pending.append((key, entry, arrays, hashes[start:end]))
         self.known.update(hashes[start:end])
@@ -499,7 +623,8 @@ class PrefixStore:
             return []
         dropped = []
         while self.entries and self.disk_bytes > self.max_bytes:
-            oldest = min(self.entries, key=lambda k: (self.entries[k]["used"], -self.entries[k]["end"]))
+            oldest = min(self.entries, key=lambda k: (self.entries[k].get("uses", 0) >= PIN_USES,
+                                                      self.entries[k]["used"], -self.entries[k]["end"]))
             for key in self._with_descendants(oldest):
                 self._forget(key, self._hashes.get(key, []))
                 dropped.append(key)
@@ -533,18 +658,73 @@ class PrefixStore:
                 self._lock_fd = None
 
 
+@dataclass(frozen=True)
+class _Segment:
+    key: str
+    path: Path
+    bytes: int
+    start: int
+    end: int
+    sum: str
+
+
+@dataclass
+class RestorePlan:
+    """Blocks [first, end) of ``tokens``' chain come back from ``segments`` (chain order;
+    the first may start before ``first``, its leading blocks are already in the pool)."""
+
+    tokens: list
+    first: int
+    end: int
+    segments: list
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.bytes for g in self.segments)
+
+
+def read_plan(plan: RestorePlan) -> dict:
+    """{segment key: its arrays as NumPy views}, one read per segment file. NumPy only:
+    a restore thread runs this (MLX stays on the engine thread). Raises ``DamagedSegment``."""
+    out = {}
+    for g in plan.segments:
+        try:
+            out[g.key] = read_segment(g.path, g.bytes)
+        except (OSError, SegmentError) as e:
+            raise DamagedSegment(g.key, str(e) if isinstance(e, SegmentError) else f"unreadable ({e})") from None
+        if checksum(out[g.key]) != g.sum:
+            raise DamagedSegment(g.key, "its bytes do not match its checksum")
+    return out
+
+
+def _host_view(array: mx.array) -> np.ndarray:
+    """The bytes of an evaluated MLX array as NumPy sees them (bfloat16 as uint16)."""
+    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+
+
 def _entry_ok(entry) -> bool:
     if not isinstance(entry, dict):
         return False
     start, end, size, used = (entry.get(k) for k in ("start", "end", "bytes", "used"))
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, size, used))
     parent = entry.get("parent")
-    return ints and 0 <= start < end and size > 0 and (parent is None or isinstance(parent, str))
+    return (ints and 0 <= start < end and size > 0 and (parent is None or isinstance(parent, str))
+            and isinstance(entry.get("sum"), str))
 
 
 def _clean_entry(entry: dict) -> dict:
-    return {k: entry.get(k) for k in ("start", "end", "parent", "bytes", "used")}
+    uses = entry.get("uses")  # absent in indexes written before pinning
+    return {**{k: entry.get(k) for k in ("start", "end", "parent", "bytes", "used", "sum")},
+            "uses": uses if isinstance(uses, int) and not isinstance(uses, bool) and uses >= 0 else 0}
 
 
 class _Skip(Exception):
     """A segment that must not be loaded (the message says why)."""
+
+
+class DamagedSegment(Exception):
+    """A segment found unreadable or inconsistent on demand: ``key`` names it, ``why`` says why."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(f"segment {key[:12]}: {why}")
+        self.key, self.why = key, why

@@ -68,6 +68,7 @@ class RequestTimeout(Exception):
 
 
 SHUTDOWN_MESSAGE = "the server is shutting down"
+TIMEOUT_MESSAGE = "the request ran past the server's --timeout and was ended; its KV blocks were freed"
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class EngineWorker:
         self.kv_cap_bytes = kv_cap_bytes
         self.engine: Engine | None = None
         self.store = None
+        self.restorer = None  # the disk tier on demand (a store, one rank, prefix sharing on)
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict = {}
         self._requests: dict = {}  # the Request of each sink (the engine forgets finished ones)
@@ -175,6 +177,12 @@ class EngineWorker:
             self.store = self._store_factory(self.engine)
             self.engine.on_finish = self._record_prefix
             self.store.load()
+            # Across ranks every rank would restore on its own clock and the ranks' block
+            # tables would part: there the store is read at start only.
+            if self.sync is None and self.engine.prefix_sharing:
+                from .restorer import Restorer
+
+                self.restorer = Restorer(self.store, wake=lambda: self._commands.put(("wake", None, None, None)))
         self._publish()
 
     def serve_forever(self) -> None:
@@ -191,6 +199,8 @@ class EngineWorker:
                 raise
         finally:
             self._stopping = True
+            if self.restorer is not None:
+                self.restorer.close()
             if self.store is not None:
                 try:
                     self.store.close()  # the prefixes queued by the last requests
@@ -201,28 +211,40 @@ class EngineWorker:
             self._publish()
 
     def _loop(self) -> None:
+        while self.iterate():
+            pass
+
+    def iterate(self) -> bool:
+        """One turn of the engine loop: take commands, hand restored requests over, step,
+        save, publish. False once a stop command ended every request (tests drive the loop
+        with it, on their own thread)."""
         engine, sync = self.engine, self.sync
-        while True:
-            commands = []
-            if sync is None or sync.leader:
-                commands = self._collect(wait=not engine.has_work())
-                commands += self._expired()
-                if self._drain_until is not None and (time.monotonic() >= self._drain_until
-                                                      or not (engine.has_work() or self._pending_sinks
-                                                              or any(c[0] == "add" for c in commands))):
-                    commands.append(["stop", None])
-            if sync is not None:
-                commands = sync.share_commands(commands)  # rank 0's list, on every rank
-            for command in commands:
-                if command[0] == "stop":
-                    self._end_all_for_shutdown()
-                    return
-                self._apply(command)
-            if engine.has_work():
-                self._step()
-            if self.store is not None:
-                self.store.flush()  # one save batch per step: the index is written once
-            self._publish()
+        commands = []
+        if sync is None or sync.leader:
+            commands = self._collect(wait=not engine.has_work())
+            commands += self._expired()
+            if self._drain_until is not None and (time.monotonic() >= self._drain_until
+                                                  or not (engine.has_work() or self._pending_sinks
+                                                          or any(c[0] == "add" for c in commands))):
+                commands.append(["stop", None])
+        if sync is not None:
+            commands = sync.share_commands(commands)  # rank 0's list, on every rank
+        for command in commands:
+            if command[0] == "stop":
+                self._end_all_for_shutdown()
+                return False
+            self._apply(command)
+        if self.restorer is not None:
+            for command in self.restorer.ready():  # their blocks are in: on to the engine
+                self._apply(command, restored=True)
+        if engine.has_work():
+            self._step()
+        if self.restorer is not None:
+            self.restorer.release()  # the step admitted what was restored before it
+        if self.store is not None:
+            self.store.flush()  # one save batch per step: the index is written once
+        self._publish()
+        return True
 
     def _expired(self) -> list:
         """Abort commands for the requests past their deadline (rank 0 decides)."""
@@ -272,15 +294,20 @@ class EngineWorker:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command) -> None:
+    def _apply(self, command, restored: bool = False) -> None:
+        """Apply one command; ``restored``: an add whose disk blocks were read back already."""
         from .distributed import decode_add
 
         kind, request_id = command[0], command[1]
         engine = self.engine
         if kind == "add":
+            request = decode_add(command[2])
+            if not restored and self.restorer is not None and self.restorer.hold(request_id, command,
+                                                                                   request["prompt"]):
+                return  # its sink waits in _pending_sinks until ``ready`` hands it back
             sink = self._pending_sinks.pop(request_id, None)  # None on ranks other than 0
             try:
-                engine.add_request(request_id=request_id, **decode_add(command[2]))
+                engine.add_request(request_id=request_id, **request)
             except (ValueError, TypeError) as e:
                 if sink is not None:
                     sink(Delivery(None, error=e))
@@ -290,6 +317,13 @@ class EngineWorker:
                 self._requests[request_id] = engine.requests[request_id]
         elif kind == "abort":
             reason = command[2] if len(command) > 2 else "abort"
+            if self.restorer is not None and self.restorer.cancel(request_id):  # still waiting for the disk
+                self.finished[reason] = self.finished.get(reason, 0) + 1
+                sink = self._pending_sinks.pop(request_id, None)
+                self._deadlines.pop(request_id, None)
+                if reason == "timeout" and sink is not None:
+                    sink(Delivery(None, error=RequestTimeout(TIMEOUT_MESSAGE)))
+                return
             request = engine.requests.get(request_id)
             if (reason == "stop" and self.store is not None and request is not None and not request.finished
                     and request in engine.running):
@@ -300,8 +334,7 @@ class EngineWorker:
             self._requests.pop(request_id, None)
             self._deadlines.pop(request_id, None)
             if reason == "timeout" and sink is not None:
-                sink(Delivery(None, error=RequestTimeout("the request ran past the server's --timeout and was "
-                                                         "ended; its KV blocks were freed")))
+                sink(Delivery(None, error=RequestTimeout(TIMEOUT_MESSAGE)))
 
     def _step(self) -> None:
         engine = self.engine
@@ -409,16 +442,28 @@ class EngineWorker:
             "prompt_cache_discarded_files": store.discarded_files if store is not None else 0,
             "prompt_cache_evicted_segments": store.evicted_segments if store is not None else 0,
             "prompt_cache_saving": int(store.saving) if store is not None else 0,
+            **self._restore_counts(),
         }
+
+    def _restore_counts(self) -> dict:
+        """The disk tier on demand: what came back, what it cost, what was recomputed."""
+        store, restorer = self.store, self.restorer
+        names = ("restores", "restored_tokens", "restore_seconds", "restore_bytes", "restore_misses",
+                 "restore_missed_tokens")
+        counts = {f"prompt_cache_{n}": getattr(store, n) if store is not None else 0 for n in names}
+        counts["prompt_cache_restores_in_flight"] = restorer.in_flight if restorer is not None else 0
+        return counts
 
     def _block_counts(self) -> dict:
         """Blocks of every layer-group pool together: owned by live requests, published and
         unowned (the prefix cache), on the free list. Owned + cached + free = total."""
-        counts = {"kv_blocks_total": 0, "kv_blocks_owned": 0, "kv_blocks_cached": 0, "kv_blocks_free": 0}
+        counts = {"kv_blocks_total": 0, "kv_blocks_owned": 0, "kv_blocks_cached": 0, "kv_blocks_pinned": 0,
+                  "kv_blocks_free": 0}
         for pool in self.engine.cache.pools:
             a = pool.allocator
             counts["kv_blocks_total"] += a.num_blocks
             counts["kv_blocks_owned"] += a.num_owned
             counts["kv_blocks_cached"] += a.num_cached
+            counts["kv_blocks_pinned"] += a.num_pinned
             counts["kv_blocks_free"] += a.num_free_listed
         return counts
