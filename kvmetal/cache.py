@@ -15,8 +15,9 @@ A block is always in exactly one of three places:
     free     refcount 0, content meaningless
     cached   refcount 0, content still valid and findable by its prefix hash;
              reused by a new prompt with that prefix, or recycled in LRU order
-             when the free list is empty; a block that several sequences shared
-             (a system prompt) is *pinned*: recycled only after every unpinned one
+             when the free list is empty; a block of a *shared prefix* (one that
+             two different chains continue, a system prompt) is pinned: recycled
+             only after every other cached block
     owned    refcount >= 1
 
 Shared blocks are never written: appending to a sequence whose partly filled last
@@ -36,7 +37,6 @@ import numpy as np
 from . import ops, quant
 
 HOLE = -1  # a table entry whose block was evicted by a sliding window
-PIN_SHARES = 2  # a cached block that this many sequences found is recycled after all others
 
 
 class KVCacheFull(RuntimeError):
@@ -118,8 +118,9 @@ class BlockAllocator:
         self.refcount: list = []
         self._free: deque = deque()
         self._cached: OrderedDict = OrderedDict()  # block -> None, least recently freed first
-        self._pinned: OrderedDict = OrderedDict()  # cached blocks shared >= PIN_SHARES times, recycled last
-        self._shares: dict = {}  # published block -> sequences that found it cached (reset on unpublish)
+        self._pinned: OrderedDict = OrderedDict()  # cached blocks of a shared prefix, recycled last
+        self._child: dict = {}  # published hash -> the first hash seen to extend it
+        self._shared_prefix: set = set()  # hashes of blocks that lead to a branch of the chain
         self._hash_of_block: dict = {}
         self._block_of_hash: dict = {}
         self._seqs: dict = {}
@@ -146,7 +147,7 @@ class BlockAllocator:
 
     @property
     def num_pinned(self) -> int:
-        """Cached blocks recycled last because several sequences shared them."""
+        """Cached blocks of a shared prefix (two chains continue it), recycled last."""
         return len(self._pinned)
 
     @property
@@ -234,7 +235,6 @@ class BlockAllocator:
             raise KVCacheFull(f"[add] sequence {seq_id!r} needs {needed} blocks, only {available} are free")
         for b in hits:
             self._acquire(b)
-            self._shares[b] = self._shares.get(b, 0) + 1
         seq = _Sequence(blocks=hits + self._take(needed), num_tokens=count,
                         tokens=tokens, hashes=hashes[: len(hits)])
         self._seqs[seq_id] = seq
@@ -430,7 +430,8 @@ class BlockAllocator:
         h = self._hash_of_block.pop(b, None)
         if h is not None:
             del self._block_of_hash[h]
-            self._shares.pop(b, None)
+            self._child.pop(h, None)
+            self._shared_prefix.discard(h)
 
     def _blocks_needed(self, seq: _Sequence, count: int) -> int:
         bs = self.block_size
@@ -464,9 +465,27 @@ class BlockAllocator:
         if self.refcount[b] == 0:
             self.num_owned -= 1
             if b in self._hash_of_block:  # the most recently used end
-                (self._pinned if self._shares.get(b, 0) >= PIN_SHARES else self._cached)[b] = None
+                pinned = self._hash_of_block[b] in self._shared_prefix
+                (self._pinned if pinned else self._cached)[b] = None
             else:
                 self._free.append(b)
+
+    def _note_child(self, hashes: list, i: int) -> None:
+        """Block ``i`` of a chain now extends block ``i - 1``; a second, different
+        extension makes every block up to ``i - 1`` a shared prefix (pinned when cached)."""
+        parent = hashes[i - 1]
+        if parent not in self._block_of_hash:
+            return
+        first = self._child.setdefault(parent, hashes[i])
+        if first != hashes[i] and parent not in self._shared_prefix:
+            for h in hashes[:i]:
+                if h in self._shared_prefix:
+                    continue  # its ancestors were marked with it
+                self._shared_prefix.add(h)
+                b = self._block_of_hash.get(h)
+                if b is not None and b in self._cached:  # cached now: move it with its mark
+                    del self._cached[b]
+                    self._pinned[b] = None
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         """Hash every newly full block so later prompts with the same prefix can share it."""
@@ -477,6 +496,8 @@ class BlockAllocator:
             i = len(seq.hashes)
             h = _chain_hash(seq.hashes[-1] if seq.hashes else b"", seq.tokens[i * bs:(i + 1) * bs])
             seq.hashes.append(h)
+            if i:
+                self._note_child(seq.hashes, i)
             b = seq.blocks[i]
             if b != HOLE and h not in self._block_of_hash and b not in self._hash_of_block:
                 self._block_of_hash[h] = b

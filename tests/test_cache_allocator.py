@@ -275,6 +275,28 @@ def test_freed_blocks_stay_cached_and_are_recycled_least_recent_first():
     assert a.add("w", list(range(9))) == 0  # the old prefix is gone for good
 
 
+def test_a_prefix_two_chains_continue_is_recycled_after_every_other_cached_block():
+    a = BlockAllocator(7, 4)
+    system = [7] * 8  # two blocks every conversation starts with
+    a.add("turn1", system + [1] * 5)
+    a.free("turn1")
+    a.add("turn2", system + [1] * 8 + [2])  # the same chain, continued: nothing is shared yet
+    a.free("turn2")
+    assert a.num_pinned == 0
+    a.add("other", system + [3] * 5)  # a second continuation: the system blocks are a shared prefix
+    a.free("other")
+    assert a.num_pinned == 2
+    shared = a.cached_blocks()[-2:]  # recycle order: pinned blocks last
+    assert a.add("probe", system + [0]) == 8 and sorted(a.block_table("probe")[:2]) == sorted(shared)
+    a.free("probe")
+    a.add("long", [9] * 20)  # 5 blocks: every unpinned cached block goes first
+    assert sorted(a.cached_blocks()) == sorted(shared)
+    assert a.cached_prefix(system + [0]) == 8
+    a.free("long")
+    a.add("all", [8] * 28)  # only when nothing else is left do pinned blocks go
+    assert a.num_pinned == 0 and a.cached_prefix(system + [0]) == 0
+
+
 def test_fork_copies_on_write_and_parent_is_untouched():
     a = BlockAllocator(8, 4)
     a.add("p", list(range(6)))

@@ -436,7 +436,7 @@ def test_restart_with_prompt_cache_dir_gives_prefix_hits(model_dir, tmp_path):
     assert (sub / "index.json").is_file() and list(sub.glob("seg-*.safetensors"))
     # the index stays small: the chain's tokens live in the segment files
     entries = json.loads((sub / "index.json").read_text())["entries"]
-    assert entries and all(set(e) == {"start", "end", "parent", "bytes", "used"} for e in entries.values())
+    assert entries and all(set(e) == {"start", "end", "parent", "bytes", "used", "uses", "sum"} for e in entries.values())
     second = serve(model_dir, "--prompt-cache-dir", store)
     try:
         warm = chat(second, question)
