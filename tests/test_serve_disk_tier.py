@@ -196,10 +196,15 @@ def test_segment_reader_reads_what_mlx_wrote(tmp_path):
               "c": mx.ones((2, 5), dtype=mx.bfloat16) * 1.5, "d": mx.zeros((4,), dtype=mx.uint32) + 7}
     path = tmp_path / "x.safetensors"
     mx.save_safetensors(str(path), arrays)
-    got = segment_file.read_segment(path, path.stat().st_size)
+    buffers = segment_file.Buffers()
+    got = segment_file.read_segment(path, path.stat().st_size, buffers)
     for name, array in arrays.items():
-        back = segment_file.to_mlx(*got[name])
+        back = segment_file.to_mlx(*got.arrays[name])
         assert back.dtype == array.dtype and mx.array_equal(back, array).item(), name
+    assert segment_file.checksum(got.arrays) == segment_file.checksum(
+        {n: np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for n, a in arrays.items()})
+    buffers.give([got.buffer])  # reused by the next read of a file that fits
+    assert segment_file.read_segment(path, path.stat().st_size, buffers).buffer is got.buffer
     with pytest.raises(segment_file.SegmentError, match="index says"):
         segment_file.read_segment(path, path.stat().st_size + 1)
     raw = np.fromfile(path, dtype=np.uint8)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ..cache import KVCacheFull
 from .prefix_store import DamagedSegment, RestorePlan, read_plan
+from .segment_file import Buffers
 
 log = logging.getLogger("kvmetal.serve")
 
@@ -50,6 +51,7 @@ class Restorer:
         self.store = store
         self._wake = wake
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmetal-restore")
+        self._buffers = Buffers()
         self._held: dict = {}  # request id -> _Held, in arrival order
         self._holding: list = []  # sequences owning restored blocks until the next step ends
 
@@ -67,7 +69,7 @@ class Restorer:
             return False
         if plan is None:
             return False
-        future = self._reader.submit(read_plan, plan)
+        future = self._reader.submit(read_plan, plan, self._buffers)
         future.add_done_callback(lambda _: self._wake())
         self._held[request_id] = _Held(command, plan, future, time.perf_counter())
         return True
@@ -77,8 +79,13 @@ class Restorer:
         held = self._held.pop(request_id, None)
         if held is None:
             return False
-        held.future.cancel()
+        if not held.future.cancel():  # under way: its buffers come back when it is done
+            held.future.add_done_callback(self._give_back)
         return True
+
+    def _give_back(self, future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._buffers.give(d.buffer for d in future.result().values())
 
     def ready(self) -> list:
         """The commands of held requests whose reads finished, their blocks installed (or
@@ -108,7 +115,11 @@ class Restorer:
         seq = ("kvmetal-restore", request_id)
         wanted = (plan.end - plan.first) * store.block_size
         try:
-            restored = store.install(plan, held.future.result(), seq)
+            segments = held.future.result()
+            try:
+                restored = store.install(plan, segments, seq)
+            finally:  # mx.array copied what it took from the views: the buffers are free again
+                self._buffers.give(d.buffer for d in segments.values())
         except DamagedSegment as e:
             store.drop_segment(e.key, str(e))
             self._miss(wanted)

@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 import struct
+import threading
+from dataclasses import dataclass
 import zlib
 
 import mlx.core as mx
@@ -58,8 +60,44 @@ class SegmentError(ValueError):
     """The file is not a whole, well-formed segment (the message says why)."""
 
 
-def read_segment(path, expected_size: int) -> dict:
-    """{name: (NumPy view, safetensors dtype)} of every array in ``path``, read in one go.
+class Buffers:
+    """Read buffers kept for reuse (thread-safe). A fresh buffer costs a page fault per
+    4 KB on first touch, which here is slower than the disk; reused ones are warm. Up to
+    ``keep_bytes`` of idle buffers stay allocated."""
+
+    def __init__(self, keep_bytes: int = 256 << 20):
+        self.keep_bytes = keep_bytes
+        self._idle: list = []
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        with self._lock:
+            fits = [i for i, b in enumerate(self._idle) if b.size >= size]
+            if fits:
+                return self._idle.pop(min(fits, key=lambda i: self._idle[i].size))
+        return np.empty(size, dtype=np.uint8)
+
+    def give(self, buffers) -> None:
+        """Return buffers whose views nobody uses any more."""
+        with self._lock:
+            self._idle += list(buffers)
+            self._idle.sort(key=lambda b: -b.size)
+            while self._idle and sum(b.size for b in self._idle) > self.keep_bytes:
+                self._idle.pop(0)  # the largest goes first
+
+
+@dataclass
+class SegmentData:
+    """A segment file read into ``buffer``: ``arrays`` maps each name to (NumPy view of
+    the buffer, safetensors dtype name)."""
+
+    arrays: dict
+    buffer: np.ndarray
+
+
+def read_segment(path, expected_size: int, buffers: Buffers | None = None) -> SegmentData:
+    """Every array in ``path``, read in one go into a buffer from ``buffers`` (or a new
+    one; give it back once the views are no longer used).
 
     Raises ``SegmentError`` when the file's size differs from ``expected_size`` (what the
     index recorded) or its header does not describe its bytes; ``OSError`` when it cannot
@@ -69,16 +107,27 @@ def read_segment(path, expected_size: int) -> dict:
         size = os.fstat(fd).st_size
         if size != expected_size:
             raise SegmentError(f"its file is {size} bytes, the index says {expected_size}")
-        buffer = np.empty(size, dtype=np.uint8)
+        whole = buffers.take(size) if buffers is not None else np.empty(size, dtype=np.uint8)
+        buffer = whole[:size]
         view, done = memoryview(buffer), 0
         while done < size:  # one read; the loop only resumes a short read
             got = os.readv(fd, [view[done:]])
             if got == 0:
                 raise SegmentError(f"its file ended after {done} of {size} bytes")
             done += got
+    except BaseException:
+        if buffers is not None and "whole" in locals():
+            buffers.give([whole])
+        raise
     finally:
         os.close(fd)
-    return parse(buffer)
+    try:
+        arrays = parse(buffer)
+    except SegmentError:
+        if buffers is not None:
+            buffers.give([whole])
+        raise
+    return SegmentData(arrays, whole)
 
 
 def parse(buffer: np.ndarray) -> dict:
