@@ -334,12 +334,21 @@ def test_a_server_whose_disk_fills_keeps_serving_with_saving_off(model_dir, tmp_
     assert log.read_text().count("saving is off") == 1
 
 
+SESSIONS = [" ".join(PROBES[i % 3].split()[::-1]) + f" session {i}: " + " ".join(map(str, range(i, 60 + i)))
+            for i in range(4)]  # long prompts that clients keep coming back to
+
+
 @pytest.mark.slow  # over 10 s here (tests/README.md)
-def test_kill_9_while_saving_at_random_points_restarts_with_only_whole_segments(model_dir, tmp_path):
+def test_kill_9_while_saving_restoring_and_evicting_restarts_with_only_whole_segments(model_dir, tmp_path):
+    """kill -9 at random points while segments are written (with evictions from disk under
+    the byte bound) and read back on demand (a small --kv-memory evicts returning
+    sessions from the pool): every restart serves the same tokens, no damaged segment is
+    ever found, let alone loaded."""
     runs = int(os.environ.get("KVMETAL_KILL_RUNS", "3"))
     store = tmp_path / "prefixes"
     rng = random.Random(1)
-    options = ("--log-level", "WARNING", "--prompt-cache-dir", store, "--prompt-cache-max-bytes", "1500000")
+    options = ("--log-level", "WARNING", "--prompt-cache-dir", store, "--prompt-cache-max-bytes", "1500000",
+               "--kv-memory", "1MB")
     with ServerProcess(model_dir, free_port(), "--log-level", "WARNING") as clean:  # no store: the reference
         expected = [ask(clean.url, p)["choices"][0]["text"] for p in PROBES]
     figures = []
@@ -348,7 +357,7 @@ def test_kill_9_while_saving_at_random_points_restarts_with_only_whole_segments(
         m = read_metrics(server.url)
         got = [ask(server.url, p) for p in PROBES]
         assert [g["choices"][0]["text"] for g in got] == expected, run
-        figures.append({"run": run, "segments_loaded": int(m["kvmetal_prompt_cache_segments"]),
+        figures.append({"run": run, "segments_on_disk": int(m["kvmetal_prompt_cache_segments"]),
                         "blocks_loaded": int(m["kvmetal_prompt_cache_loaded_blocks"]),
                         "discarded_files": int(m["kvmetal_prompt_cache_discarded_files"]),
                         "warnings": int(m["kvmetal_prompt_cache_warnings"]),
@@ -361,28 +370,42 @@ def test_kill_9_while_saving_at_random_points_restarts_with_only_whole_segments(
             break
         stop = threading.Event()
 
-        def client(seed):  # every request brings new blocks: the store saves all the time
-            r = random.Random(seed)
+        def client(seed):  # every request brings new blocks: the store saves all the time;
+            r = random.Random(seed)  # half come back to a session the others evicted: restores
             while not stop.is_set():
                 tail = " ".join(str(r.randrange(10**6)) for _ in range(r.randint(10, 40)))
+                head = r.choice(SESSIONS) if r.random() < 0.5 else r.choice(PROBES)
                 try:
-                    ask(server.url, r.choice(PROBES) + " " + tail, max_tokens=2, timeout=10)
+                    ask(server.url, head + " " + tail, max_tokens=2, timeout=10)
                 except (httpx.HTTPError, OSError):
                     return  # killed
+        restores = []
+
+        def watch():  # the tier's counters up to the kill
+            while not stop.is_set():
+                try:
+                    restores.append(int(read_metrics(server.url)["kvmetal_prompt_cache_restores"]))
+                except (httpx.HTTPError, OSError, KeyError):
+                    return
+                time.sleep(0.2)
         threads = [threading.Thread(target=client, args=(run * 100 + i,)) for i in range(6)]
+        threads.append(threading.Thread(target=watch))
         for t in threads:
             t.start()
-        time.sleep(rng.uniform(0.5, 3.0))
+        time.sleep(rng.uniform(1.0, 4.0))
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait()
         stop.set()
         for t in threads:
             t.join(30)
         server.stop()
-        # Every restart loads only whole segments: none named by the index was damaged
-        # (a full pool may leave segments on disk, with its own warning: not a failure).
-        assert "; skipped" not in server.output, server.output[-3000:]
+        # Every start loads only whole segments and every restore finds them whole: none
+        # named by the index was damaged (a full pool may leave segments on disk, with its
+        # own warning: not a failure).
+        assert "; skipped" not in server.output and "dropped" not in server.output, server.output[-3000:]
         leftovers = [p.name for sub in store.iterdir() for p in sub.iterdir() if p.name.startswith(".tmp")]
         figures[-1]["tmp_files_left_by_kill"] = len(leftovers)
+        figures[-1]["restores_before_kill"] = max(restores, default=0)
     print("\nkill -9 loop:", json.dumps(figures))
-    assert sum(f["segments_loaded"] for f in figures[1:]) > 0
+    assert sum(f["segments_on_disk"] for f in figures[1:]) > 0
+    assert sum(f["restores_before_kill"] for f in figures[:-1]) > 0  # the kills hit a server that restored

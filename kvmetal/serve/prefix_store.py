@@ -465,14 +465,16 @@ class PrefixStore:
             return None
         hashes = chain_hashes(prompt[: blocks * bs], bs)
         end, segments = have, []
+        # Block by block: a segment may go on past where the prompt leaves its chain.
         while end < blocks:
             key = self._segment_of.get(hashes[end])
             entry = self.entries.get(key)
             if entry is None:  # not on disk (or queued, not written yet)
                 break
-            segments.append(_Segment(key, self.root / f"seg-{key}.safetensors", entry["bytes"],
-                                     entry["start"], entry["end"], entry["sum"]))
-            end = min(entry["end"], blocks)
+            if not segments or segments[-1].key != key:
+                segments.append(_Segment(key, self.root / f"seg-{key}.safetensors", entry["bytes"],
+                                         entry["start"], entry["end"], entry["sum"]))
+            end += 1
         if not segments:
             return None
         return RestorePlan(list(prompt[: end * bs]), have, end, segments)
