@@ -214,20 +214,19 @@ def test_segment_reader_reads_what_mlx_wrote(tmp_path):
 
 
 def test_a_prompt_that_leaves_a_segment_midway_restores_the_blocks_it_shares(tmp_path, caplog):
+    long = tokens(5, 10 * BS + 3)
+    branch = long[: 6 * BS] + tokens(7, 2 * BS)
+    hot = make_worker(tmp_path / "hot", None, store=False)
+    try:
+        expected = run(hot, branch)
+    finally:
+        close(hot)
     tier = make_worker(tmp_path, 20)
     try:
-        long = tokens(5, 10 * BS + 3)
         run(tier, long)  # one segment of 10 blocks on disk
-        run(tier, tokens(6, 15 * BS))  # the flood: long's blocks leave the pool
-        branch = long[: 6 * BS] + tokens(7, 2 * BS)
+        run(tier, tokens(6, 15 * BS))  # the flood: long's blocks leave the pool, tail first
         plan = tier.store.plan_restore(branch)
-        # the flood recycled long's tail first: its head may still be in the pool
         assert plan is not None and plan.first < 6 and plan.end == 6 and len(plan.segments) == 1
-        expected_hot = make_worker(tmp_path / "hot", None, store=False)
-        try:
-            expected = run(expected_hot, branch)
-        finally:
-            close(expected_hot)
         assert run(tier, branch) == expected
         m = tier.snapshot()
         assert m["prompt_cache_restored_tokens"] == (6 - plan.first) * BS and m["prompt_cache_restore_misses"] == 0
