@@ -33,14 +33,15 @@ def tokens(seed: int, n: int) -> list:
     return [rng.randrange(1, 250) for _ in range(n)]
 
 
-def make_worker(tmp_path, num_blocks, kv_format=None, store=True, max_bytes=None):
+def make_worker(tmp_path, num_blocks, kv_format=None, store=True, max_bytes=None, background=False):
     def build():
         return Engine(kv_layout_model(), block_size=BS, num_blocks=num_blocks, keep_finished=False,
                       kv_format=kv_format, async_steps=True)
     factory = None
     if store:
         def factory(engine):
-            return PrefixStore(tmp_path / "store", {"model": "tiny"}, engine.cache, max_bytes=max_bytes)
+            return PrefixStore(tmp_path / "store", {"model": "tiny"}, engine.cache, max_bytes=max_bytes,
+                               background_writes=background)
     worker = EngineWorker(build, prefix_store_factory=factory)
     worker.setup()
     return worker
@@ -87,22 +88,24 @@ def replay(worker, rounds=3, sampling=None) -> list:
             return answers
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_returning_sessions_restore_from_disk_with_the_tokens_of_a_pool_that_never_evicts(tmp_path, fmt):
+@pytest.mark.parametrize("fmt,writes", [("float32", "inline"), ("K8/V4", "inline"), ("K8/V4", "background")])
+def test_returning_sessions_restore_from_disk_with_the_tokens_of_a_pool_that_never_evicts(tmp_path, fmt, writes):
     hot = make_worker(tmp_path / "hot", None, FORMATS[fmt], store=False)
     try:
         expected = replay(hot)
     finally:
         close(hot)
     # 20 blocks hold one session's context, not three: every return finds its tail gone
-    tier = make_worker(tmp_path, 20, FORMATS[fmt])
+    tier = make_worker(tmp_path, 20, FORMATS[fmt], background=writes == "background")
     try:
         got = replay(tier)
         m = tier.snapshot()
     finally:
         close(tier)
     assert got == expected
-    assert m["prompt_cache_restores"] >= 3 and m["prompt_cache_restore_misses"] == 0
+    # (a background writer may not have finished a segment when its session returns)
+    assert m["prompt_cache_restores"] >= (1 if writes == "background" else 3)
+    assert m["prompt_cache_restore_misses"] == 0
     assert m["prompt_cache_restored_tokens"] >= 3 * 6 * BS
     assert m["prompt_cache_restore_bytes"] > 0 and m["prompt_cache_restore_seconds"] > 0
     computed = m["prompt_tokens"] - m["prompt_tokens_cached"]

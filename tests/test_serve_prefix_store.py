@@ -197,7 +197,7 @@ def test_a_crash_at_any_write_step_leaves_only_whole_segments(tmp_path, monkeypa
         finish(store, e, chain(101, 3), "x")
         finish(store, e, chain(102, 2), "y")
         calls = []
-        real = {"save": mx.save_safetensors, "fsync": os.fsync, "replace": os.replace}
+        real = {"save": prefix_store.write_segment, "fsync": os.fsync, "replace": os.replace}
 
         def hook(kind):
             def call(*args, **kw):
@@ -207,7 +207,7 @@ def test_a_crash_at_any_write_step_leaves_only_whole_segments(tmp_path, monkeypa
                 return real[kind](*args, **kw)
             return call
 
-        monkeypatch.setattr(mx, "save_safetensors", hook("save"))
+        monkeypatch.setattr(prefix_store, "write_segment", hook("save"))
         monkeypatch.setattr(os, "fsync", hook("fsync"))
         monkeypatch.setattr(os, "replace", hook("replace"))
         crashed = False
@@ -238,14 +238,15 @@ def test_a_crash_at_any_write_step_leaves_only_whole_segments(tmp_path, monkeypa
 
 def test_a_full_disk_turns_saving_off_with_one_warning(engine, tmp_path, monkeypatch, caplog):
     store = PrefixStore(tmp_path, {"model": "tiny"}, engine.cache)
-    real = mx.save_safetensors
+    real = prefix_store.write_segment
 
     def short_write(path, arrays):  # what a full disk does to a writer that does not check
-        real(path, arrays)
+        data = real(path, arrays)
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
+        return data
 
-    monkeypatch.setattr(mx, "save_safetensors", short_write)
+    monkeypatch.setattr(prefix_store, "write_segment", short_write)
     with caplog.at_level("WARNING", logger="kvmetal.serve"):
         for i in range(4):
             finish(store, engine, chain(200 + i, 2), f"r{i}")

@@ -46,12 +46,16 @@ prompt, which every session's segments extend) after all others. A segment is us
 when it is saved, loaded, restored, or a finishing request's prompt runs through it.
 
 Writing: when a request finishes, the engine thread slices its full, un-evicted blocks
-that are not on disk yet (one small gather per layer) and queues them; ``flush`` (the
-worker calls it after every engine step) writes the batch. (On the engine thread, not a
-writer thread: MLX must stay on one thread, see ``worker``.) Loading (at start, on the
-engine thread): each segment is added as a sequence whose full blocks the pool then
-publishes, its rows are written, and the sequence is freed, so the blocks sit in the
-pool's prefix cache exactly like those of a finished request.
+that are not on disk yet (one small gather per layer, evaluated; the file writer gets
+NumPy views of them) and queues them; ``flush`` (the worker calls it after every engine
+step) hands the batch to the writer: with ``background_writes`` (the server) a thread of
+the store's own computes the checksums and writes the files with NumPy (MLX stays on the
+engine thread, see ``worker``), so a long turn's segment never stalls running streams;
+a later ``flush`` takes in the finished segments and has the index rewritten, on the
+same thread, after them. Loading (at start, on the engine thread): each segment is added
+as a sequence whose full blocks the pool then publishes, its rows are written, and the
+sequence is freed, so the blocks sit in the pool's prefix cache exactly like those of a
+finished request.
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ import json
 import logging
 import os
 import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +75,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..integrations.model_cache import _pool_arrays
-from .segment_file import DTYPES, Buffers, SegmentError, checksum, read_segment, to_mlx
+from .segment_file import DTYPES, Buffers, SegmentError, checksum, kind_of, read_segment, to_mlx, write_segment
 
 log = logging.getLogger("kvmetal.serve")
 
@@ -201,10 +207,14 @@ class PrefixStore:
         model_cache: the engine's ``PagedModelCache``.
         max_bytes: ``--prompt-cache-max-bytes``: segment files and index together stay
             under it (None: no bound).
+        background_writes: write files on a writer thread of the store's own (the server
+            does: a segment of a long turn takes a second to write on a slow disk, which
+            running streams must not wait for); False writes them inside ``flush``.
     Raises ``StoreInUse`` when another server uses the directory.
     """
 
-    def __init__(self, directory, identity: dict, model_cache, *, max_bytes: int | None = None):
+    def __init__(self, directory, identity: dict, model_cache, *, max_bytes: int | None = None,
+                 background_writes: bool = False):
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes < 1):
             raise ValueError(f"[PrefixStore] max_bytes must be an int >= 1 or None, got {max_bytes!r}")
@@ -235,6 +245,7 @@ class PrefixStore:
         self.restore_misses = 0  # restores that failed (unreadable, corrupt, no room): recomputed
         self.restore_missed_tokens = 0
         self.saving = True
+        self._writer = _Writer(background_writes)
         self._lock_fd = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -563,52 +574,92 @@ class PrefixStore:
         arrays = {name: source[ids[g]] for g, name, source in _named_arrays(pools)}
         arrays["tokens"] = mx.array(np.asarray(tokens[: end * bs], dtype=np.int32))
         mx.eval(list(arrays.values()))
+        host = {name: (_host_view(a), kind_of(a.dtype)) for name, a in arrays.items()}  # views, no copy
         parent = self._segment_of.get(hashes[start - 1]) if start else None
-        entry = {"start": start, "end": end, "parent": parent, "bytes": 0, "used": 0, "uses": 0,
-                 "sum": checksum({name: _host_view(a) for name, a in arrays.items()})}
+        entry = {"start": start, "end": end, "parent": parent, "bytes": 0, "used": 0, "uses": 0, "sum": ""}
         key = hashes[end - 1]
-        self._pending.append((key, entry, arrays, hashes[start:end]))
+        # the MLX arrays travel along: they own the memory the views show
+        self._pending.append((key, entry, host, arrays, hashes[start:end]))
         self.known.update(hashes[start:end])
         for h in hashes[start:end]:
             self._segment_of[h] = key
 
     def flush(self) -> None:
-        """Write the queued segments, evict past ``max_bytes``, then rewrite the index once."""
+        """Hand the queued segments to the writer, take in what it finished, evict past
+        ``max_bytes`` and have the index rewritten once (when anything changed).
+
+        With ``background_writes`` the files are written on the writer thread and this
+        returns at once; a segment joins ``entries`` (and can be restored) once its file
+        is whole, and the index names it at the next flush after that."""
+        self._collect()
         pending, self._pending = self._pending, []
         if not self.saving:
             return
-        if not pending and not self._dirty:
-            return
-        wrote = []
-        try:
-            for key, entry, arrays, hashes in pending:
-                if self.max_bytes is not None and self._segment_bytes(arrays) > self.max_bytes:
-                    self._forget(key, hashes)  # larger than the whole budget: never kept
-                    continue
-                path = self.root / f"seg-{key}.safetensors"
-                data = sum(a.nbytes for a in arrays.values())
-                entry["bytes"] = write_atomically(path, lambda tmp, a=arrays: mx.save_safetensors(str(tmp), a),
-                                                  _check_safetensors(data))
-                self._touch(())
-                entry["used"] = self._clock
-                wrote.append((key, entry, hashes))
-                self.entries[key] = entry
-                self._hashes[key] = hashes
+        if pending:
+            self._writer.submit(self._write_segments, pending)
+            self._collect()  # an inline writer has just written them
+        if self.saving and self._dirty:
             evicted = self._evict()
-            self._save_index()
-        except (OSError, RuntimeError) as e:  # a full or read-only disk, or MLX's writer failing
-            for key, _, _, hashes in pending:  # in no index: the next start deletes files written
-                self._forget(key, hashes)
-            self._disable(f"could not write ({e})")
-            return
-        self.saved_blocks += sum(e["end"] - e["start"] for _, e, _ in wrote)
-        for key in evicted:  # after the index stopped naming them
+            text = self._index_text()
+            self._dirty = False
+            self.bytes_on_disk = sum(e["bytes"] for e in self.entries.values()) + len(text)
+            self._writer.submit(self._write_index, text, evicted)
+            self._collect()
+
+    def _collect(self) -> None:
+        """Take in the writer's finished work (engine thread)."""
+        for results in self._writer.results():
+            for item in results:
+                if item[0] == "segment":
+                    _, key, entry, hashes = item
+                    parent = entry["parent"]
+                    if parent is not None and parent not in self.entries:  # evicted or failed meanwhile
+                        self._forget(key, hashes)
+                        with _suppress_os_error():  # in no index: safe to delete at any time
+                            (self.root / f"seg-{key}.safetensors").unlink(missing_ok=True)
+                        continue
+                    self._touch(())
+                    entry["used"] = self._clock
+                    self.entries[key] = entry
+                    self._hashes[key] = hashes
+                    self.saved_blocks += entry["end"] - entry["start"]
+                    self._dirty = True
+                elif item[0] == "skip":  # larger than the whole budget: never kept
+                    self._forget(*item[1:])
+                else:  # "failed": what was not written is forgotten, saving stops
+                    _, why, lost = item
+                    for key, hashes in lost:
+                        self._forget(key, hashes)
+                    self._disable(f"could not write ({why})")
+
+    def _write_segments(self, pending: list) -> list:
+        """Write segment files (writer thread: NumPy and the file system only)."""
+        out = []
+        for n, (key, entry, host, _, hashes) in enumerate(pending):
+            try:
+                data = sum(a.nbytes for a, _ in host.values())
+                if self.max_bytes is not None and data > self.max_bytes:
+                    out.append(("skip", key, hashes))
+                    continue
+                entry = {**entry, "sum": checksum(host)}
+                entry["bytes"] = write_atomically(self.root / f"seg-{key}.safetensors",
+                                                  lambda tmp: write_segment(tmp, host), _check_safetensors(data))
+                out.append(("segment", key, entry, hashes))
+            except Exception as e:  # a full or read-only disk; the next start deletes what was written
+                out.append(("failed", e, [(k, h) for k, _, _, _, h in pending[n:]]))
+                break
+        return out
+
+    def _write_index(self, text: str, evicted: list) -> list:
+        """Rewrite the index, then delete the files of the segments it no longer names."""
+        try:
+            write_atomically(self.root / "index.json", lambda tmp: tmp.write_text(text))
+        except Exception as e:
+            return [("failed", e, [])]
+        for key in evicted:
             with _suppress_os_error():
                 (self.root / f"seg-{key}.safetensors").unlink(missing_ok=True)
-
-    @staticmethod
-    def _segment_bytes(arrays: dict) -> int:
-        return sum(a.nbytes for a in arrays.values())
+        return []
 
     def _forget(self, key: str, hashes: list) -> None:
         self.entries.pop(key, None)
@@ -651,13 +702,51 @@ class PrefixStore:
         self.bytes_on_disk = sum(e["bytes"] for e in self.entries.values()) + len(text)
 
     def close(self) -> None:
-        """Write what is queued (and the latest uses), then release the directory."""
+        """Write what is queued (and the latest uses), wait for the writer, then release
+        the directory."""
         try:
             self.flush()
+            self._writer.drain()
+            self.flush()  # index the segments the writer finished last
+            self._writer.drain()
+            self._collect()
         finally:
+            self._writer.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)  # releases the flock
                 self._lock_fd = None
+
+
+class _Writer:
+    """Runs the store's file writes in submission order, on one thread of its own
+    (``background``) or inline; ``results`` hands their outcomes back in order."""
+
+    def __init__(self, background: bool):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmetal-store-writer") \
+            if background else None
+        self._done: deque = deque()  # outcomes of inline jobs
+        self._futures: deque = deque()
+
+    def submit(self, job, *args) -> None:
+        if self._thread is None:
+            self._done.append(job(*args))
+        else:
+            self._futures.append(self._thread.submit(job, *args))
+
+    def results(self) -> list:
+        out = list(self._done)
+        self._done.clear()
+        while self._futures and self._futures[0].done():
+            out.append(self._futures.popleft().result())
+        return out
+
+    def drain(self) -> None:
+        for future in list(self._futures):
+            future.exception()  # waits; the outcome stays for ``results``
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
 
 
 @dataclass(frozen=True)

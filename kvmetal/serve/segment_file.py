@@ -159,6 +159,40 @@ def parse(buffer: np.ndarray) -> dict:
     return out
 
 
+def write_segment(path, arrays: dict) -> int:
+    """Write ``arrays`` ({name: (NumPy array, safetensors dtype name)}) as a safetensors
+    file (what ``mx.load`` reads); returns the bytes of array data. NumPy only, so a
+    writer thread can run it."""
+    header, offset = {}, 0
+    for name, (array, kind) in arrays.items():
+        header[name] = {"dtype": kind, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, struct.pack("<Q", len(text)) + text)
+        for array, _ in arrays.values():
+            _write_all(fd, np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    finally:
+        os.close(fd)
+    return offset
+
+
+def _write_all(fd: int, data) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def kind_of(dtype: mx.Dtype) -> str:
+    """The safetensors dtype name of an MLX dtype."""
+    for kind, (_, mlx_dtype) in DTYPES.items():
+        if mlx_dtype == dtype:
+            return kind
+    raise ValueError(f"no safetensors dtype for {dtype}")
+
+
 def to_mlx(array: np.ndarray, kind: str) -> mx.array:
     """An MLX array of the bytes (on the engine thread); bfloat16 travels as uint16."""
     result = mx.array(array)

@@ -96,7 +96,7 @@ def build_server(args, sync=None):
     if args.prompt_cache_dir:
         def store_factory(engine):
             return PrefixStore(args.prompt_cache_dir, model_identity(model_dir), engine.cache,
-                               max_bytes=getattr(args, "prompt_cache_max_bytes", None))
+                               max_bytes=getattr(args, "prompt_cache_max_bytes", None), background_writes=True)
 
     worker = EngineWorker(build, prefix_store_factory=store_factory, kv_cap_bytes=cap, sync=sync)
     worker.setup()
