@@ -143,7 +143,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     add("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per KV block (default 16)")
     add("--kv-memory", help="hard cap on KV bytes, e.g. 8GB, 512MB, 4GiB, or a fraction such as 0.5 of the "
                             "recommended working set (default: no cap, the pool grows on demand)")
-    add("--prompt-cache-dir", help="keep published prefix blocks in this directory across restarts")
+    add("--prompt-cache-dir", help="keep published prefix blocks in this directory: loaded at start, and read "
+                                   "back while serving when a returning request's blocks have left the KV pool "
+                                   "(the disk tier, docs/serve.md)")
     add("--max-num-batched-tokens", type=_positive_int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         help="tokens one engine step's forward pass computes: every running decode, then prompt "
              f"chunks in what is left (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}); lower keeps time per output "
