@@ -12,11 +12,14 @@ agent session). Then, ``--runs`` times: a flood evicts the blocks from the pool,
 
 - ``dd``: every segment file read sequentially through one 1 MiB buffer (what ``dd
   bs=1M`` does), the yardstick;
-- ``read``: ``read_plan``, what the restore thread does: one read per segment into one
-  buffer, the checksum verified;
-- ``install``: ``PrefixStore.install``, what the engine thread does: NumPy views to MLX,
-  one scatter per layer array into the pool, evaluated;
-- ``restore`` = read + install, the time a returning request waits for its blocks.
+- ``read``: ``read_part`` for every segment, what the restore thread does: one read per
+  segment into one buffer, the checksum verified;
+- ``restore``: the server's path (``Restorer``): the restore thread reads the segments in
+  order while this thread, standing for the engine loop, installs each one read so far
+  (``install_part``: NumPy views to MLX, slice updates into the pool, evaluated), until
+  the request could go on: the time a returning request waits for its blocks;
+- ``install``: the part of ``restore`` spent on this thread (the engine thread's time,
+  the only part running streams can feel).
 
 "cold" runs drop the files from the page cache first (``posix_fadvise(DONTNEED)``) so
 the bytes come from the disk, as they do for a session that idled; "warm" runs read
@@ -110,13 +113,16 @@ def flood(engine) -> None:
 
 
 def measure(engine, store, context, runs: int, cold: bool) -> dict:
-    from kvmetal.serve.prefix_store import read_plan
+    """Best and median seconds of ``runs`` restores of ``context`` after a flood, the
+    yardstick read of the same files in each run."""
+    from kvmetal.serve.prefix_store import read_part
+    from kvmetal.serve.restorer import Restorer
     from kvmetal.serve.segment_file import Buffers
 
-    buffers = Buffers(keep_bytes=4 << 30)  # the server keeps 256 MB; a benchmark measures the steady state
     times = {"dd": [], "read": [], "install": [], "restore": []}
-    nbytes = None
-    for _ in range(runs):
+    buffers = Buffers(keep_bytes=4 << 30)  # warm buffers, as a long-running server has them
+    restorer = Restorer(store, wake=lambda: None, keep_buffer_bytes=4 << 30)
+    for run in range(runs + 1):  # run 0 warms the buffers up and is not counted
         flood(engine)
         plan = store.plan_restore(context)
         assert plan is not None and plan.first == 0, "the flood left blocks in the pool"
@@ -127,22 +133,43 @@ def measure(engine, store, context, runs: int, cold: bool) -> dict:
         t = time.perf_counter()
         assert dd_read(paths) == nbytes
         times["dd"].append(time.perf_counter() - t)
+        # the reads alone, as the restore thread does them (one read per file + checksum)
         if cold:
             drop_from_page_cache(paths)
         t = time.perf_counter()
-        arrays = read_plan(plan, buffers)
-        t_read = time.perf_counter() - t
-        t = time.perf_counter()
-        restored = store.install(plan, arrays, ("restore",))
-        t_install = time.perf_counter() - t
-        buffers.give(d.buffer for d in arrays.values())
-        engine.cache.free(("restore",))
-        assert restored == plan.end * store.block_size
-        times["read"].append(t_read)
-        times["install"].append(t_install)
-        times["restore"].append(t_read + t_install)
+        parts = [read_part(plan, i, buffers) for i in range(len(plan.segments))]
+        times["read"].append(time.perf_counter() - t)
+        buffers.give(p.buffer for p in parts)
+        # the server's path: the restore thread reads while the engine thread installs
+        if cold:
+            drop_from_page_cache(paths)
+        flood(engine)
+        engine_seconds = [0.0]
+        install_part = store.install_part
+
+        def timed_install(*args):
+            t0 = time.perf_counter()
+            try:
+                return install_part(*args)
+            finally:
+                engine_seconds[0] += time.perf_counter() - t0
+
+        store.install_part = timed_install
+        try:
+            t = time.perf_counter()
+            assert restorer.hold(("bench", run), ["add"], context)
+            while not restorer.ready():
+                time.sleep(0.0002)  # the engine loop's turn
+            times["restore"].append(time.perf_counter() - t)
+        finally:
+            del store.install_part
+            restorer.release()
+        times["install"].append(engine_seconds[0])
+        if run == 0:
+            times = {k: [] for k in times}
+    restorer.close()
     best = {k: min(v) for k, v in times.items()}
-    return {"bytes": nbytes, "segments": len(plan.segments), "restored_tokens": restored,
+    return {"bytes": nbytes, "segments": len(plan.segments), "restored_tokens": plan.end * store.block_size,
             "seconds_best": best, "seconds_median": {k: statistics.median(v) for k, v in times.items()},
             "gb_per_s": {k: nbytes / v / 1e9 for k, v in best.items()},
             "restore_over_dd": best["dd"] / best["restore"], "read_over_dd": best["dd"] / best["read"],
@@ -179,7 +206,7 @@ def main(argv=None) -> int:
                "segment_tokens": args.segment_tokens, "formats": {}}
     print(f"restore of a {args.tokens}-token context ({args.segment_tokens} tokens per segment), best of "
           f"{args.runs}; model {Path(model_dir).name}; GB/s of segment-file bytes")
-    print("| format | cache | MB | dd GB/s | read GB/s | install GB/s | restore GB/s | restore/dd | "
+    print("| format | cache | MB | segments | dd GB/s | read GB/s | restore GB/s | restore/dd | "
           "engine-thread ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -191,8 +218,8 @@ def main(argv=None) -> int:
                     r = measure(engine, store, context, args.runs, cold)
                     results["formats"].setdefault(name, {})["cold" if cold else "warm"] = r
                     g = r["gb_per_s"]
-                    print(f"| {name} | {'cold' if cold else 'warm'} | {r['bytes'] / 1e6:.0f} | {g['dd']:.2f} | "
-                          f"{g['read']:.2f} | {g['install']:.2f} | {g['restore']:.2f} | "
+                    print(f"| {name} | {'cold' if cold else 'warm'} | {r['bytes'] / 1e6:.0f} | {r['segments']} | "
+                          f"{g['dd']:.2f} | {g['read']:.2f} | {g['restore']:.2f} | "
                           f"{r['restore_over_dd']:.2f} | {r['engine_thread_ms']:.0f} |")
             finally:
                 store.close()

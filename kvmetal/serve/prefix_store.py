@@ -22,7 +22,7 @@ of the wrong shape or dtype are skipped with a warning, never loaded.
 
 Two tiers. The pool's prefix cache is the hot tier; this store is the cold one, and it
 is read twice: at start (``load``: every segment that fits goes into the pool) and on
-demand (``plan_restore``, ``read_plan``, ``install``; ``restorer`` drives them): a
+demand (``plan_restore``, ``read_part``, ``install_part``; ``restorer`` drives them): a
 request whose prompt continues a chain that is on disk but no longer in the pool gets
 those blocks read back (one read per segment file, off the engine thread) instead of
 recomputed. Every full block a request publishes reaches the disk when the request
@@ -68,7 +68,7 @@ import os
 import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -237,7 +237,7 @@ class PrefixStore:
         self.discarded_files = 0  # temporary or unindexed files removed at start
         self.warnings = 0
         self.bytes_on_disk = 0  # as of the last index write (``disk_bytes`` computes it now)
-        # the on-demand tier (``plan_restore`` / ``install``): what came back from disk
+        # the on-demand tier (``restorer``): what came back from disk
         self.restores = 0  # requests whose blocks were read back
         self.restored_tokens = 0
         self.restore_seconds = 0.0  # read start to rows in the pool, summed
@@ -484,51 +484,59 @@ class PrefixStore:
                 break
             if not segments or segments[-1].key != key:
                 segments.append(_Segment(key, self.root / f"seg-{key}.safetensors", entry["bytes"],
-                                         entry["start"], entry["end"], entry["sum"]))
+                                         entry["start"], entry["end"], entry["sum"], lo=end, hi=end + 1))
+            else:
+                segments[-1] = replace(segments[-1], hi=end + 1)
             end += 1
         if not segments:
             return None
         return RestorePlan(list(prompt[: end * bs]), have, end, segments)
 
-    def install(self, plan: "RestorePlan", arrays: dict, seq) -> int:
-        """Put the segments ``read_plan`` read (``arrays``) into the pool as sequence ``seq`` (the caller
-        frees it once the request that asked is admitted; until then the blocks cannot be
-        recycled); returns the tokens restored (0: the pool already had them).
+    def install_part(self, plan: "RestorePlan", i: int, data, seq) -> int:
+        """Put segment ``i`` of ``plan`` (``read_part``'s ``data``) into the pool: blocks
+        ``[lo, hi)`` of holding sequence ``seq``, which part 0 starts and each later part
+        extends (the caller frees it once the request that asked is admitted; until then
+        the blocks cannot be recycled). Parts go in order, one engine iteration or several
+        apart: each leaves only whole, written blocks published. Returns the tokens this
+        part restored (0: the pool had them already).
 
         Raises ``DamagedSegment`` for a segment that must not be loaded (the caller drops
-        it with ``drop_segment``) and ``KVCacheFull`` when the pool has no room; nothing
-        is published then."""
-        bs = self.block_size
-        for segment in plan.segments:  # everything is checked before the pool changes
-            got = arrays[segment.key].arrays
-            stored, kind = got.get("tokens", (None, None))
-            if kind != "I32" or stored.shape != (segment.end * bs,):
-                raise DamagedSegment(segment.key, "its token array is malformed")
-            n = min(segment.end, plan.end) * bs
-            if not np.array_equal(stored[:n], plan.tokens[:n]):
-                raise DamagedSegment(segment.key, "its tokens are not the chain it is filed under")
-            try:
-                self._check_arrays(got, segment.end - segment.start, numpy=True)
-            except _Skip as e:
-                raise DamagedSegment(segment.key, str(e)) from None
-        probe = plan.tokens + [0]  # one extra token so that every full block may be shared
-        first = self.model_cache.add_sequence(seq, probe) // bs
+        it with ``drop_segment``) and ``KVCacheFull`` when the pool has no room; the pool
+        is as the previous part left it then."""
+        bs, g = self.block_size, plan.segments[i]
+        got = data.arrays
+        stored, kind = got.get("tokens", (None, None))  # everything is checked before the pool changes
+        if kind != "I32" or stored.shape != (g.end * bs,):
+            raise DamagedSegment(g.key, "its token array is malformed")
+        if not np.array_equal(stored[: g.hi * bs], plan.tokens[: g.hi * bs]):
+            raise DamagedSegment(g.key, "its tokens are not the chain it is filed under")
         try:
-            self._write_blocks(seq, first, [
-                (g.start, min(g.end, plan.end), lambda name, got=arrays[g.key].arrays: to_mlx(*got[name]))
-                for g in plan.segments])
+            self._check_arrays(got, g.end - g.start, numpy=True)
+        except _Skip as e:
+            raise DamagedSegment(g.key, str(e)) from None
+        cache = self.model_cache
+        tail = [0]  # one token past the blocks, so that every full block may be shared
+        if i == 0:
+            first = cache.add_sequence(seq, plan.tokens[: g.hi * bs] + tail) // bs
+        else:
+            first = g.lo
+            cache.truncate(seq, g.lo * bs)  # the extra token goes; the blocks before stay
+            cache.append(seq, plan.tokens[g.lo * bs: g.hi * bs] + tail)
+        try:
+            self._write_blocks(seq, first, [(g.start, g.hi, lambda name: to_mlx(*got[name]))])
         except BaseException:
-            self.model_cache.free(seq)
+            cache.free(seq)
             raise
-        self._touch(g.key for g in plan.segments)
-        return max(0, plan.end - first) * bs
+        self._touch([g.key])
+        return max(0, g.hi - max(first, g.lo)) * bs
 
     def drop_segment(self, key: str, why: str) -> None:
         """Forget a segment found damaged on demand, with the segments that extend it;
         their files go and the index is rewritten at the next ``flush``."""
-        self._warn(f"{why}; dropped, its tokens are recomputed")
-        if key not in self.entries:
+        if key not in self.entries:  # evicted (its file deleted) since the plan was made: no damage
+            log.info("prompt cache %s: %s (evicted meanwhile); its tokens are recomputed", self.root, why)
             return
+        self._warn(f"{why}; dropped, its tokens are recomputed")
         for k in self._with_descendants(key):
             self._forget(k, self._hashes.get(k, []))
             with _suppress_os_error():
@@ -757,12 +765,14 @@ class _Segment:
     start: int
     end: int
     sum: str
+    lo: int  # the blocks [lo, hi) it brings back for this plan
+    hi: int
 
 
 @dataclass
 class RestorePlan:
-    """Blocks [first, end) of ``tokens``' chain come back from ``segments`` (chain order;
-    the first may start before ``first``, its leading blocks are already in the pool)."""
+    """Blocks [first, end) of ``tokens``' chain come back from ``segments``, in chain
+    order, each bringing its blocks [lo, hi) (a segment may hold more of its chain)."""
 
     tokens: list
     first: int
@@ -774,25 +784,21 @@ class RestorePlan:
         return sum(g.bytes for g in self.segments)
 
 
-def read_plan(plan: RestorePlan, buffers: Buffers | None = None) -> dict:
-    """{segment key: ``SegmentData``}, one read per segment file into ``buffers``' buffers
-    (the caller gives them back after ``install``). NumPy only: a restore thread runs this
-    (MLX stays on the engine thread). Raises ``DamagedSegment``."""
-    out = {}
+def read_part(plan: RestorePlan, i: int, buffers: Buffers | None = None):
+    """Segment ``i`` of ``plan`` as ``SegmentData``: one read of its file into a buffer of
+    ``buffers`` (the caller gives it back after ``install_part``), its checksum verified.
+    NumPy only: a restore thread runs this (MLX stays on the engine thread). Raises
+    ``DamagedSegment``."""
+    g = plan.segments[i]
     try:
-        for g in plan.segments:
-            try:
-                out[g.key] = read_segment(g.path, g.bytes, buffers)
-            except (OSError, SegmentError) as e:
-                why = str(e) if isinstance(e, SegmentError) else f"unreadable ({e})"
-                raise DamagedSegment(g.key, why) from None
-            if checksum(out[g.key].arrays) != g.sum:
-                raise DamagedSegment(g.key, "its bytes do not match its checksum")
-    except BaseException:
+        data = read_segment(g.path, g.bytes, buffers)
+    except (OSError, SegmentError) as e:
+        raise DamagedSegment(g.key, str(e) if isinstance(e, SegmentError) else f"unreadable ({e})") from None
+    if checksum(data.arrays) != g.sum:
         if buffers is not None:
-            buffers.give(d.buffer for d in out.values())
-        raise
-    return out
+            buffers.give([data.buffer])
+        raise DamagedSegment(g.key, "its bytes do not match its checksum")
+    return data
 
 
 def _block_writer(ids: list):
