@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from mlx_lm import load
 
     from kvmetal.integrations.generate import resolve_model
-    from kvmetal.integrations.speculative import SpeculativeConfig
+    from kvmetal.engine.proposers import SpeculativeConfig
 
     model_dir = resolve_model(args.model)
     model, tokenizer = load(str(model_dir))

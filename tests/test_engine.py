@@ -11,7 +11,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from kvmetal.integrations import model_cache, tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine, RequestTooLarge, SamplingParams  # noqa: E402
+from kvmetal.engine.engine import Engine, RequestTooLarge, SamplingParams  # noqa: E402
 
 
 def one_at_a_time(model, prompt, max_tokens):

@@ -17,9 +17,10 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from kvmetal import quant  # noqa: E402
-from kvmetal.integrations import sampler, speculative, tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
-from kvmetal.integrations.speculative import SpeculativeConfig, ngram_draft  # noqa: E402
+from kvmetal.engine import proposers as speculative, sampler  # noqa: E402
+from kvmetal.integrations import tiny_models  # noqa: E402
+from kvmetal.engine.engine import Engine, SamplingParams  # noqa: E402
+from kvmetal.engine.proposers import SpeculativeConfig, ngram_draft  # noqa: E402
 from kvmetal.kv_format import KVFormat  # noqa: E402
 
 EAGER = SpeculativeConfig(ngram_min=1, min_acceptance=0.0)  # drafts whenever anything matches

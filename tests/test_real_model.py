@@ -231,8 +231,8 @@ def test_speculative_logprobs_equal_plain_ones_to_the_bit_in_every_kv_format(f32
     """Issue 44: a request with ``speculative=False`` and one with speculation, side by side
     in one engine (as two requests to one server), get the same tokens and logprobs to the
     bit. With 8-bit K they differed from the first verified draft on."""
-    from kvmetal.integrations.engine import Engine
-    from kvmetal.integrations.speculative import SpeculativeConfig
+    from kvmetal.engine.engine import Engine
+    from kvmetal.engine.proposers import SpeculativeConfig
     from kvmetal.kv_format import KVFormat
 
     model, tokenizer = f32_model

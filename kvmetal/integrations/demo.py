@@ -63,7 +63,7 @@ class Progress:
 
 def run_kvmetal(model, work: Workload, *, block_size: int, k_bits, v_bits, prefix_sharing: bool,
                 quiet: bool) -> dict:
-    from .engine import Engine
+    from ..engine.engine import Engine
 
     total = sum(work.max_tokens)
     progress = Progress("kvmetal", total, quiet=quiet)

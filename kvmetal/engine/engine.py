@@ -53,12 +53,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import _is_int
+from ..integrations.mlx_lm import use_paged_cache
 from ..kv_format import KVFormat
-from .forward import Forward
-from .mlx_lm import use_paged_cache
+from .runner import Forward
 from .request import Event, Request, RequestTooLarge
 from .sampler import Sampler, SamplingParams, TokenLogprobs, greedy
-from .speculative import DraftState, SpeculativeConfig
+from .proposers import DraftState, SpeculativeConfig
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES, PRIORITY_POLICIES
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "Event", "Request", "RequestTooLarge", "SamplingParams",

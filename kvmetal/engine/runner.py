@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .heads import body, lm_head
-from . import speculative
+from ..integrations.heads import body, lm_head
+from . import proposers
 from .sampler import TokenLogprobs, read_logprobs, top_pairs, top_parts
 
 
@@ -117,7 +117,7 @@ class Forward:
             verifications, at = [], len(requests)
             for request, _ in drafted:
                 d = len(request.draft)
-                verifications.append(speculative.verify(request, logits[at:at + d + 1], request.draft,
+                verifications.append(proposers.verify(request, logits[at:at + d + 1], request.draft,
                                                         batch_sampler=self.sampler.batch))
                 at += d + 1
             flight = Flight(requests, tokens, logprobs, verifications, decoding if requests else [])

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .heads import body, lm_head
-from .mlx_lm import use_paged_cache
+from ..integrations.heads import body, lm_head
+from ..integrations.mlx_lm import use_paged_cache
 
 
 class ModelDrafter:
