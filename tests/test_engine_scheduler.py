@@ -1,4 +1,4 @@
-"""Scheduling policies (``kvmetal/integrations/scheduler.py``), counted in engine steps.
+"""Scheduling policies (``kvmetal/engine/scheduler.py``), counted in engine steps.
 
 A short prompt is not starved behind a long partial prefill; the queue follows priority
 then arrival; the preemption victim is the least important, latest arrival; the adaptive

@@ -6,13 +6,13 @@ with one job:
 - the scheduler (``scheduler.py``) picks the step's ragged batch under a token budget
   and reserves its cache room: every running decode (one token each), then prefill
   chunks; it admits, chunks and preempts, by a policy (``scheduling_policy``);
-- the pass (``forward.py``) runs that batch through the model once and samples the rows
+- the runner (``runner.py``) runs that batch through the model once and samples the rows
   whose prompt is complete, and later lands their tokens;
 - the sampler (``sampler.py``) picks each row's token by its request's settings.
 
 With ``speculative``, each step first drafts tokens for the decoding requests
-(``speculative.py``: prompt lookup; ``draft_model.py``: a smaller model); a decode row
-then carries its drafts, which the pass verifies with the exact acceptance rule.
+(``proposers.py``: prompt lookup, or a smaller model); a decode row then carries its
+drafts, which the pass verifies with the exact acceptance rule (``sampler.verify``).
 
 The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
 position as the cache's ``offset``, so unmodified mlx-lm model code runs it; per layer,
@@ -55,10 +55,10 @@ import numpy as np
 from ..cache import _is_int
 from ..integrations.mlx_lm import use_paged_cache
 from ..kv_format import KVFormat
-from .runner import Forward
+from .proposers import DraftState, ModelDrafter, NgramProposer, SpeculativeConfig
 from .request import Event, Request, RequestTooLarge
+from .runner import Runner
 from .sampler import Sampler, SamplingParams, TokenLogprobs, greedy
-from .proposers import DraftState, SpeculativeConfig
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES, PRIORITY_POLICIES
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "Event", "Request", "RequestTooLarge", "SamplingParams",
@@ -113,8 +113,8 @@ class Engine:
         tokenizer: an mlx-lm tokenizer (``mlx_lm.load``'s second value): its EOS tokens end
             every request that gives no ``stop_token_ids``. Without one, the model's own
             ``eos_token_id`` (when its args carry one), else none.
-        speculative: a ``speculative.SpeculativeConfig`` (or its method name, "ngram"):
-            decode rows carry drafted tokens that one pass verifies (speculative.py), for
+        speculative: a ``proposers.SpeculativeConfig`` (or its method name, "ngram"):
+            decode rows carry drafted tokens that one pass verifies (proposers.py), for
             every request that does not turn it off (``add_request(speculative=False)``).
             ``draft_model``: with method "model", the smaller mlx-lm model (same
             vocabulary) that drafts, greedily, on its own paged pool.
@@ -164,17 +164,17 @@ class Engine:
         except BaseException:
             self.handle.undo()
             raise
-        self.drafter = None
+        self.proposer = None  # what drafts (speculative decoding)
         if draft_model is not None:
-            from .draft_model import ModelDrafter
-
             try:
-                self.drafter = ModelDrafter(draft_model, block_size=block_size)
+                self.proposer = ModelDrafter(draft_model, block_size=block_size)
             except BaseException:
                 self.handle.undo()
                 raise
+        elif speculative is not None:
+            self.proposer = NgramProposer()
         self.sampler = Sampler(sampler)
-        self.forward = Forward(model, self.cache, self.sampler)
+        self.runner = Runner(model, self.cache, self.sampler)
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing
         self.keep_finished = keep_finished
@@ -192,16 +192,16 @@ class Engine:
     running = _part("scheduler", "running", "Admitted requests (prefilling or decoding), in admission order.")
     preemptions = _part("scheduler", "preemptions", "Requests preempted so far.")
     prompt_tokens_cached = _part("scheduler", "prompt_tokens_cached", "Prompt tokens admissions found shared.")
-    steps = _part("forward", "steps", "Forward passes (one per step that had work).")
-    decode_steps = _part("forward", "decode_steps", "Steps that decoded at least one running request.")
-    last_step_tokens = _part("forward", "last_step_tokens", "Tokens of the last step's forward pass.")
-    prompt_tokens_computed = _part("forward", "prompt_tokens_computed", "Prompt tokens run through the model.")
-    step_seconds = _part("forward", "step_seconds", "Seconds of steps by part: host, device, sample.")
-    decode_passes = _part("forward", "decode_passes", "Decode rows landed (one per request and pass).")
-    decode_tokens = _part("forward", "decode_tokens", "Tokens the decode rows emitted.")
-    drafted_tokens = _part("forward", "drafted_tokens", "Drafted tokens verified (speculative decoding).")
-    accepted_tokens = _part("forward", "accepted_tokens", "Drafted tokens accepted.")
-    verify_passes = _part("forward", "verify_passes", "Decode rows that carried drafts.")
+    steps = _part("runner", "steps", "Forward passes (one per step that had work).")
+    decode_steps = _part("runner", "decode_steps", "Steps that decoded at least one running request.")
+    last_step_tokens = _part("runner", "last_step_tokens", "Tokens of the last step's forward pass.")
+    prompt_tokens_computed = _part("runner", "prompt_tokens_computed", "Prompt tokens run through the model.")
+    step_seconds = _part("runner", "step_seconds", "Seconds of steps by part: host, device, sample.")
+    decode_passes = _part("runner", "decode_passes", "Decode rows landed (one per request and pass).")
+    decode_tokens = _part("runner", "decode_tokens", "Tokens the decode rows emitted.")
+    drafted_tokens = _part("runner", "drafted_tokens", "Drafted tokens verified (speculative decoding).")
+    accepted_tokens = _part("runner", "accepted_tokens", "Drafted tokens accepted.")
+    verify_passes = _part("runner", "verify_passes", "Decode rows that carried drafts.")
 
     @property
     def acceptance_rate(self) -> float:
@@ -225,11 +225,11 @@ class Engine:
 
     @property
     def _head(self):
-        return self.forward.head
+        return self.runner.head
 
     @_head.setter
     def _head(self, head) -> None:  # tests count the rows that reach the LM head
-        self.forward.head = head
+        self.runner.head = head
 
     # ------------------------------------------------------------------ capacity
 
@@ -349,7 +349,7 @@ class Engine:
         """One forward pass: every running decode, then prefill chunks under the token
         budget. Returns the new tokens (and requests that ended without one)."""
         self._check_open("step")
-        self.forward.step_start = start = time.perf_counter()
+        self.runner.step_start = start = time.perf_counter()
         events = []
         if self.speculative is not None:
             self._draft(events)
@@ -359,7 +359,7 @@ class Engine:
         drafts = any(r.draft for r, _ in batch)
         if batch:
             decodes = sum(1 for r, _ in batch if r.decoding)
-            flight = self.forward.launch(batch, previous, wait=not self.pipelined or drafts)
+            flight = self.runner.launch(batch, previous, wait=not self.pipelined or drafts)
         if previous is not None:  # read while the device computes this step's pass
             self._land(previous, events)
         if flight is not None:
@@ -401,7 +401,6 @@ class Engine:
         if any(r.pending is not None for r in speculating):
             self._settle(events)
         limit = self.max_sequence_tokens
-        budget = self.max_num_batched_tokens - sum(1 for r in self.scheduler.running if r.decoding)
         wanted = []
         for request in speculating:
             if request.finished:
@@ -409,15 +408,10 @@ class Engine:
             room = request.max_tokens - len(request.output) - 1  # the pass also yields one token of its own
             if limit is not None:
                 room = min(room, limit - request.num_tokens)
-            room = min(room, budget, self.speculative.num_draft_tokens)
-            if self.drafter is None:
-                room = len(request.speculation.propose(request.known_tokens, room))
-            wanted.append((request, room))
-            budget -= room
-        if self.drafter is not None:
-            drafts = self.drafter.draft([(r.request_id, r.known_tokens, n) for r, n in wanted])
-            for (request, _), draft in zip(wanted, drafts):
-                request.speculation.draft = draft
+            wanted.append((request, min(room, self.speculative.num_draft_tokens)))
+        budget = self.max_num_batched_tokens - sum(1 for r in self.scheduler.running if r.decoding)
+        for (request, _), draft in zip(wanted, self.proposer.propose(wanted, budget)):
+            request.speculation.draft = draft
 
     def _settle(self, events: list) -> bool:
         """Read the pass in flight, if any (the scheduler needs every token's id to preempt)."""
@@ -428,7 +422,7 @@ class Engine:
         return True
 
     def _land(self, flight, events: list) -> None:
-        events += self.forward.land(flight, self._emit)
+        events += self.runner.land(flight, self._emit)
         self.scheduler.retire()
 
     def _emit(self, request: Request, token: int, logprobs: TokenLogprobs | None = None) -> Event:
@@ -467,8 +461,8 @@ class Engine:
         if not self.closed:
             self.closed = True
             self.handle.undo()
-            if self.drafter is not None:
-                self.drafter.close()
+            if self.proposer is not None:
+                self.proposer.close()
 
     def __enter__(self):
         return self

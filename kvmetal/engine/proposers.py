@@ -1,26 +1,29 @@
-"""Speculative decoding on the paged cache: drafting by prompt lookup, and exact acceptance.
+"""Speculative drafts: who proposes the tokens a decode row carries for one pass to verify.
 
 A decode row carries its request's last token and up to ``num_draft_tokens`` drafted
 tokens (at most ``MAX_DRAFT_TOKENS``: the decode kernel takes 1-8 query tokens per
-sequence); the pass computes the target's logits at every one of them. Row ``i`` judges
-draft ``i``; the first rejected draft is replaced by a token sampled at its row, and when
-every draft is accepted the last row adds a bonus token. Accepted drafts keep their
-cache slots, the rest are truncated.
+sequence); the pass computes the target's logits at every one of them, and the sampler's
+acceptance rule (``sampler.verify``) judges them: the output distribution is that of plain
+decoding, greedy output the same tokens. Accepted drafts keep their cache slots, the rest
+are truncated.
 
-Acceptance is the standard speculative rejection rule with the target distribution ``p``
-of the row after the request's processors and sampling filters (what the sampler would
-draw from): accept draft ``x`` with probability ``min(1, p(x) / q(x))``, else sample from
-``normalize(max(0, p - q))``. A prompt-lookup draft is a point mass (``q(x) = 1``), so
-``x`` is accepted with probability ``p(x)`` and a rejection samples ``p`` without ``x``.
-Greedy requests accept while the draft is the argmax. The output distribution is that of
-plain decoding; greedy output is the same tokens (each row's logits are computed by the
-same kernels as a one-token decode at that position).
+A ``Proposer`` drafts for a step's speculating requests, all at once:
 
-Drafting (``ngram_draft``): the longest suffix of the request's tokens (``ngram_max``
-down to ``ngram_min`` tokens) that occurred before, prompt and output alike; its most
-recent earlier occurrence's continuation is the draft. Speculation turns itself off for
-a request whose acceptance rate over its last ``window`` drafted tokens falls below
-``min_acceptance`` (a step without a match simply drafts nothing).
+- ``NgramProposer`` (prompt lookup, ``ngram_draft``): the longest suffix of the request's
+  tokens (``ngram_max`` down to ``ngram_min`` tokens) that occurred before, prompt and
+  output alike; its most recent earlier occurrence's continuation is the draft (a point
+  mass, ``q(x) = 1``).
+- ``ModelDrafter`` (a smaller model with the same tokenizer, on its own paged pool): each
+  step it catches up with every drafting request's tokens (one ragged pass: the whole
+  prompt the first time, afterwards the few tokens the last verification emitted) and
+  then proposes tokens greedily, one pass each, all requests batched. A greedy draft is a
+  deterministic function of the request's tokens, i.e. a point mass too, so the acceptance
+  rule is exact for sampled requests as well. What the draft cache holds past the accepted
+  tokens is truncated at the next call (the longest common prefix is kept).
+
+Speculation turns itself off for a request whose acceptance rate over its last ``window``
+drafted tokens falls below ``min_acceptance`` (``DraftState.record``; a step without a
+match simply drafts nothing).
 """
 from __future__ import annotations
 
@@ -29,10 +32,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from ..integrations.heads import body, lm_head
+from ..integrations.mlx_lm import use_paged_cache
 from ..ops import MAX_QUERY_TOKENS
 
 MAX_DRAFT_TOKENS = MAX_QUERY_TOKENS - 1  # one query row is the request's last token
-METHODS = ("ngram", "model")  # prompt lookup; a draft model (Engine(draft_model=...), draft_model.py)
+METHODS = ("ngram", "model")  # prompt lookup; a draft model (Engine(draft_model=...), ModelDrafter)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,32 @@ class DraftState:
             self.active = False
 
 
+
+class Proposer:
+    """What drafts a step's tokens: ``propose(wanted, budget)`` with ``wanted`` the
+    speculating requests and the most tokens each may carry [(request, n)], in order; one
+    draft (a list of token ids, at most n) per entry, at most ``budget`` tokens in all,
+    earlier entries served first."""
+
+    def propose(self, wanted: list, budget: int) -> list:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the proposer holds (a draft model's pool)."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup, from each request's own ``DraftState`` (its token history)."""
+
+    def propose(self, wanted: list, budget: int) -> list:
+        drafts = []
+        for request, n in wanted:
+            draft = request.speculation.propose(request.known_tokens, min(n, budget))
+            budget -= len(draft)
+            drafts.append(draft)
+        return drafts
+
+
 def ngram_draft(tokens, *, ngram_max: int, ngram_min: int, num_tokens: int) -> list:
     """Prompt lookup: the continuation (up to ``num_tokens``) of the most recent earlier
     occurrence of the longest suffix of ``tokens`` with ``ngram_min..ngram_max`` tokens;
@@ -129,79 +160,106 @@ def ngram_draft(tokens, *, ngram_max: int, ngram_min: int, num_tokens: int) -> l
     return a[found + 1:found + 1 + num_tokens].tolist()
 
 
-# ---------------------------------------------------------------------------- verification
+class ModelDrafter(Proposer):
+    """Greedy drafts of ``model`` (an mlx-lm model sharing the target's vocabulary).
 
+    ``block_size``, ``num_blocks``: the draft model's own pool (None: it grows)."""
 
-@dataclass
-class Verification:
-    """One request's verification graphs: ``accept`` bool [d] (draft i accepted at row i),
-    ``alt`` int32 [d + 1] (row i's replacement for a rejected draft; the bonus at row d),
-    and with logprobs, ``rows`` float32 [d + 1, V]: each row's log-softmax."""
+    def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None):
+        self.model = model
+        self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks)
+        try:
+            self.cache = self.handle.new_model_cache(cascade=False)
+        except BaseException:
+            self.handle.undo()
+            raise
+        self.body, self.head = body(model), lm_head(model)
+        self.held: dict = {}  # request id -> the tokens whose K/V the draft cache holds
 
-    request: object
-    draft: list
-    accept: mx.array
-    alt: mx.array
-    rows: mx.array | None = None
+    @property
+    def vocab_size(self):
+        return getattr(getattr(self.model, "args", None), "vocab_size", None)
 
-    def arrays(self) -> list:
-        return [a for a in (self.accept, self.alt, self.rows) if a is not None]
+    def propose(self, wanted: list, budget: int) -> list:
+        """Greedy drafts of exactly the tokens each entry may take: n, within what ``budget`` leaves."""
+        rooms = []
+        for _, n in wanted:
+            rooms.append(min(n, budget))  # n <= 0: none (a negative n, as before the move, adds to the budget)
+            budget -= rooms[-1]
+        return self.draft([(r.request_id, r.known_tokens, n) for (r, _), n in zip(wanted, rooms)])
 
-    def outcome(self) -> tuple:
-        """(accepted drafts, emitted tokens); read the arrays (evaluated by the caller)."""
-        accept = self.accept.tolist()
-        alt = self.alt.tolist()
-        m = next((i for i, ok in enumerate(accept) if not ok), len(self.draft))
-        return m, self.draft[:m] + [int(alt[m])]
+    def draft(self, wanted: list) -> list:
+        """Drafts for ``wanted`` [(request id, tokens, at most n)]: one list per entry."""
+        live = {rid for rid, _, _ in wanted}
+        for rid in [r for r in self.held if r not in live]:  # finished, preempted or not drafting now
+            self.forget(rid)
+        drafts = {rid: [] for rid, _, _ in wanted}
+        every = [rid for rid, _, _ in wanted]
+        wanted = [(rid, tokens, n) for rid, tokens, n in wanted if n > 0]
+        if not wanted:
+            return [drafts[rid] for rid in every]
+        # Catch up: every token the draft cache lacks, one ragged pass (prefill rows).
+        ids, starts, counts, inputs = [], [], [], []
+        for rid, tokens, _ in wanted:
+            start = self._keep_common_prefix(rid, tokens)
+            if start == len(tokens):  # holds them all: recompute the last one for its logits
+                start -= 1
+                self.cache.truncate(rid, start)
+            if rid in self.cache:
+                self.cache.append(rid, num_tokens=len(tokens) - start)
+            else:
+                self.cache.add_sequence(rid, num_tokens=len(tokens))
+            ids.append(rid)
+            starts.append(start)
+            counts.append(len(tokens) - start)
+            inputs += tokens[start:]
+            self.held[rid] = list(tokens)
+        last = mx.array([sum(counts[:i + 1]) - 1 for i in range(len(counts))], dtype=mx.int32)
+        tokens_now = self._pass(ids, starts, counts, inputs, last, decodes=0)
+        # Then k tokens greedily: each pass feeds the previous draft.
+        active = list(range(len(wanted)))
+        while True:
+            for i in active:
+                drafts[wanted[i][0]].append(tokens_now[i])
+            active = [i for i in active if len(drafts[wanted[i][0]]) < wanted[i][2]]
+            if not active:
+                break
+            step_ids = [wanted[i][0] for i in active]
+            step_starts = [len(self.held[rid]) for rid in step_ids]
+            fed = [drafts[rid][-1] for rid in step_ids]
+            for rid, token in zip(step_ids, fed):
+                self.cache.append(rid, num_tokens=1)
+                self.held[rid].append(token)
+            got = self._pass(step_ids, step_starts, [1] * len(step_ids), fed,
+                             mx.arange(len(step_ids), dtype=mx.int32), decodes=len(step_ids))
+            tokens_now = dict(zip(active, got))
+            tokens_now = [tokens_now.get(i) for i in range(len(wanted))]
+        return [drafts[rid] for rid in every]
 
+    def forget(self, rid) -> None:
+        if rid in self.cache:
+            self.cache.free(rid)
+        self.held.pop(rid, None)
 
-def verify(request, logits: mx.array, draft: list, *, batch_sampler) -> Verification:
-    """The graphs judging ``draft`` from ``logits`` [d + 1, V] (row i: the target's logits
-    after the request's last token and draft[:i]); nothing is evaluated here."""
-    from .sampler import _history, _log_softmax, _sampling_logits
+    def close(self) -> None:
+        self.handle.undo()
 
-    d = len(draft)
-    rows = logits
-    if request.processors:  # row i's processors read the drafts before it as history
-        history = _history(request)
-        processed = []
-        for i in range(d + 1):
-            row = logits[i:i + 1]
-            h = history if i == 0 else mx.concatenate([history, mx.array(draft[:i], dtype=history.dtype)])
-            if request.history is not None:
-                h = h[-request.history:]
-            for processor in request.processors:
-                row = processor(h, row)
-            processed.append(row)
-        rows = mx.concatenate(processed)
-    drafted = mx.array(draft, dtype=mx.int32)
-    sampling = request.sampling
-    if sampling is None or sampling.greedy:
-        target = (batch_sampler(rows) if sampling is None else mx.argmax(rows, axis=-1)).astype(mx.int32)
-        accept, alt = target[:d] == drafted, target
-    else:
-        request.key, key = mx.random.split(request.key)
-        keys = mx.random.split(key, 2 * (d + 1))
-        scaled, cats = [], []
-        for i in range(d + 1):
-            s, k = _sampling_logits(rows[i], sampling, keys[2 * i])
-            scaled.append(s[0])
-            cats.append(k)
-        scaled = mx.stack(scaled)  # [d + 1, V]: what the sampler draws from
-        p_draft = mx.softmax(scaled[:d], axis=-1)[mx.arange(d), drafted] if d else mx.zeros((0,))
-        u = mx.stack([mx.random.uniform(key=keys[2 * i + 1]) for i in range(d)]) if d else mx.zeros((0,))
-        accept = u < p_draft
-        residual = residual_logits(scaled, drafted)
-        alt = mx.stack([mx.random.categorical(residual[i], key=cats[i]) for i in range(d + 1)]).astype(mx.int32)
-    lp = None
-    if request.logprobs is not None:
-        lp = mx.stack([_log_softmax(rows[i]) for i in range(d + 1)])
-    return Verification(request, list(draft), accept, alt, lp)
+    def _keep_common_prefix(self, rid, tokens: list) -> int:
+        """Truncate the draft cache to the longest common prefix of what it holds and ``tokens``."""
+        held = self.held.get(rid)
+        if held is None or rid not in self.cache:
+            return 0
+        n = 0
+        limit = min(len(held), len(tokens))
+        while n < limit and held[n] == tokens[n]:
+            n += 1
+        if n < len(held):
+            self.cache.truncate(rid, n)
+            del held[n:]
+        return n
 
-
-def residual_logits(scaled: mx.array, drafted: mx.array) -> mx.array:
-    """Where a rejected draft's replacement is drawn from: row i's distribution without
-    draft i, renormalised (``max(0, p - q)`` for a point-mass q); the bonus row (the
-    last) keeps every token. ``scaled`` [d + 1, V] logits, ``drafted`` int32 [d]."""
-    removed = mx.concatenate([drafted, mx.array([-1], dtype=mx.int32)])[:, None]
-    return mx.where(mx.arange(scaled.shape[-1])[None] == removed, -mx.inf, scaled)
+    def _pass(self, ids, starts, counts, inputs, rows: mx.array, *, decodes: int) -> list:
+        caches = self.cache.ragged_layer_caches(ids, starts, counts, decodes=decodes)
+        hidden = self.body(mx.array(inputs, dtype=mx.int32)[:, None], caches)
+        logits = self.head(hidden[rows])[:, -1, :]
+        return mx.argmax(logits, axis=-1).tolist()

@@ -1,4 +1,4 @@
-"""The engine's pass: run a scheduled batch through the model once, and land its tokens.
+"""The engine's runner: run a scheduled batch through the model in one ragged pass, and land its tokens.
 
 The batch is packed as ``[T, 1]`` token rows (T = tokens of the step) with each row's
 position as the cache's ``offset``, so unmodified mlx-lm model code runs it; attention is
@@ -6,7 +6,7 @@ one ``paged_attention_varlen`` call per layer (a step of decodes only runs
 ``paged_attention``). Hidden states are sliced before the LM head: logits come only for
 rows that sample (decodes, and the last token of a prompt whose prefill completes).
 A decode row with speculative drafts brings its last token and the drafts, and every one
-of its rows gets logits: ``speculative.verify`` judges them, and ``land`` truncates the
+of its rows gets logits: ``sampler.verify`` judges them, and ``land`` truncates the
 rejected drafts' slots and emits the accepted tokens.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..integrations.heads import body, lm_head
-from . import proposers
-from .sampler import TokenLogprobs, read_logprobs, top_pairs, top_parts
+from .sampler import TokenLogprobs, read_logprobs, top_pairs, top_parts, verify
 
 
 @dataclass
@@ -28,11 +27,11 @@ class Flight:
     requests: list
     tokens: mx.array  # int32 [S]
     logprobs: dict  # row -> (chosen logprob, top ids, top logprobs)
-    verifications: list = field(default_factory=list)  # speculative.Verification of decodes with drafts
+    verifications: list = field(default_factory=list)  # sampler.Verification of decodes with drafts
     decoding: list = field(default_factory=list)  # per sampled request: a decode row (not a prompt's last)
 
 
-class Forward:
+class Runner:
     """Launches passes over ``cache`` and reads their tokens; counts steps and their time.
 
     ``step_seconds`` is cumulative: "host" schedules, reserves blocks and builds the pass's
@@ -117,8 +116,8 @@ class Forward:
             verifications, at = [], len(requests)
             for request, _ in drafted:
                 d = len(request.draft)
-                verifications.append(proposers.verify(request, logits[at:at + d + 1], request.draft,
-                                                        batch_sampler=self.sampler.batch))
+                verifications.append(verify(request, logits[at:at + d + 1], request.draft,
+                                            batch_sampler=self.sampler.batch))
                 at += d + 1
             flight = Flight(requests, tokens, logprobs, verifications, decoding if requests else [])
             for i, request in enumerate(requests):
@@ -188,6 +187,9 @@ class Forward:
             if request.finished:  # a stop token or max_tokens: nothing after it is emitted
                 break
         return events
+
+
+Forward = Runner  # its name before the engine had a package of its own
 
 
 def _verified_logprobs(request, v, emitted: list) -> list:

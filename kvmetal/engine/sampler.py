@@ -1,4 +1,5 @@
-"""The engine's sampler: one token per sampling row of a pass, by each request's settings.
+"""The engine's sampler: one token per sampling row of a pass, by each request's settings,
+and the acceptance rule of speculative drafts.
 
 Greedy, or temperature / top-p / top-k / min-p / XTC with the request's own random key,
 so a seeded request gives the same tokens whatever it is batched with, however its prompt
@@ -7,6 +8,17 @@ repetition / presence / frequency penalties and logit bias) run on its own row o
 batch's logits, over its own tokens; ``logprobs`` reports the chosen token's
 log-probability (and the top alternatives) under those processed logits. Nothing here is
 evaluated: the pass and its sampling are launched together.
+
+Speculative acceptance (``verify``): a decode row with ``d`` drafts has ``d + 1`` rows of
+logits; row ``i`` judges draft ``i`` by the standard rejection rule with the target
+distribution ``p`` of the row after the request's processors and sampling filters (what the
+sampler would draw from): accept draft ``x`` with probability ``min(1, p(x) / q(x))``, else
+sample from ``normalize(max(0, p - q))``. Every proposer's draft is a point mass
+(``q(x) = 1``), so ``x`` is accepted with probability ``p(x)`` and a rejection samples ``p``
+without ``x``; the first rejected draft is replaced by that token, and when every draft is
+accepted the last row adds a bonus token. Greedy requests accept while the draft is the
+argmax. The output distribution is that of plain decoding; greedy output is the same tokens
+(each row's logits are computed by the same kernels as a one-token decode at that position).
 """
 from __future__ import annotations
 
@@ -165,7 +177,7 @@ class Sampler:
         for i, r in enumerate(requests):
             row = logits[i:i + 1]
             if r.processors:  # this request's own penalties, on its own row
-                history = _history(r)
+                history = processor_history(r)
                 for processor in r.processors:
                     row = processor(history, row)
             if r.sampling is None:
@@ -179,11 +191,11 @@ class Sampler:
                 r.key, key = mx.random.split(r.key)
                 picks.append(_sample_row(row[0], r.sampling, key))
             if r.logprobs is not None:
-                rows[i] = _log_softmax(row[0])
+                rows[i] = log_softmax(row[0])
         return mx.stack(picks), rows
 
 
-def _history(request) -> mx.array:
+def processor_history(request) -> mx.array:
     """The tokens a request's logits processors read: its last ``history`` (None: all),
     the one still in flight included (taken on the device)."""
     known = request.known_tokens
@@ -194,7 +206,7 @@ def _history(request) -> mx.array:
     return mx.concatenate([mx.array(tail, dtype=mx.int32), flight.tokens[j:j + 1]])
 
 
-def _log_softmax(row: mx.array) -> mx.array:
+def log_softmax(row: mx.array) -> mx.array:
     row = row.astype(mx.float32)  # reported numbers: no float16 rounding
     return row - mx.logsumexp(row, axis=-1, keepdims=True)
 
@@ -250,11 +262,11 @@ def read_logprobs(requests: list, wanted: dict) -> list:
 def _sample_row(logits: mx.array, sampling: SamplingParams, key: mx.array) -> mx.array:
     """Sample one token from ``logits`` [V] with mlx-lm's filters (in mlx-lm's order) and an
     explicit key."""
-    scaled, key = _sampling_logits(logits, sampling, key)
+    scaled, key = sampling_logits(logits, sampling, key)
     return mx.random.categorical(scaled, key=key)[0]
 
 
-def _sampling_logits(logits: mx.array, sampling: SamplingParams, key: mx.array) -> tuple:
+def sampling_logits(logits: mx.array, sampling: SamplingParams, key: mx.array) -> tuple:
     """(logits [1, V] the sampler draws from: filtered, tempered; the key left for the draw)."""
     from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
@@ -284,3 +296,79 @@ def _apply_xtc(logprobs: mx.array, sampling: SamplingParams, key: mx.array) -> m
         cut = cut & ~keep
     apply = mx.random.uniform(key=key) <= sampling.xtc_probability
     return mx.where(apply & cut, -mx.inf, logprobs)
+
+
+# ---------------------------------------------------------------------------- speculative acceptance
+
+
+@dataclass
+class Verification:
+    """One request's verification graphs: ``accept`` bool [d] (draft i accepted at row i),
+    ``alt`` int32 [d + 1] (row i's replacement for a rejected draft; the bonus at row d),
+    and with logprobs, ``rows`` float32 [d + 1, V]: each row's log-softmax."""
+
+    request: object
+    draft: list
+    accept: mx.array
+    alt: mx.array
+    rows: mx.array | None = None
+
+    def arrays(self) -> list:
+        return [a for a in (self.accept, self.alt, self.rows) if a is not None]
+
+    def outcome(self) -> tuple:
+        """(accepted drafts, emitted tokens); read the arrays (evaluated by the caller)."""
+        accept = self.accept.tolist()
+        alt = self.alt.tolist()
+        m = next((i for i, ok in enumerate(accept) if not ok), len(self.draft))
+        return m, self.draft[:m] + [int(alt[m])]
+
+
+def verify(request, logits: mx.array, draft: list, *, batch_sampler) -> Verification:
+    """The graphs judging ``draft`` from ``logits`` [d + 1, V] (row i: the target's logits
+    after the request's last token and draft[:i]); nothing is evaluated here."""
+    d = len(draft)
+    rows = logits
+    if request.processors:  # row i's processors read the drafts before it as history
+        history = processor_history(request)
+        processed = []
+        for i in range(d + 1):
+            row = logits[i:i + 1]
+            h = history if i == 0 else mx.concatenate([history, mx.array(draft[:i], dtype=history.dtype)])
+            if request.history is not None:
+                h = h[-request.history:]
+            for processor in request.processors:
+                row = processor(h, row)
+            processed.append(row)
+        rows = mx.concatenate(processed)
+    drafted = mx.array(draft, dtype=mx.int32)
+    sampling = request.sampling
+    if sampling is None or sampling.greedy:
+        target = (batch_sampler(rows) if sampling is None else mx.argmax(rows, axis=-1)).astype(mx.int32)
+        accept, alt = target[:d] == drafted, target
+    else:
+        request.key, key = mx.random.split(request.key)
+        keys = mx.random.split(key, 2 * (d + 1))
+        scaled, cats = [], []
+        for i in range(d + 1):
+            s, k = sampling_logits(rows[i], sampling, keys[2 * i])
+            scaled.append(s[0])
+            cats.append(k)
+        scaled = mx.stack(scaled)  # [d + 1, V]: what the sampler draws from
+        p_draft = mx.softmax(scaled[:d], axis=-1)[mx.arange(d), drafted] if d else mx.zeros((0,))
+        u = mx.stack([mx.random.uniform(key=keys[2 * i + 1]) for i in range(d)]) if d else mx.zeros((0,))
+        accept = u < p_draft
+        residual = residual_logits(scaled, drafted)
+        alt = mx.stack([mx.random.categorical(residual[i], key=cats[i]) for i in range(d + 1)]).astype(mx.int32)
+    lp = None
+    if request.logprobs is not None:
+        lp = mx.stack([log_softmax(rows[i]) for i in range(d + 1)])
+    return Verification(request, list(draft), accept, alt, lp)
+
+
+def residual_logits(scaled: mx.array, drafted: mx.array) -> mx.array:
+    """Where a rejected draft's replacement is drawn from: row i's distribution without
+    draft i, renormalised (``max(0, p - q)`` for a point-mass q); the bonus row (the
+    last) keeps every token. ``scaled`` [d + 1, V] logits, ``drafted`` int32 [d]."""
+    removed = mx.concatenate([drafted, mx.array([-1], dtype=mx.int32)])[:, None]
+    return mx.where(mx.arange(scaled.shape[-1])[None] == removed, -mx.inf, scaled)

@@ -122,8 +122,7 @@ def _add_speculative(add) -> None:
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    from ..engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-    from ..engine.scheduler import POLICIES
+    from ..engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES
     from ..kv_format import add_format_flags
 
     add = parser.add_argument
