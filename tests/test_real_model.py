@@ -304,7 +304,7 @@ def test_serve_without_a_model_answers_a_real_chat_through_openai(model_cache, f
 def test_every_head_dim_defaults_to_group_32():
     from types import SimpleNamespace
 
-    from kvmetal.integrations.generate import kv_options
+    from kvmetal.commands.generate import kv_options
 
     args = SimpleNamespace(kv_bits=None, k_bits=8, v_bits=4, kv_group_size=None, k_group_size=None,
                            v_group_size=None, quantized_kv_start=0)

@@ -232,7 +232,7 @@ def check_listen(host: str, port: int) -> str | None:
 
 
 def run_serve(args) -> int:
-    from ..integrations.generate import UserError, resolve_model
+    from ..commands.common import UserError, resolve_model
 
     def fail(problem: str) -> int:
         print(f"kvmetal serve: error: {problem}", file=sys.stderr)

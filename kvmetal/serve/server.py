@@ -186,7 +186,7 @@ def run(args) -> int:
 
         backend = use_backend(args.backend)
     with backend:
-        from ..integrations.generate import distributed_group
+        from ..commands.common import distributed_group
         from .distributed import RankSync
 
         group = distributed_group()

@@ -197,7 +197,7 @@ def main(argv=None) -> int:
             parser.error("--shared-prefix must be >= 0")
         spec["shared_prefix"] = args.shared_prefix
 
-    from . import tiny_models
+    from ..integrations import tiny_models
 
     model = tiny_models.build("llama", dtype=DTYPES[args.dtype], seed=args.seed)
     work = make_workload(**spec, seed=args.seed, vocab_size=tiny_models.COMMON["vocab_size"])
