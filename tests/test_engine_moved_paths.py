@@ -1,5 +1,5 @@
-"""The engine left kvmetal/integrations/ for kvmetal/engine/ (issue 43): its old module
-paths still import, and are the new modules under their old names, so a monkeypatch through
+"""The engine left kvmetal/integrations/ for kvmetal/engine/, the generate and demo commands
+for kvmetal/commands/ (issue 43): their old module paths still import, and are the new modules under their old names, so a monkeypatch through
 an old path reaches the code that runs."""
 import importlib
 
@@ -7,14 +7,15 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-MOVED = {"engine": "engine", "scheduler": "scheduler", "forward": "runner", "sampler": "sampler",
-         "request": "request", "draft_model": "proposers"}
+MOVED = {"engine": "engine.engine", "scheduler": "engine.scheduler", "forward": "engine.runner",
+         "sampler": "engine.sampler", "request": "engine.request", "draft_model": "engine.proposers",
+         "generate": "commands.generate", "demo": "commands.demo"}
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_an_old_engine_path_is_the_new_module(old):
     assert importlib.import_module(f"kvmetal.integrations.{old}") is \
-        importlib.import_module(f"kvmetal.engine.{MOVED[old]}")
+        importlib.import_module(f"kvmetal.{MOVED[old]}")
 
 
 def test_old_names_import_from_old_paths():
@@ -27,6 +28,8 @@ def test_old_names_import_from_old_paths():
     from kvmetal.integrations.scheduler import MIN_PREFILL_CHUNK, POLICIES, prompt_chunk
     from kvmetal.integrations.speculative import (MAX_DRAFT_TOKENS, DraftState, SpeculativeConfig, Verification,
                                                   ngram_draft, residual_logits, verify)
+
+    from kvmetal.integrations.generate import UserError, distributed_group, kv_options, main, resolve_model
 
     assert Engine is NewEngine and Params is SamplingParams
     assert ngram_draft([1, 2, 3, 1, 2], ngram_max=2, ngram_min=2, num_tokens=1) == [3]
