@@ -95,7 +95,7 @@ def test_engine_rejects_bad_speculative_arguments(llama):
     with pytest.raises(ValueError, match="speculative"):
         Engine(llama, speculative=3)
     with Engine(llama, speculative="ngram") as engine:
-        with pytest.raises(ValueError, match="speculative"):
+        with pytest.raises(TypeError, match="speculative"):
             engine.add_request([1, 2, 3], max_tokens=4, speculative="no")
 
 

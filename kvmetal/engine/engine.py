@@ -50,25 +50,17 @@ import random
 import time
 
 import mlx.core as mx
-import numpy as np
 
-from ..cache import _is_int
 from ..integrations.mlx_lm import use_paged_cache
 from ..kv_format import KVFormat
 from .proposers import DraftState, ModelDrafter, NgramProposer, SpeculativeConfig
-from .request import Event, Request, RequestTooLarge
+from .request import Event, Request, RequestTooLarge, check_int, check_request
 from .runner import Runner
 from .sampler import Sampler, SamplingParams, TokenLogprobs, greedy
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES, PRIORITY_POLICIES
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "Event", "Request", "RequestTooLarge", "SamplingParams",
            "TokenLogprobs", "greedy"]
-
-
-def _check_count(op: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"[{op}] {name} must be an int >= 1, got {value!r}")
-    return value
 
 
 def _part(part: str, name: str, doc: str) -> property:
@@ -149,7 +141,7 @@ class Engine:
         self.speculative = speculative
         self.eos_token_ids = _eos_ids(model, tokenizer)  # a request's stop tokens unless it gives its own
         # checked before the model is patched: a bad value leaks nothing
-        _check_count("Engine", "max_num_batched_tokens", max_num_batched_tokens)
+        check_int("Engine", "max_num_batched_tokens", max_num_batched_tokens)
         if scheduling_policy not in POLICIES:
             raise ValueError(f"[Engine] scheduling_policy must be one of {sorted(POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -263,37 +255,10 @@ class Engine:
         Raises ``RequestTooLarge`` (a ValueError) when the prompt cannot fit even in an
         empty pool; a request that outgrows the pool later finishes with "length"."""
         self._check_open("add_request")
-        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-            raise TypeError(f"[Engine.add_request] prompt must be a sequence of token ids (tokenize text "
-                            f"first), got {type(prompt).__name__}")
-        if isinstance(prompt, (mx.array, np.ndarray)):  # a 1-D array of ids, as mlx-lm passes prompts
-            if prompt.ndim != 1:
-                raise ValueError(f"[Engine.add_request] prompt must be 1-D token ids, got shape {tuple(prompt.shape)}")
-            prompt = np.array(prompt).tolist()
-        prompt = list(prompt)
-        if not prompt:
-            raise ValueError("[Engine.add_request] prompt must hold at least one token")
         vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
-        for t in prompt:
-            if not _is_int(t) or t < 0 or (vocab is not None and t >= vocab):
-                bound = f" and < {vocab} (the vocabulary)" if vocab is not None else ""
-                raise ValueError(f"[Engine.add_request] prompt token ids must be ints >= 0{bound}, got {t!r}")
-        prompt = [int(t) for t in prompt]
-        _check_count("Engine.add_request", "max_tokens", max_tokens)
-        if sampling is not None and not isinstance(sampling, SamplingParams):
-            raise TypeError(f"[Engine.add_request] sampling must be a SamplingParams or None, got {sampling!r}")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise ValueError(f"[Engine.add_request] logprobs must be an int >= 0 or None, got {logprobs!r}")
-        if sampling is not None and vocab is not None:
-            for name, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
-                              ("xtc_special_tokens", sampling.xtc_special_tokens)):
-                if any(t >= vocab for t in ids):
-                    raise ValueError(f"[Engine.add_request] {name} token ids must be < {vocab} (the vocabulary), "
-                                     f"got {max(ids)}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"[Engine.add_request] priority must be an int, got {priority!r}")
-        if not isinstance(speculative, bool):
-            raise ValueError(f"[Engine.add_request] speculative must be a bool, got {speculative!r}")
+        prompt, max_tokens, logprobs, priority = check_request(
+            prompt, max_tokens=max_tokens, sampling=sampling, logprobs=logprobs, priority=priority,
+            speculative=speculative, vocab=vocab)
         if priority and not self.scheduler.uses_priority:
             raise ValueError(f"[Engine.add_request] priority {priority} needs a scheduling policy that reads it "
                              f"({', '.join(PRIORITY_POLICIES)}); this engine's is {self.scheduler.name!r}")

@@ -40,7 +40,7 @@ from collections import deque
 
 from ..backends import VARLEN_SHORT_RUN
 from ..cache import KVCacheFull
-from .request import Request
+from .request import Request, check_int
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256  # tokens one step computes (decodes included); measured: docs/integration.md
 
@@ -80,7 +80,7 @@ class Scheduler:
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  long_prefill_tokens: int | None = None):
         if long_prefill_tokens is not None:
-            _check_count("Scheduler", "long_prefill_tokens", long_prefill_tokens)
+            check_int("Scheduler", "long_prefill_tokens", long_prefill_tokens)
         self.cache = cache
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing
@@ -362,11 +362,6 @@ class Scheduler:
         return min(p.allocator.num_blocks for p in full) * self.block_size
 
 
-def _check_count(op: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"[{op}] {name} must be an int >= 1, got {value!r}")
-
-
 class _Outgrown(Exception):
     def __init__(self, request: Request):
         self.request = request
@@ -409,7 +404,7 @@ class AdaptiveScheduler(PriorityScheduler):
 
     def __init__(self, cache, *, prefill_tokens: int = 2048, step_ratio: float = 2.0, **options):
         super().__init__(cache, **options)
-        _check_count("AdaptiveScheduler", "prefill_tokens", prefill_tokens)
+        check_int("AdaptiveScheduler", "prefill_tokens", prefill_tokens)
         if isinstance(step_ratio, bool) or not isinstance(step_ratio, (int, float)) or not step_ratio >= 1 \
                 or math.isinf(step_ratio):
             raise ValueError(f"[AdaptiveScheduler] step_ratio must be a finite number >= 1, got {step_ratio!r}")
