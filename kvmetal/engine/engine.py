@@ -166,7 +166,7 @@ class Engine:
         elif speculative is not None:
             self.proposer = NgramProposer()
         self.sampler = Sampler(sampler)
-        self.runner = Runner(model, self.cache, self.sampler)
+        self.runner = Runner(model, self.cache, self.sampler, self.scheduler)
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing
         self.keep_finished = keep_finished
@@ -229,9 +229,7 @@ class Engine:
     def max_prompt_tokens(self) -> int | None:
         """Most prompt tokens one request can bring with the whole pool to itself (None: the
         pool grows). A prompt is written whole into every layer group, window groups too."""
-        if self.cache.growable:
-            return None
-        return min(p.allocator.num_blocks for p in self.cache.pools) * self.block_size
+        return self.cache.capacity_tokens
 
     @property
     def max_sequence_tokens(self) -> int | None:
@@ -402,7 +400,7 @@ class Engine:
             return Event(request.request_id, token, False, logprobs=logprobs)
         if self.on_finish is not None:
             self.on_finish(request)
-        self.cache.free(request.request_id)  # blocks go back right away
+        self.scheduler.finished(request)  # blocks go back right away
         return self._finish(request, reason, token, logprobs)
 
     def _finish(self, request: Request, reason: str, token: int | None = None,

@@ -33,15 +33,18 @@ class Flight:
 
 class Runner:
     """Launches passes over ``cache`` and reads their tokens; counts steps and their time.
+    What landing a pass changes in the cache's room (ids of tokens taken on the device,
+    rejected drafts) it reports to ``scheduler``, the one owner of that room.
 
     ``step_seconds`` is cumulative: "host" schedules, reserves blocks and builds the pass's
     graph (index arrays, sampling); "device" launches the pass and waits for its tokens
     (with pipelined steps, only what did not overlap the host's work); "sample" turns the
     read tokens into events."""
 
-    def __init__(self, model, cache, sampler):
+    def __init__(self, model, cache, sampler, scheduler):
         self.body, self.head = body(model), lm_head(model)
-        self.cache = cache
+        self.cache = cache  # read here (the pass's layer caches); its room changes only through the scheduler
+        self.scheduler = scheduler
         self.sampler = sampler
         self.steps = 0  # forward passes (one per step that had work)
         self.decode_steps = 0  # steps that decoded at least one running request
@@ -154,7 +157,7 @@ class Runner:
                 continue
             if request.input_later:  # the pass launched since took this token as input
                 request.input_later = False
-                self.cache.provide_ids(request.request_id, [token])
+                self.scheduler.input_landed(request, token)
             self.decode_passes += decoding
             self.decode_tokens += decoding
             events.append(emit(request, token, lp))
@@ -171,9 +174,7 @@ class Runner:
         if request.finished:  # aborted while in flight: its blocks are gone
             return []
         request.computed -= d - m
-        self.cache.truncate(request.request_id, request.computed)
-        if m:  # a sequence without prefix hashing ignores them
-            self.cache.provide_ids(request.request_id, v.draft[:m])
+        self.scheduler.drafts_landed(request, v.draft[:m])
         request.speculation.record(d, m)
         self.verify_passes += 1
         self.decode_passes += 1

@@ -32,6 +32,10 @@ registered in ``POLICIES``, which ``kvmetal serve --scheduling-policy`` lists:
 
 Every policy takes ``long_prefill_tokens`` (vLLM's ``long_prefill_token_threshold``):
 while requests wait, a partly prefilled prompt computes at most that many tokens a step.
+
+The scheduler is the only part of the engine that changes the cache's room (``add_sequence``,
+``append``, ``truncate``, ``free``, ``provide_ids``): the runner and the engine report what a
+landed pass did (``input_landed``, ``drafts_landed``, ``finished``) and it applies that.
 """
 from __future__ import annotations
 
@@ -130,6 +134,26 @@ class Scheduler:
             self.cache.free(request.request_id)
         else:
             self.waiting.remove(request)
+
+    # ------------------------------------------------------------------ what a landed pass did
+
+    def finished(self, request: Request) -> None:
+        """A running request ended with a token: its blocks go back at once (it leaves
+        ``running`` at ``retire``)."""
+        self.cache.free(request.request_id)
+
+    def input_landed(self, request: Request, token: int) -> None:
+        """A decode's input, taken on the device from the pass before, has its id now
+        (its slot was reserved with ``ids_later``)."""
+        self.cache.provide_ids(request.request_id, [token])
+
+    def drafts_landed(self, request: Request, accepted: list) -> None:
+        """A verified decode row: the cache keeps its first ``request.computed`` tokens (the
+        accepted drafts' slots, whose ids come now and publish their blocks) and drops the
+        rejected drafts' slots."""
+        self.cache.truncate(request.request_id, request.computed)
+        if accepted:  # a sequence without prefix hashing ignores them
+            self.cache.provide_ids(request.request_id, accepted)
 
     def retire(self) -> None:
         """Forget running requests that finished (their blocks are already freed)."""
@@ -356,10 +380,7 @@ class Scheduler:
     def max_sequence_tokens(self) -> int | None:
         """Most tokens (prompt and output) one request can reach alone (None: no bound).
         Only full-attention groups bound it: window groups release blocks as decode moves."""
-        full = [p for p, w in zip(self.cache.pools, self.cache.windows) if w is None]
-        if self.cache.growable or not full:
-            return None
-        return min(p.allocator.num_blocks for p in full) * self.block_size
+        return self.cache.full_capacity_tokens
 
 
 class _Outgrown(Exception):
