@@ -1,6 +1,7 @@
 """The engine left kvmetal/integrations/ for kvmetal/engine/, the generate and demo commands
-for kvmetal/commands/ (issue 43): their old module paths still import, and are the new modules under their old names, so a monkeypatch through
-an old path reaches the code that runs."""
+for kvmetal/commands/ (issue 43): their old module paths still import, and are the new
+modules under their old names, so a monkeypatch through an old path reaches the code that
+runs."""
 import importlib
 
 import pytest

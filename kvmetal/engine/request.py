@@ -32,9 +32,9 @@ def check_int(op: str, name: str, value, minimum: int = 1, *, what: str | None =
 
 def check_request(prompt, *, max_tokens, sampling, logprobs, priority, speculative, vocab: int | None) -> tuple:
     """The checks of ``Engine.add_request``'s own arguments (those the engine's state does
-    not decide); returns (prompt as a list of ints, max_tokens, logprobs, priority) as ints. A wrong type raises a TypeError
-    (``ArgumentTypeError``), a wrong value a ValueError, each naming the argument.
-    ``vocab``: the model's vocabulary size (None: unknown)."""
+    not decide); returns (prompt as a list of ints, max_tokens, logprobs, priority) as ints.
+    A wrong type raises a TypeError (``ArgumentTypeError``), a wrong value a ValueError,
+    each naming the argument. ``vocab``: the model's vocabulary size (None: unknown)."""
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
         raise TypeError(f"[{OP}] prompt must be a sequence of token ids (tokenize text first), "
                         f"got {type(prompt).__name__}")
