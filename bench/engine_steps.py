@@ -37,7 +37,7 @@ def load(model_dir):
 def run_budget(model, budget: int, long_len: int, streams: int, vocab: int, async_steps: bool = False) -> dict:
     import numpy as np
 
-    from kvmetal.integrations.engine import Engine
+    from kvmetal.engine.engine import Engine
 
     rng = np.random.default_rng(0)
     with Engine(model, max_num_batched_tokens=budget, async_steps=async_steps) as engine:

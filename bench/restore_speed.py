@@ -71,7 +71,7 @@ def build_session(model, fmt: dict, tokens: int, segment_tokens: int, root: Path
     import mlx.core as mx
     import numpy as np
 
-    from kvmetal.integrations.engine import Engine
+    from kvmetal.engine.engine import Engine
     from kvmetal.kv_format import KVFormat
     from kvmetal.serve.prefix_store import PrefixStore
 

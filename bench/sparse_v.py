@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     preload_openblas_and_reexec()  # float32 models on Linux: MLX's reference BLAS is ~30x slower
     from mlx_lm.utils import load
 
-    from kvmetal.integrations.generate import resolve_model
+    from kvmetal.commands.common import resolve_model
     from kvmetal.models import default_model_path
 
     path = resolve_model(args.model) if args.model else default_model_path(dtype="float32")

@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     use_openblas()  # before MLX loads: float32 matmuls on OpenBLAS, as kvmetal's commands run them
     from mlx_lm import load
 
-    from kvmetal.integrations.generate import resolve_model
-    from kvmetal.integrations.speculative import SpeculativeConfig
+    from kvmetal.commands.common import resolve_model
+    from kvmetal.engine.proposers import SpeculativeConfig
 
     model_dir = resolve_model(args.model)
     model, tokenizer = load(str(model_dir))

@@ -15,8 +15,8 @@ COMMANDS = {
     "bench": ("kvmetal.benchmarks", "microbenchmarks of the kernels against MLX baselines"),
     "budget": ("kvmetal.budget", "KV-cache memory and decode-bandwidth arithmetic"),
     "serve": ("kvmetal.serve.cli", "an OpenAI-compatible HTTP server over the paged cache"),
-    "demo": ("kvmetal.integrations.demo", "continuous batching over a paged cache on a small random model"),
-    "generate": ("kvmetal.integrations.generate", "mlx-lm generate with the paged cache (model directory or Hugging Face repo id)"),
+    "demo": ("kvmetal.commands.demo", "continuous batching over a paged cache on a small random model"),
+    "generate": ("kvmetal.commands.generate", "mlx-lm generate with the paged cache (model directory or Hugging Face repo id)"),
     "selfcheck": ("kvmetal.selfcheck", "compile every kernel, check every op against the oracle, time decode: one report"),
     "convert-gguf": ("kvmetal.models.convert_cli", "convert a llama or gemma3 GGUF file to an mlx-lm model directory"),
 }

@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvmetal.integrations import tiny_models
-from kvmetal.integrations.engine import Engine
+from kvmetal.engine.engine import Engine
 from kvmetal.integrations.mlx_lm import use_paged_cache
 
 PROMPT = list(range(3, 40))

@@ -26,7 +26,7 @@ from kvmetal import quant
 pytest.importorskip("mlx_lm")
 
 from kvmetal.integrations import tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
+from kvmetal.engine.engine import Engine, SamplingParams  # noqa: E402
 
 from kvcases import free_port  # noqa: E402
 

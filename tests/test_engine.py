@@ -11,7 +11,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from kvmetal.integrations import model_cache, tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine, RequestTooLarge, SamplingParams  # noqa: E402
+from kvmetal.engine.engine import Engine, RequestTooLarge, SamplingParams  # noqa: E402
 
 
 def one_at_a_time(model, prompt, max_tokens):
@@ -189,9 +189,11 @@ def test_max_tokens_must_be_a_real_int():
     # issue 10 item 12: True is an int subclass, and used to mean 1.
     model = tiny_models.build("llama")
     with Engine(model) as engine:
-        for bad in (True, False, 2.0, "3", None, -1):
-            with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1"):
+        for bad in (True, False, 2.0, "3", None):  # a wrong type
+            with pytest.raises(TypeError, match=r"max_tokens must be an int >= 1"):
                 engine.add_request([1], max_tokens=bad)
+        with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1"):  # a wrong value
+            engine.add_request([1], max_tokens=-1)
         assert not engine.has_work()
 
 
@@ -248,8 +250,9 @@ def test_bad_requests_raise():
             engine.add_request([], max_tokens=1)
         with pytest.raises(ValueError, match=r"\[Engine.add_request\] max_tokens"):
             engine.add_request([1], max_tokens=0)
-        for bad in ([1, -2], [1.5], [True], ["3"], [512]):  # the tiny model's vocabulary is 512
-            with pytest.raises(ValueError, match=r"prompt token ids must be ints >= 0 and < 512"):
+        for bad, error in (([1, -2], ValueError), ([1.5], TypeError), ([True], TypeError), (["3"], TypeError),
+                           ([512], ValueError)):  # the tiny model's vocabulary is 512
+            with pytest.raises(error, match=r"prompt token ids must be ints >= 0 and < 512"):
                 engine.add_request(bad, max_tokens=1)
         assert engine.add_request(np.array([1, 511]), max_tokens=1) is not None
         engine.add_request([1], max_tokens=1, request_id="a")
@@ -379,8 +382,10 @@ def test_sampling_params_validate_and_survive_json():
     with Engine(model) as engine:
         with pytest.raises(ValueError, match=r"logit_bias token ids must be < 512"):
             engine.add_request([1], max_tokens=1, sampling=SamplingParams(logit_bias={512: 1.0}))
-        with pytest.raises(ValueError, match=r"logprobs"):
+        with pytest.raises(TypeError, match=r"logprobs"):
             engine.add_request([1], max_tokens=1, logprobs=True)
+        with pytest.raises(ValueError, match=r"logprobs"):
+            engine.add_request([1], max_tokens=1, logprobs=-1)
 
 
 def test_prompts_as_arrays_are_token_ids_and_text_is_refused():

@@ -13,7 +13,7 @@ pytest.importorskip("mlx_lm")
 
 from kvmetal.cache import HOLE, BlockAllocator, PagedKVCache  # noqa: E402
 from kvmetal.integrations import tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
+from kvmetal.engine.engine import Engine, SamplingParams  # noqa: E402
 
 STOPS = (7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
 

@@ -16,7 +16,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from kvmetal.integrations import tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine  # noqa: E402
+from kvmetal.engine.engine import Engine  # noqa: E402
 from kvmetal.integrations.heads import body, lm_head  # noqa: E402
 from kvmetal.integrations.mlx_lm import SUPPORTED_FAMILIES  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 from kvmetal import cli  # noqa: E402
-from kvmetal.integrations import demo  # noqa: E402
+from kvmetal.commands import demo  # noqa: E402
 
 
 def test_demo_small_workload_reports_both_sides(capsys):

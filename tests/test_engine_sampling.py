@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from kvmetal.integrations import sampler as sampler_module  # noqa: E402
+from kvmetal.engine import sampler as sampler_module  # noqa: E402
 from kvmetal.integrations import tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
+from kvmetal.engine.engine import Engine, SamplingParams  # noqa: E402
 from sampling_oracle import (ARGMAX_CONFIGS, CONFIGS, DRAWS, assert_matches_distribution,  # noqa: E402
                              check_mlx_lm_filters_agree, first_token_logits, mlx_lm_distribution,
                              peak_lm_head, target_logits)

@@ -1,4 +1,4 @@
-"""Scheduling policies (``kvmetal/integrations/scheduler.py``), counted in engine steps.
+"""Scheduling policies (``kvmetal/engine/scheduler.py``), counted in engine steps.
 
 A short prompt is not starved behind a long partial prefill; the queue follows priority
 then arrival; the preemption victim is the least important, latest arrival; the adaptive
@@ -13,8 +13,8 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from kvmetal.integrations import tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine  # noqa: E402
-from kvmetal.integrations.scheduler import MIN_PREFILL_CHUNK, POLICIES, AdaptiveScheduler  # noqa: E402
+from kvmetal.engine.engine import Engine  # noqa: E402
+from kvmetal.engine.scheduler import MIN_PREFILL_CHUNK, POLICIES, AdaptiveScheduler  # noqa: E402
 
 
 def tokens(rng, n):
@@ -140,7 +140,7 @@ def test_prompt_chunk_never_cuts_a_short_run_and_always_moves_with_enough_budget
     (Metal runs such a run with its decode kernel: other bits than the same rows in a
     longer run), and a budget of MIN_PREFILL_CHUNK tokens always moves it."""
     from kvmetal.backends import VARLEN_SHORT_RUN
-    from kvmetal.integrations.scheduler import MIN_PREFILL_CHUNK, prompt_chunk
+    from kvmetal.engine.scheduler import MIN_PREFILL_CHUNK, prompt_chunk
     short = range(1, VARLEN_SHORT_RUN + 1)
     for left in range(1, 80):
         for n in range(0, 90):

@@ -17,9 +17,10 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from kvmetal import quant  # noqa: E402
-from kvmetal.integrations import sampler, speculative, tiny_models  # noqa: E402
-from kvmetal.integrations.engine import Engine, SamplingParams  # noqa: E402
-from kvmetal.integrations.speculative import SpeculativeConfig, ngram_draft  # noqa: E402
+from kvmetal.engine import proposers, sampler  # noqa: E402
+from kvmetal.engine.engine import Engine, SamplingParams  # noqa: E402
+from kvmetal.engine.proposers import SpeculativeConfig, ngram_draft  # noqa: E402
+from kvmetal.integrations import tiny_models  # noqa: E402
 from kvmetal.kv_format import KVFormat  # noqa: E402
 
 EAGER = SpeculativeConfig(ngram_min=1, min_acceptance=0.0)  # drafts whenever anything matches
@@ -72,7 +73,7 @@ def test_ngram_draft_takes_the_longest_suffix_and_its_latest_occurrence():
 
 
 def test_acceptance_below_the_threshold_turns_speculation_off():
-    state = speculative.DraftState(SpeculativeConfig(min_acceptance=0.5, window=8), [1, 2])
+    state = proposers.DraftState(SpeculativeConfig(min_acceptance=0.5, window=8), [1, 2])
     state.record(4, 3)
     state.record(4, 2)  # 5 of 8: stays on
     assert state.active
@@ -94,7 +95,7 @@ def test_engine_rejects_bad_speculative_arguments(llama):
     with pytest.raises(ValueError, match="speculative"):
         Engine(llama, speculative=3)
     with Engine(llama, speculative="ngram") as engine:
-        with pytest.raises(ValueError, match="speculative"):
+        with pytest.raises(TypeError, match="speculative"):
             engine.add_request([1, 2, 3], max_tokens=4, speculative="no")
 
 
@@ -295,7 +296,7 @@ def test_sampled_output_keeps_the_plain_distribution(llama, plain_pairs):
 def test_a_wrong_residual_fails_the_distribution_check(llama, plain_pairs, monkeypatch):
     """Mutant: a rejected draft's replacement drawn from p itself (not p without the draft)
     gives the draft too much mass: the same check must see it."""
-    monkeypatch.setattr(speculative, "residual_logits", lambda scaled, drafted: scaled)
+    monkeypatch.setattr(sampler, "residual_logits", lambda scaled, drafted: scaled)
     spec, _ = sampled_pairs(llama, spec=EAGER)
     assert total_variation(spec, plain_pairs) > 1.5 * TV_BOUND
 

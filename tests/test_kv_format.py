@@ -66,7 +66,7 @@ def test_the_api_takes_a_kv_format_or_loose_arguments_not_both():
 def test_the_engine_cache_and_pools_get_one_format():
     pytest.importorskip("mlx_lm")
     from kvmetal.integrations import tiny_models
-    from kvmetal.integrations.engine import Engine
+    from kvmetal.engine.engine import Engine
 
     model = tiny_models.build("llama")  # head_dim 64
     fmt = KVFormat(k_bits=8, v_bits=4, v_group_size=64)

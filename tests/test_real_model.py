@@ -231,8 +231,8 @@ def test_speculative_logprobs_equal_plain_ones_to_the_bit_in_every_kv_format(f32
     """Issue 44: a request with ``speculative=False`` and one with speculation, side by side
     in one engine (as two requests to one server), get the same tokens and logprobs to the
     bit. With 8-bit K they differed from the first verified draft on."""
-    from kvmetal.integrations.engine import Engine
-    from kvmetal.integrations.speculative import SpeculativeConfig
+    from kvmetal.engine.engine import Engine
+    from kvmetal.engine.proposers import SpeculativeConfig
     from kvmetal.kv_format import KVFormat
 
     model, tokenizer = f32_model
@@ -304,7 +304,7 @@ def test_serve_without_a_model_answers_a_real_chat_through_openai(model_cache, f
 def test_every_head_dim_defaults_to_group_32():
     from types import SimpleNamespace
 
-    from kvmetal.integrations.generate import kv_options
+    from kvmetal.commands.generate import kv_options
 
     args = SimpleNamespace(kv_bits=None, k_bits=8, v_bits=4, kv_group_size=None, k_group_size=None,
                            v_group_size=None, quantized_kv_start=0)

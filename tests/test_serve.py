@@ -379,7 +379,7 @@ def test_stop_strings_cut_the_text(capped, model_dir):
 def test_a_stop_string_finish_is_counted_as_stop_and_saves_its_prefix(tmp_path):
     # regression: the stop-string abort was counted as reason="abort" and skipped the prefix store.
     # In-process and stepped by hand: over HTTP the tiny model often ends before the abort lands.
-    from kvmetal.integrations.engine import Engine
+    from kvmetal.engine.engine import Engine
     from kvmetal.serve.prefix_store import PrefixStore
     from kvmetal.serve.worker import EngineWorker
 
@@ -492,7 +492,7 @@ def test_corrupt_or_mismatched_prompt_cache_files_are_ignored(model_dir, tmp_pat
 
 
 def test_a_prompt_cache_of_an_older_store_format_is_ignored_with_a_warning(tmp_path, caplog):
-    from kvmetal.integrations.engine import Engine
+    from kvmetal.engine.engine import Engine
     from kvmetal.serve import prefix_store
     from kvmetal.serve.prefix_store import PrefixStore
 

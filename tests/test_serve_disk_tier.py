@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvmetal.integrations.engine import Engine
-from kvmetal.integrations.sampler import SamplingParams
+from kvmetal.engine.engine import Engine
+from kvmetal.engine.sampler import SamplingParams
 from kvmetal.kv_format import KVFormat
 from kvmetal.serve import segment_file
 from kvmetal.serve.prefix_store import PrefixStore

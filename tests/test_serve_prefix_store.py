@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 import mlx.core as mx  # noqa: E402
 
-from kvmetal.integrations.engine import Engine  # noqa: E402
+from kvmetal.engine.engine import Engine  # noqa: E402
 from kvmetal.serve import metrics, prefix_store  # noqa: E402
 from kvmetal.serve.prefix_store import PrefixStore, StoreInUse  # noqa: E402
 from kvmetal.serve.server import ServerProcess  # noqa: E402

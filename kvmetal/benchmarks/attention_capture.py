@@ -100,7 +100,7 @@ def capture(model_spec: str | None, tokens: int, *, layers=None, progress=None) 
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from ..integrations.generate import resolve_model
+    from ..commands.common import resolve_model
     from ..integrations.mlx_lm import use_paged_cache
 
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))

@@ -188,7 +188,7 @@ def print_table(rows: list, *, header: str) -> None:
 def main(args, backend: str) -> int:
     from ..budget import shape_from_config
     from ..kv_format import format_from_args
-    from ..integrations.generate import UserError, resolve_model
+    from ..commands.common import UserError, resolve_model
     from .provenance import provenance
 
     try:

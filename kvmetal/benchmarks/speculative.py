@@ -65,7 +65,7 @@ def encode(tokenizer, prompt: str) -> list:
 
 def run(model, tokenizer, prompts: list, *, spec, streams: int, max_tokens: int) -> dict:
     """Generate for ``prompts``, ``streams`` at a time; wall time, tokens and counters."""
-    from kvmetal.integrations.engine import Engine
+    from kvmetal.engine.engine import Engine
 
     outputs, seconds, prefill = [], 0.0, 0.0
     drafted = accepted = passes = decode_tokens = 0
@@ -96,7 +96,7 @@ def run(model, tokenizer, prompts: list, *, spec, streams: int, max_tokens: int)
 
 def compare(model, tokenizer, *, max_tokens: int, spec=None, streams: int = 1) -> list:
     """Plain vs speculative on both prompt sets, ``streams`` at a time: one row per set."""
-    from ..integrations.speculative import SpeculativeConfig
+    from ..engine.proposers import SpeculativeConfig
 
     spec = spec or SpeculativeConfig()
     rows = []

@@ -1,2 +1,2 @@
-"""Model integrations: the mlx-lm drop-in (mlx_lm.py), continuous batching (engine.py),
-and the `kvmetal demo` / `kvmetal generate` commands."""
+"""The mlx-lm adapter: the drop-in paged cache and attention for mlx-lm models (mlx_lm.py,
+model_cache.py). Continuous batching is ``kvmetal.engine``, the commands ``kvmetal.commands``."""

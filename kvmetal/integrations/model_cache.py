@@ -256,6 +256,21 @@ class PagedModelCache:
         return None if self.growable else min(p.allocator.num_free for p in self.pools)
 
     @property
+    def capacity_tokens(self) -> int | None:
+        """Tokens the smallest pool holds (None for pools that grow): the most one sequence
+        can write into every group at once (a prompt is written whole, window groups too)."""
+        return None if self.growable else min(p.allocator.num_blocks for p in self.pools) * self.block_size
+
+    @property
+    def full_capacity_tokens(self) -> int | None:
+        """Tokens the smallest full-attention pool holds: the most one sequence can reach
+        (window groups release blocks as it moves on). None for pools that grow, or none of them."""
+        full = [p for p, w in zip(self.pools, self.windows) if w is None]
+        if self.growable or not full:
+            return None
+        return min(p.allocator.num_blocks for p in full) * self.block_size
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of the blocks live sequences own (every group)."""
         return sum(p.used_bytes for p in self.pools)

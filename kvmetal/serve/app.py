@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..integrations.scheduler import PRIORITY_POLICIES
+from ..engine.scheduler import PRIORITY_POLICIES
 from . import metrics, protocol
 from .guard import BodyTooLarge, Guard
 from .logprobs import Entry, LogprobsFormatter

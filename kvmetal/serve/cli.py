@@ -95,14 +95,14 @@ def _add_limits(add) -> None:
 
 def _draft_count(text: str) -> int:
     from ..cli import checked
-    from ..integrations.speculative import MAX_DRAFT_TOKENS
+    from ..engine.proposers import MAX_DRAFT_TOKENS
 
     return checked(int, lambda v: 1 <= v <= MAX_DRAFT_TOKENS, f"in [1, {MAX_DRAFT_TOKENS}]")(text)
 
 
 def _add_speculative(add) -> None:
     """Speculative decoding (docs/serve.md, "Speculative decoding")."""
-    from ..integrations.speculative import SpeculativeConfig
+    from ..engine.proposers import SpeculativeConfig
 
     d = SpeculativeConfig()
     add("--speculative", metavar="ngram|MODEL",
@@ -122,8 +122,7 @@ def _add_speculative(add) -> None:
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    from ..integrations.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-    from ..integrations.scheduler import POLICIES
+    from ..engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES
     from ..kv_format import add_format_flags
 
     add = parser.add_argument
@@ -235,7 +234,7 @@ def check_listen(host: str, port: int) -> str | None:
 
 
 def run_serve(args) -> int:
-    from ..integrations.generate import UserError, resolve_model
+    from ..commands.common import UserError, resolve_model
 
     def fail(problem: str) -> int:
         print(f"kvmetal serve: error: {problem}", file=sys.stderr)

@@ -36,7 +36,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ..integrations.engine import SamplingParams
+from ..engine.sampler import SamplingParams
 
 log = logging.getLogger("kvmetal.serve")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..integrations.engine import SamplingParams
+from ..engine.sampler import SamplingParams
 from ..seeds import SEED_RANGE_TEXT, is_seed
 
 

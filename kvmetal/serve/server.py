@@ -45,7 +45,7 @@ def build_server(args, sync=None):
 
     With ``sync`` (serving across ranks) the model is loaded sharded over its group and
     the pool takes rank 0's size; every rank calls this, in the same order."""
-    from ..integrations.engine import Engine
+    from ..engine.engine import Engine
     from .app import Limits, ServeState, create_app
     from .prefix_store import PrefixStore, model_identity
     from .worker import EngineWorker
@@ -128,7 +128,7 @@ def speculative_config(args):
     """The engine's ``SpeculativeConfig`` from the flags (None: off)."""
     if not getattr(args, "speculative", None):
         return None
-    from ..integrations.speculative import SpeculativeConfig
+    from ..engine.proposers import SpeculativeConfig
 
     method = "ngram" if args.speculative == "ngram" else "model"  # else a draft model's directory
     return SpeculativeConfig(method=method, num_draft_tokens=args.num_draft_tokens,
@@ -186,7 +186,7 @@ def run(args) -> int:
 
         backend = use_backend(args.backend)
     with backend:
-        from ..integrations.generate import distributed_group
+        from ..commands.common import distributed_group
         from .distributed import RankSync
 
         group = distributed_group()

@@ -22,7 +22,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 
-from ..integrations.engine import Engine, Event
+from ..engine.engine import Engine, Event
 
 log = logging.getLogger("kvmetal.serve")
 
