@@ -84,18 +84,19 @@ def long_workload(n_decode: int, n_long: int, seed: int, max_tokens: int, words:
     return decode, long
 
 
-def one_request(url: str, model: str, body: dict) -> dict:
-    """Stream one request; returns its timings and usage, or the error that ended it (a
-    stream silent for 600 s included)."""
+def one_request(url: str, model: str, body: dict, on_text=None) -> dict:
+    """Stream one request; returns its timings, usage and text, or the error that ended it
+    (a stream silent for 600 s included). ``on_text(now)`` is called at each streamed text
+    chunk; when it returns True the stream is closed there (the server sees a disconnect)."""
     import httpx
 
     try:
-        return _stream(url, model, body)
+        return _stream(url, model, body, on_text)
     except httpx.HTTPError as e:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _stream(url: str, model: str, body: dict) -> dict:
+def _stream(url: str, model: str, body: dict, on_text=None) -> dict:
     import httpx
 
     payload = {k: v for k, v in body.items() if k != "path"}
@@ -103,10 +104,12 @@ def _stream(url: str, model: str, body: dict) -> dict:
     start = time.perf_counter()
     first = last = None
     usage = None
+    pieces = []
     with httpx.stream("POST", url + body["path"], json=payload, timeout=600) as r:
         if r.status_code != 200:
             r.read()
             return {"error": f"{r.status_code} {r.text[:200]}"}
+        stop = False
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -119,13 +122,17 @@ def _stream(url: str, model: str, body: dict) -> dict:
                     now = time.perf_counter()
                     first = first or now
                     last = now
+                    pieces.append(text)
+                    stop = stop or (on_text is not None and bool(on_text(now)))
+            if stop:
+                break
     end = time.perf_counter()
     usage = usage or {}
     out = usage.get("completion_tokens", 0)
     return {"ttft": (first or end) - start, "tpot": (last - first) / (out - 1) if first and out > 1 else None,
             "prompt_tokens": usage.get("prompt_tokens", 0), "completion_tokens": out,
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0,
-            "latency": end - start}
+            "latency": end - start, "text": "".join(pieces)}
 
 
 def percentile(values: list, q: float):
@@ -194,6 +201,26 @@ def run_server(server, model: str, bodies: list, concurrency: int, metrics: bool
         return result
 
 
+def mlx_lm_process(model: str, log_path, *options) -> tuple:
+    """(``mlx_lm.server`` on a free port as a ``ServerProcess``, the BLAS it runs on)."""
+    from kvmetal.models import blas
+    from kvmetal.serve.server import ServerProcess
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "WARNING", *map(str, options)]
+    # The same float32 BLAS as kvmetal serve (which loads OpenBLAS itself, with half the
+    # cores: its threads spin between calls): a baseline on MLX's bundled reference
+    # BLAS would be ~10x slower at prefill, one with every core to OpenBLAS slower
+    # at decode; neither a fair one.
+    preload = blas.preload_value()
+    if preload:
+        cmd = ["env", f"LD_PRELOAD={preload}",
+               f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS') or blas.default_threads()}", *cmd]
+    label = "openblas (LD_PRELOAD)" if preload else "mlx reference"
+    return ServerProcess(model, port, command=cmd, log_path=log_path, start_timeout=300), label
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="mlx-lm model directory (default: build the tiny test model)")
@@ -223,7 +250,6 @@ def main(argv=None) -> int:
             from kvmetal.serve.tiny import build_model_dir
 
             model = str(build_model_dir(tmp / "tiny-llama", max_position_embeddings=8192))
-        from kvmetal.models import blas
         from kvmetal.serve.server import ServerProcess
 
         long_bodies = None
@@ -244,20 +270,7 @@ def main(argv=None) -> int:
                 results[name + suffix] = run_server(kvmetal, model, bodies, args.concurrency, True, long_bodies)
                 _save(results, args)
             if not args.skip_mlx_lm:
-                port = free_port()
-                lm_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
-                          "--port", str(port), "--log-level", "WARNING"]
-                # The same float32 BLAS as kvmetal serve (which loads OpenBLAS itself, with half the
-                # cores: its threads spin between calls): a baseline on MLX's bundled reference
-                # BLAS would be ~10x slower at prefill, one with every core to OpenBLAS slower
-                # at decode; neither a fair one.
-                preload = blas.preload_value()
-                if preload:
-                    lm_cmd = ["env", f"LD_PRELOAD={preload}",
-                              f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS') or blas.default_threads()}",
-                              *lm_cmd]
-                args.mlx_lm_blas = "openblas (LD_PRELOAD)" if preload else "mlx reference"
-                mlx_lm = ServerProcess(model, port, command=lm_cmd, log_path=tmp / "mlx_lm.log", start_timeout=300)
+                mlx_lm, args.mlx_lm_blas = mlx_lm_process(model, tmp / "mlx_lm.log")
                 results["mlx_lm.server" + suffix] = run_server(mlx_lm, model, bodies, args.concurrency, False,
                                                                long_bodies)
                 _save(results, args)
