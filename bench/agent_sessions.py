@@ -5,10 +5,13 @@
     python bench/agent_sessions.py --configs hot,tier --json out.json
 
 The workload (fixed by --seed): --sessions agent sessions of --turns turns each. Every
-session starts with the same system prompt (~400 tokens); each turn appends a user message,
-a long chunk of Python's own documentation (``pydoc_data.topics``, a seeded order, no chunk
-shared between sessions), so that the last turn's prompt is about --context-tokens tokens,
-and the server's greedy answer (--max-tokens) is appended as the assistant message. Turns
+session starts with the same system prompt (~400 tokens); each turn appends a user message
+of Python's own documentation (``pydoc_data.topics``, a seeded order, no chunk shared
+between sessions) and the server's greedy answer (--max-tokens) as the assistant message,
+so that the last turn's prompt is about --context-tokens tokens. The shape is an agent's:
+the first turn brings the task and its files (most of the context), every later turn a
+step of --turn-tokens tokens (256 by default; 0 gives every turn an equal chunk, where a
+returning turn's own new tokens, not its history, dominate its time to first token). Turns
 run one at a time, round-robin over the sessions (session 0 turn 0, session 1 turn 0, ...,
 session 0 turn 1, ...), --idle seconds apart: between two turns of one session the other
 sessions' contexts pass through the server, so under a KV cap that holds about one session
@@ -119,25 +122,33 @@ def take_tokens(lines: list, start: int, target: int, count) -> tuple:
 
 
 def build_workload(sessions: int, turns: int, context_tokens: int, answer_tokens: int, seed: int,
-                   count=word_count, system_tokens: int = 400) -> dict:
+                   count=word_count, system_tokens: int = 400, turn_tokens: int = 0) -> dict:
     """The fixed part of the workload: one system prompt, and each session's user messages.
 
-    A user chunk is sized so that system + every chunk + every answer (at most
-    ``answer_tokens``) + the template stays about ``context_tokens`` at the last turn."""
+    User messages are sized so that system + every message + every answer (at most
+    ``answer_tokens``) + the template stays about ``context_tokens`` at the last turn:
+    with ``turn_tokens`` every turn after the first brings a message of that many tokens
+    and the first turn the rest (an agent's task and files, then short steps); with 0
+    all turns bring equal chunks."""
     lines = source_lines(seed)
     body, at = take_tokens(lines, 0, system_tokens - count(SYSTEM_HEAD), count)
     system = SYSTEM_HEAD + body
     n_system = count(system) + TEMPLATE
-    chunk = (context_tokens - n_system - turns * (answer_tokens + 2 * TEMPLATE)) // turns
-    if chunk < 16:
-        raise ValueError(f"--context-tokens {context_tokens} leaves {chunk} tokens per user message "
-                         f"({turns} turns, a {n_system}-token system prompt)")
+    room = context_tokens - n_system - turns * (answer_tokens + 2 * TEMPLATE)
+    if turn_tokens:
+        chunks = [room - (turns - 1) * turn_tokens] + [turn_tokens] * (turns - 1)
+    else:
+        chunks = [room // turns] * turns
+    if min(chunks) < 16:
+        raise ValueError(f"--context-tokens {context_tokens} leaves {min(chunks)} tokens for a user message "
+                         f"({turns} turns, a {n_system}-token system prompt, --turn-tokens {turn_tokens})")
+    chunk = chunks[0]
     users, user_tokens = [], []
     for s in range(sessions):
         texts, sizes = [], []
         for t in range(turns):
             head = f"Session {s}, step {t + 1}: read this and say what to do next.\n\n"
-            text, at = take_tokens(lines, at, chunk - count(head), count)
+            text, at = take_tokens(lines, at, chunks[t] - count(head), count)
             text = head + text
             texts.append(text)
             sizes.append(count(text) + TEMPLATE)
@@ -435,7 +446,7 @@ def main(argv=None) -> int:
     per_token = kv_bytes_per_token(model)
     size_caps(args, per_token)
     workload = build_workload(args.sessions, args.turns, args.context_tokens, args.max_tokens, args.seed,
-                              token_counter(model))
+                              token_counter(model), turn_tokens=args.turn_tokens)
     meta = describe(args, model, per_token, workload)
     results, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="agent-sessions-") as tmp:
@@ -464,6 +475,10 @@ def parse_args(argv):
     p.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
     p.add_argument("--context-tokens", type=int, default=8100,
                    help="prompt tokens of a session's last turn, about (default 8100; SmolLM2's context is 8192)")
+    p.add_argument("--turn-tokens", type=int, default=256,
+                   help="tokens of the user message of every turn after the first, the first turn bringing the "
+                        "rest of --context-tokens (an agent's task, then short steps; default 256); 0: equal "
+                        "chunks every turn")
     p.add_argument("--max-tokens", type=int, default=24, help="answer tokens per turn, greedy (default 24)")
     p.add_argument("--bg-tokens", type=int, default=1000, help="max_tokens of the background stream (default 1000)")
     p.add_argument("--idle", type=float, default=0.0, help="seconds between two turns (default 0)")

@@ -41,6 +41,14 @@ def test_contexts_grow_to_the_target(bench):
             assert later[:len(earlier)] == earlier and len(later) == len(earlier) + 2
 
 
+def test_agent_shape_a_long_first_turn_then_short_steps(bench):
+    w = bench.build_workload(3, 3, 6000, 16, seed=0, turn_tokens=200)
+    for s in range(3):
+        steps = w["user_tokens"][s]
+        assert steps[0] > 4000 and all(190 <= n <= 230 for n in steps[1:]), steps
+        assert 0.9 * 6000 <= bench.context_estimate(w, s, 2) <= 1.1 * 6000
+
+
 def test_sessions_share_only_the_system_prompt(bench):
     w = bench.build_workload(4, 2, 3000, 16, seed=1)
     chats = [bench.messages(w, s, 0, {}) for s in range(4)]
@@ -63,7 +71,7 @@ def test_round_robin_order(bench):
 
 
 def test_too_small_a_context_is_refused(bench):
-    with pytest.raises(ValueError, match="per user message"):
+    with pytest.raises(ValueError, match="for a user message"):
         bench.build_workload(2, 8, 500, 32, seed=0)
 
 
