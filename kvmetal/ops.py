@@ -158,7 +158,7 @@ def _check_query_heads(op: str, num_heads: int, num_kv_heads: int):
         _fail(op, f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
 
 
-MAX_QUERY_TOKENS = 8
+MAX_QUERY_TOKENS = backends.MAX_QUERY_TOKENS
 
 
 def _check_query_rows(op: str, num_rows: int):

@@ -79,11 +79,15 @@ BACKENDS = ("metal", "cpu", "sim")
 # invariance"). The CPU backend passes it to the C++ planner; the Metal kernels
 # take it as KvAttnParams.split_tokens.
 MIN_TOKENS_PER_SPLIT = 256
-# A varlen sequence with at most this many query rows may run another kernel than a longer
+# The most query rows per sequence the decode kernels take (paged_attention and
+# decode_attention with L rows, a speculative verify pass). The one definition: ops,
+# the model cache, the proposers and selfcheck read it under this name.
+MAX_QUERY_TOKENS = 8
+# A varlen sequence with at most that many query rows may run another kernel than a longer
 # one (Metal sends it to the decode partials), so its rows' bits differ from the same rows
 # in a longer run: the engine's scheduler never cuts a prompt into such a run unless it is
 # the whole prompt left (batch invariance, docs/serve.md).
-VARLEN_SHORT_RUN = 8
+VARLEN_SHORT_RUN = MAX_QUERY_TOKENS
 
 _state = threading.local()
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quant
+from ..backends import MAX_QUERY_TOKENS  # the decode ops' most query tokens per sequence
 
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
 _DTYPE_TAGS = {**{v: k for k, v in DTYPES.items()}, "float16": "f16", "bfloat16": "bf16", "float32": "f32"}
@@ -25,7 +26,6 @@ _DTYPE_TAGS = {**{v: k for k, v in DTYPES.items()}, "float16": "f16", "bfloat16"
 # The trace shape every family runs at (tools/msl_check.py's): S sequences, H query
 # heads over Hkv kv heads (GQA 4), N cache blocks, M blocks per table row.
 NUM_SEQS, NUM_HEADS, NUM_KV_HEADS, NUM_BLOCKS, MAX_BLOCKS = 2, 8, 2, 16, 4
-MAX_QUERY_TOKENS = 8  # the decode ops' most query tokens per sequence
 SEQ_LENS = (5, 9)  # raised to L where a family has more query rows (ops requires seq_len >= L)
 
 
