@@ -75,7 +75,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..integrations.model_cache import _pool_arrays
-from .segment_file import DTYPES, Buffers, SegmentError, checksum, kind_of, read_segment, to_mlx, write_segment
+from .segment_file import DTYPES, Buffers, SegmentError, checksum, read_segment, to_mlx, to_numpy, write_segment
 
 log = logging.getLogger("kvmetal.serve")
 
@@ -394,7 +394,7 @@ class PrefixStore:
         if path.stat().st_size != entry["bytes"]:
             raise _Skip(f"its file is {path.stat().st_size} bytes, the index says {entry['bytes']}")
         arrays = mx.load(str(path))
-        if checksum({name: _host_view(a) for name, a in arrays.items()}) != entry["sum"]:
+        if checksum({name: to_numpy(a) for name, a in arrays.items()}) != entry["sum"]:
             raise _Skip("its bytes do not match its checksum")
         stored = arrays.get("tokens")
         if stored is None or tuple(stored.shape) != (end * bs,) or stored.dtype != mx.int32:
@@ -582,7 +582,7 @@ class PrefixStore:
         arrays = {name: source[ids[g]] for g, name, source in _named_arrays(pools)}
         arrays["tokens"] = mx.array(np.asarray(tokens[: end * bs], dtype=np.int32))
         mx.eval(list(arrays.values()))
-        host = {name: (_host_view(a), kind_of(a.dtype)) for name, a in arrays.items()}  # views, no copy
+        host = {name: to_numpy(a) for name, a in arrays.items()}  # views, no copy
         parent = self._segment_of.get(hashes[start - 1]) if start else None
         entry = {"start": start, "end": end, "parent": parent, "bytes": 0, "used": 0, "uses": 0, "sum": ""}
         key = hashes[end - 1]
@@ -830,11 +830,6 @@ def _block_writer(ids: list):
             else:
                 target[first - n + 1:first + 1] = rows[row:row + n][::-1]
     return slices
-
-
-def _host_view(array: mx.array) -> np.ndarray:
-    """The bytes of an evaluated MLX array as NumPy sees them (bfloat16 as uint16)."""
-    return np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
 
 
 def _entry_ok(entry) -> bool:

@@ -34,8 +34,8 @@ _PAGE = 4096
 
 
 def checksum(arrays: dict) -> str:
-    """A digest of the bytes of ``arrays`` ({name: NumPy array, or (array, dtype name)}),
-    taken in name order, at memory speed.
+    """A digest of the bytes of ``arrays`` ({name: (NumPy array, dtype name)}, as
+    ``read_segment`` and ``to_numpy`` give them), taken in name order, at memory speed.
 
     Per array, the 64-bit words of each 4 KB page are summed, and the page sums folded
     twice: plainly and weighted by page number (Fletcher's scheme, pages for bytes), so
@@ -46,8 +46,7 @@ def checksum(arrays: dict) -> str:
     would pay on every read."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(arrays):
-        array = arrays[name]
-        data = np.ascontiguousarray(array[0] if isinstance(array, tuple) else array).reshape(-1).view(np.uint8)
+        data = np.ascontiguousarray(arrays[name][0]).reshape(-1).view(np.uint8)
         whole = data.size // _PAGE * _PAGE
         sums = np.add.reduce(data[:whole].view(np.uint64).reshape(-1, _PAGE // 8), axis=1, dtype=np.uint64)
         weights = np.arange(1, sums.size + 1, dtype=np.uint64)
@@ -101,33 +100,28 @@ def read_segment(path, expected_size: int, buffers: Buffers | None = None) -> Se
 
     Raises ``SegmentError`` when the file's size differs from ``expected_size`` (what the
     index recorded) or its header does not describe its bytes; ``OSError`` when it cannot
-    be read."""
+    be read. The buffer goes back to ``buffers`` then."""
+    buffers = buffers if buffers is not None else Buffers(keep_bytes=0)
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size != expected_size:
             raise SegmentError(f"its file is {size} bytes, the index says {expected_size}")
-        whole = buffers.take(size) if buffers is not None else np.empty(size, dtype=np.uint8)
-        buffer = whole[:size]
-        view, done = memoryview(buffer), 0
-        while done < size:  # one read; the loop only resumes a short read
-            got = os.readv(fd, [view[done:]])
-            if got == 0:
-                raise SegmentError(f"its file ended after {done} of {size} bytes")
-            done += got
-    except BaseException:
-        if buffers is not None and "whole" in locals():
+        whole = buffers.take(size)
+        try:
+            buffer = whole[:size]
+            view, done = memoryview(buffer), 0
+            while done < size:  # one read; the loop only resumes a short read
+                got = os.readv(fd, [view[done:]])
+                if got == 0:
+                    raise SegmentError(f"its file ended after {done} of {size} bytes")
+                done += got
+            return SegmentData(parse(buffer), whole)
+        except BaseException:
             buffers.give([whole])
-        raise
+            raise
     finally:
         os.close(fd)
-    try:
-        arrays = parse(buffer)
-    except SegmentError:
-        if buffers is not None:
-            buffers.give([whole])
-        raise
-    return SegmentData(arrays, whole)
 
 
 def parse(buffer: np.ndarray) -> dict:
@@ -191,6 +185,13 @@ def kind_of(dtype: mx.Dtype) -> str:
         if mlx_dtype == dtype:
             return kind
     raise ValueError(f"no safetensors dtype for {dtype}")
+
+
+def to_numpy(array: mx.array) -> tuple:
+    """(NumPy view of an evaluated MLX array's bytes, safetensors dtype name): what
+    ``write_segment`` and ``checksum`` take, ``to_mlx``'s inverse (bfloat16 as uint16)."""
+    view = np.asarray(array.view(mx.uint16) if array.dtype == mx.bfloat16 else array)
+    return view, kind_of(array.dtype)
 
 
 def to_mlx(array: np.ndarray, kind: str) -> mx.array:
