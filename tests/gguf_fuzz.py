@@ -125,20 +125,28 @@ def _patched(data: bytes, offset: int, fmt: str, value) -> bytes:
     return data[:offset] + struct.pack("<" + fmt, value) + data[offset + struct.calcsize("<" + fmt):]
 
 
+def _edge_values(data: bytes, fields: list, type_values, other_values):
+    """(label, offset, format, value) for every field of ``fields`` set to each of its edge
+    values but its own, in range: ``type_values(top)`` for type fields, ``other_values(value,
+    top)`` for counts, lengths and offsets (``top``: the field's largest value)."""
+    for label, offset, fmt in fields:
+        (value,) = struct.unpack_from("<" + fmt, data, offset)
+        top = (1 << (8 * struct.calcsize("<" + fmt))) - 1
+        is_type = label.startswith(("type ", "array type ", "ggml type "))
+        candidates = type_values(top) if is_type else other_values(value, top)
+        for v in sorted(c for c in candidates if 0 <= c <= top and c != value):
+            yield label, offset, fmt, v
+
+
 def mutations(data: bytes, fields: list, *, seed: int = 0, flips: int = 200) -> list:
     """[(label, bytes)]: every header field set to edge values, truncations, random byte flips."""
     rng = random.Random(seed)
     out = []
-    for label, offset, fmt in fields:
-        (value,) = struct.unpack_from("<" + fmt, data, offset)
-        top = (1 << (8 * struct.calcsize("<" + fmt))) - 1
-        if label.startswith(("type ", "array type ", "ggml type ")):
-            candidates = set(range(0, 42)) | {top, 1 << 31}
-        else:
-            candidates = {value + 1, value - 1, value + 32, value * 2, 0, 1, top, top // 2 + 1, 1 << 32,
-                          rng.randrange(top + 1)}
-        for v in sorted(c for c in candidates if 0 <= c <= top and c != value):
-            out.append((f"{label}={v}", _patched(data, offset, fmt, v)))
+    edges = _edge_values(data, fields, lambda top: set(range(0, 42)) | {top, 1 << 31},
+                         lambda value, top: {value + 1, value - 1, value + 32, value * 2, 0, 1, top, top // 2 + 1,
+                                             1 << 32, rng.randrange(top + 1)})
+    for label, offset, fmt, v in edges:
+        out.append((f"{label}={v}", _patched(data, offset, fmt, v)))
     header_end = max(offset for _, offset, _ in fields) + 8
     for cut in sorted(set(range(0, header_end, 7)) | {header_end, len(data) - 1, len(data) - 100, len(data) // 2}):
         out.append((f"truncated at {cut}", data[:cut]))
@@ -206,15 +214,10 @@ def field_patches(data: bytes, fields: list, *, seed: int = 0, flips: int = 60) 
     single-bit flips in the header, as patches of a large file (not copies of it)."""
     rng = random.Random(seed)
     out = []
-    for label, offset, fmt in fields:
-        (value,) = struct.unpack_from("<" + fmt, data, offset)
-        top = (1 << (8 * struct.calcsize("<" + fmt))) - 1
-        if label.startswith(("type ", "array type ", "ggml type ")):
-            candidates = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 30, 40, top}
-        else:
-            candidates = {value + 1, value - 1, 0, top, 1 << 32}
-        for v in sorted(c for c in candidates if 0 <= c <= top and c != value):
-            out.append((f"{label}={v}", (offset, struct.pack("<" + fmt, v))))
+    edges = _edge_values(data, fields, lambda top: set(range(15)) | {30, 40, top},
+                         lambda value, top: {value + 1, value - 1, 0, top, 1 << 32})
+    for label, offset, fmt, v in edges:
+        out.append((f"{label}={v}", (offset, struct.pack("<" + fmt, v))))
     header_end = max(offset for _, offset, _ in fields) + 8
     for _ in range(flips):
         pos = rng.randrange(header_end)
