@@ -24,7 +24,7 @@ from .timing import read_bandwidth_gbps
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser, checked
+    from ..cli_args import ArgumentParser, checked
     from ..kv_format import add_format_flags
 
     at_least = lambda low: checked(int, lambda v: v >= low, f">= {low}")
@@ -73,7 +73,7 @@ def plot_problem(path: str | None) -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from ..cli import install_hint
+        from ..cli_args import install_hint
 
         return f"--plot needs matplotlib: {install_hint('matplotlib')}"
     folder = os.path.dirname(os.path.abspath(path))

@@ -153,7 +153,7 @@ def _mib(n: float) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser, checked
+    from ..cli_args import ArgumentParser, checked
     from ..seeds import is_seed
     from ..quant import SUPPORTED_BITS
 

@@ -23,7 +23,7 @@ PROG = "kvmetal generate"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser, checked
+    from ..cli_args import ArgumentParser, checked
     from ..kv_format import FORMAT_FLAGS_HELP, add_format_flags
     from ..seeds import is_seed
 

@@ -18,7 +18,7 @@ PROG = "kvmetal convert-gguf"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser
+    from ..cli_args import ArgumentParser
     from .gguf import DTYPES
 
     p = ArgumentParser(prog=PROG, description="Convert a llama or gemma3 GGUF file to an mlx-lm model directory "

@@ -26,7 +26,7 @@ def _gguf_package():
     try:
         import gguf
     except ImportError:
-        from ..cli import install_hint
+        from ..cli_args import install_hint
 
         raise GGUFError(f"reading K-quantized GGUF files needs llama.cpp's gguf package: {install_hint('gguf')}") \
             from None

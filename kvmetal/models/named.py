@@ -210,7 +210,7 @@ def _needs(name: str, model: NamedModel) -> None:
     """The Python packages the model's converter needs, checked before any file is joined."""
     import importlib
 
-    from ..cli import install_hint
+    from ..cli_args import install_hint
 
     for module in model.needs:
         try:

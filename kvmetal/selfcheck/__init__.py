@@ -24,7 +24,7 @@ QUICK_SWEEP, FULL_SWEEP = 24, 200
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser, checked
+    from ..cli_args import ArgumentParser, checked
 
     p = ArgumentParser(
         prog="kvmetal selfcheck",

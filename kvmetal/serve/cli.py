@@ -22,31 +22,31 @@ FULL_DESCRIPTION = ("kvmetal serve --model DIR: " + DESCRIPTION + ". Flag names 
 
 
 def _positive_int(text: str) -> int:
-    from ..cli import checked
+    from ..cli_args import checked
 
     return checked(int, lambda v: v >= 1, ">= 1")(text)
 
 
 def _non_negative_int(text: str) -> int:
-    from ..cli import checked
+    from ..cli_args import checked
 
     return checked(int, lambda v: v >= 0, ">= 0")(text)
 
 
 def _fraction(text: str) -> float:
-    from ..cli import checked
+    from ..cli_args import checked
 
     return checked(float, lambda v: 0 <= v <= 1, "in [0, 1]")(text)
 
 
 def _temperature(text: str) -> float:
-    from ..cli import checked
+    from ..cli_args import checked
 
     return checked(float, lambda v: 0 <= v < float("inf"), ">= 0 and finite")(text)
 
 
 def _port(text: str) -> int:
-    from ..cli import checked
+    from ..cli_args import checked
 
     return checked(int, lambda v: 0 <= v <= 65535, "a TCP port, 0-65535")(text)
 
@@ -67,7 +67,7 @@ def _byte_size(text: str) -> int:
 
 
 def _positive_float(text: str) -> float:
-    from ..cli import checked
+    from ..cli_args import checked
 
     return checked(float, lambda v: 0 < v < float("inf"), "> 0 and finite")(text)
 
@@ -94,7 +94,7 @@ def _add_limits(add) -> None:
 
 
 def _draft_count(text: str) -> int:
-    from ..cli import checked
+    from ..cli_args import checked
     from ..engine.proposers import MAX_DRAFT_TOKENS
 
     return checked(int, lambda v: 1 <= v <= MAX_DRAFT_TOKENS, f"in [1, {MAX_DRAFT_TOKENS}]")(text)
@@ -248,7 +248,7 @@ def run_serve(args) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        from ..cli import install_hint
+        from ..cli_args import install_hint
 
         return fail(f"this needs FastAPI and uvicorn: {install_hint('fastapi')}")
     if os.environ.get("MLX_RANK", "0") == "0":  # under mlx.launch only rank 0 listens
@@ -282,7 +282,7 @@ def run_serve(args) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser
+    from ..cli_args import ArgumentParser
 
     parser = ArgumentParser(prog="kvmetal serve", description=FULL_DESCRIPTION)
     _configure(parser)
