@@ -20,7 +20,7 @@ import numpy as np
 
 import kvmetal as kv
 from kvmetal import quant, sim
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
 from kvmetal.sim import traffic
 
 D, BS = 128, 32
@@ -36,13 +36,13 @@ def run_case(lens, gqa, bits, div):
         kc, vc = quant.quantize(kc, bits=bits[0], group_size=64), quant.quantize(vc, bits=bits[1], group_size=64)
     tables = np.arange(total, dtype=np.int32).reshape(len(lens), per[0])
     q = mx.array(rng.standard_normal((len(lens), gqa, D)).astype(np.float32)).astype(mx.float16)
-    old = metal.SPLIT_WINDOW_DIV
-    metal.SPLIT_WINDOW_DIV = div
+    old = metal_layout.SPLIT_WINDOW_DIV
+    metal_layout.SPLIT_WINDOW_DIV = div
     try:
         with kv.use_backend("sim"), sim.trace(strict=False, seed=0) as t:
             mx.eval(kv.paged_attention(q, kc, vc, mx.array(tables), mx.array(np.array(lens, np.int32))))
     finally:
-        metal.SPLIT_WINDOW_DIV = old
+        metal_layout.SPLIT_WINDOW_DIV = old
     part = next(c for c in t.calls if "partials" in c.name)
     red = next(c for c in t.calls if "reduce" in c.name)
     kv_bytes = sum(part.buffers[n].loaded for n in traffic.KV_BUFFERS if n in part.buffers)
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     for name, lens in (("32K x 1", (32768,)), ("4K x 16", (4096,) * 16)):
         for gqa in (4, 8):
             for fmt, bits in (("f16", None), ("K8/V4", (8, 4))):
-                for policy, div in (("fixed 256", 0), ("length", metal.SPLIT_WINDOW_DIV)):
+                for policy, div in (("fixed 256", 0), ("length", metal_layout.SPLIT_WINDOW_DIV)):
                     r = dict(case=name, gqa=gqa, format=fmt, policy=policy, **run_case(lens, gqa, bits, div))
                     print(r, flush=True)
                     rows.append(r)

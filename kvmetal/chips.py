@@ -20,7 +20,7 @@ THREADS_PER_THREADGROUP_LIMIT = 1024
 # report about 384 for a pipeline of ~200 live 32-bit values per lane, and MLX then
 # refuses the launch ("Thread group size ... is greater than the maximum allowed").
 # Every specialisation stays at or under 384 threads and under PIPELINE_REGISTER_LIMIT
-# estimated live registers per lane (kvmetal/backends/metal.py, docs/kernels.md), so
+# estimated live registers per lane (kvmetal/backends/metal_layout.py, docs/kernels.md), so
 # the limit a Mac reports can never be below what we launch; the sim backend refuses
 # larger launches as such a pipeline would.
 PIPELINE_THREAD_LIMIT = 384

@@ -10,7 +10,7 @@ import pytest
 import kvmetal as kv
 from kvmetal import reference as ref
 from kvmetal import sim
-from kvmetal.backends import metal
+from kvmetal.backends import metal_specs
 
 from kvcases import SEEDS, assert_close, paged_attention_inputs
 
@@ -31,7 +31,7 @@ def _float_range() -> np.ndarray:
 
 
 def _kv_tanh_on_sim(x: np.ndarray, math_mode: str) -> np.ndarray:
-    header = metal._find("kvmetal_common.h").read_text()
+    header = metal_specs._find("kvmetal_common.h").read_text()
     kernel = sim.metal_kernel(name=f"kv_tanh_probe_{math_mode}", input_names=["inp"], output_names=["out"],
                               source="uint i = thread_position_in_grid.x;\nout[i] = kv_tanh(inp[i]);",
                               header=header, compile_options={"math_mode": math_mode})

@@ -11,7 +11,7 @@ barrier in the token loop: its barrier count per call does not grow with tokens.
 import pytest
 
 from kvmetal import chips
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
 from kvmetal.sim import traffic
 
 TOKENS = 4096
@@ -36,7 +36,7 @@ def test_decode_kernel_costs_meet_the_limits(case):
     fig = _costs(*case)
     # K/V once per block of rows: one block, except where the thread cap (384) and the
     # register estimate leave fewer rows per launch than G x L (128 rows of K8/V4: 2).
-    passes = metal.attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=8 if quantized else 0,
+    passes = metal_layout.attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=8 if quantized else 0,
                                     k_group=64, k_itemsize=2, v_bits=4 if quantized else 0, v_group=64,
                                     v_itemsize=2, block_size=16).row_passes
     assert passes == (2 if (gqa * query_len, quantized) == (128, True) else 1)
@@ -75,9 +75,9 @@ def test_multipass_shared_mode_caps_the_threadgroup_and_reads_kv_once_per_pass()
     # 48 query heads per kv head with L = 8: 384 rows, passes of 12 simdgroups (384 threads,
     # chips.PIPELINE_THREAD_LIMIT, not 1536) x the rows the register estimate allows.
     # Each pass streams the split's K/V rows once.
-    layout = metal.attention_layout(head_dim=64, gqa=48, query_len=8, k_bits=0, k_group=32, k_itemsize=2,
+    layout = metal_layout.attention_layout(head_dim=64, gqa=48, query_len=8, k_bits=0, k_group=32, k_itemsize=2,
                                     v_bits=0, v_group=32, v_itemsize=2, block_size=16)
     call, fig = traffic.paged_call(512, head_dim=64, gqa=48, query_len=8, num_splits=2)
-    assert call.threadgroup[0] == metal.MAX_SHARED_SIMDGROUPS * 32 == chips.PIPELINE_THREAD_LIMIT == 384
+    assert call.threadgroup[0] == metal_layout.MAX_SHARED_SIMDGROUPS * 32 == chips.PIPELINE_THREAD_LIMIT == 384
     assert layout.row_passes == 3 and layout.rows_per_simdgroup == 11
     assert 2.98 <= fig["loaded_over_live"] <= 3.02

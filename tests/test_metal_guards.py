@@ -138,18 +138,19 @@ def test_copy_blocks_skips_pairs_outside_the_cache(pairs):
 def test_huge_split_counts_are_cut_to_the_useful_maximum(splits):
     """Issue 10 item 4 on the metal backend: a split count past ceil(tokens / 32) adds
     only empty splits, so the backend cuts it there (no giant partials, no int32 overflow)."""
-    from kvmetal.backends import metal
+    from kvmetal.backends import metal_layout
+    from kvmetal.sim.backend import sim_backend
     from kvmetal import sim
 
     rng = np.random.default_rng(8)
     kc, vc, tables, seq_lens = _cache(rng)
     query = random(rng, (2, 1, 2 * HEADS, D), mx.float32)
     options = dict(scale=D ** -0.5, softcap=None, sliding_window=None, sinks=None)
-    backend = metal.sim_backend()
+    backend = sim_backend()
     with sim.trace() as t:
         out = backend.paged_attention(query, kc, vc, tables, seq_lens, num_splits=splits, **options)
         mx.eval(out)
     call = next(c for c in t.calls if "paged_attention_partials" in c.name)
-    units = -(-tables.shape[1] * BLOCK // metal.SPLIT_UNIT)
+    units = -(-tables.shape[1] * BLOCK // metal_layout.SPLIT_UNIT)
     assert call.threadgroups == units * HEADS * 2
     np.testing.assert_allclose(np.array(out), ref.paged_attention(query, kc, vc, tables, seq_lens), atol=1e-5)

@@ -24,7 +24,8 @@ import kvmetal as kv
 import kvmetal.sim as sim
 from kvmetal import chips
 from kvmetal import reference as ref
-from kvmetal.backends import metal
+from kvmetal.backends import metal, metal_layout, metal_specs
+from kvmetal.sim.backend import sim_backend
 
 from kvcases import assert_close, maybe_quantize, paged_attention_inputs, random, run_checked
 
@@ -125,9 +126,9 @@ def test_softcap_with_scores_far_past_fast_tanh_overflow(backend, query_len, gqa
 
 def test_attention_kernels_are_built_with_fast_math_on_macos_15():
     # What makes the test above meaningful: the sim runs these kernels with fast tanh/exp2.
-    backend = metal.sim_backend(macos=15)
-    spec = metal.SPECS["paged_attention_partials"]
-    assert metal.math_mode_for(spec.math_mode, backend.macos) == "relaxed"
+    backend = sim_backend(macos=15)
+    spec = metal_specs.SPECS["paged_attention_partials"]
+    assert metal_specs.math_mode_for(spec.math_mode, backend.macos) == "relaxed"
 
 
 # 5. ------------------------------------------------------------ macOS 14 vs 15
@@ -136,11 +137,11 @@ def test_default_macos_version_off_a_mac_is_15(monkeypatch):
     import platform
 
     monkeypatch.setattr(platform, "mac_ver", lambda: ("", ("", "", ""), ""))
-    assert metal.default_macos_version() == 15
+    assert metal_specs.default_macos_version() == 15
     monkeypatch.setattr(platform, "mac_ver", lambda: ("14.6.1", ("", "", ""), "arm64"))
-    assert metal.default_macos_version() == 14
-    assert metal.math_mode_for("relaxed", 14) == "safe" and metal.math_mode_for("relaxed", 15) == "relaxed"
-    assert metal.math_mode_for("safe", 15) == "safe"
+    assert metal_specs.default_macos_version() == 14
+    assert metal_specs.math_mode_for("relaxed", 14) == "safe" and metal_specs.math_mode_for("relaxed", 15) == "relaxed"
+    assert metal_specs.math_mode_for("safe", 15) == "safe"
 
 
 @pytest.mark.parametrize("macos", [14, 15])
@@ -149,7 +150,7 @@ def test_attention_builds_and_matches_on_macos_14_and_15(macos):
     query, kc, vc, tables, lens, sinks = paged_attention_inputs(
         rng, lens=(33, 70), num_kv_heads=2, gqa=4, head_dim=64, block_size=16, dtype=f16, k_quant=(8, 64),
         use_sinks=True, query_len=2)
-    backend = metal.sim_backend(macos=macos)
+    backend = sim_backend(macos=macos)
     assert backend.macos == macos
     expected = ref.paged_attention(query, kc, vc, tables, lens, softcap=30.0, sinks=sinks)
     with sim.trace(strict=True, seed=1) as t:
@@ -176,14 +177,14 @@ def test_macos_14_rejects_relaxed_math_like_mlx():
 
 def test_layout_caps_the_threadgroup_and_walks_row_blocks():
     for gqa, query_len in [(16, 8), (32, 8), (48, 8), (33, 5)]:
-        layout = metal.attention_layout(head_dim=128, gqa=gqa, query_len=query_len, k_bits=0, k_group=32,
+        layout = metal_layout.attention_layout(head_dim=128, gqa=gqa, query_len=query_len, k_bits=0, k_group=32,
                                         k_itemsize=2, v_bits=0, v_group=32, v_itemsize=2, block_size=16)
         rows = gqa * query_len
-        assert layout.threads <= metal.MAX_SHARED_SIMDGROUPS * 32 == chips.PIPELINE_THREAD_LIMIT == 384
-        assert layout.rows_per_simdgroup <= metal.SHARED_ROW_LIMIT
+        assert layout.threads <= metal_layout.MAX_SHARED_SIMDGROUPS * 32 == chips.PIPELINE_THREAD_LIMIT == 384
+        assert layout.rows_per_simdgroup <= metal_layout.SHARED_ROW_LIMIT
         assert layout.row_passes * layout.simdgroups * layout.rows_per_simdgroup >= rows
         assert (layout.row_passes - 1) * layout.simdgroups * layout.rows_per_simdgroup < rows
-    assert metal.attention_layout(head_dim=128, gqa=16, query_len=8, k_bits=0, k_group=32, k_itemsize=2,
+    assert metal_layout.attention_layout(head_dim=128, gqa=16, query_len=8, k_bits=0, k_group=32, k_itemsize=2,
                                   v_bits=0, v_group=32, v_itemsize=2, block_size=16).row_passes == 1
 
 

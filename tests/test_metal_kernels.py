@@ -13,7 +13,8 @@ import pytest
 
 import kvmetal as kv
 from kvmetal import quant
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
+from kvmetal.sim.backend import sim_backend
 from kvmetal import reference as ref
 
 from kvcases import (TOLERANCE, assert_close, backend_params, kernel_backends, maybe_quantize,
@@ -58,14 +59,14 @@ def test_paged_attention(case, backend):
         k_quant=kq, v_quant=vq, use_sinks=use_sinks)
     options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
     expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
-    layout = metal.layout_for(query[:, None], kc, vc, paged=True)
+    layout = metal_layout.layout_for(query[:, None], kc, vc, paged=True)
     for call in run_checked(backend, kv.paged_attention, expected, query, kc, vc, tables, seq_lens,
                             num_splits=splits, kernel="paged_attention_partials", **options):
         # The description's threadgroup memory is what the MSL declares.
         assert call.threadgroup_memory == layout.threadgroup_bytes
         if splits is not None and window is None:
             # Requested splits, cut to the whole SPLIT_UNIT-token runs the table holds.
-            units = -(-tables.shape[1] * block_size // metal.SPLIT_UNIT)
+            units = -(-tables.shape[1] * block_size // metal_layout.SPLIT_UNIT)
             assert call.grid[0] == min(splits, units) * layout.threads
 
 
@@ -318,8 +319,8 @@ def test_kernels_are_built_once_per_specialisation():
     rng = np.random.default_rng(2)
     kc, vc, tables, seq_lens = paged_cache(rng, lens=(20,), num_kv_heads=1, head_dim=64, block_size=8, dtype=f16)
     query = random(rng, (1, 4, 64), f16)
-    backend = metal.sim_backend()
-    assert metal.sim_backend() is backend
+    backend = sim_backend()
+    assert sim_backend() is backend
     before = set(backend._kernels)  # other tests in this process may have built kernels already
     with run_on("sim"):
         mx.eval(kv.paged_attention(query, kc, vc, tables, seq_lens))

@@ -12,7 +12,7 @@ import pytest
 
 import kvmetal as kv
 from kvmetal import reference as ref
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
 
 from kvcases import kernel_backends, maybe_quantize, paged_attention_inputs, paged_cache, random, run_checked, run_on
 
@@ -46,8 +46,8 @@ def test_paged_attention_query_tokens(case, backend):
         k_quant=kq, v_quant=vq, use_sinks=use_sinks, query_len=L)
     options = dict(softcap=softcap, sinks=sinks, sliding_window=window)
     expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
-    layout = metal.layout_for(query, kc, vc, paged=True)
-    assert gqa * L <= metal.ROW_REGISTER_LIMIT or layout.rows_per_simdgroup < gqa * L  # past 8 rows: shared
+    layout = metal_layout.layout_for(query, kc, vc, paged=True)
+    assert gqa * L <= metal_layout.ROW_REGISTER_LIMIT or layout.rows_per_simdgroup < gqa * L  # past 8 rows: shared
     for call in run_checked(backend, kv.paged_attention, expected, query, kc, vc, tables, seq_lens,
                             num_splits=splits, kernel="paged_attention_partials", **options):
         assert call.threadgroup_memory == layout.threadgroup_bytes

@@ -1,5 +1,5 @@
 """Issue 30: the rules of issue 17 held by every kernel family, derived from the one
-registry (``kvmetal.backends.metal.SPECS``, reached through
+registry (``kvmetal.backends.metal_specs.SPECS``, reached through
 ``specialisations.specialisation_families``), never from a list in this file. A kernel
 added to SPECS gets every rule here without anyone editing a test: it must name its
 code-selecting parameters and be reached by a family (the first test), and then each
@@ -17,17 +17,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvmetal import chips
+from kvmetal import chips, ops
 from kvmetal import reference as ref
-from kvmetal.backends import metal, specialisations
+from kvmetal.backends import metal, metal_layout, metal_specs, specialisations
+from kvmetal.sim.backend import sim_backend
 
 from kvcases import assert_close, run_on, SEEDS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import kernel_limits  # noqa: E402
 
-SCORE_KERNELS = sorted(name for name, spec in metal.SPECS.items() if "query" in spec.inputs)
-STRIDED_KERNELS = sorted(name for name, spec in metal.SPECS.items() if not spec.row_contiguous)
+SCORE_KERNELS = sorted(name for name, spec in metal_specs.SPECS.items() if "query" in spec.inputs)
+STRIDED_KERNELS = sorted(name for name, spec in metal_specs.SPECS.items() if not spec.row_contiguous)
 
 
 def _cost(f: specialisations.Family) -> int:
@@ -46,7 +47,8 @@ def cheapest(kernel: str, where=lambda f, keys: True) -> specialisations.Family:
 def run_family(f, *, seed=0, scale_query=1.0, **options):
     """Run family ``f`` on the simulator under every schedule seed against the oracle;
     returns the names of the kernels launched."""
-    fn, args, kwargs = specialisations.family_inputs(f, seed=seed)
+    args, kwargs = specialisations.family_inputs(f, seed=seed)
+    fn = getattr(ops, f.op)
     query = args[0] * scale_query
     args = (query, *args[1:])
     kwargs = {**kwargs, **options}
@@ -69,9 +71,9 @@ def _launched(names, kernel) -> bool:
 # ----------------------------------------------------------------------------- the registry
 
 def test_registry_reaches_every_kernel():
-    assert set(specialisations.PATH_PARAMETERS) == set(metal.SPECS)
+    assert set(specialisations.PATH_PARAMETERS) == set(metal_specs.SPECS)
     reached = {key[0] for key in specialisations.all_family_keys()}
-    assert reached == set(metal.SPECS)
+    assert reached == set(metal_specs.SPECS)
     # The families the rules below run: decode, paged, varlen and cascade all score.
     assert {"paged_attention_partials", "decode_attention_partials", "paged_varlen_partials",
             "cascade_partials"} <= set(SCORE_KERNELS)
@@ -79,7 +81,7 @@ def test_registry_reaches_every_kernel():
 
 def test_every_kernel_file_has_specs():
     kernels = Path(__file__).resolve().parent.parent / "kernels"
-    assert {p.stem for p in kernels.glob("*.metal")} == {spec.family for spec in metal.SPECS.values()}
+    assert {p.stem for p in kernels.glob("*.metal")} == {spec.family for spec in metal_specs.SPECS.values()}
 
 
 # ----------------------------------------------------------------------------- fast-math softcap
@@ -89,11 +91,11 @@ def test_every_kernel_file_has_specs():
 def test_softcap_with_scores_far_past_fast_tanh_overflow(kernel, macos, monkeypatch):
     # Queries x 300 with softcap 5: tanh's argument reaches hundreds; Metal's fast tanh
     # (relaxed math, macOS 15+) is NaN past ~44 and would drop the highest-scoring keys.
-    monkeypatch.setattr(metal, "default_macos_version", lambda: macos)
+    monkeypatch.setattr(metal_specs, "default_macos_version", lambda: macos)
     f = cheapest(kernel)
     launched = run_family(f, scale_query=300.0, softcap=5.0)
     assert _launched(launched, kernel)
-    assert metal.math_mode_for(metal.SPECS[kernel].math_mode, macos) == ("relaxed" if macos >= 15 else "safe")
+    assert metal_specs.math_mode_for(metal_specs.SPECS[kernel].math_mode, macos) == ("relaxed" if macos >= 15 else "safe")
 
 
 # ----------------------------------------------------------------------------- `constant` inputs
@@ -113,15 +115,15 @@ def test_no_kernel_is_reached_with_constant_inputs():
 
 # ----------------------------------------------------------------------------- empty splits
 
-@pytest.mark.parametrize("policy", metal.SPLIT_POLICIES)
+@pytest.mark.parametrize("policy", metal_layout.SPLIT_POLICIES)
 @pytest.mark.parametrize("kernel", SCORE_KERNELS)
 def test_more_splits_than_work(kernel, policy, monkeypatch):
     # Every launch asks for more splits than its work fills (MAX_SPLITS, or 6 windows
     # more than a sequence spans): splits past the work see no token (and must neither
     # read past a table nor write a partial the reduce takes as real).
     monkeypatch.setenv("KVMETAL_METAL_SPLITS", policy)
-    monkeypatch.setattr(metal, "choose_num_splits", lambda *a, **k: metal.MAX_SPLITS)
-    windows = metal.window_splits
+    monkeypatch.setattr(metal, "choose_num_splits", lambda *a, **k: metal_layout.MAX_SPLITS)
+    windows = metal_layout.window_splits
     monkeypatch.setattr(metal, "window_splits", lambda *a, **k: windows(*a, **k) + 6)
     f = cheapest(kernel)
     assert _launched(run_family(f, seed=1), kernel)
@@ -134,7 +136,8 @@ def test_strided_kernels_read_views_with_8_byte_aligned_rows(kernel):
     # K and V are views into rows 8 bytes wider (8-byte aligned, not 16): a kernel that
     # reads strides must not assume 16-byte rows.
     f = cheapest(kernel, lambda f, keys: not f.k_quant and not f.v_quant)
-    fn, (query, k, v), kwargs = specialisations.family_inputs(f)
+    (query, k, v), kwargs = specialisations.family_inputs(f)
+    fn = getattr(ops, f.op)
     pad = 8 // k.dtype.size
     wide = lambda x: mx.concatenate([x, mx.zeros((*x.shape[:-1], pad), x.dtype)], axis=-1)[..., :x.shape[-1]]
     kw, vw = wide(k), wide(v)
@@ -151,7 +154,7 @@ def test_strided_kernels_read_views_with_8_byte_aligned_rows(kernel):
 
 def test_every_launch_within_the_pipeline_limits():
     rows = kernel_limits.launches()
-    assert {r[1] for r in rows} == set(metal.SPECS)
+    assert {r[1] for r in rows} == set(metal_specs.SPECS)
     over = [r for r in rows if r[3] > min(chips.PIPELINE_THREAD_LIMIT, chips.max_threads_for_registers(r[4]))]
     assert over == []
 
@@ -159,8 +162,8 @@ def test_every_launch_within_the_pipeline_limits():
 def test_sim_backend_refuses_a_launch_over_the_thread_limit():
     from kvmetal.sim.errors import ThreadgroupSizeError
 
-    backend = metal.sim_backend()
-    tiles = metal.VarlenTiles(simdgroups=metal.MAX_SHARED_SIMDGROUPS + 1, block_k=8)  # 416 threads
+    backend = sim_backend()
+    tiles = metal_layout.VarlenTiles(simdgroups=metal_layout.MAX_SHARED_SIMDGROUPS + 1, block_k=8)  # 416 threads
     rng = np.random.default_rng(0)
     q = mx.array(rng.standard_normal((12, 1, 64)).astype(np.float32))
     kc = mx.array(rng.standard_normal((2, 1, 8, 64)).astype(np.float32))
@@ -169,4 +172,4 @@ def test_sim_backend_refuses_a_launch_over_the_thread_limit():
                                        mx.array([0, 12], mx.int32), scale=0.125, softcap=None, sliding_window=None,
                                        sinks=None, tiles=tiles)
     with pytest.raises(ValueError, match="simdgroups"):
-        metal.varlen_tiles(head_dim=64, k_itemsize=4, v_itemsize=4, simdgroups=metal.MAX_SHARED_SIMDGROUPS + 1)
+        metal_layout.varlen_tiles(head_dim=64, k_itemsize=4, v_itemsize=4, simdgroups=metal_layout.MAX_SHARED_SIMDGROUPS + 1)

@@ -7,7 +7,7 @@ bytes of float16.
 """
 import pytest
 
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
 from kvmetal.sim.traffic import paged_call
 
 TOKENS, HEAD_DIM, KV_HEADS, BLOCK_SIZE = 4096, 128, 2, 16
@@ -42,7 +42,7 @@ def test_k8v4_reads_under_042_of_float16():
 
 def test_one_long_sequence_fills_the_gpu():
     _, figures = paged_call(32768, num_kv_heads=8, gqa=1, head_dim=64)
-    assert figures["threadgroups"] >= 4 * metal.FALLBACK_GPU_CORES
+    assert figures["threadgroups"] >= 4 * metal_layout.FALLBACK_GPU_CORES
     assert figures["loaded_bytes"] <= 1.02 * figures["live_bytes"]
 
 

@@ -10,7 +10,8 @@ import pytest
 import kvmetal as kv
 from kvmetal import reference as ref
 from kvmetal import sim
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
+from kvmetal.sim.backend import sim_backend
 
 from kvcases import SEEDS, assert_close
 from paged_cases import varlen_inputs
@@ -36,7 +37,7 @@ def run_varlen(query, kc, vc, tables, seq_lens, qsl, *, seeds=SEEDS, tiles=None,
             else:
                 kwargs = dict(softcap=None, sliding_window=None, sinks=None)
                 kwargs.update(options)
-                out = metal.sim_backend().paged_attention_varlen(
+                out = sim_backend().paged_attention_varlen(
                     query, kc, vc, tables, seq_lens, qsl, scale=query.shape[-1] ** -0.5, tiles=tiles,
                     num_splits=num_splits, **kwargs)
             mx.eval(out)
@@ -72,8 +73,8 @@ def test_varlen_matches_oracle(case):
     assert len(tiled) == 1                                     # every long run in one launch
     k_item = 4 if kq else kc.dtype.size  # a quantized K tile holds float32 rows (issue 41, defect 1)
     v_item = (vc.scales if vq else vc).dtype.size
-    tiles = metal.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item)
-    assert tiled[0].threadgroup_memory == metal.varlen_threadgroup_bytes(
+    tiles = metal_layout.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item)
+    assert tiled[0].threadgroup_memory == metal_layout.varlen_threadgroup_bytes(
         head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_item, v_itemsize=v_item) <= 32 * 1024
     assert tiled[0].mma > 0
 
@@ -85,13 +86,13 @@ def test_every_row_a_decode_row_equals_paged_attention():
     outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], sliding_window=9)
     assert not any("varlen" in c.name for c in trace.calls)  # decode partials only
     with sim.trace(strict=True):
-        want = metal.sim_backend().paged_attention(query[:, None], kc, vc, tables, seq_lens,
+        want = sim_backend().paged_attention(query[:, None], kc, vc, tables, seq_lens,
                                                    scale=64 ** -0.5, softcap=None, sliding_window=9, sinks=None,
                                                    num_splits=None)
     np.testing.assert_array_equal(np.array(outs[0]), np.array(want[:, 0]))
 
 
-@pytest.mark.parametrize("splits,tiles", [(3, None), (2, metal.VarlenTiles(2, 16))])
+@pytest.mark.parametrize("splits,tiles", [(3, None), (2, metal_layout.VarlenTiles(2, 16))])
 def test_splits_and_tile_sizes(splits, tiles):
     rng = np.random.default_rng(splits)
     query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
@@ -118,7 +119,7 @@ def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1])
     assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
     call = next(c for c in trace.calls if "paged_varlen_partials" in c.name)
-    tiles = metal.varlen_tiles(head_dim=d, k_itemsize=2, v_itemsize=2)
+    tiles = metal_layout.varlen_tiles(head_dim=d, k_itemsize=2, v_itemsize=2)
     positions = tiles.block_q // gqa                     # 8 positions per query tile
     visible = [64 + (i + 1) * positions for i in range(64 // positions)]  # keys up to each tile's last row
     kv_tiles = [-(-v // tiles.block_k) for v in visible]
@@ -257,7 +258,7 @@ def test_rescale_only_when_the_max_rises():
     rng = np.random.default_rng(9)
     query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
         rng, lens=(9,), counts=(9,), num_kv_heads=1, gqa=1, head_dim=64, block_size=16, dtype=f16)
-    tiles = metal.VarlenTiles(simdgroups=4, block_k=32)
+    tiles = metal_layout.VarlenTiles(simdgroups=4, block_k=32)
     outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], tiles=tiles, num_splits=1)
     assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
     (call,) = [c for c in trace.calls if "paged_varlen_partials" in c.name]

@@ -10,7 +10,7 @@ uneven split counts, quantized K/V with codes that straddle words, strided views
 bit-exact writes. Test names carry the kernel family, the name of its file in kernels/
 (``attention``, ``varlen``, ``cascade``, ``cache_write``, ``cache_copy``), so the
 mutation tool picks the tests of every family a mutated file reaches (the families
-come from ``kvmetal.backends.metal.SPECS``; tests/test_metal_rules.py runs too).
+come from ``kvmetal.backends.metal_specs.SPECS``; tests/test_metal_rules.py runs too).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import pytest
 import kvmetal as kv
 from kvmetal import quant
 from kvmetal import reference as ref
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
+from kvmetal.sim.backend import sim_backend
 from kvcases import maybe_quantize, paged_attention_inputs, paged_cache, random, run_checked, run_on
 from paged_cases import cascade_case, varlen_inputs
 
@@ -58,7 +59,7 @@ def test_attention_modes_are_both_covered():
         q = mx.zeros((len(lens), rows or 1, kv_heads * gqa, head_dim), dtype=dtype)
         kc = maybe_quantize(mx.zeros((2, kv_heads, block_size, head_dim), dtype=dtype), kq)
         vc = maybe_quantize(mx.zeros((2, kv_heads, block_size, head_dim), dtype=dtype), vq)
-        layout = metal.layout_for(q, kc, vc, paged=True)
+        layout = metal_layout.layout_for(q, kc, vc, paged=True)
         shared = layout.rows_per_simdgroup < gqa * (rows or 1)
         assert shared == name.startswith("shared"), (name, layout)
 
@@ -116,9 +117,9 @@ def test_varlen_uneven_splits():
         rng, lens=(90,), counts=(10,), num_kv_heads=1, gqa=1, head_dim=64, block_size=16, dtype=f32)
     expected = ref.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl)
     with run_on("sim", seed=1) as trace:
-        out = metal.sim_backend().paged_attention_varlen(
+        out = sim_backend().paged_attention_varlen(
             query, kc, vc, tables, seq_lens, qsl, scale=64 ** -0.5, softcap=None, sliding_window=None, sinks=None,
-            tiles=metal.VarlenTiles(2, 32), num_splits=2)
+            tiles=metal_layout.VarlenTiles(2, 32), num_splits=2)
         mx.eval(out)
     np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)
     (call,) = [c for c in trace.calls if "paged_varlen_partials" in c.name]

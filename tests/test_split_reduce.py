@@ -8,7 +8,7 @@ import numpy as np
 import kvmetal as kv
 from kvmetal import reference as ref
 from kvmetal import sim
-from kvmetal.backends import metal
+from kvmetal.backends import metal_layout
 
 from kvcases import assert_close, paged_attention_inputs
 
@@ -30,7 +30,7 @@ def _run(lens, *, use_sinks, seed=0):
 
 
 def _live_splits(n):
-    return -(-n // metal.SPLIT_TOKENS)  # windows of SPLIT_TOKENS from position 0
+    return -(-n // metal_layout.SPLIT_TOKENS)  # windows of SPLIT_TOKENS from position 0
 
 
 def test_empty_splits_write_only_max_and_sum():
@@ -86,15 +86,15 @@ def test_a_rows_result_does_not_depend_on_the_split_count():
 
 def test_split_window_is_a_function_of_the_length():
     # Issue 41, P4: windows of clamp(pow2ceil(len) / 32, 256, 2048) tokens.
-    w = lambda n: metal.split_window(n, metal.SPLIT_TOKENS, metal.SPLIT_WINDOW_MAX, metal.SPLIT_WINDOW_DIV)
+    w = lambda n: metal_layout.split_window(n, metal_layout.SPLIT_TOKENS, metal_layout.SPLIT_WINDOW_MAX, metal_layout.SPLIT_WINDOW_DIV)
     assert [w(n) for n in (1, 256, 8192, 8193, 16384, 16385, 32768, 65536, 65537, 1 << 20)] == \
         [256, 256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048]
     # the launch's split count bounds every length up to the work (brute force)
     for work in (1, 255, 256, 8192, 8193, 9000, 16384, 16385, 20000, 65537, 200000):
         most = max(-(-n // w(n)) for n in range(1, work + 1))
-        assert metal.window_splits(work, metal.SPLIT_TOKENS, misaligned=False, split_max=metal.SPLIT_WINDOW_MAX,
-                                   split_div=metal.SPLIT_WINDOW_DIV) == most, work
-    assert metal.window_splits(32768, 256, misaligned=False, split_max=2048, split_div=32) == 32  # was 128
+        assert metal_layout.window_splits(work, metal_layout.SPLIT_TOKENS, misaligned=False, split_max=metal_layout.SPLIT_WINDOW_MAX,
+                                   split_div=metal_layout.SPLIT_WINDOW_DIV) == most, work
+    assert metal_layout.window_splits(32768, 256, misaligned=False, split_max=2048, split_div=32) == 32  # was 128
 
 
 def test_long_sequence_gets_length_windows_and_stays_batch_invariant():

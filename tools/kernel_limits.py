@@ -7,7 +7,7 @@ family (``kvmetal.backends.specialisations``), the table in docs/kernels.md.
 
 Each family's op call runs through a recording backend (no kernel runs): every launch's
 threadgroup and template give its threads and, through
-``kvmetal.backends.metal.estimated_registers``, its registers. The limits are
+``kvmetal.backends.metal_layout.estimated_registers``, its registers. The limits are
 ``kvmetal.chips.PIPELINE_THREAD_LIMIT`` and what ``chips.max_threads_for_registers``
 allows a pipeline of the estimated registers.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvmetal import chips  # noqa: E402
-from kvmetal.backends import metal, specialisations  # noqa: E402
+from kvmetal.backends import metal, metal_layout, specialisations  # noqa: E402
 
 
 def launches():
@@ -37,7 +37,7 @@ def launches():
             kernel = specialisations._spec_name(variant)
             mode = specialisations._mode(template) if "RPS" in template else "-"
             rows.append((family.name, kernel, mode, math.prod(threadgroup),
-                         metal.estimated_registers(kernel, template)))
+                         metal_layout.estimated_registers(kernel, template)))
     return rows
 
 

@@ -10,11 +10,11 @@ Each mutant replaces one snippet of one kernel file (off-by-ones in the causal, 
 and split bounds, a dropped rescale, swapped K/V scale and bias, a wrong shuffle offset,
 a skipped merge term, a wrong group index, a bare fast-math tanh, quantizer and packing
 slips...). The mutated copy of kernels/ goes to a temporary directory and a small pytest
-plugin points ``kvmetal.backends.metal.kernel_dirs`` at it, so the installed package is
+plugin points ``kvmetal.backends.metal_specs.kernel_dirs`` at it, so the installed package is
 untouched.
 
 A mutant is run against every kernel family its file reaches, each on its own: the
-families are those of ``kvmetal.backends.metal.SPECS`` (a kernel's family is its file
+families are those of ``kvmetal.backends.metal_specs.SPECS`` (a kernel's family is its file
 in kernels/; a family whose kernels ``use`` another's helper section is reached by that
 file too; kvmetal_common.h reaches them all), so a new kernel family gets mutants' runs
 without editing a list here. The tests are tests/test_sim_kernel_mutants.py and
@@ -47,7 +47,7 @@ COMMON_HEADER = "kvmetal_common.h"
 def families_reached(file: str) -> list:
     """The kernel families (kernels/<family>.metal) whose kernels a mutation of ``file`` reaches."""
     sys.path.insert(0, str(ROOT))
-    from kvmetal.backends.metal import SPECS
+    from kvmetal.backends.metal_specs import SPECS
 
     families = sorted({spec.family for spec in SPECS.values()})
     if file == COMMON_HEADER:
@@ -227,12 +227,12 @@ from pathlib import Path
 
 
 def pytest_configure(config):
-    from kvmetal.backends import metal
+    from kvmetal.backends import metal_specs
 
     directory = Path(os.environ["KVMETAL_MUTANT_KERNELS"])
-    metal.kernel_dirs = lambda: [directory]
-    metal.family_source.cache_clear()
-    metal.kernel_text.cache_clear()
+    metal_specs.kernel_dirs = lambda: [directory]
+    metal_specs.family_source.cache_clear()
+    metal_specs.kernel_text.cache_clear()
 '''
 
 

@@ -132,5 +132,5 @@ def get(name: str | None = None):
     if name == "metal":
         return importlib.import_module("kvmetal.backends.metal").metal_backend()
     if name == "sim":
-        return importlib.import_module("kvmetal.backends.metal").sim_backend()
+        return importlib.import_module("kvmetal.sim.backend").sim_backend()
     raise ValueError(f"unknown backend {name!r}")

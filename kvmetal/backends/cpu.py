@@ -20,8 +20,6 @@ is then left untouched).
 """
 from __future__ import annotations
 
-import mlx.core as mx
-
 from kvmetal import _ext
 from kvmetal.backends import MIN_TOKENS_PER_SPLIT
 from kvmetal.quant import QuantizedKV

@@ -15,7 +15,7 @@ keeps, greedily, the candidates that add a family not yet seen.
 clang's address-space check; :func:`family_inputs` builds random inputs of one
 family for running it (e.g. on the simulator against the float64 oracles), and
 the hardening tests, the kernel mutants and ``kvmetal selfcheck`` run every
-kernel of :data:`~kvmetal.backends.metal.SPECS` through it. Every kernel in
+kernel of :data:`~kvmetal.backends.metal_specs.SPECS` through it. Every kernel in
 SPECS must have its code-selecting parameters in :data:`PATH_PARAMETERS` and be
 reached by some family (both checked by tests/test_metal_registry.py), so a
 new kernel cannot be missed by any of them.
@@ -88,12 +88,11 @@ def _cache(rng, shape, dtype, spec):
 
 
 def family_inputs(f: Family, seed: int = 0) -> tuple:
-    """(function of kvmetal.ops, positional args, keyword args) running family ``f`` on random data.
+    """(positional args, keyword args) of the kvmetal op ``f.op`` (a function of
+    ``kvmetal.ops`` and of ``kvmetal.reference``) running family ``f`` on random data.
 
     Paged caches hold every sequence in its own shuffled blocks; decode caches are
     contiguous [B, Hkv, T, D]."""
-    from .. import ops
-
     rng = np.random.default_rng(seed)
     dtype = DTYPES[f.dtype]
     D, Hkv, H = f.head_dim, f.num_kv_heads, f.num_kv_heads * f.gqa
@@ -102,7 +101,7 @@ def family_inputs(f: Family, seed: int = 0) -> tuple:
         k = _cache(rng, (f.num_seqs, Hkv, f.tokens, D), dtype, f.k_quant)
         v = _cache(rng, (f.num_seqs, Hkv, f.tokens, D), dtype, f.v_quant)
         sinks = mx.array(rng.standard_normal(H).astype(np.float32)) if f.sinks else None
-        return ops.decode_attention, (q, k, v), dict(sinks=sinks, sparse_v=f.sparse_v)
+        return (q, k, v), dict(sinks=sinks, sparse_v=f.sparse_v)
     blocks = -(-f.tokens // f.block_size)
     num_blocks = blocks * f.num_seqs + 1
     tables = mx.array(rng.permutation(num_blocks)[:blocks * f.num_seqs].reshape(f.num_seqs, blocks)
@@ -114,24 +113,24 @@ def family_inputs(f: Family, seed: int = 0) -> tuple:
     if f.op == "paged_attention_varlen":
         q = mx.array(rng.standard_normal((f.num_seqs * f.query_len, H, D)).astype(np.float32)).astype(dtype)
         qsl = mx.array((np.arange(f.num_seqs + 1) * f.query_len).astype(np.int32))
-        return ops.paged_attention_varlen, (q, kc, vc, tables, lens, qsl), dict(sinks=sinks)
+        return (q, kc, vc, tables, lens, qsl), dict(sinks=sinks)
     if f.op == "paged_attention_cascade":
         q = mx.array(rng.standard_normal((f.num_seqs, H, D)).astype(np.float32)).astype(dtype)
         prefix_tables, prefix_lens, prefix_of, own_tables, own_lens = _cascade_tables(f, tables)
-        return ops.paged_attention_cascade, (q, kc, vc, prefix_tables, prefix_lens, prefix_of, own_tables,
+        return (q, kc, vc, prefix_tables, prefix_lens, prefix_of, own_tables,
                                              own_lens), dict(sinks=sinks, sparse_v=f.sparse_v)
     if f.op == "paged_attention":
         q = mx.array(rng.standard_normal((f.num_seqs, f.query_len, H, D)).astype(np.float32)).astype(dtype)
-        return ops.paged_attention, (q, kc, vc, tables, lens), dict(sinks=sinks, sparse_v=f.sparse_v)
+        return (q, kc, vc, tables, lens), dict(sinks=sinks, sparse_v=f.sparse_v)
     if f.op == "gather_kv_cache":
-        return ops.gather_kv_cache, (kc, vc, tables, lens), {}
+        return (kc, vc, tables, lens), {}
     if f.op == "reshape_and_cache":
         new = mx.array(rng.standard_normal((f.tokens, Hkv, D)).astype(np.float32)).astype(dtype)
         slots = mx.array(rng.permutation(num_blocks * f.block_size)[:f.tokens].astype(np.int32))
-        return ops.reshape_and_cache, (new, new, kc, vc, slots), {}
+        return (new, new, kc, vc, slots), {}
     if f.op == "copy_blocks":
         pairs = rng.permutation(num_blocks)[:2 * min(f.num_seqs, num_blocks // 2)].astype(np.int32)
-        return ops.copy_blocks, (kc, vc, mx.array(pairs[0::2]), mx.array(pairs[1::2])), {}
+        return (kc, vc, mx.array(pairs[0::2]), mx.array(pairs[1::2])), {}
     raise ValueError(f"unknown op {f.op!r}")
 
 
@@ -168,7 +167,7 @@ class _Recorder:
 
 
 def _spec_name(variant: str) -> str:
-    from .metal import SPECS
+    from .metal_specs import SPECS
 
     return next(n for n in sorted(SPECS, key=len, reverse=True) if variant.startswith("kvmetal_" + n + "_"))
 

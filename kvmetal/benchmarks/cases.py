@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import ops, quant
+from .. import backends
 from ..backends import use_backend
 from .cascade import bench_case as cascade_bench_case
 from .prefill import prefill as prefill_chunked
@@ -132,7 +133,7 @@ def paged_decode_quantized(k_bits: int, v_bits: int):
             # SDPA route over the same K8/V4 cache, then kvmetal's own float16 kernel.
             bases.append(_mlx_lm_quantized_baseline(query, keys, values, repeat, bits=8))
             if bases[-1] is None:
-                from ..cli import install_hint
+                from ..cli_args import install_hint
 
                 skipped.append(f"mlx-lm kv_bits=8 baseline skipped: mlx-lm is not installed: {install_hint('mlx_lm')}")
             bases.append(_gather_sdpa_baseline(query, qk, qv, tables, lens, backend, repeat))
@@ -243,10 +244,10 @@ PREFILL_TILE_SWEEP = ((4, 32), (4, 16), (2, 32), (8, 16), (2, 16), (8, 8))  # (s
 def prefill(*, backend, tokens, repeat, baseline, progress):
     """One prefill chunk after a cached prefix through ``paged_attention_varlen``, against
     gather + MLX SDPA (causal) measured in the same run. On the metal (and sim) backend it
-    sweeps the tiled kernel's tile sizes (``metal.VarlenTiles``: simdgroups -> BQ = 8 x
+    sweeps the tiled kernel's tile sizes (``metal_layout.VarlenTiles``: simdgroups -> BQ = 8 x
     simdgroups query rows, BK K/V tokens), one row per configuration that fits 32 KiB of
     threadgroup memory; on other backends it times the backend's own implementation once."""
-    from ..backends import metal
+    from ..backends import metal_layout
 
     context = max(1, min(tokens, PREFILL_MAX_CONTEXT))
     chunk = min(PREFILL_CHUNK, context)
@@ -269,7 +270,7 @@ def prefill(*, backend, tokens, repeat, baseline, progress):
         bases.append(_baseline(f"kvmetal gather_kv_cache + mx.fast.scaled_dot_product_attention causal ({backend})",
                                gather_sdpa, repeat))
     kv_bytes = _live_kv_bytes(context, dtype.size, dtype.size)
-    kernels = {"metal": metal.metal_backend, "sim": metal.sim_backend}.get(backend, lambda: None)()
+    kernels = backends.get(backend) if backend in ("metal", "sim") else None
     results = []
     if kernels is None:
         with use_backend(backend):
@@ -282,7 +283,7 @@ def prefill(*, backend, tokens, repeat, baseline, progress):
         return [_result(f"prefill_f16 T={context}", backend, stats, kv_bytes, bases, shape=shape)]
     for simdgroups, block_k in PREFILL_TILE_SWEEP:
         try:
-            tiles = metal.varlen_tiles(head_dim=HEAD_DIM, k_itemsize=dtype.size, v_itemsize=dtype.size,
+            tiles = metal_layout.varlen_tiles(head_dim=HEAD_DIM, k_itemsize=dtype.size, v_itemsize=dtype.size,
                                        simdgroups=simdgroups, block_k=block_k)
         except ValueError:
             continue  # over 32 KiB of threadgroup memory

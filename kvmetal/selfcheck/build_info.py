@@ -50,13 +50,13 @@ def _extension() -> dict:
 
 
 def _metal_sources() -> dict:
-    from ..backends import metal
+    from ..backends import metal_specs
 
-    for d in metal.kernel_dirs():
+    for d in metal_specs.kernel_dirs():
         files = sorted(p.name for p in d.glob("*.metal")) if d.is_dir() else []
         if files:
             return {"dir": str(d), "files": files}
-    return {"dir": None, "files": [], "searched": [str(d) for d in metal.kernel_dirs()]}
+    return {"dir": None, "files": [], "searched": [str(d) for d in metal_specs.kernel_dirs()]}
 
 
 def describe() -> dict:

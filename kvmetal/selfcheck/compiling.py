@@ -21,7 +21,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .. import backends
-from ..backends import metal
+from ..backends import metal, metal_specs
 from .families import Family, flat_arrays
 
 MESSAGE_LIMIT = 4000  # characters of a compiler message kept in the report
@@ -34,7 +34,7 @@ def _message(exc: BaseException) -> str:
 
 def kernel_of(variant: str) -> str:
     """The SPECS name of a variant name such as ``kvmetal_attention_reduce_tqf16_d128_has_sinks1``."""
-    for name in sorted(metal.SPECS, key=len, reverse=True):
+    for name in sorted(metal_specs.SPECS, key=len, reverse=True):
         if variant.startswith(f"kvmetal_{name}_") or variant == f"kvmetal_{name}":
             return name
     return variant

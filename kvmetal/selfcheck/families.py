@@ -128,8 +128,13 @@ def specialisation_families() -> list:
     """THE adapter: every family selfcheck compiles, the list the clang check traces
     (derived from the kernels' specialisation parameters in
     kvmetal/backends/specialisations.py), one op-level configuration per family."""
+    from .. import ops
     from ..backends.specialisations import family_inputs, specialisation_families as derived
-    return [OpFamily(f, family_inputs) for f in derived()]
+
+    def build_inputs(f, seed):
+        return (getattr(ops, f.op), *family_inputs(f, seed))
+
+    return [OpFamily(f, build_inputs) for f in derived()]
 
 
 # ----------------------------------------------------------------------------- tracing one family

@@ -32,7 +32,7 @@ def _split_chain(call, buffer: str) -> int:
 def kvmetal_decode(tokens: int, gqa: int, fmt: str = "f16", *, kv_heads_sim: int = 1, seed: int = 0):
     """kvmetal's paged decode (partials + reduce) for one sequence: [Work, ...] for
     ``kv_heads_sim`` kv heads (not scaled)."""
-    from ..backends import metal
+    from .backend import sim_backend
 
     k_bits, v_bits = FORMATS[fmt]
     rng = np.random.default_rng(seed)
@@ -47,7 +47,7 @@ def kvmetal_decode(tokens: int, gqa: int, fmt: str = "f16", *, kv_heads_sim: int
     tables = mx.array(rng.permutation(nb).astype(np.int32)[None])
     q = mx.array(rng.standard_normal((1, 1, kv_heads_sim * gqa, D)).astype(np.float32)).astype(mx.float16)
     with trace() as t:
-        mx.eval(metal.sim_backend().paged_attention(
+        mx.eval(sim_backend().paged_attention(
             q, k, v, tables, mx.array([tokens], mx.int32), scale=D ** -0.5, softcap=None, sliding_window=None,
             sinks=None, num_splits=None))
     rows = kv_heads_sim * gqa

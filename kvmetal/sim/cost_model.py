@@ -199,11 +199,11 @@ class Work:
 def kvmetal_registers(call_name: str) -> int | None:
     """The metal backend's estimate (estimated_registers) for a kvmetal kernel call, by its
     specialised name; None for a kernel that is not kvmetal's."""
-    from ..backends import metal
+    from ..backends import metal_layout, metal_specs
 
     if not call_name.startswith("kvmetal_"):
         return None
-    for name, spec in metal.SPECS.items():
+    for name, spec in metal_specs.SPECS.items():
         prefix = f"kvmetal_{name}_"
         if not call_name.startswith(prefix):
             continue
@@ -220,7 +220,7 @@ def kvmetal_registers(call_name: str) -> int | None:
             raw = part[len(tag):]
             values[key] = int(raw) if raw.lstrip("-").isdigit() else raw
         else:
-            return metal.estimated_registers(name, values)
+            return metal_layout.estimated_registers(name, values)
     return None
 
 

@@ -81,7 +81,7 @@ def paged_call(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads: 
                seed: int = 0):
     """One simulated ``paged_attention_partials`` call (one sequence, shuffled block ids):
     (the traced KernelCall, its cost figures as in :func:`summarize`)."""
-    from ..backends import metal
+    from .backend import sim_backend
 
     rng = np.random.default_rng(seed)
     num_blocks = -(-tokens // block_size)
@@ -91,7 +91,7 @@ def paged_call(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads: 
     num_heads = num_kv_heads * gqa
     q = mx.array(rng.standard_normal((1, query_len, num_heads, head_dim)).astype(np.float32)).astype(dtype)
     with trace() as t:
-        mx.eval(metal.sim_backend().paged_attention(
+        mx.eval(sim_backend().paged_attention(
             q, k, v, tables, lens, scale=head_dim ** -0.5, softcap=None, sliding_window=sliding_window,
             sinks=None, num_splits=num_splits))
     call = next(c for c in t.calls if "paged_attention_partials" in c.name)
@@ -110,14 +110,14 @@ def decode_costs(tokens: int, *, head_dim: int = 128, gqa: int = 4, num_kv_heads
                  dtype=mx.float16, k_bits: int | None = None, v_bits: int | None = None, group_size: int = 64,
                  num_splits: int | None = None, seed: int = 0) -> dict:
     """Cost figures of one simulated ``decode_attention_partials`` call (batch 1)."""
-    from ..backends import metal
+    from .backend import sim_backend
 
     rng = np.random.default_rng(seed)
     k, v = _caches(rng, (1, num_kv_heads, tokens, head_dim), dtype, k_bits, v_bits, group_size)
     num_heads = num_kv_heads * gqa
     q = mx.array(rng.standard_normal((1, num_heads, query_len, head_dim)).astype(np.float32)).astype(dtype)
     with trace() as t:
-        mx.eval(metal.sim_backend().decode_attention(q, k, v, scale=head_dim ** -0.5, softcap=None, sinks=None,
+        mx.eval(sim_backend().decode_attention(q, k, v, scale=head_dim ** -0.5, softcap=None, sinks=None,
                                                      num_splits=num_splits))
     call = next(c for c in t.calls if "decode_attention_partials" in c.name)
     live = tokens * num_kv_heads * (row_bytes(k, head_dim) + row_bytes(v, head_dim))

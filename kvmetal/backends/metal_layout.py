@@ -1,0 +1,512 @@
+"""How a Metal attention launch is laid out: the tuning constants, splits and windows,
+the decode kernels' AttentionLayout (register or shared mode, lanes per key, tiles), their
+registers per lane, and the varlen kernel's tiles and plan. Pure arithmetic on shapes: no
+kernel is built here (metal_specs.py describes the kernels, metal.py launches them).
+
+Dimension glossary: S sequences, B batch, H query heads, Hkv kv heads, G = H / Hkv,
+D head_dim, N cache blocks, BS block size, M block-table width, T tokens.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .. import chips
+from ..quant import QuantizedKV
+from . import MIN_TOKENS_PER_SPLIT, VARLEN_SHORT_RUN
+
+# ----------------------------------------------------------------------------- tuning
+
+REGISTER_SIMDGROUPS = 4             # simdgroups per threadgroup in register mode (128 threads)
+ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in registers
+# Shared mode: at most this many simdgroups (384 threads, chips.PIPELINE_THREAD_LIMIT:
+# what M1/M2 allow a register-heavy pipeline); more rows take several passes over the split.
+MAX_SHARED_SIMDGROUPS = chips.PIPELINE_THREAD_LIMIT // 32
+SHARED_ROW_LIMIT = 16               # shared mode: most query rows one simdgroup serves (registers permitting)
+# Register mode: 32-bit registers per lane for the rows' q + accumulators (the launch is 128
+# threads, within what chips.max_threads_for_registers allows at any estimate in the table).
+REGISTER_BUDGET = 128
+# Register mode is taken while the estimate (estimated_registers) stays within this; past
+# it (3/5/6-bit atoms at several rows) the rows go to shared mode. The common layouts
+# estimate 150-240; whether spilling past Apple's per-thread registers beats shared mode's
+# tiles is for a Mac to settle (docs/kernels.md, "Threads and registers").
+REGISTER_MODE_LIMIT = 256
+LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
+TILE_MEMORY_BUDGET = {128: 8 * 1024 - 512, 256: 16 * 1024 - 512}  # shared-mode K/V tiles, by max head_dim
+MAX_TILE_TOKENS = 16
+SPLIT_UNIT = 32                     # splits cut the tokens in whole units of this many (kernels: kv_split_range)
+# Occupancy model of one Apple GPU core (assumed; Apple documents neither): the
+# threadgroup memory and threads resident at once, and a cap on threadgroups.
+CORE_THREADGROUP_MEMORY = 64 * 1024
+CORE_THREADS = 2048
+CORE_MAX_THREADGROUPS = 16
+FALLBACK_GPU_CORES = 10             # base M-series GPU; used where Metal reports nothing
+MAX_SPLITS = 64
+# How automatic splits are cut (docs/kernels.md, "Splits"): "windows" (default) cuts every
+# sequence at the multiples of SPLIT_TOKENS, so its partials and their fold never depend
+# on the batch (batch invariance by construction); "occupancy" (KVMETAL_METAL_SPLITS=
+# occupancy) picks a split count per launch to fill the GPU (choose_num_splits), as
+# kvmetal did before: fewer, longer splits for big batches, but a sequence's bits then
+# follow its batch. Which is faster on a big batch is for `kvmetal bench` on a Mac to say.
+SPLIT_TOKENS = MIN_TOKENS_PER_SPLIT
+# Length-dependent windows (issue 41, P4): a sequence of length len is cut into windows of
+# clamp(pow2ceil(len) / SPLIT_WINDOW_DIV, SPLIT_TOKENS, SPLIT_WINDOW_MAX) tokens (powers of
+# two; KvAttnParams.split_div / split_max): a function of the sequence alone, so batch
+# invariance holds, and a long sequence writes fewer partials (32K: 32 windows of 1024, not
+# 128 of 256). Up to 8192 tokens nothing changes. SPLIT_WINDOW_DIV = 0 restores fixed
+# windows of SPLIT_TOKENS. Which window is fastest (fewer partials against fewer
+# threadgroups for small batches) only a Mac can say: `kvmetal bench` compares them there.
+SPLIT_WINDOW_DIV = 32
+SPLIT_WINDOW_MAX = 2048
+# The varlen (prefill) kernel's windows are longer: its partials hold every query row of
+# a chunk (rows x splits x D floats), and a row's K/V tiles in one window are already
+# independent of its chunk, so windows only add parallelism for chunks of few tiles. At
+# 4096 a 2K-token chunk at 32K context writes 8 splits of partials (268 MB at 32 heads,
+# D 128; about 1.5% of its K/V traffic).
+VARLEN_SPLIT_TOKENS = 4096
+SPLIT_POLICIES = ("windows", "occupancy")
+
+
+
+def gpu_core_count() -> int:
+    """GPU cores from MLX's device info (by chip name), else FALLBACK_GPU_CORES."""
+    if not mx.metal.is_available():
+        return FALLBACK_GPU_CORES
+    info = chips.metal_device_info()
+    for key in ("gpu_core_count", "num_gpu_cores", "core_count"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return info[key]
+    chip = chips.from_device_name(info.get("device_name", ""))
+    return chip.gpu_cores if chip is not None else FALLBACK_GPU_CORES
+
+
+def threadgroups_per_core(threadgroup_bytes: int, threads: int) -> int:
+    """Threadgroups of one kernel resident on a GPU core at once, from what each one
+    declares (threadgroup memory) and runs (threads), under the occupancy model above."""
+    by_memory = CORE_THREADGROUP_MEMORY // threadgroup_bytes if threadgroup_bytes else CORE_MAX_THREADGROUPS
+    by_threads = CORE_THREADS // max(1, threads)
+    return max(1, min(by_memory, by_threads, CORE_MAX_THREADGROUPS))
+
+
+def choose_num_splits(work_tokens: int, parallel_groups: int, *, cores: int | None = None,
+                      threadgroup_bytes: int = 0, threads: int = 128) -> int:
+    """KV splits per (sequence, kv head) so that the launch fills the GPU.
+
+    Aims at the threadgroups that fit per core (threadgroups_per_core) across
+    the ``parallel_groups`` (sequences x kv heads), but never gives a split
+    fewer than MIN_TOKENS_PER_SPLIT of the ``work_tokens`` (an upper bound of
+    the tokens one sequence attends to).
+    """
+    cores = gpu_core_count() if cores is None else cores
+    resident = threadgroups_per_core(threadgroup_bytes, threads) * cores
+    wanted = math.ceil(resident / max(1, parallel_groups))
+    useful = math.ceil(work_tokens / MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def split_policy() -> str:
+    policy = os.environ.get("KVMETAL_METAL_SPLITS", "windows")
+    if policy not in SPLIT_POLICIES:
+        raise ValueError(f"KVMETAL_METAL_SPLITS must be one of {SPLIT_POLICIES}, got {policy!r}")
+    return policy
+
+
+def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool, split_max: int = 0,
+                  split_div: int = 0) -> int:
+    """Splits a launch needs so that every sequence's windows fit: a live range of at most
+    ``work_tokens`` spans that many windows of ``split_tokens`` (with ``split_div`` > 0:
+    of each length's own window, split_window), one more when it may start inside one (a
+    sliding window's first visible key)."""
+    work = max(1, work_tokens)
+    if split_div <= 0:
+        return max(1, -(-work // split_tokens) + int(misaligned))
+    # The most windows over lengths n <= work: for the lengths sharing a window w (those
+    # up to the next doubling of w's reach), the longest of them needs the most.
+    most, n = 0, 1
+    while True:
+        w = split_window(n, split_tokens, split_max, split_div)
+        reach = w * split_div if w < split_max else work  # longest length with window w
+        most = max(most, -(-min(work, reach) // w))
+        if reach >= work:
+            break
+        n = reach + 1
+    return max(1, most + int(misaligned))
+
+
+def _window_fields(split_tokens: int) -> dict:
+    """KvAttnParams' split_max / split_div of a launch cut in windows (split_tokens > 0)."""
+    if split_tokens <= 0:
+        return dict(split_max=0, split_div=0)
+    return dict(split_max=SPLIT_WINDOW_MAX, split_div=SPLIT_WINDOW_DIV)
+
+
+def split_window(length: int, split_tokens: int, split_max: int, split_div: int) -> int:
+    """The window of a sequence of ``length`` tokens (attention.metal's kv_split_window)."""
+    w = split_tokens
+    while split_div > 0 and w < split_max and w * split_div < length:
+        w *= 2
+    return w
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a partial kernel maps rows and keys to lanes (template parameters).
+
+    Register mode (rows_per_simdgroup == rows): every simdgroup holds all G x L
+    rows and owns a token run of the split. Shared mode: simdgroups split the
+    rows and share tiles of ``tile`` tokens through threadgroup memory.
+    """
+
+    simdgroups: int
+    rows_per_simdgroup: int
+    lanes_per_key: int
+    tile: int                 # shared mode: tile tokens; 0 in register mode
+    key_atom_words: int       # packed words per lane atom (0: float cache)
+    value_atom_words: int
+    threadgroup_bytes: int
+    rows: int = 0             # G x L
+
+    @property
+    def threads(self) -> int:
+        return self.simdgroups * 32
+
+    def registers(self, *, head_dim: int, k_bits: int, v_bits: int, sparse_v: bool = False) -> int:
+        """Estimated live registers per lane (:func:`estimated_registers`) of this layout."""
+        return _partials_registers(head_dim, self.rows, self.rows_per_simdgroup, self.lanes_per_key, k_bits,
+                                   self.key_atom_words, v_bits, self.value_atom_words, sparse_v)
+
+    @property
+    def row_passes(self) -> int:
+        """Walks over the split (shared mode past MAX_SHARED_SIMDGROUPS x 8 rows: K/V read that often)."""
+        return max(1, -(-self.rows // (self.simdgroups * self.rows_per_simdgroup)))
+
+
+def _atom_words(head_dim: int, bits: int, group_size: int, lanes_per_key: int) -> int:
+    """Packed words per atom: whole words of whole values inside one group; for
+    2/4/8 bits up to a uint4 load while each key-group lane still gets an atom."""
+    if not bits:
+        return 0
+    width = head_dim * bits // 32
+    group_words = group_size * bits // 32
+    if bits in (2, 4, 8):
+        for words in (4, 2, 1):
+            if width % words == 0 and words <= group_words and width // words >= lanes_per_key:
+                return words
+        return 1
+    values = 32 // math.gcd(bits, 32)  # 3, 5 bits: 32 values; 6 bits: 16
+    return values * bits // 32
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgroup, tile, k_row_bytes, v_row_bytes,
+                                k_scale_bytes, v_scale_bytes) -> int:
+    """Threadgroup memory the partial kernels declare (mirrors KV_ATTN_THREADGROUP_ARRAYS).
+
+    *_row_bytes: bytes of one cache row's data; *_scale_bytes: of its scales (0: float cache)."""
+    shared = rows_per_simdgroup < rows
+    merge = not shared and simdgroups > 1
+    stats = 4 * (simdgroups * rows_per_simdgroup * 2 if merge else 1)
+    acc = 4 * ((simdgroups - 1) * head_dim if merge else 1)
+
+    def tile_bytes(row_bytes):
+        return 16 * (-(-2 * tile * row_bytes // 16) if shared else 1)
+
+    total = _round16(stats) + _round16(acc) + tile_bytes(k_row_bytes) + tile_bytes(v_row_bytes)
+    total += 2 * (tile_bytes(k_scale_bytes) if k_scale_bytes else 16)
+    total += 2 * (tile_bytes(v_scale_bytes) if v_scale_bytes else 16)
+    total += _round16(4 * (2 * tile if shared else 1))
+    return total
+
+
+def _partials_registers(head_dim: int, rows: int, per: int, lanes: int, k_bits: int, k_atom_words: int, v_bits: int,
+                        v_atom_words: int, sparse_v: bool = False) -> int:
+    """:func:`estimated_registers` of a partials kernel serving ``rows`` rows, ``per`` per simdgroup."""
+    return estimated_registers("paged_attention_partials", dict(
+        D=head_dim, RPS=per, LPK=lanes, KBITS=k_bits, VBITS=v_bits, KAW=k_atom_words, VAW=v_atom_words, G=rows, QL=1,
+        SV=int(sparse_v)))
+
+
+@functools.lru_cache(maxsize=None)  # runs per layer on every decode step; its search costs ~0.1 ms
+def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
+                     v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None) -> AttentionLayout:
+    """The layout of one partial-kernel specialisation.
+
+    Register mode (up to ROW_REGISTER_LIMIT rows: every one of REGISTER_SIMDGROUPS
+    simdgroups holds all rows; 128 threads): the narrowest key group whose query and
+    accumulator shares, rows * 2 * head_dim / lanes_per_key floats, fit REGISTER_BUDGET
+    (narrow groups score more keys per pass) and whose whole estimate stays within
+    REGISTER_MODE_LIMIT (one row: the group of fewest registers, always register mode).
+
+    Shared mode (more rows: simdgroups split the rows and share K/V tiles; up to
+    PIPELINE_THREAD_LIMIT threads): every simdgroup's estimated live registers
+    (:func:`estimated_registers`) stay within chips.PIPELINE_REGISTER_LIMIT, so that no
+    Mac lowers the pipeline's thread limit below what is launched. The fewest
+    ``row_passes`` (blocks of simdgroups x rows_per_simdgroup rows; K/V read once a
+    block) come first, with up to SHARED_ROW_LIMIT rows per simdgroup where the cap of
+    MAX_SHARED_SIMDGROUPS needs it; then the narrowest key group that fits (a wider
+    one repeats every key's exp2 and shuffles on more lanes), at the most rows per
+    simdgroup (up to 8) it allows.
+    """
+    rows = gqa * query_len
+
+    def registers(per: int, lanes: int) -> int:
+        return _partials_registers(head_dim, rows, per, lanes, k_bits, _atom_words(head_dim, k_bits, k_group, lanes),
+                                   v_bits, _atom_words(head_dim, v_bits, v_group, lanes))
+
+    def fitting_lanes(per: int):
+        return next((w for w in LANES_PER_KEY if registers(per, w) <= chips.PIPELINE_REGISTER_LIMIT), None)
+
+    lanes = next((w for w in LANES_PER_KEY if rows * 2 * head_dim // w <= REGISTER_BUDGET
+                  and registers(rows, w) <= REGISTER_MODE_LIMIT), None)
+    if rows == 1 and lanes is None:  # one row with wide atoms: the key group of fewest registers
+        lanes = min(LANES_PER_KEY, key=lambda w: registers(rows, w))
+    if rows <= ROW_REGISTER_LIMIT and lanes is not None:
+        simdgroups, per = REGISTER_SIMDGROUPS, rows
+    else:
+        # (Few rows land here only with wide atoms: their register-mode copies of q and o
+        # pass REGISTER_MODE_LIMIT, so fewer rows per simdgroup.) Fewest passes over K/V
+        # first (each pass reads the split again), then up to 8 rows per simdgroup (fewer
+        # simdgroups reading each tile) at the narrowest key group that fits.
+        cap = min(ROW_REGISTER_LIMIT, rows - 1)
+        per, passes = 1, -(-rows // MAX_SHARED_SIMDGROUPS)
+        for p in range(1, -(-rows // MAX_SHARED_SIMDGROUPS) + 1):
+            least = -(-rows // (MAX_SHARED_SIMDGROUPS * p))
+            if least <= cap:  # narrowest key group, then the most rows (fewest simdgroups)
+                fits = [(fitting_lanes(r), -r, r) for r in range(least, cap + 1) if fitting_lanes(r)]
+            else:  # all simdgroups busy: narrowest key group, then the fewest rows
+                fits = [(fitting_lanes(r), r, r) for r in range(least, SHARED_ROW_LIMIT + 1) if fitting_lanes(r)]
+            if fits:
+                per, passes = min(fits)[2], p
+                break
+        simdgroups = min(-(-rows // (per * passes)), MAX_SHARED_SIMDGROUPS)
+        per = -(-rows // (simdgroups * passes))
+        lanes = fitting_lanes(per) or min(LANES_PER_KEY, key=lambda w: registers(per, w))
+    k_row = head_dim * k_bits // 8 if k_bits else head_dim * k_itemsize
+    v_row = head_dim * v_bits // 8 if v_bits else head_dim * v_itemsize
+    k_scales = head_dim // k_group * k_itemsize if k_bits else 0
+    v_scales = head_dim // v_group * v_itemsize if v_bits else 0
+    tile = 0
+    if per < rows:
+        budget = TILE_MEMORY_BUDGET[128 if head_dim <= 128 else 256]
+        tile = min(MAX_TILE_TOKENS, block_size or MAX_TILE_TOKENS)
+        while tile > 1 and 2 * tile * (k_row + v_row + 2 * k_scales + 2 * v_scales) > budget:
+            tile //= 2
+    tg_bytes = attention_threadgroup_bytes(
+        head_dim=head_dim, rows=rows, simdgroups=simdgroups, rows_per_simdgroup=per, tile=tile, k_row_bytes=k_row,
+        v_row_bytes=v_row, k_scale_bytes=k_scales, v_scale_bytes=v_scales)
+    return AttentionLayout(simdgroups, per, lanes, tile, _atom_words(head_dim, k_bits, k_group, lanes),
+                           _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes, rows)
+
+
+def cache_format(cache) -> tuple:
+    """(element dtype, bits, group size) of one K or V cache; a float cache has bits 0 and
+    group 32 (placeholders the kernels never read)."""
+    if isinstance(cache, QuantizedKV):
+        return cache.scales.dtype, cache.bits, cache.group_size
+    return cache.dtype, 0, 32
+
+
+def layout_for(query, keys, values, *, paged: bool) -> AttentionLayout:
+    """The layout the backend picks for a 4-D query ([S, L, H, D] paged, [B, H, L, D] contiguous)."""
+    kdtype, kbits, kgs = cache_format(keys)
+    vdtype, vbits, vgs = cache_format(values)
+    ksize, vsize = kdtype.size, vdtype.size
+    num_heads, query_len = (query.shape[2], query.shape[1]) if paged else (query.shape[1], query.shape[2])
+    num_kv_heads = tuple(keys.shape)[1]
+    return attention_layout(head_dim=query.shape[-1], gqa=num_heads // num_kv_heads, query_len=query_len,
+                            k_bits=kbits, k_group=kgs, k_itemsize=ksize, v_bits=vbits, v_group=vgs,
+                            v_itemsize=vsize, block_size=tuple(keys.shape)[2] if paged else None)
+
+
+# A prefix chunk's rows (G x members) stay within one walk over a split: past
+# MAX_SHARED_SIMDGROUPS x ROW_REGISTER_LIMIT rows the shared mode walks the split again
+# for each further block of rows, and the prefix would be read that often.
+CASCADE_CHUNK_ROWS = MAX_SHARED_SIMDGROUPS * ROW_REGISTER_LIMIT
+
+
+# ----------------------------------------------------------------------------- registers per lane
+
+REGISTER_OVERHEAD = 32  # assumed per lane: indices, loop counters, 64-bit buffer addresses
+
+
+def _atoms(head_dim: int, bits: int, atom_words: int, lanes_per_key: int) -> tuple:
+    """(atoms per lane, elements per atom) of one side's rows (kv_fetch's NA, AE)."""
+    per_atom = atom_words * 32 // bits if bits else 4
+    return -(-(head_dim // per_atom) // lanes_per_key), per_atom
+
+
+def estimated_registers(kernel: str, template: dict) -> int:
+    """Estimated live 32-bit registers per lane of one specialisation: the arrays a lane
+    keeps across its key loop (from the kernel's data layout) plus REGISTER_OVERHEAD.
+
+    An estimate, not the compiler's count: what keeps every layout under
+    chips.PIPELINE_REGISTER_LIMIT, where M1/M2 still allow PIPELINE_THREAD_LIMIT threads
+    per threadgroup. ``kvmetal selfcheck`` on a Mac reports the real limits. The table
+    for every family is in docs/kernels.md ("Threads and registers")."""
+    D = int(template.get("D", 0))
+    if "RPS" in template:  # decode / paged / cascade partials (kv_attend)
+        rps, lanes = int(template["RPS"]), int(template["LPK"])
+        kbits, vbits = int(template["KBITS"]), int(template["VBITS"])
+        kna, kae = _atoms(D, kbits, int(template["KAW"]), lanes)
+        vna, vae = _atoms(D, vbits, int(template["VAW"]), lanes)
+        # KvRowState: q and o shares, qsum / ob (quantized), m, l, pos.
+        row = kna * kae + vna * vae + 3 + (kna if kbits else 0) + (vna if vbits else 0)
+        # KvAtoms: values, and (scale, bias) per atom for a quantized side (dead code for a float one).
+        k_atoms = kna * kae + (2 * kna if kbits else 0)
+        v_atoms = vna * vae + (2 * vna if vbits else 0)
+        shared = rps < int(template["G"]) * int(template["QL"])
+        # Register mode keeps the next pass's atoms in flight (software pipeline).
+        in_flight = k_atoms + v_atoms if shared else 2 * k_atoms + v_atoms * (1 if template["SV"] else 2)
+        words = max(int(template["KAW"]), int(template["VAW"]))  # packed words being unpacked
+        return rps * row + in_flight + words + REGISTER_OVERHEAD
+    if kernel == "paged_varlen_partials":
+        frag = D // 8
+        q = 0 if template.get("QTG") else 2 * frag  # Q fragments (in threadgroup memory when QTG)
+        # O and S fragments (2 floats a lane each), the K/V fragment being loaded, m, l and the tile's sums.
+        return q + 2 * frag + 2 * (int(template["BK"]) // 8) + 4 + 6 + REGISTER_OVERHEAD
+    if kernel in ("attention_reduce", "cascade_reduce"):
+        return 4 * -(-(D // 4) // 32) + 8 + REGISTER_OVERHEAD  # float4 chunks of the row, m, denom
+    if kernel == "cache_rows_quantize":
+        return 4 + REGISTER_OVERHEAD  # a group is read twice from memory, not held
+    return 8 + REGISTER_OVERHEAD
+
+
+# ----------------------------------------------------------------------------- varlen prefill tiles
+
+VARLEN_DECODE_ROWS = VARLEN_SHORT_RUN  # sequences with n_s <= this go through the decode partials
+assert VARLEN_DECODE_ROWS <= ROW_REGISTER_LIMIT
+VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 * simdgroups query rows
+VARLEN_BLOCK_K = (32, 16, 8)             # candidate K/V tile tokens, largest first
+VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer each, rows padded)
+VARLEN_ROW_PAD = 16                      # bytes added to each tile row (kernels: KvVarlenStride)
+VARLEN_TRANSPOSED_PAD = 8                # bytes added to each row of the transposed K tile (KvVarlenStrideT)
+VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVarlenTile)
+
+
+@dataclass(frozen=True)
+class VarlenTiles:
+    """Tile sizes of the tiled varlen kernel (template parameters NSG, BK, KT).
+
+    ``transposed_k`` (KT): the K tile holds dims as rows, so a K fragment's two keys are
+    one vector load (and the fill's stores go down columns); False keeps K row-major
+    like V (two scalar loads per K fragment, 16-byte stores). The default is the
+    pattern of the fast kernels; only a Mac can time the two (``tiles=`` override)."""
+
+    simdgroups: int
+    block_k: int
+    transposed_k: bool = True
+
+    @property
+    def block_q(self) -> int:
+        return 8 * self.simdgroups
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.simdgroups
+
+
+def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int,
+                             transposed_k: bool = True) -> int:
+    """Threadgroup memory of paged_varlen_partials: K tile (transposed: head_dim rows of
+    block_k keys, padded by VARLEN_TRANSPOSED_PAD bytes), V tile (rows padded by
+    VARLEN_ROW_PAD bytes; both in the tile element types), ok flags."""
+    k_tile = (head_dim * (block_k * k_itemsize + VARLEN_TRANSPOSED_PAD) if transposed_k
+              else block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
+    return _round16(k_tile) + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(4 * block_k)
+
+
+def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups: int | None = None,
+                 block_k: int | None = None) -> VarlenTiles:
+    """The tile sizes for one head_dim and tile element sizes: the largest BK whose
+    padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16)."""
+    if block_k is None:
+        block_k = next((bk for bk in VARLEN_BLOCK_K
+                        if varlen_threadgroup_bytes(head_dim=head_dim, block_k=bk, k_itemsize=k_itemsize,
+                                                    v_itemsize=v_itemsize) - _round16(4 * bk) <= VARLEN_TILE_MEMORY),
+                       VARLEN_BLOCK_K[-1])
+    tiles = VarlenTiles(simdgroups or VARLEN_SIMDGROUPS, block_k)
+    if tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= MAX_SHARED_SIMDGROUPS:
+        raise ValueError(f"[metal] varlen tiles need BK a multiple of 8 and 1..{MAX_SHARED_SIMDGROUPS} simdgroups "
+                         f"(chips.PIPELINE_THREAD_LIMIT threads), got {tiles}")
+    used = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
+                                    v_itemsize=v_itemsize, transposed_k=tiles.transposed_k)
+    if used > 32 * 1024:
+        raise ValueError(f"[metal] varlen tiles {tiles} need {used} bytes of threadgroup memory (> 32 KiB)")
+    return tiles
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """Host-side schedule of one varlen call (from query_start_loc and seq_lens).
+
+    Row t of the query belongs to sequence seq_of[t]; rows that see nothing (a
+    sequence's rows beyond its length) gather the zero row. Long sequences
+    (n > VARLEN_DECODE_ROWS) become query tiles; short ones are grouped by n
+    for the decode partials.
+    """
+
+    lens: np.ndarray          # guarded seq_lens (int32)
+    tiles: np.ndarray         # [num_tiles, VARLEN_TILE_FIELDS] int32
+    long_tokens: int          # rows of the tiled kernel's output (tokens of long sequences)
+    max_work: int             # most keys one query tile attends
+    short: dict               # n -> (sequence ids, first query row of each)
+    gather: np.ndarray        # [T] row of the stacked outputs each query row takes
+
+
+def varlen_plan(query_start_loc, seq_lens, *, num_tokens: int, gqa: int, block_q: int, max_len: int,
+                sliding_window) -> VarlenPlan:
+    qsl = np.asarray(query_start_loc).astype(np.int64)
+    lens = np.clip(np.asarray(seq_lens).astype(np.int64), 0, max_len)
+    num_seqs = lens.shape[0]
+    # Index guards (validate=False): starts/ends inside [0, T] and non-decreasing.
+    starts = np.clip(qsl[:num_seqs], 0, num_tokens)
+    ends = np.clip(qsl[1:num_seqs + 1], 0, num_tokens)
+    ends = np.maximum(ends, starts)
+    counts = ends - starts
+    # Rows beyond the sequence's length sit at negative positions: they see nothing.
+    n_eff = np.minimum(counts, lens)
+    first = ends - n_eff
+    tiles, long_tokens, max_work = [], 0, 0
+    short = {}
+    long_rows = {}
+    for s in range(num_seqs):
+        n = int(n_eff[s])
+        if n == 0:
+            continue
+        if n <= VARLEN_DECODE_ROWS:
+            ids, q0s = short.setdefault(n, ([], []))
+            ids.append(s)
+            q0s.append(int(first[s]))
+            continue
+        long_rows[s] = long_tokens
+        for r0 in range(0, n * gqa, block_q):
+            tiles.append((s, r0, int(first[s]), long_tokens, n, 0, 0, 0))
+        long_tokens += n
+        keys = int(lens[s]) if sliding_window is None else min(int(lens[s]), sliding_window + block_q)
+        max_work = max(max_work, keys)
+    gather = np.full(num_tokens, -1, dtype=np.int64)
+    for s, o0 in long_rows.items():
+        gather[first[s]:ends[s]] = o0 + np.arange(n_eff[s])
+    base = long_tokens
+    for n, (ids, q0s) in sorted(short.items()):
+        for k, q0 in enumerate(q0s):
+            gather[q0:q0 + n] = base + k * n + np.arange(n)
+        base += len(ids) * n
+    gather[gather < 0] = base  # the zero row
+    table = np.array(tiles, dtype=np.int32).reshape(-1, VARLEN_TILE_FIELDS)
+    return VarlenPlan(lens.astype(np.int32), table, long_tokens, max_work, dict(sorted(short.items())), gather)
+
+
+def largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
