@@ -162,33 +162,28 @@ SPECS = {
         KernelSpec("copy_blocks_gather", "cache_copy", ("blocks", "src"), ("blocks_out",), ("T",),
                    lambda *, width, count: Geometry(grid=(width, count, 1),
                                                     threadgroup=(largest_pow2_divisor(width, 256), 1, 1))),
+        # The tiled varlen kernel (kernels/varlen.metal).
+        KernelSpec("paged_varlen_partials", "varlen",
+                   ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "tiles", "params"), _PARTIALS,
+                   ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KT", "KBITS", "KGS", "VBITS", "VGS"),
+                   lambda *, num_tiles, num_kv_heads, splits, tiles, threadgroup_bytes: Geometry(
+                       grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
+                       threadgroup_bytes=threadgroup_bytes),
+                   math_mode=ATTENTION_MATH_MODE),
+        # Shared-prefix decode (kernels/cascade.metal, metal_cascade.py): the partials kernel
+        # takes paged_attention_partials' inputs and template; the reduce folds the prefix
+        # and own partials of each row.
+        KernelSpec("cascade_partials", "cascade",
+                   ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
+                   _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
+                   math_mode=ATTENTION_MATH_MODE, uses=("attention",)),
+        KernelSpec("cascade_reduce", "cascade",
+                   ("prefix_max", "prefix_sum", "prefix_acc", "own_max", "own_sum", "own_acc", "slot_of", "sinks",
+                    "params"), ("out",), ("TQ", "D", "HAS_SINKS"),
+                   lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
+                   math_mode=ATTENTION_MATH_MODE, uses=("attention",)),
     )
 }
-
-
-# The tiled varlen kernel (kernels/varlen.metal), next to SPECS' decode kernels.
-SPECS["paged_varlen_partials"] = KernelSpec(
-    "paged_varlen_partials", "varlen", ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "tiles", "params"),
-    _PARTIALS, ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KT", "KBITS", "KGS", "VBITS", "VGS"),
-    lambda *, num_tiles, num_kv_heads, splits, tiles, threadgroup_bytes: Geometry(
-        grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
-        threadgroup_bytes=threadgroup_bytes),
-    math_mode=ATTENTION_MATH_MODE)
-
-
-# Shared-prefix decode (kernels/cascade.metal, kvmetal/backends/metal_cascade.py): the
-# partials kernel takes paged_attention_partials' inputs and template; the reduce folds
-# the prefix and own partials of each row.
-SPECS["cascade_partials"] = KernelSpec(
-    "cascade_partials", "cascade", ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
-    _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
-    math_mode=ATTENTION_MATH_MODE, uses=("attention",))
-SPECS["cascade_reduce"] = KernelSpec(
-    "cascade_reduce", "cascade",
-    ("prefix_max", "prefix_sum", "prefix_acc", "own_max", "own_sum", "own_acc", "slot_of", "sinks", "params"),
-    ("out",), ("TQ", "D", "HAS_SINKS"),
-    lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
-    math_mode=ATTENTION_MATH_MODE, uses=("attention",))
 
 
 CASCADE_REDUCE_PARAMS = ParamStruct("KvCascadeReduceParams", (
