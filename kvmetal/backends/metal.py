@@ -11,7 +11,6 @@ D head_dim, N cache blocks, BS block size, M block-table width, T tokens.
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 from typing import Callable
 
@@ -489,8 +488,3 @@ def metal_backend(macos: int | None = None) -> KernelBackend:
         if ("metal", macos) not in _backends:
             _backends[("metal", macos)] = KernelBackend("metal", mx.fast.metal_kernel, macos=macos)
         return _backends[("metal", macos)]
-
-
-def sim_backend(macos: int | None = None) -> KernelBackend:
-    """The sim backend (``kvmetal.sim.backend``), by its old name here."""
-    return importlib.import_module("kvmetal.sim.backend").sim_backend(macos)
