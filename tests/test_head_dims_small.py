@@ -97,10 +97,11 @@ def test_quantized_formats_without_a_dividing_group_size_are_refused(head_dim):
 
 
 def test_small_head_dims_reach_no_kernel_family_the_registry_lacks():
-    """The registry (kvmetal/backends/specialisations.py) picks its candidates at head dims
-    64/128/256; the rules, mutants and sweeps run what it reaches. Every candidate at 64
-    traced again at 32, 48 and 72 (where its formats fit) must reach only families it
-    already covers: head_dim stays a size, not a code path, for these dims."""
+    """The registry (kvmetal/backends/specialisations.py) picks its candidates at its
+    GRID_HEAD_DIMS; the rules, mutants and sweeps run what it reaches. Every candidate traced
+    again at every other head dim kvmetal serves (ops.SUPPORTED_HEAD_DIMS, where its formats
+    fit) must reach only families the registry already covers: head_dim stays a size, not a
+    code path, for every dim."""
     import dataclasses
 
     from kvmetal.backends import specialisations as sp
@@ -110,12 +111,14 @@ def test_small_head_dims_reach_no_kernel_family_the_registry_lacks():
     recorder = sp._Recorder()
     backend = KernelBackend("families", recorder, macos=15)
     traced = 0
+    others = [d for d in ops.SUPPORTED_HEAD_DIMS if d not in sp.GRID_HEAD_DIMS]
+    assert set(SMALL) <= set(others)
     for f in sp._candidates():
-        if f.head_dim != 64:
+        if f.head_dim != sp.GRID_HEAD_DIMS[0] and f.op not in ("gather_kv_cache", "reshape_and_cache", "copy_blocks"):
             continue
-        for head_dim in SMALL:
+        for head_dim in others:
             if sp._fits(head_dim, f.k_quant) and sp._fits(head_dim, f.v_quant):
                 keys = sp._trace_keys(backend, recorder, dataclasses.replace(f, head_dim=head_dim))
                 assert keys <= known, (f, head_dim, sorted(keys - known, key=str)[:3])
                 traced += 1
-    assert traced > 100
+    assert traced > 100 * len(others)

@@ -273,6 +273,10 @@ def backend_call(f: Family) -> tuple:
 
 # ----------------------------------------------------------------------------- candidates
 
+# The head dims the candidate grid draws from. head_dim is a size, not a code path: every
+# other dim kvmetal serves (ops.SUPPORTED_HEAD_DIMS) reaches only families these reach
+# (tests/test_head_dims_small.py traces every candidate again at each of them).
+GRID_HEAD_DIMS = (64, 128, 256)
 SPARSE_V_TAU = 1e-3  # the threshold sparse-V candidates run with (any tau in (0, 1) builds SV = 1)
 _QUANTS = (None, (2, 32), (2, 64), (3, 32), (4, 32), (4, 64), (4, 128), (5, 32), (6, 64), (8, 32), (8, 64),
            (8, 128), (2, 128), (3, 128), (5, 128), (6, 32))
@@ -288,7 +292,7 @@ def _candidates():
     rng = np.random.default_rng(17)
     out = []
     for op in ("paged_attention", "decode_attention"):
-        grid = list(itertools.product(DTYPES, (64, 128, 256), _ROWS, _QUANTS, _QUANTS, (8, 16, 32)))
+        grid = list(itertools.product(DTYPES, GRID_HEAD_DIMS, _ROWS, _QUANTS, _QUANTS, (8, 16, 32)))
         rng.shuffle(grid)
         for i, (dtype, D, (g, L), kq, vq, bs) in enumerate(grid[:2500]):
             if not (_fits(D, kq) and _fits(D, vq)):
@@ -308,7 +312,7 @@ def _candidates():
                                   kq, vq, bool(rng.integers(2)), sparse_v))
     # Varlen: runs of 9-40 new rows (the tiled kernel; shorter runs are the decode
     # partials above) at every dtype, head_dim and cache format.
-    grid = list(itertools.product(DTYPES, (64, 128, 256), (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
+    grid = list(itertools.product(DTYPES, GRID_HEAD_DIMS, (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
     rng.shuffle(grid)
     for dtype, D, g, kq, vq, bs in grid[:600]:
         if _fits(D, kq) and _fits(D, vq):
@@ -316,7 +320,7 @@ def _candidates():
             out.append(Family("paged_attention_varlen", dtype, D, int(rng.choice((1, 2))), g, n, bs,
                               n + int(rng.choice((0, 23))), int(rng.choice((1, 2))), kq, vq, bool(rng.integers(2))))
     # Cascade: prefixes of 1-100 members (the chunking), every dtype and cache format.
-    grid = list(itertools.product(DTYPES, (64, 128, 256), (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
+    grid = list(itertools.product(DTYPES, GRID_HEAD_DIMS, (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
     rng.shuffle(grid)
     for i, (dtype, D, g, kq, vq, bs) in enumerate(grid[:600]):
         if _fits(D, kq) and _fits(D, vq):

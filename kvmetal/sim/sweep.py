@@ -4,7 +4,7 @@ registry (``specialisations.ATTENTION_OPS``: paged and contiguous decode, varlen
 cascade), so a new attention op must be drawn here or the sweep refuses to start.
 
 Each configuration is drawn over the whole space the ops accept: G 1-48 query
-heads per kv head, L 1-8 query tokens, head_dim 64/80/96/128/256, block sizes
+heads per kv head, L 1-8 query tokens, every head_dim the ops serve (32-256), block sizes
 8/16/32, 1-7 splits (or automatic), tiny and odd lengths, every K/V bit width and
 group size (float and quantized K and V mixed), sliding window, softcap (with
 scores large enough to overflow an unguarded fast tanh now and then), sinks, and
@@ -51,8 +51,9 @@ import numpy as np
 
 from .. import quant
 from .. import reference as ref
+from ..ops import SUPPORTED_HEAD_DIMS
 
-HEAD_DIMS = (64, 80, 96, 128, 256)
+HEAD_DIMS = SUPPORTED_HEAD_DIMS  # every head_dim the ops serve (quantized where a group size fits)
 BLOCK_SIZES = (8, 16, 32)
 DTYPES = ("float16", "bfloat16", "float32")
 TOLERANCE = {"float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}  # docs/design.md budgets
