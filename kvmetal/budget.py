@@ -19,6 +19,12 @@ Units: bytes are printed in decimal GB and binary GiB; ``--memory`` is the
 unified memory as sold (a "64GB" Mac has 64 GiB); bandwidth is decimal GB/s as
 Apple publishes it. Context lengths accept K/M suffixes (32K = 32768 tokens).
 
+The K/V format: ``--kv`` names it in one word (f16, bf16, f32, k8v4, q8 ...), or the K/V
+format flags of ``kvmetal generate``, ``serve`` and ``bench -m`` give it (``--kv-bits``,
+``--k-bits``, ``--v-bits``, ``--kv-group-size``, ``--k-group-size``, ``--v-group-size``:
+``kvmetal.kv_format.add_format_flags``), with their meaning, defaults and errors: the group
+size is ``kv_format.default_group_size`` (32) unless given, as serve allocates it.
+
     kvmetal budget --model llama-3-8b --context 32K --kv f16
     kvmetal budget --model path/to/config.json --context 128K --kv k8v4 --chip m4-max
     kvmetal budget --model qwen2.5-7b --context 64K --batch 4 --memory 64 --bandwidth 400 --json
@@ -32,6 +38,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -39,6 +46,7 @@ from . import quant
 from .chips import CHIPS
 from .kv_format import FLOAT_BYTES, KVFormat, default_group_size, largest_group_size  # noqa: F401  (re-exported)
 from .kv_format import FLOAT_NAMES as _FLOAT_NAMES
+from .kv_format import FORMAT_FLAGS_HELP, KVFormatError, add_format_flags, format_from_args
 
 OP = "budget"
 GIB = 1 << 30
@@ -165,7 +173,9 @@ def shape_from_config(cfg: dict, *, name: str = "config", weights_bytes: int | N
     q = cfg.get("quantization") or cfg.get("quantization_config") or {}
     weight_bits = 16.0
     if isinstance(q, dict) and q.get("bits"):
-        # mlx-lm affine weights: bits per value + a 16-bit scale and bias per group
+        # mlx-lm affine weights: bits per value + a 16-bit scale and bias per group. 64 is the
+        # *weight* group size mlx-lm quantizes with when none is given (mlx_lm.utils.quantize_model,
+        # mx.quantize's affine default), not the K/V cache's (kv_format.default_group_size).
         weight_bits = q["bits"] + 32 / q.get("group_size", 64)
     elif cfg.get("torch_dtype") == "float32":
         weight_bits = 32.0
@@ -333,7 +343,7 @@ def _row_bytes(fmt: KVFormat, head_dim: int, which: str) -> int:
     except ValueError as exc:
         group = fmt.group_size(which)
         fit = largest_group_size(head_dim)
-        hint = f"; try --group-size {fit}" if head_dim % group and fit else ""
+        hint = f"; try --kv-group-size {fit}" if head_dim % group and fit else ""
         _fail(f"{which.upper()} format {fmt.label}: {str(exc).split('] ', 1)[-1]}{hint}")
 
 
@@ -576,20 +586,35 @@ def format_report(r: dict) -> str:
 COMPARE_FORMATS = ("f16", "k8v8", "k8v4", "k4v4", "k4v2")
 
 
-def compare_rows(model: ModelShape, fmt: KVFormat, *, context: int, batch: int, block_size: int) -> list:
-    """Common K/V formats (and ``fmt``) side by side: per-token and cache bytes, or why not."""
-    specs = [parse_kv(s, dtype=fmt.dtype) for s in COMPARE_FORMATS]
-    specs = [replace(s, k_group_size=fmt.k_group_size, v_group_size=fmt.v_group_size) for s in specs]
-    if fmt not in specs:
-        specs.append(fmt)
-    rows = []
-    for s in specs:
-        row = {"label": s.label, "format": asdict(s), "bytes_per_token": None, "cache_bytes": None, "error": None}
+def compare_formats(fmt: KVFormat, head_dim: int, resolve) -> list:
+    """``COMPARE_FORMATS`` in ``fmt``'s float dtype, then ``fmt`` unless it is one of them:
+    ``(format, error)`` pairs, each format ``resolve(spec)`` (its group sizes chosen for
+    ``head_dim`` as ``fmt``'s were), or, where ``resolve`` refused it, the spec at the group
+    sizes asked for and the one-line reason."""
+    pairs = []
+    for spec in (parse_kv(s, dtype=fmt.dtype) for s in COMPARE_FORMATS):
         try:
-            row["bytes_per_token"] = bytes_per_token(model, s)
-            row["cache_bytes"] = cache_bytes(model, s, context=context, batch=batch, block_size=block_size)
+            pairs.append((resolve(spec), None))
         except ValueError as exc:
-            row["error"] = str(exc).split("] ", 1)[-1]
+            asked = replace(spec, k_group_size=fmt.k_group_size or default_group_size(head_dim),
+                            v_group_size=fmt.v_group_size or default_group_size(head_dim))
+            pairs.append((asked, str(exc).split("] ", 1)[-1]))
+    if all(f != fmt for f, _ in pairs):
+        pairs.append((fmt, None))
+    return pairs
+
+
+def compare_rows(model: ModelShape, formats: list, *, context: int, batch: int, block_size: int) -> list:
+    """Per-token and cache bytes of each ``(format, error)`` of ``compare_formats``, or why not."""
+    rows = []
+    for s, error in formats:
+        row = {"label": s.label, "format": asdict(s), "bytes_per_token": None, "cache_bytes": None, "error": error}
+        if error is None:
+            try:
+                row["bytes_per_token"] = bytes_per_token(model, s)
+                row["cache_bytes"] = cache_bytes(model, s, context=context, batch=batch, block_size=block_size)
+            except ValueError as exc:
+                row["error"] = str(exc).split("] ", 1)[-1]
         rows.append(row)
     return rows
 
@@ -677,17 +702,17 @@ def _parser() -> argparse.ArgumentParser:
                         "config.json path, or model directory")
     p.add_argument("--context", "-c", default="32K", help="tokens per sequence, e.g. 8192, 32K, 1M (default 32K)")
     p.add_argument("--batch", "-b", type=int, default=1, help="sequences (default 1)")
-    p.add_argument("--kv", default=None, help="K/V storage: f16, bf16, f32, k8v4, k4v4, q8 ... (default f16)")
-    p.add_argument("--k-bits", type=int, default=None, help="quantize K to these bits (overrides --kv)")
-    p.add_argument("--v-bits", type=int, default=None, help="quantize V to these bits (overrides --kv)")
-    p.add_argument("--kv-bits", type=int, default=None,
-                   help="quantize K and V to these bits (generate's and serve's flag; --k-bits/--v-bits win)")
-    p.add_argument("--group-size", "--kv-group-size", dest="group_size", type=int, default=None,
-                   help="quantization group size for K and V (default 32, as generate and serve use, or the "
-                        "largest that divides head_dim)")
-    p.add_argument("--k-group-size", type=int, default=None, help="group size of K (overrides --group-size)")
-    p.add_argument("--v-group-size", type=int, default=None, help="group size of V (overrides --group-size)")
+    p.add_argument("--kv", default=None,
+                   help="K/V storage in one word: a float dtype (f16, bf16, f32) or bits such as k8v4, k4v4, "
+                        "k8vf16, q8 (default f16); a quantized one takes the group-size flags below, not the "
+                        "bits flags")
     p.add_argument("--dtype", default=None, help="float dtype of the cache / of scales and biases (default f16)")
+    flags = p.add_argument_group("K/V format (the flags of kvmetal generate, serve and bench -m, read the same way)",
+                                 textwrap.fill(FORMAT_FLAGS_HELP, 90))
+    add_format_flags(flags)
+    # budget's name for --kv-group-size before it took the shared flags; kept for old scripts
+    flags.add_argument("--group-size", dest="kv_group_size", type=int, choices=quant.SUPPORTED_GROUP_SIZES,
+                       default=None, help=argparse.SUPPRESS)
     p.add_argument("--block-size", type=int, default=16, help="paged-cache block size: contexts round up to it")
     p.add_argument("--chip", default=None, help=f"Apple chip: {', '.join(CHIPS)}")
     p.add_argument("--memory", type=float, default=None, help="unified memory in GiB (default: the chip's largest)")
@@ -705,34 +730,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_group(head_dim: int) -> int:
-    """What generate and serve use when no group size is given (kv_format.default_group_size,
-    32), or the largest that divides head_dim, as KVFormat.for_head_dim picks."""
-    group = default_group_size(head_dim)
-    return group if head_dim % group == 0 else (largest_group_size(head_dim) or group)
+def _with_group_flags(args, spec: KVFormat, head_dim: int) -> KVFormat:
+    """``spec``'s bits and float dtype with the group sizes of ``args``'s K/V format flags,
+    chosen and checked for ``head_dim`` by kv_format as generate and serve choose theirs
+    (KVFormat.for_head_dim: default_group_size unless given; a KVFormatError names the flag)."""
+    flags = argparse.Namespace(**{**vars(args), "kv_bits": None, "k_bits": spec.k_bits, "v_bits": spec.v_bits})
+    return replace(format_from_args(flags).for_head_dim(head_dim), dtype=spec.dtype)
 
 
 def _format_from_args(args, head_dim: int) -> KVFormat:
-    fmt = parse_kv(args.kv or (args.dtype or "f16"), dtype=args.dtype)
-    if args.k_bits is not None or args.v_bits is not None:
-        k = None if args.k_bits is None else quant.check_bits(args.k_bits, op=OP, name="--k-bits")
-        v = None if args.v_bits is None else quant.check_bits(args.v_bits, op=OP, name="--v-bits")
-        if args.kv is not None and (fmt.k_bits is not None or fmt.v_bits is not None):
-            _fail(f"give either --kv {args.kv} or --k-bits/--v-bits, not both")
-        fmt = replace(fmt, k_bits=k, v_bits=v)
-    if args.kv_bits is not None:  # the shared flag of generate/serve: both sides, unless one is given
-        kv = quant.check_bits(args.kv_bits, op=OP, name="--kv-bits")
-        spec = parse_kv(args.kv or (args.dtype or "f16"), dtype=args.dtype)
-        if args.kv is not None and (spec.k_bits is not None or spec.v_bits is not None):
-            _fail(f"give either --kv {args.kv} or --kv-bits, not both")
-        fmt = replace(fmt, k_bits=kv if args.k_bits is None else fmt.k_bits,
-                      v_bits=kv if args.v_bits is None else fmt.v_bits)
-    g = args.group_size
-    kg = args.k_group_size or g or _default_group(head_dim)
-    vg = args.v_group_size or g or _default_group(head_dim)
-    quant.check_group_size(kg, op=OP, name="--k-group-size" if args.k_group_size else "--group-size")
-    quant.check_group_size(vg, op=OP, name="--v-group-size" if args.v_group_size else "--group-size")
-    return replace(fmt, k_group_size=kg, v_group_size=vg)
+    """The KV format of budget's flags: ``--kv`` (and ``--dtype``), or the shared K/V format
+    flags read as generate and serve read them (``kv_format.format_from_args``)."""
+    spec = parse_kv(args.kv or (args.dtype or "f16"), dtype=args.dtype)
+    given = format_from_args(args)
+    if given.quantized:
+        if spec.quantized:
+            bits = [flag for flag, value in (("--kv-bits", args.kv_bits), ("--k-bits", args.k_bits),
+                                             ("--v-bits", args.v_bits)) if value is not None]
+            _fail(f"give either --kv {args.kv} or {'/'.join(bits)}, not both")
+        spec = replace(spec, k_bits=given.k_bits, v_bits=given.v_bits)
+    try:
+        return _with_group_flags(args, spec, head_dim)
+    except KVFormatError as exc:
+        _fail(str(exc))
 
 
 def run(argv: list[str] | None = None) -> tuple:
@@ -764,29 +784,20 @@ def run(argv: list[str] | None = None) -> tuple:
     report["tp"] = {"devices": args.tp, "kv_heads_total": whole.num_kv_heads,
                     "kv_heads_per_device": model.num_kv_heads, "kv_replicated": replicated}
     text = format_report(report)
+    others = (compare_formats(fmt, model.head_dim, lambda spec: _with_group_flags(args, spec, model.head_dim))
+              if args.compare or args.plot else [])
     if args.compare:
-        report["compare"] = compare_rows(model, fmt, context=context, batch=args.batch, block_size=args.block_size)
+        report["compare"] = compare_rows(model, others, context=context, batch=args.batch,
+                                         block_size=args.block_size)
         text += "\n\n" + compare_table(report["compare"])
     if args.plot:
-        formats = [replace(parse_kv(s, dtype=fmt.dtype), k_group_size=fmt.k_group_size,
-                           v_group_size=fmt.v_group_size) for s in COMPARE_FORMATS]
-        formats = [f for f in formats if _fits_layout(model, f)]
-        if fmt not in formats:
-            formats.append(fmt)
+        formats = [f for f, error in others if error is None]  # those the head_dim can hold
         free = report["memory"]["free_for_cache_bytes"] if report["memory"] else None
         plot_cache_sizes(model, formats, args.plot, batch=args.batch, max_context=max(4 * context, 1 << 20),
                          free_bytes=free, context=context, chosen=fmt, block_size=args.block_size)
         report["plot"] = args.plot
         text += f"\n\nplot written to {args.plot}"
     return report, text
-
-
-def _fits_layout(model: ModelShape, fmt: KVFormat) -> bool:
-    try:
-        bytes_per_token(model, fmt)
-        return True
-    except ValueError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

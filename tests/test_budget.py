@@ -184,11 +184,12 @@ def test_text_output_and_compare(capsys):
     (["--model", "llama-3-8b", "--context", "0"], r"--context must be positive"),
     (["--model", "llama-3-8b", "--batch", "0"], r"--batch must be positive"),
     (["--model", "llama-3-8b", "--chip", "m9"], r"--chip must be one of"),
-    (["--model", "llama-3-8b", "--kv", "k8v4", "--group-size", "48"], r"--group-size must be one of \(32, 64, 128\)"),
-    (["--model", "phi-3-mini", "--kv", "k8v4", "--group-size", "64"],
-     r"head_dim 96 is not a multiple of group_size 64"),
+    (["--model", "phi-3-mini", "--kv", "k8v4", "--kv-group-size", "64"],
+     r"--kv-group-size 64 does not divide the model's head_dim 96; try --kv-group-size 32"),
     (["--model", "llama-3-8b", "--kv", "k8v4", "--kv-bits", "4"], r"either --kv k8v4 or --kv-bits"),
     (["--model", "llama-3-8b", "--kv", "k8v4", "--k-bits", "4"], r"either --kv k8v4 or --k-bits"),
+    (["--model", "llama-3-8b", "--kv", "q8", "--kv-bits", "4", "--v-bits", "2"],
+     r"either --kv q8 or --kv-bits/--v-bits, not both"),
     (["--model", "llama-3-8b", "--memory", "-1"], r"memory must be positive"),
     (["--model", "llama-3-8b", "--memory", "8", "--usable-fraction", "1.5"], r"usable fraction must be in"),
 ])
@@ -229,11 +230,13 @@ def test_plot_written(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_plot_skips_formats_the_head_dim_cannot_hold(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    out = tmp_path / "phi.png"
-    assert B.main(["--model", "phi-3-mini", "--kv", "k8v4", "--group-size", "32", "--plot", str(out)]) == 0
-    assert out.exists()
+def test_plot_skips_formats_the_head_dim_cannot_hold(tmp_path, capsys, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(B, "plot_cache_sizes", lambda model, formats, path, **_: drawn.append([f.label for f in formats]))
+    # no quantized format holds head_dim 96 at group 64: f16 alone is drawn
+    run_json(capsys, "--model", "phi-3-mini", "--kv", "f16", "--kv-group-size", "64", "--plot", str(tmp_path / "a.png"))
+    run_json(capsys, "--model", "phi-3-mini", "--kv", "k8vf16", "--plot", str(tmp_path / "b.png"))
+    assert drawn == [["f16"], ["f16", "K8/V8 g32", "K8/V4 g32", "K4/V4 g32", "K4/V2 g32", "K8/Vf16 g32"]]
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, capsys, monkeypatch):
@@ -308,11 +311,12 @@ def test_json_includes_the_compare_table(capsys):
 
 
 def test_head_dim_96_suggests_group_size_32(capsys):
-    assert B.main(["-m", "phi-3-mini", "--kv", "k8v4", "--group-size", "64"]) == 2
-    assert "try --group-size 32" in capsys.readouterr().err
+    assert B.main(["-m", "phi-3-mini", "--kv", "k8v4", "--kv-group-size", "64"]) == 2
+    assert "try --kv-group-size 32" in capsys.readouterr().err
     assert run_json(capsys, "-m", "phi-3-mini", "--kv", "k8v4")["format"]["k_group_size"] == 32  # the default
-    r = run_json(capsys, "-m", "phi-3-mini", "--kv", "f16", "--group-size", "64", "--compare")
-    assert all("try --group-size 32" in row["error"] for row in r["compare"][1:])
+    r = run_json(capsys, "-m", "phi-3-mini", "--kv", "f16", "--kv-group-size", "64", "--compare")
+    assert [row["label"] for row in r["compare"]] == ["f16", "K8/V8 g64", "K8/V4 g64", "K4/V4 g64", "K4/V2 g64"]
+    assert all("try --kv-group-size 32" in row["error"] for row in r["compare"][1:])
 
 
 def test_weights_beyond_memory_say_so_and_give_no_decode_floor(tmp_path, capsys):
@@ -383,8 +387,10 @@ def test_the_default_group_size_is_the_one_generate_and_serve_use(capsys):
     # the shared flags of generate/serve mean the same here
     same = run_json(capsys, "-m", "llama-3-8b", "--kv-bits", "4", "--k-bits", "8", "--kv-group-size", "32")
     assert same["bytes_per_token"] == r["bytes_per_token"]
-    g64 = run_json(capsys, "-m", "llama-3-8b", "--kv", "k8v4", "--group-size", "64")
+    g64 = run_json(capsys, "-m", "llama-3-8b", "--kv", "k8v4", "--kv-group-size", "64")
     assert g64["bytes_per_token"] < r["bytes_per_token"]
+    # --group-size, budget's name for --kv-group-size before it took the shared flags, still means it
+    assert run_json(capsys, "-m", "llama-3-8b", "--kv", "k8v4", "--group-size", "64") == g64
 
 
 @pytest.mark.parametrize("name", ["default", "smollm2", "gemma3", "smollm2:keep"])
@@ -404,3 +410,82 @@ def test_named_models_are_read_from_their_gguf_header(capsys, name):
         assert r["bytes_per_token"] == 30 * 3 * ((64 + 2 * 2 * 2) + (32 + 2 * 2 * 2))
     assert B.main(["-m", f"{name.partition(':')[0]}:int8"]) == 2
     assert "dtype must be one of" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- one meaning of the K/V format flags
+
+FORMAT_ATTRS = ("dest", "default", "choices", "type", "nargs", "const", "required")
+
+
+def _format_actions(parser) -> dict:
+    """option string -> the argparse attributes that make a flag's meaning, for every flag
+    ``kv_format.add_format_flags`` declares (read from a fresh parser: no list kept by hand)."""
+    import argparse
+
+    from kvmetal.kv_format import add_format_flags
+
+    reference = argparse.ArgumentParser(add_help=False)
+    add_format_flags(reference)
+    options = [o for a in reference._actions for o in a.option_strings]
+    assert len(options) >= 6 and "--kv-group-size" in options
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    return {o: {k: getattr(by_option[o], k) for k in FORMAT_ATTRS} if o in by_option else None for o in options}
+
+
+def _command_parsers() -> dict:
+    from kvmetal.benchmarks import _parser as bench_parser
+    from kvmetal.commands.generate import _parser as generate_parser
+    from kvmetal.serve.cli import _parser as serve_parser
+
+    return {"serve": serve_parser(), "generate": generate_parser(), "bench": bench_parser()}
+
+
+def test_budget_takes_the_format_flags_of_generate_serve_and_bench():
+    """Issue 46: budget declared its own --k-bits/--kv-group-size... (no choices, --group-size's
+    dest); now add_format_flags gives it the same flags, defaults, choices and types."""
+    budget = _format_actions(B._parser())
+    assert None not in budget.values(), budget
+    for name, parser in _command_parsers().items():
+        assert _format_actions(parser) == budget, name
+
+
+@pytest.mark.parametrize("argv", [["--k-bits", "7"], ["--kv-bits", "1"], ["--v-bits", "x"],
+                                  ["--kv-group-size", "48"], ["--k-group-size", "16"], ["--v-group-size", "256"]])
+def test_a_bad_format_flag_is_the_error_serve_gives(argv, capsys):
+    messages = []
+    for parser in (B._parser(), _command_parsers()["serve"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["-m", "llama-3-8b", *argv])
+        assert exc.value.code == 2
+        messages.append(capsys.readouterr().err.replace(parser.prog, "PROG"))
+    assert messages[0] == messages[1] and argv[0] in messages[0], messages
+
+
+FLAG_CASES = [
+    [], ["--kv-bits", "4"], ["--k-bits", "8"], ["--v-bits", "4"], ["--kv-bits", "4", "--k-bits", "8"],
+    ["--kv-bits", "8", "--v-group-size", "64"], ["--kv-group-size", "64"], ["--kv-bits", "8", "--kv-group-size", "128"],
+    ["--k-bits", "8", "--v-bits", "4", "--kv-group-size", "64", "--k-group-size", "128"],
+]
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "qwen2.5-0.5b", "phi-3-mini", "gemma-3-270m"])
+def test_budget_resolves_the_format_as_serve_does(model, capsys):
+    """The format budget reports is the one serve allocates for the same flags (group sizes
+    chosen for the head_dim by KVFormat.for_head_dim, default_group_size when none is given),
+    and a combination serve refuses, budget refuses with the same words."""
+    from kvmetal.kv_format import KVFormatError, default_group_size, format_from_args
+
+    head_dim = B.load_model(model).head_dim
+    serve = _command_parsers()["serve"]
+    for argv in FLAG_CASES:
+        try:
+            expected = format_from_args(serve.parse_args(argv)).for_head_dim(head_dim)
+        except KVFormatError as exc:
+            assert B.main(["-m", model, *argv]) == 2, argv
+            assert capsys.readouterr().err == f"kvmetal budget: error: {exc}\n", argv
+            continue
+        got = run_json(capsys, "-m", model, *argv)["format"]
+        assert got == {**dataclasses.asdict(expected), "label": expected.label}, argv
+        for side in ("k", "v"):
+            if got[f"{side}_bits"] is not None and not any("group" in a for a in argv):
+                assert got[f"{side}_group_size"] == default_group_size(head_dim) == 32, (argv, side)

@@ -137,22 +137,92 @@ def test_the_parser_sees_markers_and_listings(tmp_path):
     assert shell_commands(blocks[2].code) == ["kvmetal budget -m llama-3-8b    --context 8K"]
 
 
-def _repository_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Repository"):]
+def _block_after(path: Path, heading: str) -> str:
+    """The first code block after ``heading`` in ``path``."""
+    text = path.read_text()
+    section = text[text.index(heading):]
     return re.search(r"```[^\n]*\n(.*?)```", section, re.S).group(1)
+
+
+def layout_entries(block: str) -> list:
+    """``(path, description)`` for each line of a repository-layout block that names a path:
+    a line's first word, at the start of the line or, for what a folder holds, two spaces
+    further in than the folder's line (``kvmetal/`` then ``  ops.py`` is kvmetal/ops.py).
+    A line indented further than that continues the description above it."""
+    entries, folders = [], []          # folders: (indent, path) of the folders the next line may be in
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        if indent != (folders[-1][0] + 2 if folders else 0):
+            if entries:
+                entries[-1] = (entries[-1][0], entries[-1][1] + " " + line.strip())
+            continue
+        name, _, description = line.strip().partition(" ")
+        path = (folders[-1][1] if folders else "") + name
+        entries.append((path, description.strip()))
+        if name.endswith("/"):
+            folders.append((indent, path))
+    return entries
+
+
+def layout_problems(block: str, where: str) -> list:
+    """What a repository-layout block gets wrong against the tree: a path that does not exist,
+    a file a folder's description names that the folder lacks, and a tracked top-level folder
+    or a package under kvmetal/ without a line of its own."""
+    entries = layout_entries(block)
+    problems = [f"{where} names {path}, which does not exist" for path, _ in entries if not (ROOT / path).exists()]
+    for path, description in entries:
+        if path.endswith("/"):
+            files = re.findall(r"(?<![\w/.-])\w+\.(?:py|metal|h|cpp|md)\b", description)
+            problems += [f"{where}: the line for {path} names {f}, which is not in it"
+                         for f in files if not (ROOT / path / f).exists()]
+    folders = {f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and _tracked(p)}
+    packages = {f"kvmetal/{p.parent.name}/" for p in (ROOT / "kvmetal").glob("*/__init__.py")}
+    missing = sorted(((folders - {"kvmetal/"}) | packages) - {path for path, _ in entries})
+    if missing:
+        problems.append(f"{where} has no line for {missing}")
+    return problems
 
 
 def test_the_readme_repository_block_names_what_exists_and_nothing_else():
     """Issue 43: the block was two turns stale. Each line starts with a path that exists, and
     every tracked top-level folder and every package under kvmetal/ has a line."""
-    named = [line.split()[0] for line in _repository_block().splitlines() if line.strip()]
-    for path in named:
-        assert (ROOT / path).exists(), f"README's Repository block names {path}, which does not exist"
-    folders = {f"{p.name}/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and _tracked(p)}
-    packages = {f"kvmetal/{p.parent.name}/" for p in (ROOT / "kvmetal").glob("*/__init__.py")}
-    missing = sorted(((folders - {"kvmetal/"}) | packages) - set(named))
-    assert not missing, f"README's Repository block has no line for {missing}"
+    block = _block_after(ROOT / "README.md", "## Repository")
+    assert layout_problems(block, "README's Repository block") == []
+
+
+def test_the_design_layout_block_names_what_exists_and_nothing_else():
+    """docs/design.md's "Layout of the repository" went stale too (no serve/, models/,
+    selfcheck/, commands/, bench/, docs/, tools/): the README's check, on its nested lines."""
+    block = _block_after(ROOT / "docs" / "design.md", "## Layout of the repository")
+    assert len(layout_entries(block)) > 10
+    assert layout_problems(block, "docs/design.md's layout block") == []
+
+
+def test_the_layout_parser_nests_folders_and_joins_continuations():
+    block = ("pyproject.toml     builds bindings/ into kvmetal/_ext,\n"
+             "                   ships kernels/*.metal\n"
+             "kvmetal/\n"
+             "  ops.py           public ops\n"
+             "  sim/             the simulator;\n"
+             "                   traffic.py: what the kernels load\n"
+             "    runtime/       nested deeper\n"
+             "  cli.py           the command; commands/: generate\n"
+             "tests/             pytest\n")
+    assert layout_entries(block) == [
+        ("pyproject.toml", "builds bindings/ into kvmetal/_ext, ships kernels/*.metal"), ("kvmetal/", ""),
+        ("kvmetal/ops.py", "public ops"), ("kvmetal/sim/", "the simulator; traffic.py: what the kernels load"),
+        ("kvmetal/sim/runtime/", "nested deeper"), ("kvmetal/cli.py", "the command; commands/: generate"),
+        ("tests/", "pytest")]
+    stale = "kvmetal/\n  sim/             gone.py and traffic.py\n  nowhere.py       x\n"
+    problems = layout_problems(stale, "X")
+    assert "X names kvmetal/nowhere.py, which does not exist" in problems
+    assert "X: the line for kvmetal/sim/ names gone.py, which is not in it" in problems
+    assert not any("traffic.py" in p for p in problems)
+    assert any(p.startswith("X has no line for [") and "'kvmetal/serve/'" in p and "'tests/'" in p for p in problems)
 
 
 def _tracked(path: Path) -> bool:
