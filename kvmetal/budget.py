@@ -689,7 +689,7 @@ def plot_cache_sizes(model: ModelShape, formats, path: str, *, batch: int = 1, m
 # ----------------------------------------------------------------------------- command
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import ArgumentParser
+    from .cli_args import ArgumentParser
 
     p = ArgumentParser(
         prog="kvmetal budget",
