@@ -53,6 +53,17 @@ struct KvPagedRows {
   int cached_index;  // t / BS of the last lookup
   bool cached_ok;
   size_t block_row;  // first row of the cached block
+  // Sequence `seq`'s table row, kv head `head`, under the launch's parameters.
+  void init(PT tables, int seq, int head, const device KvAttnParams& p) {
+    table = tables + size_t(seq) * p.max_blocks;
+    max_blocks = p.max_blocks;
+    num_blocks = p.num_blocks;
+    kv_rows = p.num_kv_heads * BS;
+    kvh = head;
+    cached_index = -1;
+    cached_ok = false;
+    block_row = 0;
+  }
   bool locate(int t, thread KvAt& k, thread KvAt& v) {
     const int index = t / BS;
     if (index != cached_index) {
@@ -87,12 +98,40 @@ struct KvPagedRows {
   }
 };
 
+// One side's (K or V) arrays of a contiguous cache [B, Hkv, T, W], from their
+// element strides (MLX's <name>_strides): where row (batch, kvh, t = 0) starts,
+// and the stride along dimension `dim`.
+template <typename PS>
+inline KvAt kv_strided_origin(PS data, PS scales, PS biases, int batch, int kvh) {
+  KvAt at;
+  at.data = size_t(batch) * data[0] + size_t(kvh) * data[1];
+  at.scale = size_t(batch) * scales[0] + size_t(kvh) * scales[1];
+  at.bias = size_t(batch) * biases[0] + size_t(kvh) * biases[1];
+  return at;
+}
+
+template <typename PS>
+inline KvAt kv_strided_dim(PS data, PS scales, PS biases, int dim) {
+  KvAt at;
+  at.data = data[dim];
+  at.scale = scales[dim];
+  at.bias = biases[dim];
+  return at;
+}
+
 // Contiguous cache [B, Hkv, T, W] read in place through its element strides.
 struct KvStridedRows {
   KvAt k0;  // (b, kvh, t = 0)
   KvAt kt;  // stride along t
   KvAt v0;
   KvAt vt;
+  template <typename PS>
+  void init(int batch, int kvh, PS kd, PS ks, PS kb, PS vd, PS vs, PS vb) {
+    k0 = kv_strided_origin(kd, ks, kb, batch, kvh);
+    kt = kv_strided_dim(kd, ks, kb, 2);
+    v0 = kv_strided_origin(vd, vs, vb, batch, kvh);
+    vt = kv_strided_dim(vd, vs, vb, 2);
+  }
   bool locate(int t, thread KvAt& k, thread KvAt& v) {
     k.data = k0.data + size_t(t) * kt.data;
     k.scale = k0.scale + size_t(t) * kt.scale;
@@ -134,6 +173,32 @@ struct KvSteps {
   bool vec;    // vector loads allowed (unit data step, strides keep atoms aligned)
   bool vec16;  // 16-byte tile copies allowed (unit data step, strides keep rows 16-byte aligned)
 };
+
+// A paged cache's steps, and a threadgroup tile's: every step 1, vector loads allowed.
+inline KvSteps kv_unit_steps() {
+  KvSteps s;
+  s.data = 1;
+  s.scale = 1;
+  s.bias = 1;
+  s.vec = true;
+  s.vec16 = true;
+  return s;
+}
+
+// One side's steps in a strided view (element strides [B, Hkv, T, W]). Alignment
+// guards: vector loads of VEC elements only with a unit element step and strides
+// that keep every row start on a vector boundary (else the scalar path); the
+// shared-mode tile copy moves 16-byte units (VEC16 elements), its own, stricter check.
+template <int VEC, int VEC16, typename PS>
+inline KvSteps kv_strided_steps(PS data, PS scales, PS biases) {
+  KvSteps s;
+  s.data = data[3];
+  s.scale = scales[3];
+  s.bias = biases[3];
+  s.vec = data[3] == 1 && data[0] % VEC == 0 && data[1] % VEC == 0 && data[2] % VEC == 0;
+  s.vec16 = data[3] == 1 && data[0] % VEC16 == 0 && data[1] % VEC16 == 0 && data[2] % VEC16 == 0;
+  return s;
+}
 
 // The registers of one key (or value) row a lane holds: NA atoms of AE elements
 // widened to float, and each atom's (scale, bias) for a quantized cache.
@@ -572,6 +637,133 @@ inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4>
   }
 }
 
+// kv_attend's arguments, grouped. The pointer types are template parameters:
+// MLX binds an input of fewer than 8 elements as `constant`, others as `device`.
+
+// The query rows of one kv head: row (g, l) of its G x QL rows starts at
+// q + (head0 + g) * head_stride + l * token_stride.
+template <typename PQ>
+struct KvQueryView {
+  PQ q;
+  int head0;
+  int head_stride;
+  int token_stride;
+};
+
+template <typename PQ>
+inline KvQueryView<PQ> kv_query_view(PQ q, int head0, int head_stride, int token_stride) {
+  KvQueryView<PQ> v;
+  v.q = q;
+  v.head0 = head0;
+  v.head_stride = head_stride;
+  v.token_stride = token_stride;
+  return v;
+}
+
+// The K and V cache arrays (data, and scales / biases of a quantized cache) and
+// their element steps.
+template <typename PKD, typename PKS, typename PVD, typename PVS>
+struct KvCacheArrays {
+  PKD kdata;
+  PKS kscales;
+  PKS kbiases;
+  PVD vdata;
+  PVS vscales;
+  PVS vbiases;
+  KvSteps ksteps;
+  KvSteps vsteps;
+};
+
+template <typename PKD, typename PKS, typename PVD, typename PVS>
+inline KvCacheArrays<PKD, PKS, PVD, PVS> kv_cache_arrays(PKD kdata, PKS kscales, PKS kbiases, PVD vdata,
+                                                        PVS vscales, PVS vbiases, KvSteps ksteps,
+                                                        KvSteps vsteps) {
+  KvCacheArrays<PKD, PKS, PVD, PVS> c;
+  c.kdata = kdata;
+  c.kscales = kscales;
+  c.kbiases = kbiases;
+  c.vdata = vdata;
+  c.vscales = vscales;
+  c.vbiases = vbiases;
+  c.ksteps = ksteps;
+  c.vsteps = vsteps;
+  return c;
+}
+
+// How keys are scored and which a row sees (kv_variant), and sparse V's threshold.
+struct KvScoring {
+  float scale;
+  float softcap;   // 0 = off
+  int window;      // sliding window, 0 = off
+  float sparse_v;  // tau; 0 with SV = 0, where nothing reads it
+};
+
+template <int SV>
+inline KvScoring kv_scoring(const device KvAttnParams& p, int window) {
+  KvScoring s;
+  s.scale = p.scale;
+  s.softcap = p.softcap;
+  s.window = window;
+  s.sparse_v = SV ? p.sparse_v : 0.0f;
+  return s;
+}
+
+// This thread's place in the threadgroup.
+struct KvThreadIds {
+  int sg;    // simdgroup
+  int lane;  // lane in the simdgroup
+  int tid;   // thread in the threadgroup
+};
+
+inline KvThreadIds kv_thread_ids(uint sg, uint lane, uint tid) {
+  KvThreadIds ids;
+  ids.sg = int(sg);
+  ids.lane = int(lane);
+  ids.tid = int(tid);
+  return ids;
+}
+
+// The threadgroup memory KV_ATTN_THREADGROUP_ARRAYS declares: the register mode's
+// merge buffers and the shared mode's double-buffered K/V tiles.
+struct KvAttnScratch {
+  threadgroup float* merge_stats;
+  threadgroup float* merge_acc;
+  threadgroup uint4* tile_k;
+  threadgroup uint4* tile_ks;
+  threadgroup uint4* tile_kb;
+  threadgroup uint4* tile_v;
+  threadgroup uint4* tile_vs;
+  threadgroup uint4* tile_vb;
+  threadgroup int* tile_ok;
+};
+
+// Where the partials go: query row (g, l) of this kv head is partial row
+// row0 + g * row_stride_g + l * row_stride_l, its entry `split` of num_splits.
+struct KvPartialsOut {
+  device float* part_max;
+  device float* part_sum;
+  device float* part_acc;
+  size_t row0;
+  int row_stride_g;
+  int row_stride_l;
+  int num_splits;
+  int split;
+};
+
+inline KvPartialsOut kv_partials_out(device float* part_max, device float* part_sum, device float* part_acc,
+                                     size_t row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
+  KvPartialsOut o;
+  o.part_max = part_max;
+  o.part_sum = part_sum;
+  o.part_acc = part_acc;
+  o.row0 = row0;
+  o.row_stride_g = row_stride_g;
+  o.row_stride_l = row_stride_l;
+  o.num_splits = num_splits;
+  o.split = split;
+  return o;
+}
+
 // The whole partial kernel for one (split, kv head, sequence), any row source.
 // Register mode when RPS >= R, else shared mode with tiles of TT tokens.
 // SV = 1 compiles sparse V (kv_pass_sparse, threshold `sparse_v`); SV = 0 is
@@ -579,15 +771,46 @@ inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4>
 template <int D, int G, int QL, int NSG, int RPS, int LPK, int TT, int KBITS, int KGS, int KAW, int VBITS,
           int VGS, int VAW, int SV, typename TKD, typename TVD, typename TKS, typename TVS, typename SRC, typename PQ,
           typename PKD, typename PKS, typename PVD, typename PVS>
-inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int token_stride, PKD kdata, PKS kscales,
-                      PKS kbiases, PVD vdata, PVS vscales, PVS vbiases, KvSteps ksteps, KvSteps vsteps, int len,
-                      KvSplitRange range, int window, float scale, float softcap, float sparse_v, int sg,
-                      int lane, int tid,
-                      threadgroup float* merge_stats, threadgroup float* merge_acc, threadgroup uint4* tile_k,
-                      threadgroup uint4* tile_ks, threadgroup uint4* tile_kb, threadgroup uint4* tile_v,
-                      threadgroup uint4* tile_vs, threadgroup uint4* tile_vb, threadgroup int* tile_ok,
-                      device float* part_max, device float* part_sum, device float* part_acc, size_t part_row0,
-                      int row_stride_g, int row_stride_l, int num_splits, int split) {
+inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD, PKS, PVD, PVS> cache, int len,
+                      KvSplitRange range, KvScoring scoring, KvThreadIds ids, KvAttnScratch scratch,
+                      KvPartialsOut out) {
+  // The grouped arguments under the names the code below uses.
+  const PQ q = query.q;
+  const int head0 = query.head0;
+  const int head_stride = query.head_stride;
+  const int token_stride = query.token_stride;
+  const PKD kdata = cache.kdata;
+  const PKS kscales = cache.kscales;
+  const PKS kbiases = cache.kbiases;
+  const PVD vdata = cache.vdata;
+  const PVS vscales = cache.vscales;
+  const PVS vbiases = cache.vbiases;
+  const KvSteps ksteps = cache.ksteps;
+  const KvSteps vsteps = cache.vsteps;
+  const float scale = scoring.scale;
+  const float softcap = scoring.softcap;
+  const int window = scoring.window;
+  const float sparse_v = scoring.sparse_v;
+  const int sg = ids.sg;
+  const int lane = ids.lane;
+  const int tid = ids.tid;
+  threadgroup float* merge_stats = scratch.merge_stats;
+  threadgroup float* merge_acc = scratch.merge_acc;
+  threadgroup uint4* tile_k = scratch.tile_k;
+  threadgroup uint4* tile_ks = scratch.tile_ks;
+  threadgroup uint4* tile_kb = scratch.tile_kb;
+  threadgroup uint4* tile_v = scratch.tile_v;
+  threadgroup uint4* tile_vs = scratch.tile_vs;
+  threadgroup uint4* tile_vb = scratch.tile_vb;
+  threadgroup int* tile_ok = scratch.tile_ok;
+  device float* part_max = out.part_max;
+  device float* part_sum = out.part_sum;
+  device float* part_acc = out.part_acc;
+  const size_t part_row0 = out.row0;
+  const int row_stride_g = out.row_stride_g;
+  const int row_stride_l = out.row_stride_l;
+  const int num_splits = out.num_splits;
+  const int split = out.split;
   constexpr int R = G * QL;
   constexpr bool SHARED = RPS < R;
   constexpr int KPP = 32 / LPK;
@@ -692,12 +915,7 @@ inline void kv_attend(thread SRC& src, PQ q, int head0, int head_stride, int tok
     const threadgroup TVD* tvd = reinterpret_cast<const threadgroup TVD*>(tile_v);
     const threadgroup TVS* tvs = reinterpret_cast<const threadgroup TVS*>(tile_vs);
     const threadgroup TVS* tvb = reinterpret_cast<const threadgroup TVS*>(tile_vb);
-    KvSteps unit;
-    unit.data = 1;
-    unit.scale = 1;
-    unit.bias = 1;
-    unit.vec = true;
-    unit.vec16 = true;
+    const KvSteps unit = kv_unit_steps();
     for (int pass = 0; pass < ROW_PASSES; pass++) {
       const int row0 = (pass * NSG + sg) * RPS;
       kv_init_rows<D, RPS, LPK, KBITS>(st, q, row0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
@@ -881,6 +1099,23 @@ inline float kv_fold_splits(thread const KvSplitParts<D>& sp, int lane, bool has
   return denom;
 }
 
+// The reduces' whole work on one row: fold its splits and sink (kv_fold_splits),
+// then store this lane's chunks of the row, divided by the denominator (zeros
+// for a row that saw no token), at `dst` in the output type TQ.
+template <typename TQ, int D, typename PO>
+inline void kv_reduce_row(thread const KvSplitParts<D>& sp, int lane, bool has_sink, float sink_logit, PO dst) {
+  constexpr int CPL = (D / 4 + 31) / 32;
+  float4 o[CPL];
+  const float denom = kv_fold_splits<D, CPL>(sp, lane, has_sink, sink_logit, o);
+  const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
+  for (int c = 0; c < CPL; c++) {
+    const int chunk = lane + 32 * c;
+    if (chunk < D / 4) {
+      kv_store4<TQ>(dst + chunk * 4, o[c] * inv_denom);
+    }
+  }
+}
+
 // The data element type of a cache array: the float type, or uint32 words.
 template <int BITS, typename T>
 struct KvDataType {
@@ -892,7 +1127,11 @@ struct KvDataType<0, T> {
 };
 
 // Threadgroup memory of the partial kernels, in uint4 / float / int units
-// (kvmetal/backends/metal.py mirrors these sizes in attention_threadgroup_bytes).
+// (kvmetal/backends/metal.py mirrors these sizes in attention_threadgroup_bytes),
+// declared at kernel scope (the only place MSL allows threadgroup variables, hence
+// a macro) and gathered in `scratch` for kv_attend. Also names the cache's data
+// types TKD / TVD and its row widths KW_ .. VNG_ for the body. Last in the helper
+// section: the simulator bounds-checks `name[i]` of these arrays from here on.
 #define KV_ATTN_SHARED (RPS < G * QL)
 #define KV_TILE16(W, T) (KV_ATTN_SHARED ? (2 * TT * (W) * int(sizeof(T)) + 15) / 16 : 1)
 #define KV_ATTN_THREADGROUP_ARRAYS                                                                              \
@@ -908,7 +1147,17 @@ struct KvDataType<0, T> {
   constexpr int TILE_V = KV_TILE16(VW_, TVD);                                                                 \
   constexpr int TILE_KS = KBITS ? KV_TILE16(KNG_, TK) : 1;                                                    \
   constexpr int TILE_VS = VBITS ? KV_TILE16(VNG_, TV) : 1;                                                    \
-  constexpr int TILE_OK = KV_ATTN_SHARED ? 2 * TT : 1;
+  constexpr int TILE_OK = KV_ATTN_SHARED ? 2 * TT : 1;                                                        \
+  threadgroup float merge_stats[MERGE_STATS];                                                                 \
+  threadgroup float merge_acc[MERGE_ACC];                                                                     \
+  threadgroup uint4 tile_k[TILE_K];                                                                           \
+  threadgroup uint4 tile_ks[TILE_KS];                                                                         \
+  threadgroup uint4 tile_kb[TILE_KS];                                                                         \
+  threadgroup uint4 tile_v[TILE_V];                                                                           \
+  threadgroup uint4 tile_vs[TILE_VS];                                                                         \
+  threadgroup uint4 tile_vb[TILE_VS];                                                                         \
+  threadgroup int tile_ok[TILE_OK];                                                                           \
+  const KvAttnScratch scratch = {merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok};
 
 //@kernel paged_attention_partials
 // Inputs:  query [S, L, H, D]; key_data [N, Hkv, BS, WK] (TK, or uint32 packed);
@@ -917,7 +1166,7 @@ struct KvDataType<0, T> {
 //          seq_lens int32 [S]; params int32 KvAttnParams
 // Outputs: part_max, part_sum float32 [S * L * H, splits]; part_acc float32 [S * L * H, splits, D]
 // Grid:    threadgroups (splits, Hkv, S), NSG * 32 threads each.
-const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
@@ -926,37 +1175,16 @@ const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
 const KvSplitRange range =
     kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
-threadgroup float merge_stats[MERGE_STATS];
-threadgroup float merge_acc[MERGE_ACC];
-threadgroup uint4 tile_k[TILE_K];
-threadgroup uint4 tile_ks[TILE_KS];
-threadgroup uint4 tile_kb[TILE_KS];
-threadgroup uint4 tile_v[TILE_V];
-threadgroup uint4 tile_vs[TILE_VS];
-threadgroup uint4 tile_vb[TILE_VS];
-threadgroup int tile_ok[TILE_OK];
-
 KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
-src.table = block_tables + size_t(seq) * p.max_blocks;
-src.max_blocks = p.max_blocks;
-src.num_blocks = p.num_blocks;
-src.kv_rows = p.num_kv_heads * BS;
-src.kvh = kvh;
-src.cached_index = -1;
-src.cached_ok = false;
-src.block_row = 0;
-KvSteps unit;
-unit.data = 1;
-unit.scale = 1;
-unit.bias = 1;
-unit.vec = true;
-unit.vec16 = true;
+src.init(block_tables, seq, kvh, p);
+const KvSteps unit = kv_unit_steps();
 kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
-    src, query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D, key_data, key_scales, key_biases,
-    value_data, value_scales, value_biases, unit, unit, len, range, p.window, p.scale, p.softcap, SV ? p.sparse_v : 0.0f,
-    int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
-    merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
-    part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads, p.num_splits, split);
+    src, kv_query_view(query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D),
+    kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, unit, unit), len,
+    range, kv_scoring<SV>(p, p.window),
+    kv_thread_ids(simdgroup_index_in_threadgroup, thread_index_in_simdgroup, thread_index_in_threadgroup), scratch,
+    kv_partials_out(part_max, part_sum, part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads,
+                    p.num_splits, split));
 
 //@kernel decode_attention_partials
 // Inputs:  query [B, H, L, D] (row-contiguous); key_data [B, Hkv, T, WK] (TK, or
@@ -965,65 +1193,28 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD
 //          cache); value_* likewise; params int32 KvAttnParams
 // Outputs: part_max, part_sum float32 [B * H * L, splits]; part_acc float32 [B * H * L, splits, D]
 // Grid:    threadgroups (splits, Hkv, B), NSG * 32 threads each.
-const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
 const int len = p.num_tokens;
 const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
-threadgroup float merge_stats[MERGE_STATS];
-threadgroup float merge_acc[MERGE_ACC];
-threadgroup uint4 tile_k[TILE_K];
-threadgroup uint4 tile_ks[TILE_KS];
-threadgroup uint4 tile_kb[TILE_KS];
-threadgroup uint4 tile_v[TILE_V];
-threadgroup uint4 tile_vs[TILE_VS];
-threadgroup uint4 tile_vb[TILE_VS];
-threadgroup int tile_ok[TILE_OK];
-
 KvStridedRows src;
-src.k0.data = size_t(batch) * key_data_strides[0] + size_t(kvh) * key_data_strides[1];
-src.k0.scale = size_t(batch) * key_scales_strides[0] + size_t(kvh) * key_scales_strides[1];
-src.k0.bias = size_t(batch) * key_biases_strides[0] + size_t(kvh) * key_biases_strides[1];
-src.kt.data = key_data_strides[2];
-src.kt.scale = key_scales_strides[2];
-src.kt.bias = key_biases_strides[2];
-src.v0.data = size_t(batch) * value_data_strides[0] + size_t(kvh) * value_data_strides[1];
-src.v0.scale = size_t(batch) * value_scales_strides[0] + size_t(kvh) * value_scales_strides[1];
-src.v0.bias = size_t(batch) * value_biases_strides[0] + size_t(kvh) * value_biases_strides[1];
-src.vt.data = value_data_strides[2];
-src.vt.scale = value_scales_strides[2];
-src.vt.bias = value_biases_strides[2];
-// Alignment guard: vector loads only with a unit element step and strides that
-// keep every row start on a vector boundary (else the scalar path).
-constexpr int KVEC = KBITS ? KAW : 4;
-constexpr int VVEC = VBITS ? VAW : 4;
-KvSteps ksteps;
-ksteps.data = key_data_strides[3];
-ksteps.scale = key_scales_strides[3];
-ksteps.bias = key_biases_strides[3];
-ksteps.vec = key_data_strides[3] == 1 && key_data_strides[0] % KVEC == 0 && key_data_strides[1] % KVEC == 0 &&
-             key_data_strides[2] % KVEC == 0;
-// The shared-mode tile copy moves 16-byte units: its own, stricter check.
-constexpr int KVEC16 = 16 / int(sizeof(TKD));
-ksteps.vec16 = key_data_strides[3] == 1 && key_data_strides[0] % KVEC16 == 0 &&
-               key_data_strides[1] % KVEC16 == 0 && key_data_strides[2] % KVEC16 == 0;
-KvSteps vsteps;
-vsteps.data = value_data_strides[3];
-vsteps.scale = value_scales_strides[3];
-vsteps.bias = value_biases_strides[3];
-vsteps.vec = value_data_strides[3] == 1 && value_data_strides[0] % VVEC == 0 &&
-             value_data_strides[1] % VVEC == 0 && value_data_strides[2] % VVEC == 0;
-constexpr int VVEC16 = 16 / int(sizeof(TVD));
-vsteps.vec16 = value_data_strides[3] == 1 && value_data_strides[0] % VVEC16 == 0 &&
-               value_data_strides[1] % VVEC16 == 0 && value_data_strides[2] % VVEC16 == 0;
+src.init(batch, kvh, key_data_strides, key_scales_strides, key_biases_strides, value_data_strides,
+         value_scales_strides, value_biases_strides);
+// The alignment guards' units: an atom (KAW words, or 4 elements) and 16 bytes.
+const KvSteps ksteps = kv_strided_steps<KBITS ? KAW : 4, 16 / int(sizeof(TKD))>(
+    key_data_strides, key_scales_strides, key_biases_strides);
+const KvSteps vsteps = kv_strided_steps<VBITS ? VAW : 4, 16 / int(sizeof(TVD))>(
+    value_data_strides, value_scales_strides, value_biases_strides);
 kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
-    src, query + size_t(batch) * p.num_heads * QL * D, kvh * G, QL * D, D, key_data, key_scales, key_biases,
-    value_data, value_scales, value_biases, ksteps, vsteps, len, range, 0, p.scale, p.softcap, SV ? p.sparse_v : 0.0f,
-    int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
-    merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
-    part_acc, size_t(batch) * p.num_heads * QL + kvh * G * QL, QL, 1, p.num_splits, split);
+    src, kv_query_view(query + size_t(batch) * p.num_heads * QL * D, kvh * G, QL * D, D),
+    kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, ksteps, vsteps), len,
+    range, kv_scoring<SV>(p, 0),
+    kv_thread_ids(simdgroup_index_in_threadgroup, thread_index_in_simdgroup, thread_index_in_threadgroup), scratch,
+    kv_partials_out(part_max, part_sum, part_acc, size_t(batch) * p.num_heads * QL + kvh * G * QL, QL, 1,
+                    p.num_splits, split));
 
 //@kernel attention_reduce
 // Inputs:  part_max, part_sum float32 [R, splits] (max in log2 units); part_acc
@@ -1031,13 +1222,12 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD
 //          params int32 KvAttnParams
 // Outputs: out [R, D] TQ (the caller reshapes it); a row that saw no token is 0.
 // Grid:    one threadgroup of 32 threads per row r; its head is (r / head_div) % H.
-const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 const int row = int(threadgroup_position_in_grid.x);
 const int lane = int(thread_index_in_threadgroup);
 const int num_splits = p.num_splits;
 const int head = (row / p.head_div) % p.num_heads;
 // The splits and the sink (a logit with no value), in kv_fold_splits' two phases.
-constexpr int CPL = (D / 4 + 31) / 32;
 KvSplitParts<D> sp;
 sp.max0 = part_max;
 sp.sum0 = part_sum;
@@ -1049,13 +1239,5 @@ sp.at0 = size_t(row) * num_splits;
 sp.at1 = 0;
 sp.n0 = num_splits;
 sp.n1 = 0;
-float4 o[CPL];
-const float denom =
-    kv_fold_splits<D, CPL>(sp, lane, HAS_SINKS, HAS_SINKS ? kv_sink_logit(sinks[head]) : KV_NEG_BIG, o);
-const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
-for (int c = 0; c < CPL; c++) {
-  const int chunk = lane + 32 * c;
-  if (chunk < D / 4) {
-    kv_store4<TQ>(out + size_t(row) * D + chunk * 4, o[c] * inv_denom);
-  }
-}
+kv_reduce_row<TQ, D>(sp, lane, HAS_SINKS, HAS_SINKS ? kv_sink_logit(sinks[head]) : KV_NEG_BIG,
+                     out + size_t(row) * D);

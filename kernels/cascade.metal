@@ -45,7 +45,7 @@ struct KvCascadeReduceParams {
 //          (window 0)
 // Outputs: part_max, part_sum float32 [C * QL * H, splits]; part_acc float32 [C * QL * H, splits, D]
 // Grid:    threadgroups (splits, Hkv, C), NSG * 32 threads each.
-const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
@@ -53,38 +53,17 @@ const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
 // The split range of a one-row query over [0, len): every token of the row.
 const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
 KV_ATTN_THREADGROUP_ARRAYS
-threadgroup float merge_stats[MERGE_STATS];
-threadgroup float merge_acc[MERGE_ACC];
-threadgroup uint4 tile_k[TILE_K];
-threadgroup uint4 tile_ks[TILE_KS];
-threadgroup uint4 tile_kb[TILE_KS];
-threadgroup uint4 tile_v[TILE_V];
-threadgroup uint4 tile_vs[TILE_VS];
-threadgroup uint4 tile_vb[TILE_VS];
-threadgroup int tile_ok[TILE_OK];
-
 KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
-src.table = block_tables + size_t(seq) * p.max_blocks;
-src.max_blocks = p.max_blocks;
-src.num_blocks = p.num_blocks;
-src.kv_rows = p.num_kv_heads * BS;
-src.kvh = kvh;
-src.cached_index = -1;
-src.cached_ok = false;
-src.block_row = 0;
-KvSteps unit;
-unit.data = 1;
-unit.scale = 1;
-unit.bias = 1;
-unit.vec = true;
-unit.vec16 = true;
+src.init(block_tables, seq, kvh, p);
+const KvSteps unit = kv_unit_steps();
 // Rows sit at positions len - 1 .. len + QL - 2: each sees all of [0, len).
 kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
-    src, query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D, key_data, key_scales, key_biases,
-    value_data, value_scales, value_biases, unit, unit, len + QL - 1, range, 0, p.scale, p.softcap, SV ? p.sparse_v : 0.0f,
-    int(simdgroup_index_in_threadgroup), int(thread_index_in_simdgroup), int(thread_index_in_threadgroup),
-    merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, part_max, part_sum,
-    part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads, p.num_splits, split);
+    src, kv_query_view(query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D),
+    kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, unit, unit),
+    len + QL - 1, range, kv_scoring<SV>(p, 0),
+    kv_thread_ids(simdgroup_index_in_threadgroup, thread_index_in_simdgroup, thread_index_in_threadgroup), scratch,
+    kv_partials_out(part_max, part_sum, part_acc, size_t(seq) * QL * p.num_heads + kvh * G, 1, p.num_heads,
+                    p.num_splits, split));
 
 //@kernel cascade_reduce
 // Inputs:  prefix_max, prefix_sum float32 [slots * H, prefix_splits], prefix_acc
@@ -95,15 +74,14 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD
 //          (ignored unless HAS_SINKS); params KvCascadeReduceParams
 // Outputs: out [S * H, D] TQ; a row that saw no token is 0.
 // Grid:    one threadgroup of 32 threads per row (s, h) = (row / H, row % H).
-const device KvCascadeReduceParams& p = *reinterpret_cast<const device KvCascadeReduceParams*>(params);
+const device KvCascadeReduceParams& p = kv_params<KvCascadeReduceParams>(params);
 const int row = int(threadgroup_position_in_grid.x);
 const int lane = int(thread_index_in_threadgroup);
 const int head = row % p.num_heads;
 const int seq = row / p.num_heads;
 const int slot = seq < p.num_seqs ? slot_of[seq] : -1;
 const bool has_prefix = slot >= 0 && slot < p.prefix_slots;
-constexpr int CPL = (D / 4 + 31) / 32;
-// Prefix splits first, then the own splits: one fold over both (kv_fold_splits, the
+// Prefix splits first, then the own splits: one fold over both (kv_reduce_row, the
 // reduce attention_reduce runs over splits).
 KvSplitParts<D> sp;
 sp.max0 = prefix_max;
@@ -116,13 +94,5 @@ sp.at0 = has_prefix ? (size_t(slot) * p.num_heads + head) * p.prefix_splits : 0;
 sp.at1 = size_t(row) * p.own_splits;
 sp.n0 = has_prefix ? p.prefix_splits : 0;
 sp.n1 = p.own_splits;
-float4 o[CPL];
-const float denom =
-    kv_fold_splits<D, CPL>(sp, lane, HAS_SINKS, HAS_SINKS ? kv_sink_logit(sinks[head]) : KV_NEG_BIG, o);
-const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
-for (int c = 0; c < CPL; c++) {
-  const int chunk = lane + 32 * c;
-  if (chunk < D / 4) {
-    kv_store4<TQ>(out + size_t(row) * D + chunk * 4, o[c] * inv_denom);
-  }
-}
+kv_reduce_row<TQ, D>(sp, lane, HAS_SINKS, HAS_SINKS ? kv_sink_logit(sinks[head]) : KV_NEG_BIG,
+                     out + size_t(row) * D);

@@ -203,6 +203,13 @@ struct KvAttnParams {
   int split_div;    // clamp(pow2ceil(len) / split_div, split_tokens, split_max) (attention.metal)
 };
 
+// A kernel's parameter struct P, read in place from its int32 `params` buffer
+// (packed with at least 8 entries, so MLX binds it as device memory).
+template <typename P, typename PI>
+inline const device P& kv_params(PI params) {
+  return *reinterpret_cast<const device P*>(params);
+}
+
 // gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).
 struct KvGatherParams {
   int num_kv_heads;

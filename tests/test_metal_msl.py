@@ -102,8 +102,9 @@ def test_clang_pass_catches_a_constant_pointer_cast_to_device(generated):
     source = traced.replace("const device uint32_t* key_data", "const constant uint32_t* key_data", 1)
     assert msl_check.syntax({name: source}) == []
     # The issue-17 defect: a `constant` input handed on as a `device` pointer.
-    wrong = source.replace("D, key_data, key_scales, key_biases,",
-                           "D, reinterpret_cast<const device uint32_t*>(key_data), key_scales, key_biases,", 1)
+    wrong = source.replace("kv_cache_arrays(key_data, key_scales, key_biases,",
+                           "kv_cache_arrays(reinterpret_cast<const device uint32_t*>(key_data), key_scales, key_biases,",
+                           1)
     assert wrong != source
     findings = msl_check.syntax({name: wrong})
     assert findings and "address_space(2)" in findings[0] and "is not allowed" in findings[0]
@@ -112,7 +113,9 @@ def test_clang_pass_catches_a_constant_pointer_cast_to_device(generated):
 @needs_clang
 def test_clang_pass_catches_a_device_pointer_used_as_threadgroup(generated):
     name, source = next((n, s) for n, s in generated.items() if "paged_attention_partials" in n)
+    # (the scratch of KV_ATTN_THREADGROUP_ARRAYS takes a device pointer where a threadgroup one belongs)
     wrong = source.replace("merge_stats, merge_acc, tile_k,", "merge_stats, merge_acc, part_acc,", 1)
     assert wrong != source
+    assert msl_check.syntax({name: source}) == []
     findings = msl_check.syntax({name: wrong})
-    assert findings and "kv_attend" in findings[0]
+    assert findings and "error generated" in findings[0]
