@@ -24,3 +24,10 @@ def batch_generate(model, max_tokens):
                 caches[r.uid] = r.prompt_cache
     gen.close()
     return [out[u] for u in uids], [caches[u] for u in uids]
+
+
+def mlx_lm_greedy(model, prompt, max_tokens):
+    """mlx-lm's own greedy tokens for one prompt alone (its own caches, no kvmetal)."""
+    from mlx_lm.generate import generate_step
+
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=GREEDY)]

@@ -167,7 +167,7 @@ def _run(args) -> int:
             raise UserError(f"the KV cache is full ({exc}); raise --num-blocks, or omit it to let the pool "
                             f"grow") from None
         say()
-        model_cache = cache[0].model_cache
+        model_cache = handle.shared_cache  # the shared pool (a hybrid's cache[0] may be mlx-lm's)
         if last is not None:
             say(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s; "
                 f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s", file=sys.stderr)

@@ -46,6 +46,7 @@ alternatives) under those processed logits.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 
@@ -58,6 +59,8 @@ from .request import Event, Request, RequestTooLarge, check_int, check_request
 from .runner import Runner
 from .sampler import Sampler, SamplingParams, TokenLogprobs, greedy
 from .scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, POLICIES, PRIORITY_POLICIES
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "Event", "Request", "RequestTooLarge", "SamplingParams",
            "TokenLogprobs", "greedy"]
@@ -76,7 +79,8 @@ class Engine:
         block_size, num_blocks: the paged cache (``num_blocks=None`` grows).
         kv_format: how it stores K and V (``kvmetal.KVFormat``), as ``use_paged_cache`` takes it;
         k_bits, v_bits, k_group_size, v_group_size: the same as loose arguments.
-        prefix_sharing: share full prompt blocks between requests with equal prefixes.
+        prefix_sharing: share full prompt blocks between requests with equal prefixes; None
+            (default): on, unless the model keeps recurrent state (see below).
         sampler: logits [S, V] -> token ids [S] for requests without ``sampling``; greedy by default.
         keep_finished: keep finished requests in ``requests`` (a server turns this off).
         on_finish: called with a request that finished normally, before its blocks are
@@ -113,12 +117,20 @@ class Engine:
             Same greedy tokens, same sampling distribution; a step in which a request
             drafts is not pipelined; across ranks (``token_sync``) nothing is drafted.
             None (default): off.
+    Models with recurrent-state layers (hybrids: mlx-lm gives those layers an
+    ``ArraysCache``/``MambaCache``) run too: each request owns its own state, made fresh
+    when it starts from token 0 (new, or preempted and recomputed) and dropped when it
+    ends, and in a pass the modules that take that state run once per request
+    (``SequenceStates``). A state holds every token so far and cannot be cut back or
+    shared by block, so for such models prefix sharing is off (None resolves to False,
+    True is refused) and so is speculative decoding (refused): both would resume a
+    sequence from a token the state has not seen, or has seen past.
     Use as a context manager, or call ``close()`` to restore the model; a closed
     engine raises ``RuntimeError``.
     """
 
     def __init__(self, model, *, block_size: int = 16, num_blocks: int | None = None, k_bits: int | None = None,
-                 v_bits: int | None = None, prefix_sharing: bool = True, sampler=greedy,
+                 v_bits: int | None = None, prefix_sharing: bool | None = None, sampler=greedy,
                  keep_finished: bool = True, on_finish=None,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  k_group_size: int | None = None, v_group_size: int | None = None, async_steps: bool = False,
@@ -150,6 +162,11 @@ class Engine:
                                       v_group_size=v_group_size)
         try:
             self.cache = self.handle.new_model_cache(cascade=bool(cascade))
+            self.states = None if self.handle.layout.plain else self.handle.sequence_states()
+            if self.states is not None and self.states.recurrent:
+                prefix_sharing = _recurrent_options(model, prefix_sharing, speculative)
+            elif prefix_sharing is None:
+                prefix_sharing = True
             self.scheduler = POLICIES[scheduling_policy](
                 self.cache, block_size=block_size, prefix_sharing=prefix_sharing, finish=self._finish,
                 max_num_batched_tokens=max_num_batched_tokens, **(scheduler_options or {}))
@@ -166,7 +183,7 @@ class Engine:
         elif speculative is not None:
             self.proposer = NgramProposer()
         self.sampler = Sampler(sampler)
-        self.runner = Runner(model, self.cache, self.sampler, self.scheduler)
+        self.runner = Runner(model, self.cache, self.sampler, self.scheduler, self.states)
         self.block_size = block_size
         self.prefix_sharing = prefix_sharing
         self.keep_finished = keep_finished
@@ -406,6 +423,7 @@ class Engine:
     def _finish(self, request: Request, reason: str, token: int | None = None,
                 logprobs: TokenLogprobs | None = None) -> Event:
         request.finish_reason = reason
+        request.states = None
         if not self.keep_finished:
             self.requests.pop(request.request_id, None)
         return Event(request.request_id, token, True, reason, logprobs)
@@ -433,6 +451,25 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _recurrent_options(model, prefix_sharing, speculative) -> bool:
+    """Prefix sharing for a model with recurrent state: off (a request's state covers all
+    its tokens, so it cannot start after a shared prefix); speculative decoding refused
+    (rejected drafts would have to be taken back out of the state)."""
+    from ..integrations.mlx_lm import model_family
+
+    family = model_family(model)
+    if speculative is not None:
+        raise ValueError(f"[Engine] speculative decoding is not supported for {family}: its recurrent-state layers "
+                         f"cannot take rejected drafts back out of their state; leave speculative None")
+    if prefix_sharing:
+        raise ValueError(f"[Engine] prefix_sharing=True is not supported for {family}: a request's recurrent state "
+                         f"covers all its tokens, so it cannot start after a prefix shared by block; pass "
+                         f"prefix_sharing=None or False")
+    if prefix_sharing is None:
+        log.info("%s keeps recurrent state: prefix sharing is off", family)
+    return False
 
 
 def _eos_ids(model, tokenizer) -> frozenset:

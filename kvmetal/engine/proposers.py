@@ -169,6 +169,10 @@ class ModelDrafter(Proposer):
         self.model = model
         self.handle = use_paged_cache(model, block_size=block_size, num_blocks=num_blocks)
         try:
+            if not self.handle.layout.plain:
+                where = self.handle.layout.native[0] if self.handle.layout.native else "a CacheList entry"
+                raise ValueError(f"[ModelDrafter] a draft model must have a K/V attention cache in every layer; "
+                                 f"{where} is not one")
             self.cache = self.handle.new_model_cache(cascade=False)
         except BaseException:
             self.handle.undo()

@@ -99,6 +99,7 @@ class Request:
     priority: int = 0  # lower is served first (vLLM's rule), for policies that read it
     arrival: int = 0  # the order the engine received requests in
     speculation: object = None  # speculative.DraftState while the request may draft (None: never)
+    states: list | None = None  # its own recurrent-state caches (models that keep them), while it runs
 
     @property
     def draft(self) -> list:

@@ -41,8 +41,13 @@ class Runner:
     (with pipelined steps, only what did not overlap the host's work); "sample" turns the
     read tokens into events."""
 
-    def __init__(self, model, cache, sampler, scheduler):
-        self.body, self.head = body(model), lm_head(model)
+    def __init__(self, model, cache, sampler, scheduler, states=None):
+        try:
+            self.head = lm_head(model)
+            self.body = body(model)
+        except NotImplementedError:  # a family heads.py does not split: the whole model, logits sliced after
+            self.body, self.head = (lambda inputs, caches: model(inputs, cache=caches)), (lambda logits: logits)
+        self.states = states  # SequenceStates of a model whose layout is not plain (None: plain)
         self.cache = cache  # read here (the pass's layer caches); its room changes only through the scheduler
         self.scheduler = scheduler
         self.sampler = sampler
@@ -93,6 +98,8 @@ class Runner:
             caches = self.cache.layer_caches(ids, starts)
         else:
             caches = self.cache.ragged_layer_caches(ids, starts, [n for _, n in batch], decodes=decodes)
+        if self.states is not None:
+            caches = self.states.model_cache(caches, self._segments(batch))
         token_ids = mx.array(inputs, dtype=mx.int32)
         if later_rows:
             token_ids[mx.array(later_rows, dtype=mx.int32)] = previous.tokens[mx.array(later_src, dtype=mx.int32)]
@@ -137,6 +144,19 @@ class Runner:
             mx.eval(writes)
         self.step_seconds["device"] += time.perf_counter() - built
         return flight
+
+    def _segments(self, batch: list) -> list:
+        """Per request of the pass: (first row, rows, its native caches). A request that
+        starts from token 0 (new, or preempted and recomputed) gets fresh ones: recurrent
+        state is rebuilt from the tokens, as the paged K/V is."""
+        segments, row = [], 0
+        for request, n in batch:
+            if request.computed == 0:
+                request.states = self.states.new()
+            assert request.states is not None, "a request resumed past token 0 without its recurrent state"
+            segments.append((row, n, request.states))
+            row += n
+        return segments
 
     def land(self, flight: Flight, emit) -> list:
         """Read a launched pass's tokens and turn them into events (``emit(request, token,

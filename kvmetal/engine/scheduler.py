@@ -371,6 +371,7 @@ class Scheduler:
         self.running.remove(request)
         self.cache.free(request.request_id)
         request.computed, request.decoding = 0, False
+        request.states = None  # recurrent state is recomputed with the K/V
         if request.speculation is not None:
             request.speculation.draft = []
         self.requeue(request)

@@ -158,6 +158,194 @@ def _unpatch_class(cls) -> None:
             del _patched_classes[cls]
 
 
+class SequenceState:
+    """Stands in, during one of the Engine's ragged passes, for a native (recurrent-state)
+    cache entry: the module that takes it runs once per sequence, on that sequence's rows
+    and with that sequence's own mlx-lm cache (``SequenceStates``). A pass packs every
+    sequence's tokens on one axis; a conv or scan over that axis would mix sequences."""
+
+    def __init__(self, index: int, segments: list):
+        self.index = index  # which native entry of a sequence's caches
+        self.segments = segments  # per sequence: (first row, rows, its native caches)
+
+    def make_mask(self, n: int):
+        return None  # each sequence runs alone and unpadded (mlx-lm's create_ssm_mask asks)
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _sequence_rows(value, start: int, n: int, rows: int):
+    """A sequence's rows of a packed ``[rows, 1, ...]`` array as ``[1, n, ...]``; anything else as is."""
+    if isinstance(value, mx.array) and value.ndim >= 2 and value.shape[0] == rows and value.shape[1] == 1:
+        return value[start:start + n].swapaxes(0, 1)
+    return value
+
+
+def _packed_rows(outs: list):
+    first = outs[0]
+    if isinstance(first, mx.array):
+        return mx.concatenate([o.swapaxes(0, 1) for o in outs], axis=0)
+    if isinstance(first, tuple):
+        return tuple(_packed_rows([o[i] for o in outs]) for i in range(len(first)))
+    if first is None:
+        return None
+    raise UnsupportedModel(f"[use_paged_cache] a recurrent-state module returned a {type(first).__name__}; "
+                           f"kvmetal's Engine can only pack arrays (or tuples of them) back into a pass")
+
+
+def _per_sequence(original):
+    def __call__(self, *args, **kwargs):
+        proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, SequenceState)), None)
+        if proxy is None:
+            return original(self, *args, **kwargs)
+        rows = sum(n for _, n, _ in proxy.segments)
+
+        def own(value, start, n, states):
+            if isinstance(value, SequenceState):
+                return states[value.index]
+            return _sequence_rows(value, start, n, rows)
+
+        outs = [original(self, *(own(a, *seg) for a in args), **{k: own(v, *seg) for k, v in kwargs.items()})
+                for seg in proxy.segments]
+        return _packed_rows(outs)
+
+    __call__.__wrapped__ = original
+    return __call__
+
+
+_sequence_classes: dict = {}  # class -> [its own __call__ or None (inherited), number of live patches]
+
+
+def _swap_call(cls, make) -> None:
+    with _patch_lock:
+        if cls in _sequence_classes:
+            _sequence_classes[cls][1] += 1
+            return
+        own = vars(cls).get("__call__")
+        cls.__call__ = make(cls.__call__)
+        _sequence_classes[cls] = [own, 1]
+
+
+def _restore_call(cls) -> None:
+    with _patch_lock:
+        entry = _sequence_classes[cls]
+        entry[1] -= 1
+        if entry[1] == 0:
+            if entry[0] is None:
+                del cls.__call__
+            else:
+                cls.__call__ = entry[0]
+            del _sequence_classes[cls]
+
+
+def _state_modules(model, layout) -> list:
+    """The model's classes whose calls take its native caches: per native entry, the
+    innermost module (of mlx-lm's) a lazy two-token pass hands that cache to. Such a
+    class must never take a K/V cache (it would then see a whole pass's rows at once)."""
+    family = model_family(model)
+    originals = _original_caches(model)
+    natives = layout.natives(originals)
+    native_ids = {id(c): i for i, c in enumerate(natives)}
+    kv_ids = {id(c) for c in _kv_caches(originals)}
+    found, kv_takers, depth = {}, set(), [0]
+
+    def recorder(original):
+        def __call__(self, *args, **kwargs):
+            depth[0] += 1
+            try:
+                for a in (*args, *kwargs.values()):
+                    i = native_ids.get(id(a))
+                    if i is not None and natives[i] is a and depth[0] >= found.get(i, (0, None))[0]:
+                        found[i] = (depth[0], type(self))
+                    if id(a) in kv_ids:
+                        kv_takers.add(type(self))
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return __call__
+
+    classes = sorted({type(m) for _, m in model.named_modules() if type(m).__module__.startswith("mlx_lm.")},
+                     key=lambda c: (c.__module__, c.__qualname__))
+    with _analyse_lock:
+        with _patch_lock:  # the recorder wraps whatever __call__ is there now (a live patch too)
+            saved = [(cls, vars(cls).get("__call__")) for cls in classes]
+            for cls in classes:
+                cls.__call__ = recorder(cls.__call__)
+        try:
+            model(mx.array([[0, 1]]), cache=originals)
+        except Exception as exc:
+            raise UnsupportedModel(f"[use_paged_cache] {family}: a probe pass with mlx-lm's own caches failed: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            with _patch_lock:
+                for cls, own in reversed(saved):
+                    if own is None:
+                        del cls.__call__
+                    else:
+                        cls.__call__ = own
+    out = []
+    for i, name in enumerate(layout.native):
+        if i not in found:
+            _refuse(family, name, "no module of the model takes its recurrent-state cache as an argument, so "
+                                  "kvmetal's Engine cannot run it once per sequence")
+        cls = found[i][1]
+        if cls in kv_takers:
+            _refuse(family, name, f"{cls.__name__} takes both this recurrent-state cache and a K/V cache, so "
+                                  f"kvmetal's Engine cannot run its recurrent part once per sequence")
+        out.append(cls)
+    return sorted(set(out), key=lambda c: (c.__module__, c.__qualname__))
+
+
+def _kv_caches(caches: list) -> list:
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    out = []
+    for c in caches:
+        if isinstance(c, CacheList):
+            out += _kv_caches(list(c.caches))
+        elif not isinstance(c, ArraysCache):
+            out.append(c)
+    return out
+
+
+class SequenceStates:
+    """The Engine's side of a model with recurrent-state layers (``ArraysCache``,
+    ``MambaCache``): every sequence owns mlx-lm's own caches for those layers (``new()``,
+    from the model's ``make_cache``), and in a pass the module that takes such a cache runs
+    once per sequence (its classes' ``__call__`` is wrapped while this lives; ``close()``
+    restores them). K/V layers stay paged and batched."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.layout = handle.layout
+        self.classes = _state_modules(handle.model, self.layout)
+        for cls in self.classes:
+            _swap_call(cls, _per_sequence)
+        self.active = True
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether any entry keeps recurrent state (a CacheList of K/V caches alone keeps none)."""
+        return bool(self.layout.native)
+
+    def new(self) -> list:
+        """Fresh native caches for one sequence (empty state: it starts at token 0)."""
+        return self.layout.natives(_original_caches(self.handle.model))
+
+    def model_cache(self, paged: list, segments: list) -> list:
+        """The cache list one pass gives the model: ``paged`` (the pass's layer caches) and,
+        for the native entries, stand-ins over ``segments`` [(first row, rows, native caches)]."""
+        return self.layout.assemble(paged, [SequenceState(i, segments) for i in range(len(self.layout.native))])
+
+    def close(self) -> None:
+        if self.active:
+            self.active = False
+            for cls in self.classes:
+                _restore_call(cls)
+
+
 def _original_caches(model) -> list:
     """The caches mlx-lm itself would build for ``model`` (its own ``make_cache``, one set
     on the instance included, never a kvmetal patch's)."""
@@ -197,16 +385,38 @@ class ModelLayout:
         own (from ``originals``, a fresh ``make_cache()``) elsewhere."""
         if self.plain:
             return paged
+        return self.assemble(paged, self.natives(originals))
+
+    def natives(self, originals: list) -> list:
+        """The entries of ``originals`` (a ``make_cache()``) that keep mlx-lm's cache, in order."""
+        out = []
+
+        def walk(t, original):
+            if t is None:
+                out.append(original)
+            elif isinstance(t, tuple):
+                for s, o in zip(t, original.caches):
+                    walk(s, o)
+
+        for t, o in zip(self.template, originals):
+            walk(t, o)
+        return out
+
+    def assemble(self, paged: list, natives: list) -> list:
+        """The model's cache list from its paged layer caches and its native entries (in
+        the order ``natives`` gives them), CacheLists rebuilt where the template has them."""
         from mlx_lm.models.cache import CacheList
 
-        def one(t, original):
+        rest = iter(natives)
+
+        def one(t):
             if t is None:
-                return original
+                return next(rest)
             if isinstance(t, int):
                 return paged[t]
-            return CacheList(*(one(s, o) for s, o in zip(t, original.caches)))
+            return CacheList(*(one(s) for s in t))
 
-        return [one(t, o) for t, o in zip(self.template, originals)]
+        return [one(t) for t in self.template]
 
 
 @dataclass
@@ -434,20 +644,21 @@ class PagedCacheHandle:
             raise
         model.make_cache = self.make_cache
         self._shared = None
+        self._states = None
         self.active = True
 
     def new_model_cache(self, **overrides) -> PagedModelCache:
         """An empty paged cache for this model (the engine adds its own sequences);
-        ``overrides`` replace PagedModelCache options (the Engine's ``cascade``).
-        The Engine's ragged passes give every model entry a paged layer cache, so a model
-        with recurrent-state layers or a CacheList is refused here (mlx-lm's own
-        ``generate``/``BatchGenerator`` path serves it through ``make_cache``)."""
-        if not self.layout.plain:
-            where = self.layout.native[0] if self.layout.native else "a CacheList entry"
-            raise UnsupportedModel(f"[use_paged_cache] {model_family(self.model)}: kvmetal's Engine runs models "
-                                   f"whose every layer is a K/V attention layer; {where} keeps mlx-lm's own cache "
-                                   f"(use mlx-lm's generate with use_paged_cache for this model)")
+        ``overrides`` replace PagedModelCache options (the Engine's ``cascade``). It holds
+        the paged layers only: a model whose layout is not plain (recurrent-state layers,
+        CacheLists) also needs ``sequence_states()`` to run the Engine's ragged passes."""
         return PagedModelCache(self.specs, **{**self.options, **overrides})
+
+    def sequence_states(self) -> SequenceStates:
+        """Per-sequence native caches for the Engine (see ``SequenceStates``); closed by ``undo()``."""
+        if self._states is None or not self._states.active:
+            self._states = SequenceStates(self)
+        return self._states
 
     @property
     def shared_cache(self) -> PagedModelCache:
@@ -474,6 +685,8 @@ class PagedCacheHandle:
             else:
                 vars(self.model).pop("make_cache", None)
             del _patched_models[id(self.model)]
+        if self._states is not None:
+            self._states.close()
         for name in self._modules:
             _unpatch_module(name)
         for cls in self._classes:

@@ -82,7 +82,7 @@ def build_server(args, sync=None):
             if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
                 raise ValueError(f"--speculative {args.speculative}: its tokenizer differs from the served model's; "
                                  f"a draft model must share it")
-        engine = Engine(model, num_blocks=num_blocks, prefix_sharing=not args.no_prefix_sharing,
+        engine = Engine(model, num_blocks=num_blocks, prefix_sharing=False if args.no_prefix_sharing else None,
                         keep_finished=False, max_num_batched_tokens=args.max_num_batched_tokens,
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                         scheduler_options=dict(long_prefill_tokens=getattr(args, "long_prefill_tokens", None)),

@@ -66,3 +66,28 @@ def build_model_dir(path, *, seed: int = 0, num_layers: int = 2, dtype: str = "f
     save_config(config, path / "config.json")
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_arch_dir(path, name: str, *, seed: int = 0) -> Path:
+    """Write a tiny random model of mlx-lm architecture ``name`` (its config from
+    ``arch_sweep.tiny_args``, float32) with the tokenizer above to ``path``; returns the path."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    from ..integrations.arch_sweep import tiny_args
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    config = dict(tiny_args(name), vocab_size=len(tokenizer), torch_dtype="float32")
+    module = importlib.import_module(f"mlx_lm.models.{name}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config(config, path / "config.json")
+    tokenizer.save_pretrained(path)
+    return path

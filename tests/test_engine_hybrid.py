@@ -1,0 +1,71 @@
+"""The Engine on MoE and hybrid (recurrent-state) models, tiny and random, built from
+mlx-lm's own configs (``arch_sweep.build``): greedy tokens equal mlx-lm's own generation
+of each prompt alone, whatever the batch, chunking, pipelining or preemption."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+import mlx.core as mx  # noqa: E402
+
+from kvmetal.engine.engine import Engine  # noqa: E402
+from kvmetal.integrations import arch_sweep  # noqa: E402
+
+from mlx_lm_cases import mlx_lm_greedy  # noqa: E402
+
+PROMPTS = [list(range(3, 40)), [7, 1, 9, 4, 4], list(range(100, 121))]
+STEPS = 10
+# qwen3_moe: MoE only; qwen3_next: gated-delta recurrent layers (ArraysCache) and MoE;
+# falcon_h1: a CacheList per layer, a Mamba state beside a K/V cache.
+FAMILIES = ["qwen3_moe", "qwen3_next", "falcon_h1"]
+_MODELS: dict = {}
+
+
+def model_of(name):
+    if name not in _MODELS:
+        _MODELS[name] = arch_sweep.build(name)
+    return _MODELS[name]
+
+
+def expected(name):
+    return [mlx_lm_greedy(model_of(name), p, STEPS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("options", [dict(), dict(async_steps=True, max_num_batched_tokens=16),
+                                     dict(num_blocks=7, block_size=8)], ids=["batched", "chunked-async", "preempt"])
+def test_greedy_tokens_equal_mlx_lm_alone(name, options):
+    model = model_of(name)
+    with Engine(model, **options) as engine:
+        got = engine.run(PROMPTS, STEPS)
+        if "num_blocks" in options:
+            assert engine.preemptions > 0  # 7 blocks of 8: all three need 12 by the end
+    assert got == expected(name)
+
+
+def test_a_request_gets_the_same_tokens_alone_and_in_a_batch():
+    model = model_of("qwen3_next")
+    with Engine(model) as engine:
+        alone = engine.run(PROMPTS[:1], STEPS)[0]
+    with Engine(model, max_num_batched_tokens=24) as engine:
+        batched = engine.run(PROMPTS, STEPS)[0]
+    assert alone == batched
+
+
+def test_recurrent_state_turns_prefix_sharing_and_speculation_off_and_close_restores_the_model():
+    from mlx_lm.models import qwen3_next
+
+    model = model_of("qwen3_next")
+    before = qwen3_next.Qwen3NextGatedDeltaNet.__call__
+    with Engine(model) as engine:
+        assert engine.prefix_sharing is False
+        assert qwen3_next.Qwen3NextGatedDeltaNet.__call__ is not before  # runs once per sequence in a pass
+    assert qwen3_next.Qwen3NextGatedDeltaNet.__call__ is before
+    with pytest.raises(ValueError, match=r"prefix_sharing=True is not supported for qwen3_next: a request's "):
+        Engine(model, prefix_sharing=True)
+    with pytest.raises(ValueError, match=r"speculative decoding is not supported for qwen3_next"):
+        Engine(model, speculative="ngram")
+    assert qwen3_next.Qwen3NextGatedDeltaNet.__call__ is before
+    with Engine(model_of("qwen3_moe")) as engine:  # no recurrent state: sharing stays on
+        assert engine.prefix_sharing is True
