@@ -1,7 +1,7 @@
 // Decode attention: split-KV partials over a paged or a contiguous cache, and
 // the reduce that merges the splits.
 //
-// File layout (read by kvmetal/backends/metal.py): everything before the first
+// File layout (read by kvmetal/backends/metal_specs.py): everything before the first
 // `//@kernel` line is this family's helper section, appended to
 // kvmetal_common.h and passed as `header=`; each `//@kernel NAME` line starts
 // the body of one mx.fast.metal_kernel (MLX writes the signature).
@@ -1127,7 +1127,7 @@ struct KvDataType<0, T> {
 };
 
 // Threadgroup memory of the partial kernels, in uint4 / float / int units
-// (kvmetal/backends/metal.py mirrors these sizes in attention_threadgroup_bytes),
+// (kvmetal/backends/metal_layout.py mirrors these sizes in attention_threadgroup_bytes),
 // declared at kernel scope (the only place MSL allows threadgroup variables, hence
 // a macro) and gathered in `scratch` for kv_attend. Also names the cache's data
 // types TKD / TVD and its row widths KW_ .. VNG_ for the body. Last in the helper

@@ -15,7 +15,7 @@
 const int task = int(thread_position_in_grid.x);
 const int tok = int(thread_position_in_grid.y);
 const int seq_head = int(thread_position_in_grid.z);
-const device KvGatherParams& p = *reinterpret_cast<const device KvGatherParams*>(params);
+const device KvGatherParams& p = kv_params<KvGatherParams>(params);
 const int num_kv_heads = p.num_kv_heads;
 const int max_blocks = p.max_blocks;
 const int max_len = p.max_len;

@@ -4,7 +4,7 @@
 //
 // File layout as in attention.metal. This family is built on attention.metal's
 // helper section (KernelSpec.uses: kv_attend, kv_split_range, the tile readers
-// and the partial-state layout), which metal.py pastes in before the helpers
+// and the partial-state layout), which metal_specs.py pastes in before the helpers
 // below; nothing of it is copied here.
 //
 // Design (docs/kernels.md, "Cascade decode"; after FlashInfer's cascade

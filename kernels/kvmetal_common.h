@@ -182,7 +182,7 @@ struct RowShape {
 // ------------------------------------------------------------ kernel params
 
 // The attention kernels' scalar parameters: one struct read from an int32
-// buffer (floats stored bit-for-bit). kvmetal/backends/metal.py packs it from
+// buffer (floats stored bit-for-bit). kvmetal/backends/metal_specs.py packs it from
 // ATTENTION_PARAMS, whose field list must match this struct, in this order.
 struct KvAttnParams {
   int num_kv_heads;
@@ -210,7 +210,7 @@ inline const device P& kv_params(PI params) {
   return *reinterpret_cast<const device P*>(params);
 }
 
-// gather_kv_rows' parameters (metal.GATHER_PARAMS packs them).
+// gather_kv_rows' parameters (metal_specs.GATHER_PARAMS packs them).
 struct KvGatherParams {
   int num_kv_heads;
   int max_blocks;

@@ -34,7 +34,7 @@
 //   the length, block ids outside [0, N) read as zero rows, query and output
 //   rows bounded by the launch's own sizes.
 
-// The tile table row of one query tile (kvmetal/backends/metal.py builds it).
+// The tile table row of one query tile (kvmetal/backends/metal_layout.py builds it).
 struct KvVarlenTile {
   int seq;    // sequence index into block_tables / seq_lens
   int r0;     // first row of the tile in the sequence's (position, head) rows
@@ -163,7 +163,7 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
 //          (num_tokens = T, query_len = rows of the partials / H)
 // Outputs: part_max, part_sum float32 [R, splits]; part_acc float32 [R, splits, D]
 // Grid:    threadgroups (num_tiles, Hkv, splits), NSG * 32 threads each; BQ = 8 * NSG.
-const device KvAttnParams& p = *reinterpret_cast<const device KvAttnParams*>(params);
+const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 constexpr int BQ = 8 * NSG;
 constexpr int NT = NSG * 32;
 constexpr int DF = D / 8;    // fragments along the head dim
@@ -177,7 +177,7 @@ const int lane = int(thread_index_in_simdgroup);
 const int num_heads = p.num_heads;
 const int num_splits = p.num_splits;
 const int out_rows = p.query_len;  // partial rows / H
-// Threadgroup memory (metal.py mirrors it in varlen_threadgroup_bytes).
+// Threadgroup memory (metal_layout.py mirrors it in varlen_threadgroup_bytes).
 // The tiles are uint4 arrays (16-byte aligned rows for the copies), used as TK / TV.
 constexpr int KLD = KvVarlenStride<D, TK>::LD;
 constexpr int KLDT = KvVarlenStrideT<BK, TK>::LDT;

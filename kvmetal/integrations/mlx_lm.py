@@ -35,8 +35,10 @@ from .. import ops, quant
 from ..kv_format import KVFormat, KVFormatError
 from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache
 
-# What kvmetal checks token for token in depth (engine, batching, speculative tests) and what
-# kvmetal's Engine (heads.py) runs. ``use_paged_cache`` itself does not consult this list: it
+# What kvmetal checks token for token in depth (engine, batching, speculative tests), and the
+# families whose LM head heads.py knows: the Engine slices their hidden states before the head
+# (others run the whole model and slice the logits: exact, with a prefill chunk's T x vocab
+# logits computed; a draft model must be one of these). ``use_paged_cache`` does not consult this list: it
 # decides per layer from the caches mlx-lm builds and the calls the model makes (see
 # ``analyse_model``); tests/test_mlx_lm_all_models.py checks every architecture mlx-lm ships.
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss")
