@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .. import ops, quant
+from .. import ops
 from ..kv_format import KVFormat, KVFormatError
 from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache
 
@@ -132,7 +132,7 @@ def _gemma2_attention(original):
 
 
 HAND_ATTENTION = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention}
-_patched_classes: dict = {}  # class -> [original __call__, number of live patches]
+_patched_classes: dict = {}  # class -> [its own __call__ or None (inherited), number of live patches]
 
 
 def _hand_attention_classes(model) -> list:
@@ -141,23 +141,29 @@ def _hand_attention_classes(model) -> list:
     return sorted(found, key=lambda c: (c.__module__, c.__name__))
 
 
-def _patch_class(cls) -> None:
+def _swap_call(cls, make, patched: dict) -> None:
+    """Wrap ``cls.__call__`` with ``make`` once, however many live patches ask for it:
+    ``patched`` counts them and keeps the class's own ``__call__`` (None: inherited)."""
     with _patch_lock:
-        if cls in _patched_classes:
-            _patched_classes[cls][1] += 1
+        if cls in patched:
+            patched[cls][1] += 1
             return
-        original = cls.__call__
-        cls.__call__ = HAND_ATTENTION[(cls.__module__, cls.__name__)](original)
-        _patched_classes[cls] = [original, 1]
+        own = vars(cls).get("__call__")
+        cls.__call__ = make(cls.__call__)
+        patched[cls] = [own, 1]
 
 
-def _unpatch_class(cls) -> None:
+def _restore_call(cls, patched: dict) -> None:
+    """Undo one :func:`_swap_call`; the last one puts the class's own ``__call__`` back."""
     with _patch_lock:
-        entry = _patched_classes[cls]
+        entry = patched[cls]
         entry[1] -= 1
         if entry[1] == 0:
-            cls.__call__ = entry[0]
-            del _patched_classes[cls]
+            if entry[0] is None:
+                del cls.__call__
+            else:
+                cls.__call__ = entry[0]
+            del patched[cls]
 
 
 class SequenceState:
@@ -217,28 +223,6 @@ def _per_sequence(original):
 
 
 _sequence_classes: dict = {}  # class -> [its own __call__ or None (inherited), number of live patches]
-
-
-def _swap_call(cls, make) -> None:
-    with _patch_lock:
-        if cls in _sequence_classes:
-            _sequence_classes[cls][1] += 1
-            return
-        own = vars(cls).get("__call__")
-        cls.__call__ = make(cls.__call__)
-        _sequence_classes[cls] = [own, 1]
-
-
-def _restore_call(cls) -> None:
-    with _patch_lock:
-        entry = _sequence_classes[cls]
-        entry[1] -= 1
-        if entry[1] == 0:
-            if entry[0] is None:
-                del cls.__call__
-            else:
-                cls.__call__ = entry[0]
-            del _sequence_classes[cls]
 
 
 def _state_modules(model, layout) -> list:
@@ -324,7 +308,7 @@ class SequenceStates:
         self.layout = handle.layout
         self.classes = _state_modules(handle.model, self.layout)
         for cls in self.classes:
-            _swap_call(cls, _per_sequence)
+            _swap_call(cls, _per_sequence, _sequence_classes)
         self.active = True
 
     @property
@@ -345,7 +329,7 @@ class SequenceStates:
         if self.active:
             self.active = False
             for cls in self.classes:
-                _restore_call(cls)
+                _restore_call(cls, _sequence_classes)
 
 
 def _original_caches(model) -> list:
@@ -496,7 +480,7 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
     for name in modules:
         _patch_module(name)
     for cls in classes:
-        _patch_class(cls)
+        _swap_call(cls, HAND_ATTENTION[(cls.__module__, cls.__name__)], _patched_classes)
     with _analyse_lock:
         for p in probes:
             _instrument(p)
@@ -521,7 +505,7 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
             for name in modules:
                 _unpatch_module(name)
             for cls in classes:
-                _unpatch_class(cls)
+                _restore_call(cls, _patched_classes)
     for p in probes:
         p.strays = [s for s in strays if any(s[0] is k or s[1] is v for k, v in p.fetches)]
 
@@ -639,7 +623,7 @@ class PagedCacheHandle:
             for name in self._modules:
                 _patch_module(name)
             for cls in self._classes:
-                _patch_class(cls)
+                _swap_call(cls, HAND_ATTENTION[(cls.__module__, cls.__name__)], _patched_classes)
         except BaseException:
             with _patch_lock:
                 del _patched_models[id(model)]
@@ -692,7 +676,7 @@ class PagedCacheHandle:
         for name in self._modules:
             _unpatch_module(name)
         for cls in self._classes:
-            _unpatch_class(cls)
+            _restore_call(cls, _patched_classes)
 
     def __enter__(self):
         return self
