@@ -69,3 +69,29 @@ def test_recurrent_state_turns_prefix_sharing_and_speculation_off_and_close_rest
     assert qwen3_next.Qwen3NextGatedDeltaNet.__call__ is before
     with Engine(model_of("qwen3_moe")) as engine:  # no recurrent state: sharing stays on
         assert engine.prefix_sharing is True
+
+
+def test_an_unlisted_family_is_split_before_its_head_only_where_a_probe_says_exact():
+    """qwen3_moe is not a listed family: its head is split off because head(body(x)) gives
+    model(x) bit for bit, so the engine slices hidden states, not a prefill chunk's logits;
+    a model that scales its logits after the head is left whole (the runner then slices the
+    logits), never split wrongly."""
+    from kvmetal.integrations.heads import split_model
+
+    model = arch_sweep.build("qwen3_moe")
+    body, head = split_model(model)
+    x = mx.array([[5, 3, 9, 1]], dtype=mx.int32)
+    assert mx.array_equal(head(body(x, None)), model(x))
+    plain = type(model)
+
+    class Scaled(plain):  # a family that scales its logits after the head
+        def __call__(self, inputs, cache=None):
+            return 2.0 * super().__call__(inputs, cache)
+
+    Scaled.__module__ = plain.__module__
+    model.__class__ = Scaled
+    try:
+        with pytest.raises(NotImplementedError, match="qwen3_moe"):
+            split_model(model)
+    finally:
+        model.__class__ = plain

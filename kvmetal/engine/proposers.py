@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..integrations.heads import body, lm_head
+from ..integrations.heads import split_model
 from ..integrations.mlx_lm import use_paged_cache
 from ..ops import MAX_QUERY_TOKENS
 
@@ -174,10 +174,10 @@ class ModelDrafter(Proposer):
                 raise ValueError(f"[ModelDrafter] a draft model must have a K/V attention cache in every layer; "
                                  f"{where} is not one")
             self.cache = self.handle.new_model_cache(cascade=False)
+            self.body, self.head = split_model(model)  # drafts need the head alone (NotImplementedError)
         except BaseException:
             self.handle.undo()
             raise
-        self.body, self.head = body(model), lm_head(model)
         self.held: dict = {}  # request id -> the tokens whose K/V the draft cache holds
 
     @property

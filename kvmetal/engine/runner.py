@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..integrations.heads import body, lm_head
+from ..integrations.heads import split_model
 from .sampler import TokenLogprobs, read_logprobs, top_pairs, top_parts, verify
 
 
@@ -43,8 +43,7 @@ class Runner:
 
     def __init__(self, model, cache, sampler, scheduler, states=None):
         try:
-            self.head = lm_head(model)
-            self.body = body(model)
+            self.body, self.head = split_model(model)
         except NotImplementedError:  # a family heads.py does not split: the whole model, logits sliced after
             self.body, self.head = (lambda inputs, caches: model(inputs, cache=caches)), (lambda logits: logits)
         self.states = states  # SequenceStates of a model whose layout is not plain (None: plain)
