@@ -360,6 +360,7 @@ class ModelLayout:
     specs: list
     names: list  # per paged layer: "layer 3", or "layer 3.1" inside a CacheList
     native: list  # names of the entries that keep mlx-lm's own cache
+    chunked: list = field(default_factory=list)  # names of the paged layers with chunked attention (llama4)
 
     @property
     def plain(self) -> bool:
@@ -439,7 +440,10 @@ def _classify(cache, name: str, family: str, probes: list, native: list):
     from mlx_lm.models import cache as mc
 
     kind = type(cache)
-    if kind is mc.KVCache or kind is mc.RotatingKVCache:
+    # A ChunkedKVCache layer (llama4: a token sees only its own chunk) is paged like a full
+    # one: the model builds its chunk mask over positions from the cache's start_position
+    # (0 here, every row is kept), and attention applies that mask to the gathered rows.
+    if kind is mc.KVCache or kind is mc.RotatingKVCache or kind is mc.ChunkedKVCache:
         window = None
         if kind is mc.RotatingKVCache:
             if cache.keep:
@@ -449,9 +453,6 @@ def _classify(cache, name: str, family: str, probes: list, native: list):
             window = int(cache.max_size)
         probes.append(_Probe(name, cache, window))
         return len(probes) - 1  # provisional: renumbered once the probe knows which layers attend
-    if kind is mc.ChunkedKVCache:
-        _refuse(family, name, f"chunked attention (ChunkedKVCache, chunk_size={cache.chunk_size}: a token sees only "
-                              f"its own chunk) is not modelled by kvmetal's kernels")
     if isinstance(cache, mc.ArraysCache):  # recurrent state (MambaCache too): mlx-lm keeps it
         native.append(name)
         return None
@@ -591,7 +592,10 @@ def analyse_model(model) -> ModelLayout:
             return index.get(t)
         return tuple(renumber(s) for s in t)
 
-    return ModelLayout([renumber(t) for t in template], specs, names, native)
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    chunked = [p.name for i, p in enumerate(probes) if i in index and isinstance(p.cache, ChunkedKVCache)]
+    return ModelLayout([renumber(t) for t in template], specs, names, native, chunked)
 
 
 def layer_specs(model) -> list:
@@ -637,7 +641,13 @@ class PagedCacheHandle:
         """An empty paged cache for this model (the engine adds its own sequences);
         ``overrides`` replace PagedModelCache options (the Engine's ``cascade``). It holds
         the paged layers only: a model whose layout is not plain (recurrent-state layers,
-        CacheLists) also needs ``sequence_states()`` to run the Engine's ragged passes."""
+        CacheLists) also needs ``sequence_states()`` to run the Engine's ragged passes. A model
+        with chunked attention is refused: the Engine's ragged passes apply no mask but their
+        own, and a chunk mask is applied only to rows gathered for one model's pass."""
+        if self.layout.chunked:
+            raise UnsupportedModel(f"[use_paged_cache] {model_family(self.model)} {self.layout.chunked[0]}: chunked "
+                                   f"attention runs through mlx-lm's generate with use_paged_cache (its chunk mask "
+                                   f"applied to the gathered rows); kvmetal's Engine does not model it")
         return PagedModelCache(self.specs, **{**self.options, **overrides})
 
     def sequence_states(self) -> SequenceStates:

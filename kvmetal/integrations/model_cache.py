@@ -656,6 +656,13 @@ class PagedLayerCache(_LayerGroupView):
             return self._offsets[0]
         return mx.array(self._offsets, dtype=mx.int32)
 
+    # ChunkedKVCache's protocol (llama4 asks before building its chunk mask): this cache keeps
+    # every row from position 0, so nothing is trimmed and positions start at 0.
+    start_position = 0
+
+    def maybe_trim_front(self) -> None:
+        pass
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write the new rows ([B, Hkv, L, D]) into the pool and return every row written
         so far, [B, Hkv, T, D] (mlx-lm's protocol; rows a window layer released, and rows
