@@ -7,18 +7,19 @@ The split is mlx-lm's common shape: ``Model.__call__`` runs ``self.model`` (embe
 layers, final norm) and then ``self.lm_head``, or the tied embeddings, and nothing else.
 For the families kvmetal checks in depth (SUPPORTED_FAMILIES; tests check
 ``head(body(x)) == model(x)`` per family, so a change in mlx-lm shows up) it is taken as
-is; any other model is split the same way only if one probe pass over a few tokens gives
-``model(x)`` bit for bit, so a family that scales or softcaps its logits after the head
-(or has no such parts) is never split wrongly: it is refused, and the engine runs the
-whole model and slices the logits.
+is; any other model is split the same way only if a probe (a prompt, then two more
+tokens, on mlx-lm's own caches) gives ``model(x, cache)`` bit for bit, so a family that
+scales or softcaps its logits after the head, or derives anything from its cache before
+the body, is never split wrongly: it is refused, and the engine runs the whole model and
+slices the logits. A vision-language wrapper is split at its ``language_model``.
 """
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .mlx_lm import SUPPORTED_FAMILIES, model_family
+from .mlx_lm import SUPPORTED_FAMILIES, _original_caches, model_family
 
-PROBE_TOKENS = 3  # tokens of the probe pass that checks an unlisted family's split
+PROBE_TOKENS = 3  # prompt tokens of the probe that checks an unlisted family's split (2 more follow)
 
 
 def _tied(model) -> bool:
@@ -29,7 +30,11 @@ def _tied(model) -> bool:
 
 
 def _parts(model):
-    """(body, head) in mlx-lm's common shape, or None where the model lacks the parts."""
+    """(body, head) in mlx-lm's common shape, or None where the model lacks the parts. A
+    vision-language wrapper that hands its text to ``self.language_model`` is split there."""
+    wrapped = getattr(model, "language_model", None)
+    if getattr(model, "model", None) is None and wrapped is not None and wrapped is not model:
+        return _parts(wrapped)
     inner = getattr(model, "model", None)
     if inner is None or not callable(inner):
         return None
@@ -46,12 +51,19 @@ def _parts(model):
 
 
 def _probe(model, body, head) -> bool:
-    """Whether ``head(body(x)) == model(x)`` on a few tokens, bit for bit (a model that
-    cannot run the probe without a cache, or fails it, is not split)."""
-    x = mx.arange(PROBE_TOKENS, dtype=mx.int32)[None]
+    """Whether ``head(body(x, cache))`` is ``model(x, cache=cache)`` bit for bit over two
+    passes (a prompt, then more tokens after it) on mlx-lm's own caches, so what a model
+    derives from its cache before the body (positions, masks) is compared too. A model
+    that cannot run the probe, or fails it, is not split."""
+    prompt = mx.arange(PROBE_TOKENS, dtype=mx.int32)[None]
+    more = mx.arange(PROBE_TOKENS, PROBE_TOKENS + 2, dtype=mx.int32)[None]
     try:
-        split, whole = head(body(x, None)), model(x)
-        return split.shape == whole.shape and bool(mx.array_equal(split, whole))
+        split_cache, whole_cache = _original_caches(model), _original_caches(model)
+        for x in (prompt, more):
+            split, whole = head(body(x, split_cache)), model(x, cache=whole_cache)
+            if split.shape != whole.shape or not bool(mx.array_equal(split, whole)):
+                return False
+        return True
     except Exception:  # any failure of the probe only means: do not split this model
         return False
 
