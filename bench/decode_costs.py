@@ -107,7 +107,7 @@ def measure(quick=False, progress=lambda s: None):
                                  "limited_by")}
                 rows.append(row)
     return {"label": "simulator counters; times MODELLED (kvmetal/sim/cost_model.py), not measured",
-            "tile_memory_budget": metal_layout.TILE_MEMORY_BUDGET, "rows": rows}
+            "tile_memory_budget_d128": metal_layout.tile_memory_budget(D), "rows": rows}
 
 
 def main(argv=None):
