@@ -22,7 +22,7 @@
 // - Register mode (RPS == R): each simdgroup owns a contiguous token range of
 //   the split and every row; the simdgroups merge their states at the end
 //   through threadgroup memory (kv_softmax_merge), a chunk of rows per barrier
-//   (one barrier up to G 8 at D 128). No barrier in the token loop.
+//   (one barrier up to G 4 at D 128, 3 at G 8). No barrier in the token loop.
 // - Shared mode (RPS < R: more rows than registers hold): simdgroups split the
 //   rows and share each tile of TT tokens through a double-buffered threadgroup
 //   tile in the cache's storage type (one barrier per tile).
@@ -408,9 +408,9 @@ inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, threa
 // Register mode's threadgroup scratch (KV_ATTN_THREADGROUP_ARRAYS; metal_layout.py's
 // REGISTER_MERGE_FLOATS and attention_threadgroup_bytes mirror these): the merge's
 // accumulators of simdgroups 1.. for a chunk of KV_MERGE_ROWS rows take at most
-// KV_MERGE_FLOATS floats (12 KiB); merge_stats holds their (m, l), then from
+// KV_MERGE_FLOATS floats (6 KiB); merge_stats holds their (m, l), then from
 // KV_MERGE_SEEDS on the NSG * RPS seed maxima.
-#define KV_MERGE_FLOATS 3072
+#define KV_MERGE_FLOATS 1536
 #define KV_MERGE_FIT(D, NSG) (KV_MERGE_FLOATS / (((NSG) > 1 ? (NSG) - 1 : 1) * (D)))
 #define KV_MERGE_ROWS(D, NSG, RPS) \
   ((NSG) <= 1 || KV_MERGE_FIT(D, NSG) < 1 ? 1 : KV_MERGE_FIT(D, NSG) > (RPS) ? (RPS) : KV_MERGE_FIT(D, NSG))
@@ -975,7 +975,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
   // Register mode: merge the simdgroups' states, then simdgroup 0 writes the partials
   // (issue 41, P5). Simdgroups 1.. publish (m, l) and their unscaled accumulators for
   // a chunk of MC rows at once (KV_MERGE_ROWS: as many rows as KV_MERGE_FLOATS of
-  // threadgroup memory hold, all of them up to G 8 at D 128), one barrier, and
+  // threadgroup memory hold: all 4 of G 4 at D 128), one barrier, and
   // simdgroup 0 folds them: 2 * ceil(RPS / MC) - 1 barriers a split (before: 1 + 2 RPS).
   // The fold is the same arithmetic in the same order as a merge row by row: s = 0,
   // 1, .. for (m, l), then each accumulator scaled by exp2(m_s - m) and added in order.

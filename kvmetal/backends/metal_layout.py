@@ -45,9 +45,11 @@ LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest firs
 TILE_MEMORY_BUDGET = {128: 16 * 1024, 256: 16 * 1024}
 MAX_TILE_MEMORY_KIB = 24             # KVMETAL_METAL_TILE_KIB's cap (Metal allows 32 KiB a threadgroup)
 # Register mode's merge (issue 41, P5): simdgroups 1.. publish the accumulators of a chunk
-# of rows at once, at most this many floats (12 KiB): one barrier a split up to G 8 at
-# D 128 (attention.metal's KV_MERGE_FLOATS; the two must agree).
-REGISTER_MERGE_FLOATS = 3072
+# of rows at once, at most this many floats (6 KiB; attention.metal's KV_MERGE_FLOATS, the
+# two must agree): 2 x chunks - 1 barriers a split, one at G 4 and 3 at G 8 (D 128), where
+# the merge row by row took 1 + 2 x rows. 6 KiB keeps register mode within issue 9's
+# 8 KiB at D <= 128 (its launches are held to a few threadgroups a core by registers).
+REGISTER_MERGE_FLOATS = 1536
 MAX_TILE_TOKENS = 16
 SPLIT_UNIT = 32                     # splits cut the tokens in whole units of this many (kernels: kv_split_range)
 # Occupancy model of one Apple GPU core (assumed; Apple documents neither): the
