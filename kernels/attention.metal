@@ -21,8 +21,8 @@
 //   and bias is loaded by one lane of the key group and shuffled to the others.
 // - Register mode (RPS == R): each simdgroup owns a contiguous token range of
 //   the split and every row; the simdgroups merge their states at the end
-//   through a small threadgroup buffer (kv_softmax_merge). No barrier in the
-//   token loop.
+//   through threadgroup memory (kv_softmax_merge), a chunk of rows per barrier
+//   (one barrier up to G 4 at D 128, 3 at G 8). No barrier in the token loop.
 // - Shared mode (RPS < R: more rows than registers hold): simdgroups split the
 //   rows and share each tile of TT tokens through a double-buffered threadgroup
 //   tile in the cache's storage type (one barrier per tile).
@@ -405,10 +405,21 @@ inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, threa
   }
 }
 
+// Register mode's threadgroup scratch (KV_ATTN_THREADGROUP_ARRAYS; metal_layout.py's
+// REGISTER_MERGE_FLOATS and attention_threadgroup_bytes mirror these): the merge's
+// accumulators of simdgroups 1.. for a chunk of KV_MERGE_ROWS rows take at most
+// KV_MERGE_FLOATS floats (6 KiB); merge_stats holds their (m, l), then from
+// KV_MERGE_SEEDS on the NSG * RPS seed maxima.
+#define KV_MERGE_FLOATS 1536
+#define KV_MERGE_FIT(D, NSG) (KV_MERGE_FLOATS / (((NSG) > 1 ? (NSG) - 1 : 1) * (D)))
+#define KV_MERGE_ROWS(D, NSG, RPS) \
+  ((NSG) <= 1 || KV_MERGE_FIT(D, NSG) < 1 ? 1 : KV_MERGE_FIT(D, NSG) > (RPS) ? (RPS) : KV_MERGE_FIT(D, NSG))
+#define KV_MERGE_SEEDS(NSG, RPS) (((NSG) - 1) * (RPS) * 2)
+
 // Register mode (every simdgroup holds every row): the NSG simdgroups score a
 // share of the seeds each (one pass of KPP keys apiece covers NSG * KPP seeds)
-// and take the max of their maxima through `stats` (NSG * RPS floats). Two
-// barriers, once per split; the second lets `stats` be reused by the merge.
+// and take the max of their maxima through `stats` (NSG * RPS floats of their
+// own, KV_MERGE_SEEDS: the merge never writes them). One barrier, once per split.
 template <int D, int NSG, int RPS, int LPK, int KBITS, int KGS, int KAW, int KNA, int KAE4, int VNA, int VAE4,
           typename SRC, typename PKD, typename PKS>
 inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread SRC& src, PKD kdata,
@@ -431,7 +442,6 @@ inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4
       }
       st.m[r] = m;  // l and o are still 0: nothing to rescale
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
 
@@ -852,7 +862,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     if (SV) {
       kv_seed_rows_cooperative<D, NSG, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps,
                                                                   seed_first, len - QL, len, var, kl, kg, sg, lane,
-                                                                  merge_stats);
+                                                                  merge_stats + KV_MERGE_SEEDS(NSG, RPS));
     }
     // Register mode: this simdgroup's contiguous run of the split, KPP keys per pass.
     const int n = max(0, range.hi - range.lo);
@@ -962,34 +972,36 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     return;
   }
 
-  // Register mode: merge the simdgroups' states, then simdgroup 0 writes the partials.
+  // Register mode: merge the simdgroups' states, then simdgroup 0 writes the partials
+  // (issue 41, P5). Simdgroups 1.. publish (m, l) and their unscaled accumulators for
+  // a chunk of MC rows at once (KV_MERGE_ROWS: as many rows as KV_MERGE_FLOATS of
+  // threadgroup memory hold: all 4 of G 4 at D 128), one barrier, and
+  // simdgroup 0 folds them: 2 * ceil(RPS / MC) - 1 barriers a split (before: 1 + 2 RPS).
+  // The fold is the same arithmetic in the same order as a merge row by row: s = 0,
+  // 1, .. for (m, l), then each accumulator scaled by exp2(m_s - m) and added in order.
   if (NSG > 1) {
-    for (int r = 0; r < RPS; r++) {
-      if (lane == 0) {
-        merge_stats[(sg * RPS + r) * 2] = st.m[r];
-        merge_stats[(sg * RPS + r) * 2 + 1] = st.l[r];
+    constexpr int MC = KV_MERGE_ROWS(D, NSG, RPS);
+    for (int c0 = 0; c0 < RPS; c0 += MC) {
+      if (c0 > 0) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // simdgroup 0 has read the last chunk
       }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int r = 0; r < RPS; r++) {
-      // Every simdgroup folds the states in the same order: the same totals.
-      float m = merge_stats[r * 2];
-      float l = merge_stats[r * 2 + 1];
-      for (int s = 1; s < NSG; s++) {
-        const KvSoftmaxMerge mg = kv_softmax_merge(m, merge_stats[(s * RPS + r) * 2]);
-        l = l * mg.scale_a + merge_stats[(s * RPS + r) * 2 + 1] * mg.scale_b;
-        m = mg.m;
-      }
-      const float mine = kv_weight(st.m[r], m);
-      // Simdgroups 1.. publish their scaled accumulators; simdgroup 0 adds them.
-      if (sg > 0 && kg == 0) {
-        for (int c = 0; c < VNA; c++) {
-          const int a = kl + LPK * c;
-          if (a < D / VAE) {
-            for (int j = 0; j < VAE4; j++) {
-              const float4 x = (st.o[r][c][j] + st.ob[r][c]) * mine;
-              for (int e = 0; e < 4; e++) {
-                merge_acc[(sg - 1) * D + a * VAE + 4 * j + e] = x[e];
+      if (sg > 0) {
+        for (int i = 0; i < MC && c0 + i < RPS; i++) {
+          const int r = c0 + i;
+          if (lane == 0) {
+            merge_stats[((sg - 1) * RPS + r) * 2] = st.m[r];
+            merge_stats[((sg - 1) * RPS + r) * 2 + 1] = st.l[r];
+          }
+          if (kg == 0) {
+            for (int c = 0; c < VNA; c++) {
+              const int a = kl + LPK * c;
+              if (a < D / VAE) {
+                for (int j = 0; j < VAE4; j++) {
+                  const float4 x = st.o[r][c][j] + st.ob[r][c];
+                  for (int e = 0; e < 4; e++) {
+                    merge_acc[((sg - 1) * MC + i) * D + a * VAE + 4 * j + e] = x[e];
+                  }
+                }
               }
             }
           }
@@ -997,25 +1009,42 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       if (sg == 0) {
-        for (int c = 0; c < VNA; c++) {
-          for (int j = 0; j < VAE4; j++) {
-            float4 x = (st.o[r][c][j] + st.ob[r][c]) * mine;
-            const int a = kl + LPK * c;
-            if (a < D / VAE) {
-              for (int s = 1; s < NSG; s++) {
-                for (int e = 0; e < 4; e++) {
-                  x[e] += merge_acc[(s - 1) * D + a * VAE + 4 * j + e];
-                }
-              }
-            }
-            st.o[r][c][j] = x;
+        for (int i = 0; i < MC && c0 + i < RPS; i++) {
+          const int r = c0 + i;
+          float m = st.m[r];
+          float l = st.l[r];
+          for (int s = 1; s < NSG; s++) {
+            const KvSoftmaxMerge mg = kv_softmax_merge(m, merge_stats[((s - 1) * RPS + r) * 2]);
+            l = l * mg.scale_a + merge_stats[((s - 1) * RPS + r) * 2 + 1] * mg.scale_b;
+            m = mg.m;
           }
-          st.ob[r][c] = 0.0f;
+          // Only key group 0 writes the partials (kv_write_partials): the others skip the reads.
+          if (kg == 0) {
+            const float mine = kv_weight(st.m[r], m);
+            float w[NSG];
+            for (int s = 1; s < NSG; s++) {
+              w[s] = kv_weight(merge_stats[((s - 1) * RPS + r) * 2], m);
+            }
+            for (int c = 0; c < VNA; c++) {
+              const int a = kl + LPK * c;
+              for (int j = 0; j < VAE4; j++) {
+                float4 x = (st.o[r][c][j] + st.ob[r][c]) * mine;
+                if (a < D / VAE) {
+                  for (int s = 1; s < NSG; s++) {
+                    for (int e = 0; e < 4; e++) {
+                      x[e] += merge_acc[((s - 1) * MC + i) * D + a * VAE + 4 * j + e] * w[s];
+                    }
+                  }
+                }
+                st.o[r][c][j] = x;
+              }
+              st.ob[r][c] = 0.0f;
+            }
+          }
+          st.m[r] = m;
+          st.l[r] = l;
         }
-        st.m[r] = m;
-        st.l[r] = l;
       }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
   }
   if (sg == 0) {
@@ -1141,8 +1170,8 @@ struct KvDataType<0, T> {
   constexpr int VW_ = VBITS ? D * VBITS / 32 : D;                                                             \
   constexpr int KNG_ = KBITS ? D / KGS : 1;                                                                   \
   constexpr int VNG_ = VBITS ? D / VGS : 1;                                                                   \
-  constexpr int MERGE_STATS = KV_ATTN_SHARED || NSG == 1 ? 1 : NSG * RPS * 2;                                 \
-  constexpr int MERGE_ACC = KV_ATTN_SHARED || NSG == 1 ? 1 : (NSG - 1) * D;                                   \
+  constexpr int MERGE_STATS = KV_ATTN_SHARED || NSG == 1 ? 1 : KV_MERGE_SEEDS(NSG, RPS) + NSG * RPS;          \
+  constexpr int MERGE_ACC = KV_ATTN_SHARED || NSG == 1 ? 1 : (NSG - 1) * KV_MERGE_ROWS(D, NSG, RPS) * D;      \
   constexpr int TILE_K = KV_TILE16(KW_, TKD);                                                                 \
   constexpr int TILE_V = KV_TILE16(VW_, TVD);                                                                 \
   constexpr int TILE_KS = KBITS ? KV_TILE16(KNG_, TK) : 1;                                                    \

@@ -2,8 +2,10 @@
 simulator's counters (kvmetal.sim.traffic) at 4K tokens (docs/kernels.md: 8K).
 
 Loads: every live K/V row once (<= 1.02x), K8/V4 <= 0.42x float16, every packed
-word once. Threadgroup memory: <= 2 KiB for one-token GQA <= 8 at D <= 128,
-<= 8 KiB at D <= 128, <= 16 KiB at D 256. At D 128: no simd_sum-class
+word once. Threadgroup memory: register mode <= 2 KiB plus the merge's chunk
+(metal_layout.REGISTER_MERGE_FLOATS, issue 41 P5) and <= 8 KiB at D <= 128, <= 16 KiB
+at D 256; shared mode <= its tile budget (metal_layout.tile_memory_budget, issue 41 P6)
+plus 1 KiB. At D 128: no simd_sum-class
 reduction in the token loop (<= 0.25 per token x row), <= 1.15 transcendentals
 per token x row, >= 8 bytes per load for float caches. Register mode has no
 barrier in the token loop: its barrier count per call does not grow with tokens.
@@ -43,9 +45,14 @@ def test_decode_kernel_costs_meet_the_limits(case):
     assert fig["loaded_over_live"] <= 1.02 * passes
     assert fig["data_loaded_once"] or passes > 1  # every K/V row (every packed word) exactly once
     memory = fig["threadgroup_memory"]
-    if query_len == 1 and gqa <= 8 and head_dim <= 128:
-        assert memory <= 2048
-    assert memory <= (8192 if head_dim <= 128 else 16384)
+    layout = metal_layout.attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len,
+                                           k_bits=8 if quantized else 0, k_group=64, k_itemsize=2,
+                                           v_bits=4 if quantized else 0, v_group=64, v_itemsize=2, block_size=16)
+    if layout.tile == 0:  # register mode: issue 9's 2 KiB, plus the merge's chunk of rows (issue 41, P5)
+        assert memory <= 2048 + 4 * metal_layout.REGISTER_MERGE_FLOATS
+        assert memory <= (8192 if head_dim <= 128 else 16384)
+    else:  # shared mode: the K/V tiles' budget (issue 41, P6: 16 KiB, before 7.5 / 15.5) and 1 KiB
+        assert memory <= metal_layout.tile_memory_budget(head_dim) + 1024
     assert fig["reductions_per_token_row"] <= 0.25
     if head_dim == 128:
         assert fig["transcendentals_per_token_row"] <= 1.15
@@ -81,3 +88,39 @@ def test_multipass_shared_mode_caps_the_threadgroup_and_reads_kv_once_per_pass()
     assert call.threadgroup[0] == metal_layout.MAX_SHARED_SIMDGROUPS * 32 == chips.PIPELINE_THREAD_LIMIT == 384
     assert layout.row_passes == 3 and layout.rows_per_simdgroup == 11
     assert 2.98 <= fig["loaded_over_live"] <= 3.02
+
+
+@pytest.mark.parametrize("gqa", [4, 8])
+def test_register_mode_merge_takes_a_barrier_per_chunk_of_rows(gqa):
+    """Issue 41, P5: the register-mode merge publishes a chunk of rows per barrier
+    (metal_layout.merge_rows): 2 x chunks - 1 barriers a split, where the merge row by
+    row took 1 + 2 x rows (4K tokens: 16 windows of 256, every one non-empty)."""
+    fig = _costs("paged", 128, gqa, 1, False)
+    layout = metal_layout.attention_layout(head_dim=128, gqa=gqa, query_len=1, k_bits=0, k_group=64, k_itemsize=2,
+                                           v_bits=0, v_group=64, v_itemsize=2, block_size=16)
+    assert layout.tile == 0 and layout.simdgroups == 4
+    chunks = -(-gqa // metal_layout.merge_rows(128, layout.simdgroups, gqa))
+    assert chunks == (1 if gqa == 4 else 2)
+    assert fig["barriers"] == fig["threadgroups"] * (2 * chunks - 1)
+    assert fig["barriers"] < fig["threadgroups"] * (1 + 2 * gqa)
+
+
+def test_tile_budget_is_a_parameter(monkeypatch):
+    """Issue 41, P6: 16 KiB tiles give float16 D 128 16-token tiles (a barrier per 16 keys);
+    KVMETAL_METAL_TILE_KIB sets another budget for a Mac to compare (7.5: the old 4 tokens)."""
+    def layout():
+        return metal_layout.attention_layout(head_dim=128, gqa=16, query_len=1, k_bits=0, k_group=64,
+                                             k_itemsize=2, v_bits=0, v_group=64, v_itemsize=2, block_size=16)
+
+    monkeypatch.delenv("KVMETAL_METAL_TILE_KIB", raising=False)
+    assert layout().tile == 16 and layout().threadgroup_bytes <= 16 * 1024 + 1024
+    monkeypatch.setenv("KVMETAL_METAL_TILE_KIB", "7.5")
+    assert layout().tile == 4 and layout().threadgroup_bytes <= 8 * 1024
+    few = _costs("paged", 128, 16, 1, False, tokens=1024, num_splits=4)
+    monkeypatch.delenv("KVMETAL_METAL_TILE_KIB")
+    many = _costs("paged", 128, 16, 1, False, tokens=1024, num_splits=4)
+    assert many["barriers"] * 3 < few["barriers"]  # a barrier per tile (+1 a split)
+    for bad in ("0", "x", "64"):
+        monkeypatch.setenv("KVMETAL_METAL_TILE_KIB", bad)
+        with pytest.raises(ValueError):
+            layout()

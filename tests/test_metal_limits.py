@@ -69,10 +69,14 @@ def test_attention_limits_every_configuration(head_dim):
             if rows <= metal_layout.ROW_REGISTER_LIMIT and head_dim <= 128 and kbits in (0, 4, 8) and vbits in (0, 4, 8):
                 assert per == rows, layout
             # Issue 9's threadgroup memory budget: 2 KiB for one-token GQA <= 8 at D <= 128
-            # (register mode), 8 KiB at D <= 128, 16 KiB at D 256.
+            # (register mode; plus the merge's chunk of rows since issue 41, P5), 8 KiB at
+            # D <= 128, 16 KiB at D 256; shared mode: its tile budget (issue 41, P6) + 1 KiB.
             if query_len == 1 and gqa <= 8 and head_dim <= 128 and per == rows:
-                assert layout.threadgroup_bytes <= 2048, layout
-            assert layout.threadgroup_bytes <= (8192 if head_dim <= 128 else 16384), layout
+                assert layout.threadgroup_bytes <= 2048 + 4 * metal_layout.REGISTER_MERGE_FLOATS, layout
+            if per == rows:
+                assert layout.threadgroup_bytes <= (8192 if head_dim <= 128 else 16384), layout
+            else:
+                assert layout.threadgroup_bytes <= metal_layout.tile_memory_budget(head_dim) + 1024, layout
             assert per * layout.simdgroups * layout.row_passes >= rows  # shared mode past 128 rows: passes
             if per < rows:  # shared mode: tiles never straddle a block
                 assert layout.tile >= 1 and block_size % layout.tile == 0 and metal_layout.SPLIT_UNIT % layout.tile == 0

@@ -37,7 +37,19 @@ REGISTER_BUDGET = 128
 # tiles is for a Mac to settle (docs/kernels.md, "Threads and registers").
 REGISTER_MODE_LIMIT = 256
 LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
-TILE_MEMORY_BUDGET = {128: 8 * 1024 - 512, 256: 16 * 1024 - 512}  # shared-mode K/V tiles, by max head_dim
+# Shared-mode K/V tiles (double-buffered, scales and biases included), by max head_dim
+# (issue 41, P6): 16 KiB gives float16 D 128 tiles of 16 tokens (a barrier per 16 keys;
+# before, 7.5 KiB gave 4) and float16 D 256 tiles of 8. More threadgroup memory per
+# threadgroup trades occupancy for fewer barriers: a Mac settles it, run `kvmetal bench`
+# with KVMETAL_METAL_TILE_KIB set (tile_memory_budget; 7.5 / 15.5 were the old budgets).
+TILE_MEMORY_BUDGET = {128: 16 * 1024, 256: 16 * 1024}
+MAX_TILE_MEMORY_KIB = 24             # KVMETAL_METAL_TILE_KIB's cap (Metal allows 32 KiB a threadgroup)
+# Register mode's merge (issue 41, P5): simdgroups 1.. publish the accumulators of a chunk
+# of rows at once, at most this many floats (6 KiB; attention.metal's KV_MERGE_FLOATS, the
+# two must agree): 2 x chunks - 1 barriers a split, one at G 4 and 3 at G 8 (D 128), where
+# the merge row by row took 1 + 2 x rows. 6 KiB keeps register mode within issue 9's
+# 8 KiB at D <= 128 (its launches are held to a few threadgroups a core by registers).
+REGISTER_MERGE_FLOATS = 1536
 MAX_TILE_TOKENS = 16
 SPLIT_UNIT = 32                     # splits cut the tokens in whole units of this many (kernels: kv_split_range)
 # Occupancy model of one Apple GPU core (assumed; Apple documents neither): the
@@ -202,6 +214,29 @@ def _atom_words(head_dim: int, bits: int, group_size: int, lanes_per_key: int) -
     return values * bits // 32
 
 
+def merge_rows(head_dim: int, simdgroups: int, rows_per_simdgroup: int) -> int:
+    """Rows the register mode merges per barrier (attention.metal's KV_MERGE_ROWS): as many as
+    REGISTER_MERGE_FLOATS floats of simdgroups 1..'s accumulators hold, at least one."""
+    if simdgroups <= 1:
+        return 1
+    return max(1, min(rows_per_simdgroup, REGISTER_MERGE_FLOATS // ((simdgroups - 1) * head_dim)))
+
+
+def tile_memory_budget(head_dim: int) -> int:
+    """Bytes the shared mode's double-buffered K/V tiles (scales and biases included) may
+    take: KVMETAL_METAL_TILE_KIB (KiB, any head_dim) if set, else TILE_MEMORY_BUDGET."""
+    raw = os.environ.get("KVMETAL_METAL_TILE_KIB")
+    if raw is None or raw == "":
+        return TILE_MEMORY_BUDGET[128 if head_dim <= 128 else 256]
+    try:
+        kib = float(raw)
+    except ValueError:
+        kib = -1.0
+    if not 0 < kib <= MAX_TILE_MEMORY_KIB:
+        raise ValueError(f"KVMETAL_METAL_TILE_KIB must be a number of KiB in (0, {MAX_TILE_MEMORY_KIB}], got {raw!r}")
+    return int(kib * 1024)
+
+
 def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
@@ -213,8 +248,10 @@ def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgrou
     *_row_bytes: bytes of one cache row's data; *_scale_bytes: of its scales (0: float cache)."""
     shared = rows_per_simdgroup < rows
     merge = not shared and simdgroups > 1
-    stats = 4 * (simdgroups * rows_per_simdgroup * 2 if merge else 1)
-    acc = 4 * ((simdgroups - 1) * head_dim if merge else 1)
+    rps = rows_per_simdgroup
+    # (m, l) of simdgroups 1.., then every simdgroup's sparse-V seed maxima (KV_MERGE_SEEDS)
+    stats = 4 * ((simdgroups - 1) * rps * 2 + simdgroups * rps if merge else 1)
+    acc = 4 * ((simdgroups - 1) * merge_rows(head_dim, simdgroups, rps) * head_dim if merge else 1)
 
     def tile_bytes(row_bytes):
         return 16 * (-(-2 * tile * row_bytes // 16) if shared else 1)
@@ -234,9 +271,19 @@ def _partials_registers(head_dim: int, rows: int, per: int, lanes: int, k_bits: 
         SV=int(sparse_v)))
 
 
-@functools.lru_cache(maxsize=None)  # runs per layer on every decode step; its search costs ~0.1 ms
 def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
                      v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None) -> AttentionLayout:
+    """The layout of one partial-kernel specialisation (:func:`_attention_layout`), at the
+    tile budget of KVMETAL_METAL_TILE_KIB / TILE_MEMORY_BUDGET (read on every call)."""
+    return _attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=k_bits, k_group=k_group,
+                             k_itemsize=k_itemsize, v_bits=v_bits, v_group=v_group, v_itemsize=v_itemsize,
+                             block_size=block_size, tile_budget=tile_memory_budget(head_dim))
+
+
+@functools.lru_cache(maxsize=None)  # runs per layer on every decode step; its search costs ~0.1 ms
+def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
+                      v_bits: int, v_group: int, v_itemsize: int, block_size: int | None,
+                      tile_budget: int) -> AttentionLayout:
     """The layout of one partial-kernel specialisation.
 
     Register mode (up to ROW_REGISTER_LIMIT rows: every one of REGISTER_SIMDGROUPS
@@ -295,7 +342,7 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
     v_scales = head_dim // v_group * v_itemsize if v_bits else 0
     tile = 0
     if per < rows:
-        budget = TILE_MEMORY_BUDGET[128 if head_dim <= 128 else 256]
+        budget = tile_budget
         tile = min(MAX_TILE_TOKENS, block_size or MAX_TILE_TOKENS)
         while tile > 1 and 2 * tile * (k_row + v_row + 2 * k_scales + 2 * v_scales) > budget:
             tile //= 2
