@@ -93,11 +93,43 @@ struct KvTileColumn {
   }
 };
 
+// Packed words of a run, loaded NV at a time (16 or 8 bytes: the run starts on such a
+// boundary whenever the row width W and the run's NW words are multiples of NV).
+template <int NV>
+struct KvWordLoad {
+  template <typename P>
+  static void load(P src, thread uint* w, int u) {
+    w[u] = reinterpret_cast<const device uint*>(src)[u];
+  }
+};
+template <>
+struct KvWordLoad<2> {
+  template <typename P>
+  static void load(P src, thread uint* w, int u) {
+    const uint2 v = reinterpret_cast<const device uint2*>(src)[u];
+    w[2 * u] = v.x;
+    w[2 * u + 1] = v.y;
+  }
+};
+template <>
+struct KvWordLoad<4> {
+  template <typename P>
+  static void load(P src, thread uint* w, int u) {
+    const uint4 v = reinterpret_cast<const device uint4*>(src)[u];
+    w[4 * u] = v.x;
+    w[4 * u + 1] = v.y;
+    w[4 * u + 2] = v.z;
+    w[4 * u + 3] = v.w;
+  }
+};
+
 // Copy the tile of tokens [t0, t0 + BK) of one (sequence, kv head) into
 // threadgroup memory: row-major (rows LD apart), or transposed (KT: columns LDT
-// apart; the threads of a simdgroup then take consecutive keys, so their stores
-// land on consecutive columns). Rows outside [lo, hi) or in a block outside
-// [0, N) are zeros (never NaN into the MMA) with ok = 0.
+// apart). Either way consecutive threads take consecutive tasks of one cache row
+// (issue 41, P7): a simdgroup's loads cover whole rows (a float row in 16-byte
+// loads, a packed row's runs of words in 16-byte loads where aligned), and the
+// transposed tile takes each element down its column. Rows outside [lo, hi) or in
+// a block outside [0, N) are zeros (never NaN into the MMA) with ok = 0.
 template <int BK, int D, int BS, int BITS, int GS, bool KT, int NT, typename TT, typename PD, typename PS,
           typename PB, typename PT>
 inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num_blocks,
@@ -109,9 +141,11 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
   constexpr int TASKS = D / TASK;
   constexpr int LD = KvVarlenStride<D, TT>::LD;
   constexpr int LDT = KvVarlenStrideT<BK, TT>::LDT;
+  constexpr int NW = BITS ? TASK * BITS / 32 : 1;  // packed words per task
+  constexpr int NV = (W % 4 == 0 && NW % 4 == 0) ? 4 : ((W % 2 == 0 && NW % 2 == 0) ? 2 : 1);
   for (int i = tid; i < BK * TASKS; i += NT) {
-    const int r = KT ? i % BK : i / TASKS;
-    const int task = KT ? i / BK : i % TASKS;
+    const int r = i / TASKS;
+    const int task = i % TASKS;
     const int t = t0 + r;
     bool good = t >= lo && t < hi;
     size_t row = 0;
@@ -131,7 +165,11 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
       const int group = task * TASK / GS;
       const float s = float(scales[row * NG + group]);
       const float b = float(biases[row * NG + group]);
-      kv_dequant_group<BITS ? BITS : 1, TASK, TT>(data + row * W + task * (TASK * BITS / 32), 1, s, b, dst);
+      uint words[NW];
+      for (int u = 0; u < NW / NV; u++) {
+        KvWordLoad<NV>::load(data + row * W + task * NW, words, u);
+      }
+      kv_dequant_group<BITS ? BITS : 1, TASK, TT>(words, 1, s, b, dst);
     } else {
       // 8 elements: one 16-byte load (half, bfloat) or two (float), in the storage type.
       constexpr int U = TASK * int(sizeof(TT)) / 16;
