@@ -31,6 +31,7 @@ from kvmetal import quant, sim
 from kvmetal.backends import metal_layout
 from kvmetal.sim import cost_cases as cc
 from kvmetal.sim import cost_model as cm
+from kvmetal.sim.backend import sim_backend
 
 CHIPS = ("m2-max", "m4-max")
 NEW = 2048
@@ -92,7 +93,7 @@ def case(rng, *, context, gqa, d, fmt, tiles=None):
     q = mx.array(rng.standard_normal((NEW, gqa, d)).astype(np.float32)).astype(mx.float16)
     t0 = time.time()
     with kv.use_backend("sim"), sim.trace(strict=False, seed=0) as t:
-        mx.eval(kv.backends.get_backend("sim").paged_attention_varlen(
+        mx.eval(sim_backend().paged_attention_varlen(
             q, kc, vc, tables, mx.array([length], mx.int32), mx.array([0, NEW], mx.int32),
             scale=d ** -0.5, softcap=None, sliding_window=None, sinks=None, tiles=tiles)
             if tiles is not None else
@@ -112,12 +113,12 @@ def case(rng, *, context, gqa, d, fmt, tiles=None):
             kf, df = bk // 8, d // 8
             # Threadgroup fragment loads per K/V tile per simdgroup: K and V fragments (one
             # each per (key block, dim block)), Q fragments when Q is staged (RF per dim block).
-            frag_loads = 2 * kf * df + (rf * df if tv.get("rf") is not None else 0)
+            frag_loads = 2 * kf * df + (rf * df if rf > 1 else 0)
             mma_tile = 2 * rf * kf * df
             ttk = 4 if kb else 2
             out = {"kernel": call.name, "threadgroups": call.threadgroups, "threads": call.threadgroup[0],
                    "threadgroup_memory": call.threadgroup_memory, "barriers": call.barriers,
-                   "mma": call.mma, "shuffles": call.shuffles, "transcendentals": call.transcendentals,
+                   "mma": call.mma, "reductions": call.reductions, "shuffles": call.shuffles, "transcendentals": call.transcendentals,
                    "kv_loaded": sum(call.buffers[n].loaded for n in kvn),
                    "kv_loads": sum(call.buffers[n].load_ops for n in kvn),
                    "kv_bytes_per_load": round(call.bytes_per_load(*kvn), 2),

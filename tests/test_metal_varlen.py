@@ -73,9 +73,10 @@ def test_varlen_matches_oracle(case):
     assert len(tiled) == 1                                     # every long run in one launch
     k_item = 4 if kq else kc.dtype.size  # a quantized K tile holds float32 rows (issue 41, defect 1)
     v_item = (vc.scales if vq else vc).dtype.size
-    tiles = metal_layout.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item)
-    assert tiled[0].threadgroup_memory == metal_layout.varlen_threadgroup_bytes(
-        head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_item, v_itemsize=v_item) <= 32 * 1024
+    tiles = metal_layout.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item,
+                                      q_itemsize=query.dtype.size)
+    assert tiled[0].threadgroup_memory == metal_layout.tiles_threadgroup_bytes(
+        tiles, head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item, q_itemsize=query.dtype.size) <= 32 * 1024
     assert tiled[0].mma > 0
 
 
@@ -120,14 +121,14 @@ def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
     call = next(c for c in trace.calls if "paged_varlen_partials" in c.name)
     tiles = metal_layout.varlen_tiles(head_dim=d, k_itemsize=2, v_itemsize=2)
-    positions = tiles.block_q // gqa                     # 8 positions per query tile
+    positions = tiles.block_q // gqa                     # 16 positions per query tile (RF 2)
     visible = [64 + (i + 1) * positions for i in range(64 // positions)]  # keys up to each tile's last row
     kv_tiles = [-(-v // tiles.block_k) for v in visible]
     assert call.buffers["key_data"].loaded == sum(visible) * d * 2   # rows past the diagonal: never loaded
     assert call.buffers["value_data"].loaded == call.buffers["key_data"].loaded
     assert call.bytes_per_load("key_data", "value_data") == 16.0   # rows copied in 16-byte units
     assert call.barriers == 2 * sum(kv_tiles)
-    per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups
+    per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups * tiles.row_fragments
     assert call.mma == per_tile * sum(kv_tiles)
 
 
@@ -154,7 +155,8 @@ def test_bench_prefill_case_sweeps_tiles_on_sim(monkeypatch):
     # Two configurations (and one that does not fit 32 KiB, skipped): each is a kernel build.
     monkeypatch.setattr(cases, "PREFILL_TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
     rows = cases.run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
-    assert [(r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == [(32, 32), (16, 16)]
+    # (4, 32): RF 2's Q tile does not fit beside BK 32 at D 128, so RF 1 (BQ 32); (2, 16): RF 2 (BQ 32).
+    assert [(r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == [(32, 32), (32, 16)]
     for r in rows:
         assert r["seconds"] > 0 and r["baseline"]["seconds"] > 0
 
