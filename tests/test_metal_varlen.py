@@ -121,7 +121,7 @@ def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
     call = next(c for c in trace.calls if "paged_varlen_partials" in c.name)
     tiles = metal_layout.varlen_tiles(head_dim=d, k_itemsize=2, v_itemsize=2)
-    positions = tiles.block_q // gqa                     # 16 positions per query tile (RF 2)
+    positions = tiles.block_q // gqa                     # 8 positions per query tile
     visible = [64 + (i + 1) * positions for i in range(64 // positions)]  # keys up to each tile's last row
     kv_tiles = [-(-v // tiles.block_k) for v in visible]
     assert call.buffers["key_data"].loaded == sum(visible) * d * 2   # rows past the diagonal: never loaded
@@ -155,8 +155,7 @@ def test_bench_prefill_case_sweeps_tiles_on_sim(monkeypatch):
     # Two configurations (and one that does not fit 32 KiB, skipped): each is a kernel build.
     monkeypatch.setattr(cases, "PREFILL_TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
     rows = cases.run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
-    # (4, 32): RF 2's Q tile does not fit beside BK 32 at D 128, so RF 1 (BQ 32); (2, 16): RF 2 (BQ 32).
-    assert [(r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == [(32, 32), (32, 16)]
+    assert [(r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == [(32, 32), (16, 16)]
     for r in rows:
         assert r["seconds"] > 0 and r["baseline"]["seconds"] > 0
 

@@ -386,7 +386,7 @@ def estimated_registers(kernel: str, template: dict) -> int:
 VARLEN_DECODE_ROWS = VARLEN_SHORT_RUN  # sequences with n_s <= this go through the decode partials
 assert VARLEN_DECODE_ROWS <= ROW_REGISTER_LIMIT
 VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 * simdgroups * RF query rows
-VARLEN_ROW_FRAGMENTS = 2                 # default 8-row fragments per simdgroup (RF; 2 where the Q tile fits)
+VARLEN_ROW_FRAGMENTS = 1                 # default 8-row fragments per simdgroup (RF; 2 where the Q tile fits)
 VARLEN_BLOCK_K = (32, 16, 8)             # candidate K/V tile tokens, largest first
 VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer each, rows padded)
 VARLEN_ROW_PAD = 16                      # bytes added to each tile row (kernels: KvVarlenStride)
