@@ -93,11 +93,43 @@ struct KvTileColumn {
   }
 };
 
+// Packed words of a run, loaded NV at a time (16 or 8 bytes: the run starts on such a
+// boundary whenever the row width W and the run's NW words are multiples of NV).
+template <int NV>
+struct KvWordLoad {
+  template <typename P>
+  static void load(P src, thread uint* w, int u) {
+    w[u] = reinterpret_cast<const device uint*>(src)[u];
+  }
+};
+template <>
+struct KvWordLoad<2> {
+  template <typename P>
+  static void load(P src, thread uint* w, int u) {
+    const uint2 v = reinterpret_cast<const device uint2*>(src)[u];
+    w[2 * u] = v.x;
+    w[2 * u + 1] = v.y;
+  }
+};
+template <>
+struct KvWordLoad<4> {
+  template <typename P>
+  static void load(P src, thread uint* w, int u) {
+    const uint4 v = reinterpret_cast<const device uint4*>(src)[u];
+    w[4 * u] = v.x;
+    w[4 * u + 1] = v.y;
+    w[4 * u + 2] = v.z;
+    w[4 * u + 3] = v.w;
+  }
+};
+
 // Copy the tile of tokens [t0, t0 + BK) of one (sequence, kv head) into
 // threadgroup memory: row-major (rows LD apart), or transposed (KT: columns LDT
-// apart; the threads of a simdgroup then take consecutive keys, so their stores
-// land on consecutive columns). Rows outside [lo, hi) or in a block outside
-// [0, N) are zeros (never NaN into the MMA) with ok = 0.
+// apart). Either way consecutive threads take consecutive tasks of one cache row
+// (issue 41, P7): a simdgroup's loads cover whole rows (a float row in 16-byte
+// loads, a packed row's runs of words in 16-byte loads where aligned), and the
+// transposed tile takes each element down its column. Rows outside [lo, hi) or in
+// a block outside [0, N) are zeros (never NaN into the MMA) with ok = 0.
 template <int BK, int D, int BS, int BITS, int GS, bool KT, int NT, typename TT, typename PD, typename PS,
           typename PB, typename PT>
 inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num_blocks,
@@ -109,9 +141,11 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
   constexpr int TASKS = D / TASK;
   constexpr int LD = KvVarlenStride<D, TT>::LD;
   constexpr int LDT = KvVarlenStrideT<BK, TT>::LDT;
+  constexpr int NW = BITS ? TASK * BITS / 32 : 1;  // packed words per task
+  constexpr int NV = (W % 4 == 0 && NW % 4 == 0) ? 4 : ((W % 2 == 0 && NW % 2 == 0) ? 2 : 1);
   for (int i = tid; i < BK * TASKS; i += NT) {
-    const int r = KT ? i % BK : i / TASKS;
-    const int task = KT ? i / BK : i % TASKS;
+    const int r = i / TASKS;
+    const int task = i % TASKS;
     const int t = t0 + r;
     bool good = t >= lo && t < hi;
     size_t row = 0;
@@ -131,7 +165,11 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
       const int group = task * TASK / GS;
       const float s = float(scales[row * NG + group]);
       const float b = float(biases[row * NG + group]);
-      kv_dequant_group<BITS ? BITS : 1, TASK, TT>(data + row * W + task * (TASK * BITS / 32), 1, s, b, dst);
+      uint words[NW];
+      for (int u = 0; u < NW / NV; u++) {
+        KvWordLoad<NV>::load(data + row * W + task * NW, words, u);
+      }
+      kv_dequant_group<BITS ? BITS : 1, TASK, TT>(words, 1, s, b, dst);
     } else {
       // 8 elements: one 16-byte load (half, bfloat) or two (float), in the storage type.
       constexpr int U = TASK * int(sizeof(TT)) / 16;
@@ -151,6 +189,9 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
     }
     if (write_ok && task == 0) {
       ok[r] = good ? 1 : 0;
+      if (!good) {
+        ok[BK] = t0;  // the tile has a masked row (every such writer stores the same value)
+      }
     }
   }
 }
@@ -162,12 +203,13 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
 //          [S]; tiles int32 [num_tiles, 8] (KvVarlenTile); params int32 KvAttnParams
 //          (num_tokens = T, query_len = rows of the partials / H)
 // Outputs: part_max, part_sum float32 [R, splits]; part_acc float32 [R, splits, D]
-// Grid:    threadgroups (num_tiles, Hkv, splits), NSG * 32 threads each; BQ = 8 * NSG.
+// Grid:    threadgroups (num_tiles, Hkv, splits), NSG * 32 threads each; BQ = 8 * NSG * RF.
 const device KvAttnParams& p = kv_params<KvAttnParams>(params);
-constexpr int BQ = 8 * NSG;
+constexpr int BQ = 8 * NSG * RF;
 constexpr int NT = NSG * 32;
 constexpr int DF = D / 8;    // fragments along the head dim
 constexpr int KF = BK / 8;   // fragments along the keys
+constexpr bool QTG = RF > 1; // Q staged in threadgroup memory (RF > 1), else in registers
 const int tile_index = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int split = int(threadgroup_position_in_grid.z);
@@ -178,17 +220,21 @@ const int num_heads = p.num_heads;
 const int num_splits = p.num_splits;
 const int out_rows = p.query_len;  // partial rows / H
 // Threadgroup memory (metal_layout.py mirrors it in varlen_threadgroup_bytes).
-// The tiles are uint4 arrays (16-byte aligned rows for the copies), used as TK / TV.
+// The tiles are uint4 arrays (16-byte aligned rows for the copies), used as TK / TV / TQ.
 constexpr int KLD = KvVarlenStride<D, TK>::LD;
 constexpr int KLDT = KvVarlenStrideT<BK, TK>::LDT;
 constexpr int VLD = KvVarlenStride<D, TV>::LD;
+constexpr int QLD = KvVarlenStride<D, TQ>::LD;
 constexpr int TILE_K16 = ((KT ? D * KLDT : BK * KLD) * int(sizeof(TK)) + 15) / 16;
 constexpr int TILE_V16 = (BK * VLD * int(sizeof(TV)) + 15) / 16;
+constexpr int TILE_Q16 = QTG ? (BQ * QLD * int(sizeof(TQ)) + 15) / 16 : 1;
 threadgroup uint4 tile_k_raw[TILE_K16];
 threadgroup uint4 tile_v_raw[TILE_V16];
-threadgroup int tile_ok[BK];
+threadgroup uint4 tile_q_raw[TILE_Q16];
+threadgroup int tile_ok[BK + 1];  // row flags; [BK]: t0 of the last tile with a masked row
 threadgroup TK* tile_k = reinterpret_cast<threadgroup TK*>(tile_k_raw);
 threadgroup TV* tile_v = reinterpret_cast<threadgroup TV*>(tile_v_raw);
+threadgroup TQ* tile_q = reinterpret_cast<threadgroup TQ*>(tile_q_raw);
 
 const device KvVarlenTile& tl = reinterpret_cast<const device KvVarlenTile*>(tiles)[tile_index];
 const int seq = tl.seq;
@@ -200,18 +246,29 @@ const int r_end = min(r0 + BQ, rows);
 // (block_tables is a `constant` buffer when it has fewer than 8 entries: keep its type.)
 const decltype(block_tables) table = block_tables + size_t(seq) * p.max_blocks;
 
-// This lane's row (fm) and columns (fn, fn + 1) of every fragment.
+// This lane's row (fm) and columns (fn, fn + 1) of every fragment; simdgroup sg owns
+// the RF row fragments sg * RF + f, f < RF (rows 8 (sg * RF + f) + [0, 8) of the tile).
 const int qid = lane / 4;
 const int fm = (qid & 4) + (lane / 2) % 4;
 const int fn = (qid & 2) * 2 + (lane % 2) * 2;
-const int r = r0 + sg * 8 + fm;
-const int pos_i = r / G;                       // new position index of the row
-const int head = kvh * G + r % G;
-const int pos = len - n + pos_i;               // its cached position
-const int q_row = tl.q0 + pos_i;
-const int o_row = tl.o0 + pos_i;
-const bool row_ok = r < r_end && q_row >= 0 && q_row < p.num_tokens && o_row >= 0 && o_row < out_rows &&
-                    head < num_heads;
+int pos[RF];
+int head[RF];
+int q_row[RF];
+int o_row[RF];
+bool row_ok[RF];
+bool rows_ok = true;
+KV_UNROLL
+for (int f = 0; f < RF; f++) {
+  const int r = r0 + (sg * RF + f) * 8 + fm;
+  const int pos_i = r / G;                     // new position index of the row
+  head[f] = kvh * G + r % G;
+  pos[f] = len - n + pos_i;                    // its cached position
+  q_row[f] = tl.q0 + pos_i;
+  o_row[f] = tl.o0 + pos_i;
+  row_ok[f] = r < r_end && q_row[f] >= 0 && q_row[f] < p.num_tokens && o_row[f] >= 0 && o_row[f] < out_rows &&
+              head[f] < num_heads;
+  rows_ok = rows_ok && row_ok[f];
+}
 
 // Keys of the tile: [lo, hi); the split's share in whole K/V tiles. With
 // split_tokens > 0 (a multiple of BK) split k is the k-th window of [lo, hi) cut at
@@ -231,21 +288,48 @@ const int w_begin = p.split_tokens > 0 ? (lo / p.split_tokens + split) * p.split
 const int t_begin = max(t_start, w_begin);
 const int t_end = min(hi, w_begin + per_split * BK);
 
-// Q fragments (rows x dims), pre-scaled: scores in log2 units unless softcapped.
+// Q, scaled into log2 units (unless softcapped): RF = 1 keeps the simdgroup's fragments
+// (pre-scaled) in registers; RF > 1 stages the tile's BQ rows in threadgroup memory in
+// 16-byte row copies (visible after the first K/V tile's barrier) and scales the scores.
 const float qscale = var.q_scale;
-simdgroup_float8x8 qf[DF];
-simdgroup_float8x8 of[DF];
-KV_UNROLL
-for (int j = 0; j < DF; j++) {
-  KV_UNROLL
-  for (int e = 0; e < 2; e++) {
-    const float x = row_ok ? float(query[(size_t(q_row) * num_heads + head) * D + j * 8 + fn + e]) : 0.0f;
-    qf[j].thread_elements()[e] = x * qscale;
+const float sscale = QTG ? qscale : 1.0f;
+simdgroup_float8x8 qf[QTG ? 1 : DF];
+simdgroup_float8x8 of[RF][DF];
+if (QTG) {
+  constexpr int QPER = 16 / int(sizeof(TQ));
+  constexpr int QT = D / QPER;  // 16-byte chunks per row
+  for (int i = tid; i < BQ * QT; i += NT) {
+    const int rr = i / QT;
+    const int c = i % QT;
+    const int r = r0 + rr;
+    const int qr = tl.q0 + r / G;
+    const int h = kvh * G + r % G;
+    const bool ok = r < r_end && qr >= 0 && qr < p.num_tokens && h < num_heads;
+    const device uint4* src = reinterpret_cast<const device uint4*>(query + (size_t(ok ? qr : 0) * num_heads +
+                                                                              uint(ok ? h : 0)) * D);
+    *reinterpret_cast<threadgroup uint4*>(tile_q + rr * QLD + c * QPER) = ok ? src[c] : uint4(0);
   }
-  of[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+} else {
+  KV_UNROLL
+  for (int j = 0; j < DF; j++) {
+    KV_UNROLL
+    for (int e = 0; e < 2; e++) {
+      const float x = row_ok[0] ? float(query[(size_t(q_row[0]) * num_heads + head[0]) * D + j * 8 + fn + e]) : 0.0f;
+      qf[QTG ? 0 : j].thread_elements()[e] = x * qscale;
+    }
+  }
 }
-float m = KV_NEG_BIG;
-float l = 0.0f;
+float m[RF];
+float l[RF];
+KV_UNROLL
+for (int f = 0; f < RF; f++) {
+  KV_UNROLL
+  for (int j = 0; j < DF; j++) {
+    of[f][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  m[f] = KV_NEG_BIG;
+  l[f] = 0.0f;
+}
 
 for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   kv_varlen_load_tile<BK, D, BS, KBITS, KGS, KT != 0, NT, TK>(key_data, key_scales, key_biases, table,
@@ -256,13 +340,31 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
                                                              tile_v, tile_ok, tid, false);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // S = Q K^T: fragment kb holds keys t0 + 8 kb + [0, 8) of the simdgroup's rows.
-  simdgroup_float8x8 sf[KF];
+  // S = Q K^T: fragment (f, kb) holds keys t0 + 8 kb + [0, 8) of row fragment f. Each K
+  // fragment loaded serves the RF row fragments.
+  simdgroup_float8x8 sf[RF][KF];
   KV_UNROLL
-  for (int kb = 0; kb < KF; kb++) {
-    sf[kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (int f = 0; f < RF; f++) {
     KV_UNROLL
-    for (int j = 0; j < DF; j++) {
+    for (int kb = 0; kb < KF; kb++) {
+      sf[f][kb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+  }
+  KV_UNROLL
+  for (int j = 0; j < DF; j++) {
+    simdgroup_float8x8 qa[RF];
+    KV_UNROLL
+    for (int f = 0; f < RF; f++) {
+      if (QTG) {  // row (sg RF + f) 8 + fm, dims j 8 + fn, fn + 1
+        const float2 x = KvVec2<TQ>::load(tile_q + ((sg * RF + f) * 8 + fm) * QLD + j * 8 + fn);
+        qa[f].thread_elements()[0] = x.x;
+        qa[f].thread_elements()[1] = x.y;
+      } else {
+        qa[f] = qf[QTG ? 0 : j];
+      }
+    }
+    KV_UNROLL
+    for (int kb = 0; kb < KF; kb++) {
       simdgroup_float8x8 kt;  // (dim, key) = K[key][dim]
       if (KT) {  // keys fn, fn + 1 of dim j * 8 + fm: adjacent in the transposed tile
         const float2 x = KvVec2<TK>::load(tile_k + (j * 8 + fm) * KLDT + kb * 8 + fn);
@@ -272,78 +374,104 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
         kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * KLD + j * 8 + fm]);
         kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * KLD + j * 8 + fm]);
       }
-      simdgroup_multiply_accumulate(sf[kb], qf[j], kt, sf[kb]);
+      KV_UNROLL
+      for (int f = 0; f < RF; f++) {
+        simdgroup_multiply_accumulate(sf[f][kb], qa[f], kt, sf[f][kb]);
+      }
     }
   }
 
-  // Online softmax over the tile: mask, row max, probabilities, row sum.
-  // A key's weight is chosen by its visibility flag, not by its score: a NaN score
-  // of a visible key (a NaN in its K row) gives a NaN weight and a NaN row, as in
-  // decode (issue 41, R3; comparing the score dropped it silently).
-  float tile_max = KV_NEG_BIG;
-  bool vis[KF][2];
+  // Masks only on edge tiles (issue 41, P8): a lane whose rows are all live and see every
+  // key of the tile (no row of the tile masked: the fill stamps tile_ok[BK] with t0 when
+  // one is; the first and last keys visible, so every key between) skips the per-element
+  // test. (tile_ok[BK] is never initialised: a stale value equal to t0 only sends the
+  // tile down the masked path, which is always right.)
+  bool full = tile_ok[BK] != t0 && rows_ok;
   KV_UNROLL
-  for (int kb = 0; kb < KF; kb++) {
-    KV_UNROLL
-    for (int e = 0; e < 2; e++) {
-      const int c = kb * 8 + fn + e;
-      const int t = t0 + c;
-      vis[kb][e] = row_ok && tile_ok[c] != 0 && var.visible(t, pos);
-      const float s = vis[kb][e] ? var.logit(sf[kb].thread_elements()[e]) : KV_NEG_BIG;
-      sf[kb].thread_elements()[e] = s;
-      tile_max = max(tile_max, s);
-    }
+  for (int f = 0; f < RF; f++) {
+    full = full && var.visible(t0, pos[f]) && var.visible(t0 + BK - 1, pos[f]);
   }
-  tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
-  tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
-  const float m_new = max(m, tile_max);
-  // Rescale only when the max rises (issue 41, R2): a tile the row cannot see, or one
-  // below its max, leaves (l, O) as they are, not times exp2(0) (exact 1 only if
-  // the fast exp2 is exact there).
-  const float factor = m_new > m ? kv_weight(m, m_new) : 1.0f;
-  float tile_sum = 0.0f;
+  float factor[RF];
   KV_UNROLL
-  for (int kb = 0; kb < KF; kb++) {
+  for (int f = 0; f < RF; f++) {
+    // Online softmax over the tile: mask, row max, probabilities, row sum.
+    // A key's weight is chosen by its visibility flag, not by its score: a NaN score
+    // of a visible key (a NaN in its K row) gives a NaN weight and a NaN row, as in
+    // decode (issue 41, R3; comparing the score dropped it silently).
+    float tile_max = KV_NEG_BIG;
+    bool vis[KF][2];
     KV_UNROLL
-    for (int e = 0; e < 2; e++) {
-      const float s = sf[kb].thread_elements()[e];
-      const float pr = vis[kb][e] ? kv_weight(s, m_new) : 0.0f;
-      sf[kb].thread_elements()[e] = pr;
-      tile_sum += pr;
+    for (int kb = 0; kb < KF; kb++) {
+      KV_UNROLL
+      for (int e = 0; e < 2; e++) {
+        const int c = kb * 8 + fn + e;
+        vis[kb][e] = full || (row_ok[f] && tile_ok[c] != 0 && var.visible(t0 + c, pos[f]));
+        const float s = vis[kb][e] ? var.logit(sf[f][kb].thread_elements()[e] * sscale) : KV_NEG_BIG;
+        sf[f][kb].thread_elements()[e] = s;
+        tile_max = max(tile_max, s);
+      }
     }
+    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
+    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
+    const float m_new = max(m[f], tile_max);
+    // Rescale only when the max rises (issue 41, R2): a tile the row cannot see, or one
+    // below its max, leaves (l, O) as they are, not times exp2(0) (exact 1 only if
+    // the fast exp2 is exact there).
+    factor[f] = m_new > m[f] ? kv_weight(m[f], m_new) : 1.0f;
+    float tile_sum = 0.0f;
+    KV_UNROLL
+    for (int kb = 0; kb < KF; kb++) {
+      KV_UNROLL
+      for (int e = 0; e < 2; e++) {
+        const float s = sf[f][kb].thread_elements()[e];
+        const float pr = vis[kb][e] ? kv_weight(s, m_new) : 0.0f;
+        sf[f][kb].thread_elements()[e] = pr;
+        tile_sum += pr;
+      }
+    }
+    tile_sum += simd_shuffle_xor(tile_sum, ushort(1));
+    tile_sum += simd_shuffle_xor(tile_sum, ushort(8));
+    l[f] = l[f] * factor[f] + tile_sum;
+    m[f] = m_new;
   }
-  tile_sum += simd_shuffle_xor(tile_sum, ushort(1));
-  tile_sum += simd_shuffle_xor(tile_sum, ushort(8));
-  l = l * factor + tile_sum;
-  m = m_new;
 
-  // O = O * factor + P V: fragment j holds dims 8 j + [0, 8).
+  // O = O * factor + P V: fragment (f, j) holds dims 8 j + [0, 8) of row fragment f;
+  // each V fragment loaded serves the RF row fragments.
   KV_UNROLL
   for (int j = 0; j < DF; j++) {
-    of[j].thread_elements()[0] *= factor;
-    of[j].thread_elements()[1] *= factor;
+    KV_UNROLL
+    for (int f = 0; f < RF; f++) {
+      of[f][j].thread_elements()[0] *= factor[f];
+      of[f][j].thread_elements()[1] *= factor[f];
+    }
     KV_UNROLL
     for (int kb = 0; kb < KF; kb++) {
       simdgroup_float8x8 vf;  // (key, dim): dims fn, fn + 1 adjacent in the row-major tile
       const float2 x = KvVec2<TV>::load(tile_v + (kb * 8 + fm) * VLD + j * 8 + fn);
       vf.thread_elements()[0] = x.x;
       vf.thread_elements()[1] = x.y;
-      simdgroup_multiply_accumulate(of[j], sf[kb], vf, of[j]);
+      KV_UNROLL
+      for (int f = 0; f < RF; f++) {
+        simdgroup_multiply_accumulate(of[f][j], sf[f][kb], vf, of[f][j]);
+      }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
 // Partials of this split: row (o_row * H + head), unnormalized accumulator.
-if (row_ok) {
-  const size_t at = (size_t(o_row) * num_heads + head) * num_splits + split;
-  if (fn == 0) {
-    part_max[at] = m;
-    part_sum[at] = l;
-  }
-  KV_UNROLL
-  for (int j = 0; j < DF; j++) {
-    part_acc[at * D + j * 8 + fn] = of[j].thread_elements()[0];
-    part_acc[at * D + j * 8 + fn + 1] = of[j].thread_elements()[1];
+KV_UNROLL
+for (int f = 0; f < RF; f++) {
+  if (row_ok[f]) {
+    const size_t at = (size_t(o_row[f]) * num_heads + head[f]) * num_splits + split;
+    if (fn == 0) {
+      part_max[at] = m[f];
+      part_sum[at] = l[f];
+    }
+    KV_UNROLL
+    for (int j = 0; j < DF; j++) {
+      part_acc[at * D + j * 8 + fn] = of[f][j].thread_elements()[0];
+      part_acc[at * D + j * 8 + fn + 1] = of[f][j].thread_elements()[1];
+    }
   }
 }

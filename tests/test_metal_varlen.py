@@ -73,9 +73,10 @@ def test_varlen_matches_oracle(case):
     assert len(tiled) == 1                                     # every long run in one launch
     k_item = 4 if kq else kc.dtype.size  # a quantized K tile holds float32 rows (issue 41, defect 1)
     v_item = (vc.scales if vq else vc).dtype.size
-    tiles = metal_layout.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item)
-    assert tiled[0].threadgroup_memory == metal_layout.varlen_threadgroup_bytes(
-        head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_item, v_itemsize=v_item) <= 32 * 1024
+    tiles = metal_layout.varlen_tiles(head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item,
+                                      q_itemsize=query.dtype.size)
+    assert tiled[0].threadgroup_memory == metal_layout.tiles_threadgroup_bytes(
+        tiles, head_dim=head_dim, k_itemsize=k_item, v_itemsize=v_item, q_itemsize=query.dtype.size) <= 32 * 1024
     assert tiled[0].mma > 0
 
 
@@ -127,7 +128,7 @@ def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     assert call.buffers["value_data"].loaded == call.buffers["key_data"].loaded
     assert call.bytes_per_load("key_data", "value_data") == 16.0   # rows copied in 16-byte units
     assert call.barriers == 2 * sum(kv_tiles)
-    per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups
+    per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups * tiles.row_fragments
     assert call.mma == per_tile * sum(kv_tiles)
 
 

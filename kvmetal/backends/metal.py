@@ -310,13 +310,16 @@ class KernelBackend:
         # a score by ~|q||k| 2^-9 sqrt(D) (bfloat16), which an explicit large scale turns
         # into a wrong softmax weight (issue 41, defect 1). V stays in the scales' type.
         ktt = mx.float32 if kbits else kdt
-        tiles = tiles or varlen_tiles(head_dim=head_dim, k_itemsize=ktt.size, v_itemsize=vdt.size)
+        tiles = tiles or varlen_tiles(head_dim=head_dim, k_itemsize=ktt.size, v_itemsize=vdt.size,
+                                      q_itemsize=query.dtype.size)
         plan = varlen_plan(query_start_loc, seq_lens, num_tokens=num_tokens, gqa=gqa, block_q=tiles.block_q,
                            max_len=max_blocks * block_size, sliding_window=sliding_window)
         outs = []
         if plan.tiles.shape[0]:
             tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=ktt.size,
-                                                v_itemsize=vdt.size, transposed_k=tiles.transposed_k)
+                                                v_itemsize=vdt.size, transposed_k=tiles.transposed_k,
+                                                block_q=tiles.block_q, q_itemsize=query.dtype.size,
+                                                row_fragments=tiles.row_fragments)
             useful = max(1, -(-plan.max_work // tiles.block_k))
             split_tokens = 0
             if num_splits is not None:
@@ -335,7 +338,7 @@ class KernelBackend:
                                            num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1,
                                            split_tokens=split_tokens)
             template = dict(TQ=query.dtype, TK=ktt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
-                            NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), KBITS=kbits, KGS=kgs,
+                            NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), RF=tiles.row_fragments, KBITS=kbits, KGS=kgs,
                             VBITS=vbits, VGS=vgs)
             geometry = SPECS["paged_varlen_partials"].geometry(
                 num_tiles=plan.tiles.shape[0], num_kv_heads=num_kv_heads, splits=splits, tiles=tiles,

@@ -416,9 +416,11 @@ def estimated_registers(kernel: str, template: dict) -> int:
         return rps * row + in_flight + words + REGISTER_OVERHEAD
     if kernel == "paged_varlen_partials":
         frag = D // 8
-        q = 0 if template.get("QTG") else 2 * frag  # Q fragments (in threadgroup memory when QTG)
-        # O and S fragments (2 floats a lane each), the K/V fragment being loaded, m, l and the tile's sums.
-        return q + 2 * frag + 2 * (int(template["BK"]) // 8) + 4 + 6 + REGISTER_OVERHEAD
+        rf = int(template.get("RF", 1))
+        q = 2 * rf if rf > 1 else 2 * frag  # Q fragments (RF > 1: the RF of one dim block, from threadgroup memory)
+        # O and S fragments (2 floats a lane each) of RF row fragments, the K/V fragment being
+        # loaded, m, l, rows and the tile's sums.
+        return q + rf * (2 * frag + 2 * (int(template["BK"]) // 8) + 4) + 6 + REGISTER_OVERHEAD
     if kernel in ("attention_reduce", "cascade_reduce"):
         return 4 * -(-(D // 4) // 32) + 8 + REGISTER_OVERHEAD  # float4 chunks of the row, m, denom
     if kernel == "cache_rows_quantize":
@@ -430,7 +432,8 @@ def estimated_registers(kernel: str, template: dict) -> int:
 
 VARLEN_DECODE_ROWS = VARLEN_SHORT_RUN  # sequences with n_s <= this go through the decode partials
 assert VARLEN_DECODE_ROWS <= ROW_REGISTER_LIMIT
-VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 * simdgroups query rows
+VARLEN_SIMDGROUPS = 4                    # default simdgroups per tile: BQ = 8 * simdgroups * RF query rows
+VARLEN_ROW_FRAGMENTS = 1                 # default 8-row fragments per simdgroup (RF; 2 where the Q tile fits)
 VARLEN_BLOCK_K = (32, 16, 8)             # candidate K/V tile tokens, largest first
 VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer each, rows padded)
 VARLEN_ROW_PAD = 16                      # bytes added to each tile row (kernels: KvVarlenStride)
@@ -440,20 +443,25 @@ VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVa
 
 @dataclass(frozen=True)
 class VarlenTiles:
-    """Tile sizes of the tiled varlen kernel (template parameters NSG, BK, KT).
+    """Tile sizes of the tiled varlen kernel (template parameters NSG, BK, KT, RF).
 
     ``transposed_k`` (KT): the K tile holds dims as rows, so a K fragment's two keys are
     one vector load (and the fill's stores go down columns); False keeps K row-major
     like V (two scalar loads per K fragment, 16-byte stores). The default is the
-    pattern of the fast kernels; only a Mac can time the two (``tiles=`` override)."""
+    pattern of the fast kernels; only a Mac can time the two (``tiles=`` override).
+
+    ``row_fragments`` (RF): 8-row fragments per simdgroup (BQ = 8 x simdgroups x RF). RF 2
+    stages the tile's Q rows in threadgroup memory and makes each K and V fragment read
+    from the tiles serve two MMAs (issue 41, P8); RF 1 keeps Q in registers."""
 
     simdgroups: int
     block_k: int
     transposed_k: bool = True
+    row_fragments: int = 1
 
     @property
     def block_q(self) -> int:
-        return 8 * self.simdgroups
+        return 8 * self.simdgroups * self.row_fragments
 
     @property
     def threads(self) -> int:
@@ -461,30 +469,56 @@ class VarlenTiles:
 
 
 def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int,
-                             transposed_k: bool = True) -> int:
+                             transposed_k: bool = True, block_q: int = 8 * VARLEN_SIMDGROUPS, q_itemsize: int = 2,
+                             row_fragments: int = 1) -> int:
     """Threadgroup memory of paged_varlen_partials: K tile (transposed: head_dim rows of
     block_k keys, padded by VARLEN_TRANSPOSED_PAD bytes), V tile (rows padded by
-    VARLEN_ROW_PAD bytes; both in the tile element types), ok flags."""
+    VARLEN_ROW_PAD bytes; both in the tile element types), Q tile (row_fragments > 1:
+    block_q rows padded by VARLEN_ROW_PAD bytes, in the query type; else a 16-byte
+    placeholder), ok flags (block_k + 1 int32)."""
     k_tile = (head_dim * (block_k * k_itemsize + VARLEN_TRANSPOSED_PAD) if transposed_k
               else block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
-    return _round16(k_tile) + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(4 * block_k)
+    q_tile = block_q * (head_dim * q_itemsize + VARLEN_ROW_PAD) if row_fragments > 1 else 16
+    return (_round16(k_tile) + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(q_tile)
+            + _round16(4 * (block_k + 1)))
+
+
+def tiles_threadgroup_bytes(tiles: VarlenTiles, *, head_dim: int, k_itemsize: int, v_itemsize: int,
+                            q_itemsize: int) -> int:
+    """varlen_threadgroup_bytes of one VarlenTiles."""
+    return varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
+                                    v_itemsize=v_itemsize, transposed_k=tiles.transposed_k, block_q=tiles.block_q,
+                                    q_itemsize=q_itemsize, row_fragments=tiles.row_fragments)
 
 
 def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups: int | None = None,
-                 block_k: int | None = None) -> VarlenTiles:
+                 block_k: int | None = None, row_fragments: int | None = None, q_itemsize: int = 2) -> VarlenTiles:
     """The tile sizes for one head_dim and tile element sizes: the largest BK whose
-    padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16)."""
+    padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16) and,
+    with the Q tile (RF > 1), 32 KiB. ``row_fragments`` None: VARLEN_ROW_FRAGMENTS where
+    some BK fits with it, else 1."""
+    simdgroups = simdgroups or VARLEN_SIMDGROUPS
+
+    def fits(bk, rf):
+        t = VarlenTiles(simdgroups, bk, True, rf)
+        total = tiles_threadgroup_bytes(t, head_dim=head_dim, k_itemsize=k_itemsize, v_itemsize=v_itemsize,
+                                        q_itemsize=q_itemsize)
+        kv = varlen_threadgroup_bytes(head_dim=head_dim, block_k=bk, k_itemsize=k_itemsize, v_itemsize=v_itemsize)
+        return kv - 16 - _round16(4 * (bk + 1)) <= VARLEN_TILE_MEMORY and total <= 32 * 1024
+
+    if row_fragments is None:
+        row_fragments = VARLEN_ROW_FRAGMENTS
+        if not any(fits(bk, row_fragments) for bk in ((block_k,) if block_k else VARLEN_BLOCK_K)):
+            row_fragments = 1
     if block_k is None:
-        block_k = next((bk for bk in VARLEN_BLOCK_K
-                        if varlen_threadgroup_bytes(head_dim=head_dim, block_k=bk, k_itemsize=k_itemsize,
-                                                    v_itemsize=v_itemsize) - _round16(4 * bk) <= VARLEN_TILE_MEMORY),
-                       VARLEN_BLOCK_K[-1])
-    tiles = VarlenTiles(simdgroups or VARLEN_SIMDGROUPS, block_k)
-    if tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= MAX_SHARED_SIMDGROUPS:
-        raise ValueError(f"[metal] varlen tiles need BK a multiple of 8 and 1..{MAX_SHARED_SIMDGROUPS} simdgroups "
-                         f"(chips.PIPELINE_THREAD_LIMIT threads), got {tiles}")
-    used = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
-                                    v_itemsize=v_itemsize, transposed_k=tiles.transposed_k)
+        block_k = next((bk for bk in VARLEN_BLOCK_K if fits(bk, row_fragments)), VARLEN_BLOCK_K[-1])
+    tiles = VarlenTiles(simdgroups, block_k, True, row_fragments)
+    if (tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= MAX_SHARED_SIMDGROUPS
+            or tiles.row_fragments not in (1, 2)):
+        raise ValueError(f"[metal] varlen tiles need BK a multiple of 8, 1..{MAX_SHARED_SIMDGROUPS} simdgroups "
+                         f"(chips.PIPELINE_THREAD_LIMIT threads) and 1 or 2 row fragments, got {tiles}")
+    used = tiles_threadgroup_bytes(tiles, head_dim=head_dim, k_itemsize=k_itemsize, v_itemsize=v_itemsize,
+                                   q_itemsize=q_itemsize)
     if used > 32 * 1024:
         raise ValueError(f"[metal] varlen tiles {tiles} need {used} bytes of threadgroup memory (> 32 KiB)")
     return tiles
