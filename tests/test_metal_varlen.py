@@ -152,10 +152,12 @@ def test_index_guards_without_validation():
 def test_bench_prefill_case_sweeps_tiles_on_sim(monkeypatch):
     from kvmetal.benchmarks import cases
 
-    # Two configurations (and one that does not fit 32 KiB, skipped): each is a kernel build.
+    # Two tile sizes x RF 1 and 2; what does not fit 32 KiB (BK 128, and RF 2's Q tile beside
+    # BK 32's K/V tiles at D 128) is skipped. Each row is a kernel build.
     monkeypatch.setattr(cases, "PREFILL_TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
     rows = cases.run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
-    assert [(r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == [(32, 32), (16, 16)]
+    assert [(r["tiles"]["row_fragments"], r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == \
+        [(1, 32, 32), (1, 16, 16), (2, 32, 16)]
     for r in rows:
         assert r["seconds"] > 0 and r["baseline"]["seconds"] > 0
 

@@ -2,6 +2,8 @@
 max_seconds, repeats, kv_bytes, gbps, baseline (the main one) and baselines (all of them)."""
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 
@@ -239,14 +241,16 @@ def _sparse_v_captured(**kwargs):
 PREFILL_CHUNK = 512
 PREFILL_MAX_CONTEXT = 4096
 PREFILL_TILE_SWEEP = ((4, 32), (4, 16), (2, 32), (8, 16), (2, 16), (8, 8))  # (simdgroups, BK)
+PREFILL_ROW_FRAGMENTS = (1, 2)  # RF: 8-row fragments per simdgroup (issue 41 P8; only a Mac can time 1 vs 2)
 
 
 def prefill(*, backend, tokens, repeat, baseline, progress):
     """One prefill chunk after a cached prefix through ``paged_attention_varlen``, against
     gather + MLX SDPA (causal) measured in the same run. On the metal (and sim) backend it
-    sweeps the tiled kernel's tile sizes (``metal_layout.VarlenTiles``: simdgroups -> BQ = 8 x
-    simdgroups query rows, BK K/V tokens), one row per configuration that fits 32 KiB of
-    threadgroup memory; on other backends it times the backend's own implementation once."""
+    sweeps the tiled kernel's tile sizes (``metal_layout.VarlenTiles``: simdgroups and row
+    fragments RF -> BQ = 8 x simdgroups x RF query rows, BK K/V tokens), one row per
+    configuration that fits 32 KiB of threadgroup memory; on other backends it times the
+    backend's own implementation once."""
     from ..backends import metal_layout
 
     context = max(1, min(tokens, PREFILL_MAX_CONTEXT))
@@ -281,19 +285,20 @@ def prefill(*, backend, tokens, repeat, baseline, progress):
                 return [{"name": f"prefill_f16 T={context}", "backend": backend, "seconds": None, "kv_bytes": None,
                          "gbps": None, "note": f"skipped: {e}", "skipped": True}]
         return [_result(f"prefill_f16 T={context}", backend, stats, kv_bytes, bases, shape=shape)]
-    for simdgroups, block_k in PREFILL_TILE_SWEEP:
+    for (simdgroups, block_k), rf in itertools.product(PREFILL_TILE_SWEEP, PREFILL_ROW_FRAGMENTS):
         try:
             tiles = metal_layout.varlen_tiles(head_dim=HEAD_DIM, k_itemsize=dtype.size, v_itemsize=dtype.size,
-                                       simdgroups=simdgroups, block_k=block_k)
+                                              simdgroups=simdgroups, block_k=block_k, row_fragments=rf)
         except ValueError:
             continue  # over 32 KiB of threadgroup memory
-        progress(f"  tiles: {simdgroups} simdgroups (BQ {tiles.block_q}), BK {block_k}")
+        progress(f"  tiles: {simdgroups} simdgroups x RF {rf} (BQ {tiles.block_q}), BK {block_k}")
         stats = time_stats(lambda: kernels.paged_attention_varlen(
             query, kc, vc, tables, lens, qsl, scale=scale, softcap=None, sliding_window=None, sinks=None,
             tiles=tiles), repeat=repeat)
-        results.append(_result(f"prefill_f16 T={context} nsg={simdgroups} bk={block_k}", backend, stats, kv_bytes,
-                               bases, shape=shape, tiles={"simdgroups": simdgroups, "block_q": tiles.block_q,
-                                                          "block_k": block_k}))
+        results.append(_result(f"prefill_f16 T={context} nsg={simdgroups} rf={rf} bk={block_k}", backend, stats,
+                               kv_bytes, bases, shape=shape,
+                               tiles={"simdgroups": simdgroups, "row_fragments": rf, "block_q": tiles.block_q,
+                                      "block_k": block_k}))
     return results
 
 
