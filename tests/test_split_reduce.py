@@ -4,6 +4,7 @@ sum), one exp2 per lane and split that saw a key; a row's result does not depend
 the launch's split count. Counted with the simulator's per-buffer bytes and math calls."""
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import kvmetal as kv
 from kvmetal import reference as ref
@@ -115,3 +116,30 @@ def test_long_sequence_gets_length_windows_and_stays_batch_invariant():
         assert partials.buffers["part_acc"].stored == (18 + (batch == 2)) * 1 * 64 * 4
     np.testing.assert_array_equal(np.array(outs[0][0]), np.array(outs[1][0]))
     assert_close(outs[1], ref.paged_attention(q, kc, vc, tables, seq_lens, sinks=sinks), mx.float32)
+
+
+def test_window_divisor_is_a_parameter_for_a_mac(monkeypatch):
+    # KVMETAL_METAL_WINDOW_DIV (issue 41, P4: a window size only a Mac can choose): div 2 cuts
+    # a 1100-token sequence into 2 windows of 1024 (the default: 5 of 256); the split count
+    # and the kernels' windows read the one value, and both runs match the oracle.
+    rng = np.random.default_rng(11)
+    inputs = paged_attention_inputs(rng, lens=(1100,), num_kv_heads=1, gqa=2, head_dim=64, block_size=16,
+                                    dtype=mx.float32, use_sinks=False)
+    q, kc, vc, tables, seq_lens, _ = inputs
+    stored = {}
+    for div in (None, "2"):
+        if div is None:
+            monkeypatch.delenv("KVMETAL_METAL_WINDOW_DIV", raising=False)
+        else:
+            monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", div)
+        with sim.trace(strict=True, seed=0) as t, kv.use_backend("sim"):
+            out = kv.paged_attention(q, kc, vc, tables, seq_lens)
+            mx.eval(out)
+        assert_close(out, ref.paged_attention(q, kc, vc, tables, seq_lens), mx.float32)
+        partials = next(c for c in t.calls if "paged_attention_partials" in c.name)
+        stored[div] = partials.buffers["part_acc"].stored // (2 * 64 * 4)  # live windows
+    assert stored == {None: 5, "2": 2}
+    for bad in ("3", "-1", "x", "2048"):
+        monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", bad)
+        with pytest.raises(ValueError, match="KVMETAL_METAL_WINDOW_DIV"):
+            metal_layout.window_div()

@@ -20,10 +20,10 @@ import numpy as np
 from ..quant import QuantizedKV, packed_words
 from .metal_cascade import plan as cascade_plan
 from . import metal_specs
-from .metal_layout import (CASCADE_CHUNK_ROWS, SPLIT_TOKENS, SPLIT_UNIT, SPLIT_WINDOW_DIV, SPLIT_WINDOW_MAX,
+from .metal_layout import (CASCADE_CHUNK_ROWS, SPLIT_TOKENS, SPLIT_UNIT, SPLIT_WINDOW_MAX,
                            VARLEN_SPLIT_TOKENS, VarlenTiles, _window_fields, cache_format, choose_num_splits,
                            layout_for, split_policy, varlen_plan, varlen_threadgroup_bytes, varlen_tiles,
-                           window_splits)
+                           window_div, window_splits)
 from .metal_specs import (ATTENTION_PARAMS, CASCADE_REDUCE_PARAMS, DTYPE_TAGS, GATHER_PARAMS, Geometry, KernelSpec,
                           SPECS, kernel_text, math_mode_for)
 
@@ -453,7 +453,7 @@ class KernelBackend:
         ``requested`` count or the occupancy policy, equal runs (split_tokens = 0)."""
         if requested is None and split_policy() == "windows":
             return window_splits(work_tokens, SPLIT_TOKENS, misaligned=misaligned, split_max=SPLIT_WINDOW_MAX,
-                                 split_div=SPLIT_WINDOW_DIV), SPLIT_TOKENS
+                                 split_div=window_div()), SPLIT_TOKENS
         # Equal runs cut whole SPLIT_UNIT-token units: more than that many would be empty.
         useful = max(1, -(-work_tokens // SPLIT_UNIT))
         if requested is not None:

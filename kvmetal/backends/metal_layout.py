@@ -72,9 +72,12 @@ SPLIT_TOKENS = MIN_TOKENS_PER_SPLIT
 # invariance holds, and a long sequence writes fewer partials (32K: 32 windows of 1024, not
 # 128 of 256). Up to 8192 tokens nothing changes. SPLIT_WINDOW_DIV = 0 restores fixed
 # windows of SPLIT_TOKENS. Which window is fastest (fewer partials against fewer
-# threadgroups for small batches) only a Mac can say: `kvmetal bench` compares them there.
+# threadgroups for small batches) only a Mac can say: `kvmetal bench` compares them there
+# with KVMETAL_METAL_WINDOW_DIV set (window_div: e.g. 8 gives 4K-token sequences 512-token
+# windows, a quarter of the partials; 0 gives fixed windows).
 SPLIT_WINDOW_DIV = 32
 SPLIT_WINDOW_MAX = 2048
+MAX_WINDOW_DIV = 1024
 # The varlen (prefill) kernel's windows are longer: its partials hold every query row of
 # a chunk (rows x splits x D floats), and a row's K/V tiles in one window are already
 # independent of its chunk, so windows only add parallelism for chunks of few tiles. At
@@ -150,11 +153,27 @@ def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool, spli
     return max(1, most + int(misaligned))
 
 
+def window_div() -> int:
+    """The divisor of length-dependent windows: KVMETAL_METAL_WINDOW_DIV if set, else
+    SPLIT_WINDOW_DIV (read on every launch; 0: fixed windows of SPLIT_TOKENS). The split
+    count and the kernels' params both read it here, so they always agree."""
+    raw = os.environ.get("KVMETAL_METAL_WINDOW_DIV")
+    if raw is None or raw == "":
+        return SPLIT_WINDOW_DIV
+    try:
+        div = int(raw)
+    except ValueError:
+        div = -1
+    if not 0 <= div <= MAX_WINDOW_DIV or (div & (div - 1)):
+        raise ValueError(f"KVMETAL_METAL_WINDOW_DIV must be 0 or a power of two up to {MAX_WINDOW_DIV}, got {raw!r}")
+    return div
+
+
 def _window_fields(split_tokens: int) -> dict:
     """KvAttnParams' split_max / split_div of a launch cut in windows (split_tokens > 0)."""
     if split_tokens <= 0:
         return dict(split_max=0, split_div=0)
-    return dict(split_max=SPLIT_WINDOW_MAX, split_div=SPLIT_WINDOW_DIV)
+    return dict(split_max=SPLIT_WINDOW_MAX, split_div=window_div())
 
 
 def split_window(length: int, split_tokens: int, split_max: int, split_div: int) -> int:
