@@ -72,26 +72,49 @@ def test_recurrent_state_turns_prefix_sharing_and_speculation_off_and_close_rest
 
 
 def test_an_unlisted_family_is_split_before_its_head_only_where_a_probe_says_exact():
-    """qwen3_moe is not a listed family: its head is split off because head(body(x)) gives
-    model(x) bit for bit, so the engine slices hidden states, not a prefill chunk's logits;
-    a model that scales its logits after the head is left whole (the runner then slices the
-    logits), never split wrongly."""
+    """qwen3_moe is not a listed family: its head is split off because the probe (a prompt,
+    then more tokens, on mlx-lm's caches) gives model(x) bit for bit, so the engine slices
+    hidden states, not a prefill chunk's logits. A call that scales its logits after the
+    head is split around its backbone (the stand-in split); one whose tail mixes rows is
+    left whole (the runner then slices the logits), never split wrongly."""
     from kvmetal.integrations.heads import split_model
 
     model = arch_sweep.build("qwen3_moe")
-    body, head = split_model(model)
     x = mx.array([[5, 3, 9, 1]], dtype=mx.int32)
+    body, head = split_model(model)
     assert mx.array_equal(head(body(x, None)), model(x))
     plain = type(model)
 
-    class Scaled(plain):  # a family that scales its logits after the head
+    class Scaled(plain):  # a logit scale after the head, as cohere has
         def __call__(self, inputs, cache=None):
             return 2.0 * super().__call__(inputs, cache)
 
-    Scaled.__module__ = plain.__module__
-    model.__class__ = Scaled
-    try:
-        with pytest.raises(NotImplementedError, match="qwen3_moe"):
-            split_model(model)
-    finally:
-        model.__class__ = plain
+    class Mixed(plain):  # a tail that mixes rows: no head may be handed chosen rows
+        def __call__(self, inputs, cache=None):
+            return mx.cumsum(super().__call__(inputs, cache), axis=1)
+
+    for cls in (Scaled, Mixed):
+        cls.__module__ = plain.__module__
+        model.__class__ = cls
+        try:
+            if cls is Scaled:
+                body, head = split_model(model)
+                assert mx.array_equal(head(body(x, None)), model(x))
+                assert mx.array_equal(head(body(x, None)), 2.0 * plain.__call__(model, x))
+            else:
+                with pytest.raises(NotImplementedError, match="qwen3_moe"):
+                    split_model(model)
+        finally:
+            model.__class__ = plain
+
+
+@pytest.mark.parametrize("name", ["cohere", "gemma2"])  # a logit scale / a final softcap after the head
+def test_stand_in_split_families_give_mlx_lm_tokens_through_the_engine(name):
+    from kvmetal.integrations.heads import split_model
+
+    model = model_of(name)
+    split_model(model)  # the stand-in split passes its probe (NotImplementedError otherwise)
+    with Engine(model, max_num_batched_tokens=16) as engine:
+        assert engine.runner.head.__name__ == "head"  # hidden states sliced before the head
+        got = engine.run(PROMPTS, STEPS)
+    assert got == expected(name)

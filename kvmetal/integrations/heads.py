@@ -11,11 +11,18 @@ is; any other model is split the same way only if a probe (a prompt, then two mo
 tokens, on mlx-lm's own caches) gives ``model(x, cache)`` bit for bit, so a family that
 scales or softcaps its logits after the head, or derives anything from its cache before
 the body, is never split wrongly: it is refused, and the engine runs the whole model and
-slices the logits. A vision-language wrapper is split at its ``language_model``.
+slices the logits. A vision-language wrapper is split at its ``language_model``. A model
+whose call does more after its backbone (gemma2's softcap, cohere's logit scale, another
+attribute name) is split around the backbone it runs first (``_stand_in_parts``), under
+the same probe.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import mlx.core as mx
+import mlx.nn as nn
 
 from .mlx_lm import SUPPORTED_FAMILIES, _original_caches, model_family
 
@@ -53,33 +60,123 @@ def _parts(model):
 def _probe(model, body, head) -> bool:
     """Whether ``head(body(x, cache))`` is ``model(x, cache=cache)`` bit for bit over two
     passes (a prompt, then more tokens after it) on mlx-lm's own caches, so what a model
-    derives from its cache before the body (positions, masks) is compared too. A model
+    derives from its cache before the body (positions, masks) is compared too, and the
+    head of the last row alone is that row's logits (the head is row by row). A model
     that cannot run the probe, or fails it, is not split."""
     prompt = mx.arange(PROBE_TOKENS, dtype=mx.int32)[None]
     more = mx.arange(PROBE_TOKENS, PROBE_TOKENS + 2, dtype=mx.int32)[None]
     try:
         split_cache, whole_cache = _original_caches(model), _original_caches(model)
         for x in (prompt, more):
-            split, whole = head(body(x, split_cache)), model(x, cache=whole_cache)
+            hidden, whole = body(x, split_cache), model(x, cache=whole_cache)
+            split, last = head(hidden), head(hidden[:, -1:])  # the engine hands the head chosen rows
             if split.shape != whole.shape or not bool(mx.array_equal(split, whole)):
+                return False
+            # Row by row, up to rounding: a matrix-vector product need not give a matrix
+            # product's bits (on a GPU), but a head that mixes rows would be far off.
+            if not bool(mx.allclose(last, whole[:, -1:], rtol=1e-3, atol=1e-4)):
                 return False
         return True
     except Exception:  # any failure of the probe only means: do not split this model
         return False
 
 
+class _StandIn:
+    """Stands in for a model's child module during one call: calls ``call``, and hands
+    every attribute read (``self.model.embed_tokens`` ...) to the real module."""
+
+    def __init__(self, real, call):
+        self._real, self._call = real, call
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _BodyDone(Exception):
+    """Ends a model's call once its backbone has run (the split's body)."""
+
+
+_stand_in_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _standing_in(model, name: str, stand: _StandIn):
+    # An instance attribute shadows the child kept in the module's dict for one call only.
+    with _stand_in_lock:
+        model.__dict__[name] = stand
+        try:
+            yield
+        finally:
+            model.__dict__.pop(name, None)
+
+
+def _backbone(model):
+    """(name, module) of the child module ``Model.__call__`` runs first, from one traced
+    pass over a token (None where that pass fails or calls none)."""
+    children = {n: c for n, c in model.children().items() if isinstance(c, nn.Module)}
+    order = []
+    with _stand_in_lock:
+        try:
+            for name, real in children.items():
+                model.__dict__[name] = _StandIn(real, lambda *a, _n=name, _r=real, **k: order.append(_n) or _r(*a, **k))
+            model(mx.zeros((1, 1), dtype=mx.int32))
+        except Exception:
+            return None
+        finally:
+            for name in children:
+                model.__dict__.pop(name, None)
+    return (order[0], children[order[0]]) if order else None
+
+
+def _stand_in_parts(model):
+    """(body, head) around whatever ``Model.__call__`` does after its backbone (a logit
+    scale, a softcap, another head name): the body runs the call until the backbone
+    returns, the head runs the call with the backbone standing in for the hidden states."""
+    found = _backbone(model)
+    if found is None:
+        return None
+    name, real = found
+
+    def body(inputs, cache):
+        out = []
+
+        def run(*args, **kwargs):
+            out.append(real(*args, **kwargs))
+            raise _BodyDone
+
+        with _standing_in(model, name, _StandIn(real, run)):
+            try:
+                model(inputs, cache=cache)
+            except _BodyDone:
+                return out[0]
+        raise RuntimeError(f"[heads] {model_family(model)}: its {name} did not run")
+
+    def head(hidden):
+        with _standing_in(model, name, _StandIn(real, lambda *args, **kwargs: hidden)):
+            return model(mx.zeros(hidden.shape[:2], dtype=mx.int32), cache=None)
+
+    return body, head
+
+
 def split_model(model) -> tuple:
     """``(body, head)``: ``body(inputs [B, L], cache) -> hidden [B, L, hidden]`` and
-    ``head(hidden) -> logits [B, L, vocab]``. NotImplementedError where the model cannot
-    be split exactly (the caller runs the whole model)."""
+    ``head(hidden) -> logits [B, L, vocab]``. A listed family takes mlx-lm's common shape;
+    any other model the common shape, else the stand-in split, whichever passes the probe.
+    NotImplementedError where neither does (the caller runs the whole model)."""
     family = model_family(model)
     parts = _parts(model)
-    if parts is None or (family not in SUPPORTED_FAMILIES and not _probe(model, *parts)):
-        raise NotImplementedError(f"[heads] {family}: its logits are not lm_head(model.model(x)), "
-                                  f"so hidden states cannot be sliced before the head")
-    # No listed family softcaps its final logits in mlx-lm 0.32 (gemma3_text included); a
-    # version that adds it fails the head(body(x)) == model(x) test rather than drifting.
-    return parts
+    if parts is not None and family in SUPPORTED_FAMILIES:
+        # No listed family softcaps its final logits in mlx-lm 0.32 (gemma3_text included); a
+        # version that adds it fails the head(body(x)) == model(x) test rather than drifting.
+        return parts
+    for parts in (parts, _stand_in_parts(model)):
+        if parts is not None and _probe(model, *parts):
+            return parts
+    raise NotImplementedError(f"[heads] {family}: no split of its call into a body and a head gives model(x) "
+                              f"bit for bit, so hidden states cannot be sliced before the head")
 
 
 def lm_head(model):
