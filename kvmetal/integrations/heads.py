@@ -172,9 +172,11 @@ def split_model(model) -> tuple:
         # No listed family softcaps its final logits in mlx-lm 0.32 (gemma3_text included); a
         # version that adds it fails the head(body(x)) == model(x) test rather than drifting.
         return parts
-    for parts in (parts, _stand_in_parts(model)):
-        if parts is not None and _probe(model, *parts):
-            return parts
+    if parts is not None and _probe(model, *parts):
+        return parts
+    parts = _stand_in_parts(model)  # traced only where the common shape does not hold
+    if parts is not None and _probe(model, *parts):
+        return parts
     raise NotImplementedError(f"[heads] {family}: no split of its call into a body and a head gives model(x) "
                               f"bit for bit, so hidden states cannot be sliced before the head")
 
