@@ -193,10 +193,11 @@ def tiny_args(name: str) -> dict:
     return config
 
 
-def build(name: str, *, seed: int = 0):
-    """The random tiny model of ``name`` in float32."""
+def build(name: str, *, seed: int = 0, config: dict | None = None):
+    """The random tiny model of ``name`` in float32 (``config``: its ModelArgs, default
+    ``tiny_args(name)``)."""
     module = importlib.import_module(f"mlx_lm.models.{name}")
-    args = module.ModelArgs.from_dict(tiny_args(name))
+    args = module.ModelArgs.from_dict(tiny_args(name) if config is None else config)
     mx.random.seed(seed)
     model = module.Model(args)
     model.set_dtype(mx.float32)

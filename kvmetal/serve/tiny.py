@@ -49,10 +49,7 @@ def build_model_dir(path, *, seed: int = 0, num_layers: int = 2, dtype: str = "f
     """Write the tiny llama and its tokenizer to ``path``; returns the path."""
     import mlx.core as mx
     from mlx_lm.models import llama
-    from mlx_lm.utils import save_config, save_model
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     config = dict(model_type="llama", hidden_size=128, num_hidden_layers=num_layers, intermediate_size=256,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
@@ -62,31 +59,26 @@ def build_model_dir(path, *, seed: int = 0, num_layers: int = 2, dtype: str = "f
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
-    save_model(path, model)
-    save_config(config, path / "config.json")
-    tokenizer.save_pretrained(path)
-    return path
+    return _save_dir(path, model, config, tokenizer)
 
 
 def build_arch_dir(path, name: str, *, seed: int = 0) -> Path:
-    """Write a tiny random model of mlx-lm architecture ``name`` (its config from
-    ``arch_sweep.tiny_args``, float32) with the tokenizer above to ``path``; returns the path."""
-    import importlib
+    """Write a tiny random model of mlx-lm architecture ``name`` (``arch_sweep.build``, its
+    config from ``arch_sweep.tiny_args``, float32) with the tokenizer above to ``path``;
+    returns the path."""
+    from ..integrations.arch_sweep import build, tiny_args
 
-    import mlx.core as mx
+    tokenizer = train_tokenizer()
+    config = dict(tiny_args(name), vocab_size=len(tokenizer), torch_dtype="float32")
+    return _save_dir(path, build(name, seed=seed, config=config), config, tokenizer)
+
+
+def _save_dir(path, model, config: dict, tokenizer) -> Path:
+    """``model``, its ``config`` and ``tokenizer`` as a model directory ``mlx_lm.load`` reads."""
     from mlx_lm.utils import save_config, save_model
-
-    from ..integrations.arch_sweep import tiny_args
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer()
-    config = dict(tiny_args(name), vocab_size=len(tokenizer), torch_dtype="float32")
-    module = importlib.import_module(f"mlx_lm.models.{name}")
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
     save_model(path, model)
     save_config(config, path / "config.json")
     tokenizer.save_pretrained(path)
