@@ -254,23 +254,18 @@ def _state_modules(model, layout) -> list:
 
     classes = sorted({type(m) for _, m in model.named_modules() if type(m).__module__.startswith("mlx_lm.")},
                      key=lambda c: (c.__module__, c.__qualname__))
+    recording: dict = {}  # the recorder wraps whatever __call__ is there now (a live patch too)
     with _analyse_lock:
-        with _patch_lock:  # the recorder wraps whatever __call__ is there now (a live patch too)
-            saved = [(cls, vars(cls).get("__call__")) for cls in classes]
-            for cls in classes:
-                cls.__call__ = recorder(cls.__call__)
+        for cls in classes:
+            _swap_call(cls, recorder, recording)
         try:
             model(mx.array([[0, 1]]), cache=originals)
         except Exception as exc:
             raise UnsupportedModel(f"[use_paged_cache] {family}: a probe pass with mlx-lm's own caches failed: "
                                    f"{type(exc).__name__}: {exc}") from exc
         finally:
-            with _patch_lock:
-                for cls, own in reversed(saved):
-                    if own is None:
-                        del cls.__call__
-                    else:
-                        cls.__call__ = own
+            for cls in reversed(classes):
+                _restore_call(cls, recording)
     out = []
     for i, name in enumerate(layout.native):
         if i not in found:
