@@ -157,16 +157,9 @@ def window_div() -> int:
     """The divisor of length-dependent windows: KVMETAL_METAL_WINDOW_DIV if set, else
     SPLIT_WINDOW_DIV (read on every launch; 0: fixed windows of SPLIT_TOKENS). The split
     count and the kernels' params both read it here, so they always agree."""
-    raw = os.environ.get("KVMETAL_METAL_WINDOW_DIV")
-    if raw is None or raw == "":
-        return SPLIT_WINDOW_DIV
-    try:
-        div = int(raw)
-    except ValueError:
-        div = -1
-    if not 0 <= div <= MAX_WINDOW_DIV or (div & (div - 1)):
-        raise ValueError(f"KVMETAL_METAL_WINDOW_DIV must be 0 or a power of two up to {MAX_WINDOW_DIV}, got {raw!r}")
-    return div
+    div = _env_number("KVMETAL_METAL_WINDOW_DIV", int, lambda v: 0 <= v <= MAX_WINDOW_DIV and not v & (v - 1),
+                      f"0 or a power of two up to {MAX_WINDOW_DIV}")
+    return SPLIT_WINDOW_DIV if div is None else div
 
 
 def _window_fields(split_tokens: int) -> dict:
@@ -244,16 +237,24 @@ def merge_rows(head_dim: int, simdgroups: int, rows_per_simdgroup: int) -> int:
 def tile_memory_budget(head_dim: int) -> int:
     """Bytes the shared mode's double-buffered K/V tiles (scales and biases included) may
     take: KVMETAL_METAL_TILE_KIB (KiB, any head_dim) if set, else TILE_MEMORY_BUDGET."""
-    raw = os.environ.get("KVMETAL_METAL_TILE_KIB")
+    kib = _env_number("KVMETAL_METAL_TILE_KIB", float, lambda v: 0 < v <= MAX_TILE_MEMORY_KIB,
+                      f"a number of KiB in (0, {MAX_TILE_MEMORY_KIB}]")
+    return TILE_MEMORY_BUDGET[128 if head_dim <= 128 else 256] if kib is None else int(kib * 1024)
+
+
+def _env_number(name: str, kind, ok, requirement: str):
+    """The tuning variable ``name`` as ``kind`` (None when unset or empty); a ValueError
+    naming it when it does not parse or ``ok(value)`` is false."""
+    raw = os.environ.get(name)
     if raw is None or raw == "":
-        return TILE_MEMORY_BUDGET[128 if head_dim <= 128 else 256]
+        return None
     try:
-        kib = float(raw)
+        value = kind(raw)
     except ValueError:
-        kib = -1.0
-    if not 0 < kib <= MAX_TILE_MEMORY_KIB:
-        raise ValueError(f"KVMETAL_METAL_TILE_KIB must be a number of KiB in (0, {MAX_TILE_MEMORY_KIB}], got {raw!r}")
-    return int(kib * 1024)
+        value = None
+    if value is None or not ok(value):
+        raise ValueError(f"{name} must be {requirement}, got {raw!r}")
+    return value
 
 
 def _round16(n: int) -> int:
