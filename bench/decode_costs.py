@@ -28,6 +28,7 @@ from kvmetal import quant
 from kvmetal.backends import metal_layout
 from kvmetal.sim import cost_cases as cc
 from kvmetal.sim import cost_model as cm
+from kvmetal.sim import traffic
 from kvmetal.sim.backend import sim_backend
 from kvmetal.sim.trace import trace
 
@@ -65,13 +66,17 @@ def run_case(batch, tokens, gqa, qlen, fmt, seed=0):
             out["launches"].append({"kernel": "partials", "grid": list(call.grid), "threadgroup": call.threadgroup[0],
                                     "threadgroup_memory": call.threadgroup_memory,
                                     "barriers_per_kv_head": call.barriers,
-                                    "partials_bytes": partial_bytes * cc.KV_HEADS})
+                                    "partials_bytes": partial_bytes * cc.KV_HEADS,
+                                    "kv_bytes_loaded": sum(call.buffers[n].loaded for n in traffic.KV_BUFFERS
+                                                           if n in call.buffers) * cc.KV_HEADS})
         else:
             splits = call.buffers["part_max"].size // 4 // max(1, batch * rows)
             chain = 2 * cc._split_chain(call, "part_max")
             w = cm.work_from_call(call, fma_lanes=batch * rows * splits * (D + cc.SOFTMAX_OPS), chain_loads=chain,
                                   name="reduce")
-            out["launches"].append({"kernel": "reduce", "grid": list(call.grid), "barriers_per_kv_head": call.barriers})
+            out["launches"].append({"kernel": "reduce", "grid": list(call.grid), "barriers_per_kv_head": call.barriers,
+                                    "partials_bytes_loaded": sum(call.buffers[n].loaded for n in
+                                                                 ("part_max", "part_sum", "part_acc")) * cc.KV_HEADS})
         out["works"].append(w.scaled(cc.KV_HEADS))
     return out
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from ..quant import QuantizedKV, packed_words
 from .metal_cascade import plan as cascade_plan
-from . import metal_specs
-from .metal_layout import (CASCADE_CHUNK_ROWS, SPLIT_TOKENS, SPLIT_UNIT, SPLIT_WINDOW_MAX,
+from . import metal_layout, metal_specs
+from .metal_layout import (CASCADE_CHUNK_ROWS, SPLIT_TOKENS, SPLIT_UNIT,
                            VARLEN_SPLIT_TOKENS, VarlenTiles, _window_fields, cache_format, choose_num_splits,
                            layout_for, split_policy, varlen_plan, varlen_threadgroup_bytes, varlen_tiles,
                            window_div, window_splits)
@@ -452,7 +452,8 @@ class KernelBackend:
         per sequence: windows of SPLIT_TOKENS (split_tokens > 0), or, for an explicit
         ``requested`` count or the occupancy policy, equal runs (split_tokens = 0)."""
         if requested is None and split_policy() == "windows":
-            return window_splits(work_tokens, SPLIT_TOKENS, misaligned=misaligned, split_max=SPLIT_WINDOW_MAX,
+            return window_splits(work_tokens, SPLIT_TOKENS, misaligned=misaligned,
+                                 split_max=metal_layout.SPLIT_WINDOW_MAX,
                                  split_div=window_div()), SPLIT_TOKENS
         # Equal runs cut whole SPLIT_UNIT-token units: more than that many would be empty.
         useful = max(1, -(-work_tokens // SPLIT_UNIT))

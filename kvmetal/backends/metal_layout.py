@@ -69,13 +69,16 @@ SPLIT_TOKENS = MIN_TOKENS_PER_SPLIT
 # Length-dependent windows (issue 41, P4): a sequence of length len is cut into windows of
 # clamp(pow2ceil(len) / SPLIT_WINDOW_DIV, SPLIT_TOKENS, SPLIT_WINDOW_MAX) tokens (powers of
 # two; KvAttnParams.split_div / split_max): a function of the sequence alone, so batch
-# invariance holds, and a long sequence writes fewer partials (32K: 32 windows of 1024, not
-# 128 of 256). Up to 8192 tokens nothing changes. SPLIT_WINDOW_DIV = 0 restores fixed
-# windows of SPLIT_TOKENS. Which window is fastest (fewer partials against fewer
-# threadgroups for small batches) only a Mac can say: `kvmetal bench` compares them there
-# with KVMETAL_METAL_WINDOW_DIV set (window_div: e.g. 8 gives 4K-token sequences 512-token
-# windows, a quarter of the partials; 0 gives fixed windows).
-SPLIT_WINDOW_DIV = 32
+# invariance holds, and a long sequence writes fewer partials. SPLIT_WINDOW_DIV = 0 restores
+# fixed windows of SPLIT_TOKENS. Div 8 (was 32) won or tied every case of
+# bench/window_policy.py's MODELLED sweep but one (batch 1 at 2K-64K, batch 8 x 32K and
+# 64 x 4K, GQA 4-16 and 4 x 4 rows, f16 and K8/V4; bench/window_policy.json; K8/V4 G 8 at
+# 1 x 16K models 2% slower on M4 Max): 4K-token sequences get 512-token windows, 8K 1024,
+# 16K and longer 2048. A 4096 cap modelled slower at 32K on M4 Max, so it stays 2048.
+# Fewer partials against fewer threadgroups for small batches is only a Mac's to settle:
+# `kvmetal bench` compares windows there with KVMETAL_METAL_WINDOW_DIV set (window_div; 0
+# gives fixed windows).
+SPLIT_WINDOW_DIV = 8
 SPLIT_WINDOW_MAX = 2048
 MAX_WINDOW_DIV = 1024
 # The varlen (prefill) kernel's windows are longer: its partials hold every query row of

@@ -1,0 +1,92 @@
+"""Which split window should decode use? Partials bytes against MODELLED time, per window
+divisor (issue 41, P4 and the <=2% partials goal; docs/kernels.md "Split windows").
+
+    python bench/window_policy.py [--json out.json] [--policies 32:2048,8:2048,4:2048,8:4096] [--quick]
+
+A sequence of ``len`` tokens is cut in windows of clamp(pow2ceil(len) / div, 256, 2048)
+tokens (metal_layout.split_window; KVMETAL_METAL_WINDOW_DIV sets div, SPLIT_WINDOW_MAX the
+cap). A policy is div:cap; 32:2048 was the default before this sweep, 8:2048 after. Windows depend on
+the length alone (batch invariance), so one window serves batch 1, where splits are the
+only parallelism, and batch 64, where they only add partials. This runs the paged decode
+partials + reduce in the simulator (D 128, block 16; register mode at GQA 4 and 8 with one
+query token, shared mode at GQA 16 and at GQA 4 x 4 query tokens) for
+each policy, at batch 1 x {2K, 4K, 8K, 16K, 32K, 64K}, 8 x 32K and 64 x 4K, f16 and K8/V4 (g64),
+and reports partials bytes as a fraction of K/V bytes and the modelled time
+on M2 Max and M4 Max (kvmetal/sim/cost_model.py: published figures plus assumptions;
+MODELLED, never measured). Batch 64 (8) is simulated as 4 (2) identical sequences and its counts
+scaled by 16 (4) (exact: every sequence runs the same windows), and one kv head scaled to 8.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import decode_costs as dc  # noqa: E402  (the same case runner and cost-model calls)
+
+from kvmetal.backends import metal_layout  # noqa: E402
+from kvmetal.sim import cost_model as cm  # noqa: E402
+
+SIZES = {"1x2K": (1, 1, 2048), "1x4K": (1, 1, 4096), "1x8K": (1, 1, 8192), "1x16K": (1, 1, 16384),
+         "1x32K": (1, 1, 32768), "1x64K": (1, 1, 65536), "8x32K": (8, 2, 32768), "64x4K": (64, 4, 4096)}  # name: (batch, simulated batch, tokens)
+SHAPES = {"G4": (4, 1), "G8": (8, 1), "G16": (16, 1), "G4xL4": (4, 4)}  # (GQA, query tokens)
+
+
+def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, qlen: int, fmt: str) -> dict:
+    os.environ["KVMETAL_METAL_WINDOW_DIV"] = str(div)
+    saved, metal_layout.SPLIT_WINDOW_MAX = metal_layout.SPLIT_WINDOW_MAX, cap
+    try:
+        r = dc.run_case(sim_batch, tokens, gqa, qlen, fmt)
+    finally:
+        metal_layout.SPLIT_WINDOW_MAX = saved
+    scale = batch // sim_batch
+    works = [w.scaled(scale) for w in r["works"]]
+    part, red = r["launches"]
+    partials = (part["partials_bytes"] + red["partials_bytes_loaded"]) * scale  # stored, then loaded by the reduce
+    total_kv = part["kv_bytes_loaded"] * scale
+    row = {"policy": f"{div}:{cap}", "window": metal_layout.split_window(tokens, metal_layout.SPLIT_TOKENS, cap, div),
+           "partials_fraction": round(partials / total_kv, 4), "modelled_us": {}}
+    for chip in dc.CHIPS:
+        row["modelled_us"][chip] = round(cm.estimate_launches(works, chip)["seconds"] * 1e6, 2)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--policies", default="32:2048,8:2048,4:2048,8:4096", help="div:cap,...")
+    ap.add_argument("--quick", action="store_true", help="GQA 4 only")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
+    args = ap.parse_args(argv)
+    policies = [tuple(int(x) for x in p.split(":")) for p in args.policies.split(",")]
+    saved = os.environ.get("KVMETAL_METAL_WINDOW_DIV")
+    rows = []
+    try:
+        for shape, (gqa, qlen) in ([("G4", SHAPES["G4"])] if args.quick else [(k, SHAPES[k]) for k in args.shapes.split(",")]):
+            for fmt in dc.FORMATS:
+                for size, (batch, sim_batch, tokens) in SIZES.items():
+                    for div, cap in policies:
+                        row = dict(case=f"{shape} {fmt} {size}", **run(div, cap, batch, sim_batch, tokens, gqa, qlen, fmt))
+                        rows.append(row)
+                        print(f"{row['case']:22s} {row['policy']:>8s} window {row['window']:5d} partials "
+                              f"{row['partials_fraction']:7.2%} " + " ".join(
+                                  f"{c} {row['modelled_us'][c]:9.2f}us" for c in dc.CHIPS), flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop("KVMETAL_METAL_WINDOW_DIV", None)
+        else:
+            os.environ["KVMETAL_METAL_WINDOW_DIV"] = saved
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "label": "simulator counters; times MODELLED (kvmetal/sim/cost_model.py), not measured",
+            "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
