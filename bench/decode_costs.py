@@ -75,6 +75,7 @@ def run_case(batch, tokens, gqa, qlen, fmt, seed=0):
             w = cm.work_from_call(call, fma_lanes=batch * rows * splits * (D + cc.SOFTMAX_OPS), chain_loads=chain,
                                   name="reduce")
             out["launches"].append({"kernel": "reduce", "grid": list(call.grid), "barriers_per_kv_head": call.barriers,
+                                    "dependent_loads": chain,
                                     "partials_bytes_loaded": sum(call.buffers[n].loaded for n in
                                                                  ("part_max", "part_sum", "part_acc")) * cc.KV_HEADS})
         out["works"].append(w.scaled(cc.KV_HEADS))

@@ -50,7 +50,10 @@ def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, q
     partials = (part["partials_bytes"] + red["partials_bytes_loaded"]) * scale  # stored, then loaded by the reduce
     total_kv = part["kv_bytes_loaded"] * scale
     row = {"policy": f"{div}:{cap}", "window": metal_layout.split_window(tokens, metal_layout.SPLIT_TOKENS, cap, div),
-           "partials_fraction": round(partials / total_kv, 4), "modelled_us": {}}
+           "partials_fraction": round(partials / total_kv, 4),
+           "barriers_per_1k_rows": round(part["barriers_per_kv_head"] * dc.cc.KV_HEADS * 1024
+                                         / (sim_batch * tokens * dc.cc.KV_HEADS), 2),
+           "reduce_dependent_loads": red["dependent_loads"], "modelled_us": {}}
     for chip in dc.CHIPS:
         row["modelled_us"][chip] = round(cm.estimate_launches(works, chip)["seconds"] * 1e6, 2)
     return row

@@ -1084,11 +1084,13 @@ struct KvSplitParts {
 // chunks lane + 32 c of the accumulator, c < CPL), in two phases (issue 41, P2):
 // 1. the row max M over the sink and the splits that saw a key (sum != 0), lanes
 //    taking splits lane, lane + 32, ... in parallel, then one simd_max;
-// 2. every lane walks the splits in order s = 0, 1, ...: weight w = exp2(m_s - M)
-//    (exactly 1 for the split that holds M), denominator += l_s w, its chunks +=
-//    acc_s w. A split's loads depend on nothing computed in the walk (before: each
-//    split's two exp2 waited on the running max of the previous one), and the sum's
-//    order is fixed: splits past a row's last window are skipped, so the result does
+// 2. lane j takes split base + j of each block of 32: its sum l and weight w =
+//    exp2(m - M) (exactly 1 for the split that holds M), one load of each and one
+//    exp2 per lane; then every lane walks the block in order j = 0, 1, ..., taking
+//    (l, w) by simd_shuffle: denominator += l w, its chunks += acc w. The walk loads
+//    only the accumulators, whose addresses depend on nothing it computes (before:
+//    every lane loaded and weighted every split's max and sum), and the sum's order
+//    is fixed: splits past a row's last window are skipped, so the result does
 //    not depend on the launch's split count (batch invariance). A split with sum 0 is
 //    never read further (an empty split writes no accumulator, P3); a NaN sum or max
 //    propagates. Returns the denominator; o[c] holds the unnormalized output.
@@ -1111,17 +1113,23 @@ inline float kv_fold_splits(thread const KvSplitParts<D>& sp, int lane, bool has
   for (int c = 0; c < CPL; c++) {
     o[c] = float4(0.0f);
   }
-  for (int s = 0; s < n; s++) {
-    const float l = sp.part_sum(s);
-    if (l == 0.0f) {
-      continue;  // a split that saw no key
-    }
-    const float w = kv_weight_to_max(sp.part_max(s), m);
-    denom += l * w;
-    for (int c = 0; c < CPL; c++) {
-      const int chunk = lane + 32 * c;
-      if (chunk < D / 4) {
-        o[c] += sp.acc(s, chunk) * w;
+  for (int base = 0; base < n; base += 32) {  // uniform
+    const int mine = base + lane;
+    const float l_mine = mine < n ? sp.part_sum(mine) : 0.0f;
+    const float w_mine = l_mine != 0.0f ? kv_weight_to_max(sp.part_max(mine), m) : 0.0f;
+    const int count = min(32, n - base);
+    for (int j = 0; j < count; j++) {
+      const float l = simd_shuffle(l_mine, ushort(j));
+      if (l == 0.0f) {
+        continue;  // a split that saw no key (uniform)
+      }
+      const float w = simd_shuffle(w_mine, ushort(j));
+      denom += l * w;
+      for (int c = 0; c < CPL; c++) {
+        const int chunk = lane + 32 * c;
+        if (chunk < D / 4) {
+          o[c] += sp.acc(base + j, chunk) * w;
+        }
       }
     }
   }

@@ -53,10 +53,16 @@ def test_reduce_is_two_phase_one_exp2_per_lane_and_live_split():
     _, _, partials, reduce = _run(LENS, use_sinks=False)
     rows = len(LENS) * HKV * G
     assert reduce.collectives.get("simd_max", 0) == rows  # phase 1: one simd_max per row
-    # phase 2: each of the 32 lanes weighs every live split but the one holding the
-    # row max (weight exactly 1); before: two exp2 (kv_softmax_merge) per live split.
-    want = 32 * sum(G * HKV * (_live_splits(n) - 1) for n in LENS)
+    # phase 2: lane j weighs split j of each block of 32 (every live split but the one
+    # holding the row max, whose weight is exactly 1) and the walk takes the weights by
+    # shuffle: one exp2 per live split (before: every lane weighed every split, 32 x).
+    want = sum(G * HKV * (_live_splits(n) - 1) for n in LENS)
     assert reduce.math.get("exp2", 0) == want, reduce.math
+    # the walk loads no split's max or sum: each lane loads one of each per block of 32
+    # splits in each phase (before: every lane loaded every split's, a chain as long as
+    # the splits)
+    splits = reduce.buffers["part_max"].size // 4 // rows
+    assert reduce.buffers["part_max"].load_ops <= 2 * reduce.threads * -(-splits // 32)
 
 
 def test_a_rows_result_does_not_depend_on_the_split_count():
