@@ -56,7 +56,7 @@ def rel(a, b) -> float:
 
 @pytest.mark.parametrize("chunk,block_size", [(16, 8), (16, 16), (32, 8)])
 @pytest.mark.parametrize("pieces", [[70], [7, 5, 6, 1, 3, 20, 28]], ids=["whole", "pieces"])
-def test_logits_equal_mlx_lm_on_the_kernels_and_chunk_blocks_go(chunk, block_size, pieces):
+def test_logits_equal_mlx_lm_on_the_kernels(chunk, block_size, pieces):
     """A prompt past several chunks (whole, or in passes of 1 to 28 tokens that cross chunk
     starts: a 6-token pass straddling one runs varlen over the cut rows) and 20
     decode steps across a chunk start: mlx-lm's logits within the sweep's tolerance, its

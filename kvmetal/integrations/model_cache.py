@@ -916,9 +916,10 @@ class PagedLayerCache(_LayerGroupView):
         """(keys, values, info): this layer's stored rows from the first position every
         sequence still holds, [B, Hkv, T, D] for a float pool or (data, scales, biases)
         [B, Hkv, T, *] for a quantized one (saved as stored: a reload is exact). ``info``
-        (int32) is [first, window, or minus the chunk of a chunk layer, or 0, block_size,
-        k_bits or 0, v_bits or 0, group_size, offset of each sequence...]. What mlx-lm evaluates after a prefill chunk and
-        what ``save_prompt_cache`` writes; ``from_state`` rebuilds the cache from it."""
+        (int32) is [first, window (minus the chunk of a chunk layer, 0 for a full one),
+        block_size, k_bits or 0, v_bits or 0, group_size, offset of each sequence...]. What
+        mlx-lm evaluates after a prefill chunk and what ``save_prompt_cache`` writes;
+        ``from_state`` rebuilds the cache from it."""
         first = self._first_live()
         tables, _ = self.pool.block_tables(self.seq_ids)
         tables = tables[:, first // self.block_size:]
