@@ -155,10 +155,11 @@ def test_chunk_views_cut_rows_at_chunk_starts():
     cache, layer, _, _ = pool_with_rows(16, 45)
     view = cache._chunk_view(0, layer._plan, 16)
     assert view.straddles.tolist() == [True]
-    assert np.array(view.run_lens).tolist() == [16, 16, 13]  # each run: its rows from its chunk start
-    assert view.run_starts.tolist() == [0, 16, 32, 45]
+    tables, lens, starts = view.runs(0, 1)
+    assert np.array(lens).tolist() == [16, 16, 13]  # each run: its rows from its chunk start
+    assert np.array(starts).tolist() == [0, 16, 32, 45]
     table = cache.pools[0].allocator.block_table(layer.seq_ids[0])
-    assert np.array(view.run_tables)[:, :2].tolist() == [table[0:2], table[2:4], table[4:6]]
+    assert np.array(tables)[:, :2].tolist() == [table[0:2], table[2:4], table[4:6]]
     with pytest.raises(ValueError, match=r"chunk must be an int >= 1, got 0"):
         cache._chunk_mask(0)
 

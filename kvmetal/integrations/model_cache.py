@@ -65,7 +65,6 @@ class _Plan:
     chunk_views: dict = dataclasses.field(default_factory=dict)  # chunk size -> _ChunkView
 
 
-@dataclass
 class _ChunkView:
     """A pass's index arrays under the chunk rule (chunk C, the block size dividing C).
 
@@ -74,25 +73,46 @@ class _ChunkView:
     a table that starts at a chunk start's block, with the length reduced by that start,
     shows a query exactly its own chunk. ``block_tables``/``seq_lens``: per sequence, from
     the chunk start of its first query row (right for a sequence whose rows all lie in one
-    chunk: ``straddles`` False). ``run_*``: every sequence's rows cut at chunk starts into
-    runs, each with its own table, for ``paged_attention_varlen``; a sequence's runs are
-    consecutive and in order, so the packed query rows need no reordering. Sequence i owns
-    runs [run_first[i], run_first[i + 1])."""
+    chunk: ``straddles`` False). ``runs()``: sequences' rows cut at chunk starts into runs,
+    each with its own table, for ``paged_attention_varlen`` (built on first use); a
+    sequence's runs are consecutive and in order, so the packed query rows need no
+    reordering."""
 
-    block_tables: mx.array  # int32 [B, M']
-    seq_lens: mx.array  # int32 [B]
-    straddles: np.ndarray  # bool [B]
-    run_tables: mx.array  # int32 [R, M'']
-    run_lens: mx.array  # int32 [R]
-    run_starts: np.ndarray  # int32 [R + 1]: run r owns query rows [run_starts[r], run_starts[r + 1])
-    run_first: np.ndarray  # int [B + 1]
+    def __init__(self, plan: "_Plan", chunk: int, block_size: int, null: int):
+        tables, starts, counts = plan.host
+        self._host = (tables, starts, starts + counts, chunk, block_size, null)
+        first = _chunk_start(starts, chunk)
+        lens = (starts + counts - first).astype(np.int32)
+        self.straddles = _chunk_start(np.maximum(starts + counts - 1, starts), chunk) != first  # bool [B]
+        self.block_tables = mx.array(_shifted(tables, first // block_size, lens, block_size, null))  # int32 [B, M']
+        self.seq_lens = mx.array(lens)  # int32 [B]
+        self._runs = None
 
     def runs(self, first: int, last: int) -> tuple:
-        """(tables, lens, query_start_loc) of the runs of sequences [first, last), query
-        rows counted from the first of them."""
-        a, b = int(self.run_first[first]), int(self.run_first[last])
-        starts = self.run_starts[a:b + 1] - self.run_starts[a]
-        return self.run_tables[a:b], self.run_lens[a:b], mx.array(starts)
+        """(tables [R, M''], lens [R], query_start_loc [R + 1]) of the runs of sequences
+        [first, last), query rows counted from the first of them."""
+        if self._runs is None:
+            self._runs = self._cut()
+        tables, lens, starts, run_first = self._runs
+        a, b = int(run_first[first]), int(run_first[last])
+        return tables[a:b], lens[a:b], mx.array(starts[a:b + 1] - starts[a])
+
+    def _cut(self) -> tuple:
+        tables, starts, ends, chunk, block_size, null = self._host
+        run_pos, run_end, run_seq, run_first = [], [], [], [0]
+        for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+            cuts = [a] + list(range(_chunk_start(a, chunk) + chunk, b, chunk)) + [b]
+            run_pos += cuts[:-1]
+            run_end += cuts[1:]
+            run_seq += [i] * (len(cuts) - 1)
+            run_first.append(len(run_pos))
+        run_pos, run_end = np.asarray(run_pos, dtype=np.int64), np.asarray(run_end, dtype=np.int64)
+        run_cs = _chunk_start(run_pos, chunk)  # each run's rows see from their chunk start
+        run_lens = (run_end - run_cs).astype(np.int32)
+        run_tables = _shifted(tables[np.asarray(run_seq, dtype=np.intp)], run_cs // block_size, run_lens,
+                              block_size, null)
+        run_starts = np.concatenate([[0], np.cumsum(run_end - run_pos)]).astype(np.int32)
+        return mx.array(run_tables), mx.array(run_lens), run_starts, np.asarray(run_first)
 
 
 def _chunk_start(position, chunk: int):
@@ -106,30 +126,6 @@ def _shifted(tables: np.ndarray, shift: np.ndarray, lens: np.ndarray, block_size
     inside = index < tables.shape[1]
     out = np.take_along_axis(tables, np.minimum(index, tables.shape[1] - 1), axis=1)
     return np.where(inside, out, np.int32(null)).astype(np.int32)
-
-
-def _chunk_view(plan: "_Plan", chunk: int, block_size: int, null: int) -> _ChunkView:
-    tables, starts, counts = plan.host
-    ends = starts + counts
-    first = _chunk_start(starts, chunk)
-    lens = (ends - first).astype(np.int32)
-    straddles = _chunk_start(np.maximum(ends - 1, starts), chunk) != first
-    run_pos, run_end, run_seq, run_first = [], [], [], [0]
-    for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
-        cuts = [a] + list(range(_chunk_start(a, chunk) + chunk, b, chunk)) + [b]
-        for x, y in zip(cuts[:-1], cuts[1:]):
-            run_pos.append(x)
-            run_end.append(y)
-            run_seq.append(i)
-        run_first.append(len(run_pos))
-    run_pos, run_end = np.asarray(run_pos, dtype=np.int64), np.asarray(run_end, dtype=np.int64)
-    run_cs = _chunk_start(run_pos, chunk)
-    run_lens = (run_end - run_cs).astype(np.int32)
-    run_tables = _shifted(tables[np.asarray(run_seq, dtype=np.intp)], run_cs // block_size, run_lens,
-                          block_size, null)
-    run_starts = np.concatenate([[0], np.cumsum(run_end - run_pos)]).astype(np.int32)
-    return _ChunkView(mx.array(_shifted(tables, first // block_size, lens, block_size, null)), mx.array(lens),
-                      straddles, mx.array(run_tables), mx.array(run_lens), run_starts, np.asarray(run_first))
 
 
 def _pack_groups(k_group: int, v_group: int) -> int:
@@ -472,7 +468,7 @@ class PagedModelCache:
         """``plan``'s index arrays under the chunk rule (built once per plan, shared by its layers)."""
         view = plan.chunk_views.get(chunk)
         if view is None:
-            view = plan.chunk_views[chunk] = _chunk_view(plan, chunk, self.block_size, self.pools[g].null_block)
+            view = plan.chunk_views[chunk] = _ChunkView(plan, chunk, self.block_size, self.pools[g].null_block)
         return view
 
     def _chunk_mask(self, chunk: int) -> mx.array:
