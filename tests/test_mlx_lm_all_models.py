@@ -38,7 +38,7 @@ COVERAGE = ROOT / "bench" / "model_coverage.json"
     "mixtral",       # MoE: attention is its dense sibling's
     "qwen3_next",    # hybrid: gated delta-net layers keep mlx-lm's ArraysCache
     "falcon_h1",     # hybrid: attention and mamba in every layer (a CacheList)
-    "llama4",        # chunked attention (ChunkedKVCache, chunk 8 here): its chunk mask on gathered rows
+    "llama4",        # chunked attention (ChunkedKVCache, chunk 16 here): the chunk rule on the kernels
 ])
 def test_exact_against_mlx_lm(name):
     row = arch_sweep.check(name)
@@ -190,17 +190,14 @@ def test_batch_generator_gives_mlx_lms_tokens_on_hybrid_moe_and_window_models(na
     assert got == expected
 
 
-def test_chunked_attention_is_served_by_generate_and_refused_by_the_engine_up_front():
-    """llama4's chunked layers are paged (every row kept from position 0; the model's chunk
-    mask, built from start_position 0, is applied to the gathered rows: exact above); the
-    Engine's ragged passes take no mask of the model's, so an Engine over it is refused
-    before any cache exists, naming the layer."""
-    from kvmetal.engine.engine import Engine
-
+def test_chunked_attention_runs_on_the_kernels_in_the_sweep():
+    """llama4's chunked layers (chunk 16 here, blocks of 16) run the chunk rule on the
+    kernels: the sweep's row has no gathered attention call (before issue 40's chunk rule:
+    51, the model's chunk mask applied to gathered rows). tests/test_mlx_lm_chunked.py and
+    tests/test_engine_llama4.py check it in depth."""
     model = arch_sweep.build("llama4")
     layout = analyse_model(model)
     assert layout.chunked == ["layer 0", "layer 1", "layer 2"]  # every 4th layer attends globally
-    with pytest.raises(UnsupportedModel, match=r"^\[use_paged_cache\] llama4 layer 0: chunked attention"):
-        Engine(model, num_blocks=32, block_size=16)
-    assert "make_cache" not in vars(model)  # the refusal left the model as it was
+    row = arch_sweep.check("llama4")
+    assert row.status == "exact" and row.gathered_calls == 0, row
 

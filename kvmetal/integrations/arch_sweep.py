@@ -86,8 +86,10 @@ OVERRIDES: dict = {
     "gemma4_text": dict(num_kv_shared_layers=0),
     "gemma4": dict(text_config=dict({k: v for k, v in SIZES.items() if not isinstance(v, list)},
                                     model_type="gemma4_text", num_kv_shared_layers=0)),
-    "llama4": dict(text_config=dict({k: v for k, v in SIZES.items() if not isinstance(v, list)},
-                                    attention_bias=False, attention_chunk_size=8, interleave_moe_layer_step=1,
+    # llama4: no MLA fields in its text_config (the model ignores them; a saved config with
+    # kv_lora_rank reads as MLA to kvmetal.budget, which `kvmetal generate -m DIR` consults)
+    "llama4": dict(text_config=dict({k: v for k, v in SIZES.items() if not isinstance(v, list) and "lora" not in k},
+                                    attention_bias=False, attention_chunk_size=16, interleave_moe_layer_step=1,
                                     rope_scaling=None, use_qk_norm=True, model_type="llama4_text",
                                     num_experts_per_tok=1, num_hidden_layers=4)),
     "plamo": dict(n_shared_head=2),

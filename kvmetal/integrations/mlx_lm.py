@@ -25,6 +25,7 @@ model: a second ``use_paged_cache`` on a patched model raises, from any thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import mlx.core as mx
 
 from .. import ops
 from ..kv_format import KVFormat, KVFormatError
+from . import chunked
 from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache
 
 # What kvmetal checks token for token in depth (engine, batching, speculative tests), and the
@@ -131,7 +133,10 @@ def _gemma2_attention(original):
     return __call__
 
 
-HAND_ATTENTION = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention}
+HAND_ATTENTION = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
+                  # llama4's chunk mask becomes the chunk rule's marker; per-row positions (chunked.py)
+                  ("mlx_lm.models.llama4", "LlamaModel"): chunked.llama4_model,
+                  ("mlx_lm.models.llama4", "Attention"): chunked.llama4_attention}
 _patched_classes: dict = {}  # class -> [its own __call__ or None (inherited), number of live patches]
 
 
@@ -355,7 +360,8 @@ class ModelLayout:
     specs: list
     names: list  # per paged layer: "layer 3", or "layer 3.1" inside a CacheList
     native: list  # names of the entries that keep mlx-lm's own cache
-    chunked: list = field(default_factory=list)  # names of the paged layers with chunked attention (llama4)
+    chunked: list = field(default_factory=list)  # names of the paged layers with chunked attention (llama4;
+                                                 # their specs carry the chunk)
 
     @property
     def plain(self) -> bool:
@@ -435,9 +441,9 @@ def _classify(cache, name: str, family: str, probes: list, native: list):
     from mlx_lm.models import cache as mc
 
     kind = type(cache)
-    # A ChunkedKVCache layer (llama4: a token sees only its own chunk) is paged like a full
-    # one: the model builds its chunk mask over positions from the cache's start_position
-    # (0 here, every row is kept), and attention applies that mask to the gathered rows.
+    # A ChunkedKVCache layer (llama4: a token sees only its own chunk) is paged in a pool of
+    # its own (analyse_model sets its spec's chunk): attention runs the chunk rule on the
+    # kernels and blocks before a sequence's chunk are released (chunked.py, model_cache.py).
     if kind is mc.KVCache or kind is mc.RotatingKVCache or kind is mc.ChunkedKVCache:
         window = None
         if kind is mc.RotatingKVCache:
@@ -589,8 +595,12 @@ def analyse_model(model) -> ModelLayout:
 
     from mlx_lm.models.cache import ChunkedKVCache
 
-    chunked = [p.name for i, p in enumerate(probes) if i in index and isinstance(p.cache, ChunkedKVCache)]
-    return ModelLayout([renumber(t) for t in template], specs, names, native, chunked)
+    chunk_layers = []
+    for i, p in enumerate(probes):  # a chunked layer's spec carries its chunk: its own pool, which releases
+        if i in index and isinstance(p.cache, ChunkedKVCache):  # the blocks before a sequence's chunk
+            specs[index[i]] = dataclasses.replace(specs[index[i]], chunk=int(p.cache.chunk_size))
+            chunk_layers.append(p.name)
+    return ModelLayout([renumber(t) for t in template], specs, names, native, chunk_layers)
 
 
 def layer_specs(model) -> list:
@@ -637,12 +647,14 @@ class PagedCacheHandle:
         ``overrides`` replace PagedModelCache options (the Engine's ``cascade``). It holds
         the paged layers only: a model whose layout is not plain (recurrent-state layers,
         CacheLists) also needs ``sequence_states()`` to run the Engine's ragged passes. A model
-        with chunked attention is refused: the Engine's ragged passes apply no mask but their
-        own, and a chunk mask is applied only to rows gathered for one model's pass."""
-        if self.layout.chunked:
-            raise UnsupportedModel(f"[use_paged_cache] {model_family(self.model)} {self.layout.chunked[0]}: chunked "
-                                   f"attention runs through mlx-lm's generate with use_paged_cache (its chunk mask "
-                                   f"applied to the gathered rows); kvmetal's Engine does not model it")
+        with chunked attention needs a block size that divides its chunk: the ragged passes
+        apply the chunk rule on the kernels only (tables shifted to a chunk start)."""
+        block_size = overrides.get("block_size", self.options["block_size"])
+        for name, spec in zip(self.layout.names, self.specs):
+            if spec.chunk is not None and spec.chunk % block_size:
+                raise UnsupportedModel(f"[use_paged_cache] {model_family(self.model)} {name}: chunked attention "
+                                       f"(chunk {spec.chunk}) needs a block_size that divides the chunk for "
+                                       f"kvmetal's Engine, got block_size={block_size}")
         return PagedModelCache(self.specs, **{**self.options, **overrides})
 
     def sequence_states(self) -> SequenceStates:

@@ -15,6 +15,7 @@ heads, L new tokens, T cached tokens, D head_dim.
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -38,12 +39,15 @@ TRIM_SLACK = 16  # window layers keep this many tokens beyond their window, so a
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What one attention layer stores: its window (None = full) and K/V row shape."""
+    """What one attention layer stores: its window (None = full) and K/V row shape;
+    ``chunk``: chunked attention (llama4), a token at position p sees only positions
+    [floor(p / chunk) * chunk, p], so blocks before its chunk are released."""
 
     window: int | None
     num_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+    chunk: int | None = None
 
 
 @dataclass
@@ -57,6 +61,71 @@ class _Plan:
     max_len: int
     query_start_loc: mx.array  # int32 [B + 1]: sequence i owns query rows [i * L, (i + 1) * L)
     cascade: object = None  # one-token passes: the shared-prefix arguments (a tuple), False for none
+    host: tuple = ()  # (tables int32 [B, M], starts [B], counts [B]) on the host, for chunk views
+    chunk_views: dict = dataclasses.field(default_factory=dict)  # chunk size -> _ChunkView
+
+
+class _ChunkView:
+    """A pass's index arrays under the chunk rule (chunk C, the block size dividing C).
+
+    Keys are stored rotated, so a query's position matters to the kernels only through
+    the causal mask, which they apply relative to the table and length they are given:
+    a table that starts at a chunk start's block, with the length reduced by that start,
+    shows a query exactly its own chunk. ``block_tables``/``seq_lens``: per sequence, from
+    the chunk start of its first query row (right for a sequence whose rows all lie in one
+    chunk: ``straddles`` False). ``runs()``: sequences' rows cut at chunk starts into runs,
+    each with its own table, for ``paged_attention_varlen`` (built on first use); a
+    sequence's runs are consecutive and in order, so the packed query rows need no
+    reordering."""
+
+    def __init__(self, plan: "_Plan", chunk: int, block_size: int, null: int):
+        tables, starts, counts = plan.host
+        self._host = (tables, starts, starts + counts, chunk, block_size, null)
+        first = _chunk_start(starts, chunk)
+        lens = (starts + counts - first).astype(np.int32)
+        self.straddles = _chunk_start(np.maximum(starts + counts - 1, starts), chunk) != first  # bool [B]
+        self.block_tables = mx.array(_shifted(tables, first // block_size, lens, block_size, null))  # int32 [B, M']
+        self.seq_lens = mx.array(lens)  # int32 [B]
+        self._runs = None
+
+    def runs(self, first: int, last: int) -> tuple:
+        """(tables [R, M''], lens [R], query_start_loc [R + 1]) of the runs of sequences
+        [first, last), query rows counted from the first of them."""
+        if self._runs is None:
+            self._runs = self._cut()
+        tables, lens, starts, run_first = self._runs
+        a, b = int(run_first[first]), int(run_first[last])
+        return tables[a:b], lens[a:b], mx.array(starts[a:b + 1] - starts[a])
+
+    def _cut(self) -> tuple:
+        tables, starts, ends, chunk, block_size, null = self._host
+        run_pos, run_end, run_seq, run_first = [], [], [], [0]
+        for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+            cuts = [a] + list(range(_chunk_start(a, chunk) + chunk, b, chunk)) + [b]
+            run_pos += cuts[:-1]
+            run_end += cuts[1:]
+            run_seq += [i] * (len(cuts) - 1)
+            run_first.append(len(run_pos))
+        run_pos, run_end = np.asarray(run_pos, dtype=np.int64), np.asarray(run_end, dtype=np.int64)
+        run_cs = _chunk_start(run_pos, chunk)  # each run's rows see from their chunk start
+        run_lens = (run_end - run_cs).astype(np.int32)
+        run_tables = _shifted(tables[np.asarray(run_seq, dtype=np.intp)], run_cs // block_size, run_lens,
+                              block_size, null)
+        run_starts = np.concatenate([[0], np.cumsum(run_end - run_pos)]).astype(np.int32)
+        return mx.array(run_tables), mx.array(run_lens), run_starts, np.asarray(run_first)
+
+
+def _chunk_start(position, chunk: int):
+    return position // chunk * chunk
+
+
+def _shifted(tables: np.ndarray, shift: np.ndarray, lens: np.ndarray, block_size: int, null: int) -> np.ndarray:
+    """Rows of ``tables`` starting ``shift`` blocks in, wide enough for ``lens`` tokens."""
+    width = max(1, int(-(-lens.max(initial=0) // block_size)))
+    index = shift[:, None] + np.arange(width)[None, :]
+    inside = index < tables.shape[1]
+    out = np.take_along_axis(tables, np.minimum(index, tables.shape[1] - 1), axis=1)
+    return np.where(inside, out, np.int32(null)).astype(np.int32)
 
 
 def _pack_groups(k_group: int, v_group: int) -> int:
@@ -102,7 +171,8 @@ class PagedModelCache:
         self.growable = num_blocks is None
         self.options = dict(block_size=block_size, num_blocks=num_blocks, kv_format=self.kv_format,
                             cascade=bool(cascade), sparse_v=self.sparse_v)
-        self.gathered_attention = 0  # layer calls with a mask array we did not make: rows gathered, MLX's sdpa
+        self.gathered_attention = 0  # layer calls with a mask array we did not make, or under a chunk rule
+                                     # the block size does not divide: rows gathered, MLX's sdpa
         self.cascade_steps = 0  # one-token passes (per full-attention layer group) that ran the cascade op
         group_keys = []
         self.layer_group, self.layer_index = [], []
@@ -113,6 +183,7 @@ class PagedModelCache:
             self.layer_group.append(g)
             self.layer_index.append(sum(1 for x in self.layer_group[:-1] if x == g))
         self.windows = [spec.window for spec in group_keys]
+        self.chunks = [spec.chunk for spec in group_keys]  # chunked attention (llama4): its chunk size
         self.pools = [
             PagedKVCache(num_layers=self.layer_group.count(g), num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, num_blocks=num_blocks or INITIAL_BLOCKS,
@@ -264,8 +335,9 @@ class PagedModelCache:
     @property
     def full_capacity_tokens(self) -> int | None:
         """Tokens the smallest full-attention pool holds: the most one sequence can reach
-        (window groups release blocks as it moves on). None for pools that grow, or none of them."""
-        full = [p for p, w in zip(self.pools, self.windows) if w is None]
+        (window and chunk groups release blocks as it moves on). None for pools that grow,
+        or none of them."""
+        full = [p for p, w, c in zip(self.pools, self.windows, self.chunks) if w is None and c is None]
         if self.growable or not full:
             return None
         return min(p.allocator.num_blocks for p in full) * self.block_size
@@ -345,6 +417,13 @@ class PagedModelCache:
         if self.windows[g] is not None:
             # The first new query sees the last window - 1 cached tokens and itself.
             self.pools[g].evict(seq_id, window=self.windows[g] - 1 + TRIM_SLACK)
+        elif self.chunks[g] is not None:
+            # The first new query (position n) sees its chunk, from floor(n / C) * C; with the
+            # same slack as a window, blocks wholly before the chunk start of n - TRIM_SLACK go.
+            n = self.pools[g].num_tokens(seq_id)
+            keep_from = _chunk_start(max(0, n - TRIM_SLACK), self.chunks[g])
+            if keep_from:
+                self.pools[g].evict(seq_id, window=n - keep_from)
 
     def _extend_group(self, g: int, seq_id, num_new: int) -> None:
         """mlx-lm's path: the first layer of a group to see new tokens makes room for them."""
@@ -381,8 +460,25 @@ class PagedModelCache:
         slots = mirror.slots(rows, starts, counts)
         lens = (starts + counts).astype(np.int32)
         query_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        return _Plan(key, mx.array(slots), mx.array(mirror.tables(rows, widths)), mx.array(lens),
-                     int(lens.max(initial=0)), mx.array(query_starts))
+        tables = mirror.tables(rows, widths)
+        return _Plan(key, mx.array(slots), mx.array(tables), mx.array(lens), int(lens.max(initial=0)),
+                     mx.array(query_starts), host=(tables, starts, counts))
+
+    def _chunk_view(self, g: int, plan: _Plan, chunk: int) -> _ChunkView:
+        """``plan``'s index arrays under the chunk rule (built once per plan, shared by its layers)."""
+        view = plan.chunk_views.get(chunk)
+        if view is None:
+            view = plan.chunk_views[chunk] = _ChunkView(plan, chunk, self.block_size, self.pools[g].null_block)
+        return view
+
+    def _chunk_mask(self, chunk: int) -> mx.array:
+        """A marker mask meaning "the chunk rule, chunk ``chunk``" (causal, and a query sees
+        only its own chunk), which ``attention`` runs on the kernels (see ``_ChunkView``)."""
+        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"[PagedModelCache] chunk must be an int >= 1, got {chunk!r}")
+        marker = mx.zeros((1,), dtype=mx.bool_)
+        self._remember_mask(marker, None, chunk=int(chunk))
+        return marker
 
     def _cascade_args(self, plan: _Plan):
         """The cascade op's index arguments for this pass (planned once, shared by the
@@ -398,20 +494,21 @@ class PagedModelCache:
             self.cascade_steps += groups is not None
         return plan.cascade or None
 
-    def _remember_mask(self, mask, window) -> None:
-        """Masks handed out by make_mask, so attention knows what they mean (causal plus
-        ``window``) and can run its own kernels instead of applying them as arrays."""
+    def _remember_mask(self, mask, window, *, chunk: int | None = None) -> None:
+        """Masks handed out by make_mask (or ``_chunk_mask``), so attention knows what they
+        mean (causal plus ``window``, or the chunk rule) and can run its own kernels instead
+        of applying them as arrays."""
         if isinstance(mask, mx.array):
-            self._masks = self._masks[-7:] + [(mask, window)]
+            self._masks = self._masks[-7:] + [(mask, window, chunk)]
 
-    def _mask_window(self, mask) -> tuple:
-        """(known, requested window) of a mask an attention call received."""
+    def _mask_rule(self, mask) -> tuple:
+        """(known, requested window, chunk) of a mask an attention call received."""
         if mask is None or (isinstance(mask, str) and mask == "causal"):
-            return True, None
-        for m, window in self._masks:
+            return True, None, None
+        for m, window, chunk in self._masks:
             if m is mask:
-                return True, window
-        return False, None
+                return True, window, chunk
+        return False, None, None
 
 
 class _LayerGroupView:
@@ -483,6 +580,9 @@ class _RaggedBatch:
             self._parts[g] = got
         return got
 
+    def chunk_view(self, g: int, chunk: int) -> _ChunkView:
+        return self.model_cache._chunk_view(g, self.plan(g), chunk)
+
 
 class RaggedLayerCache(_LayerGroupView):
     """One layer's view of a ragged pass (see ``PagedModelCache.ragged_layer_caches``).
@@ -516,12 +616,14 @@ class RaggedLayerCache(_LayerGroupView):
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
         self._check_rows(queries, "queries")
-        known, requested = self.model_cache._mask_window(mask)
+        known, requested, chunk = self.model_cache._mask_rule(mask)
         if not known:
             raise NotImplementedError("[RaggedLayerCache] a ragged pass takes only the masks its own make_mask "
-                                      "returns (causal, optionally windowed)")
+                                      "returns (causal, optionally windowed) and the chunk rule's marker")
         plan = self.batch.plan(self._group)
         window = _min_window(self.window, requested)
+        if chunk is not None:
+            return self._chunk_attention(queries, chunk, scale, window, sinks, softcap)
         kc, vc = self.pool.key_caches[self._index], self.pool.value_caches[self._index]
         d = self.batch.decodes
         if d == 0:
@@ -544,6 +646,37 @@ class RaggedLayerCache(_LayerGroupView):
             outs.append(ops.paged_attention_varlen(queries[r:, :, 0], kc, vc, pre_tables, pre_lens, pre_starts,
                                                    scale=scale, softcap=softcap, sliding_window=window, sinks=sinks,
                                                    validate=False))
+        return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[:, :, None]
+
+    def _chunk_attention(self, queries, chunk: int, scale, window, sinks, softcap) -> mx.array:
+        """The chunk rule on the kernels (``_ChunkView``): decode rows as a pass of decodes
+        only runs them (``paged_attention`` over tables shifted to each sequence's chunk
+        start), prompt rows cut at chunk starts into runs through ``paged_attention_varlen``."""
+        block_size = self.model_cache.block_size
+        if chunk % block_size:
+            raise NotImplementedError(f"[RaggedLayerCache] the chunk rule (chunk {chunk}) needs a block size that "
+                                      f"divides the chunk; this pool's blocks hold {block_size} tokens")
+        view = self.batch.chunk_view(self._group, chunk)
+        kc, vc = self.pool.key_caches[self._index], self.pool.value_caches[self._index]
+        options = dict(scale=scale, softcap=softcap, sliding_window=window, sinks=sinks, validate=False)
+        counts, d = self.batch.counts, self.batch.decodes
+        outs, s, row = [], 0, 0
+        while s < d:  # runs of decodes with equal row counts, as parts() cuts them
+            n, e = counts[s], s
+            while e < d and counts[e] == n:
+                e += 1
+            q = queries[row:row + (e - s) * n, :, 0]
+            if view.straddles[s:e].any():  # drafts across a chunk start: that run's rows are cut too
+                outs.append(ops.paged_attention_varlen(q, kc, vc, *view.runs(s, e), **options))
+            else:
+                q = q if n == 1 else q.reshape(e - s, n, *q.shape[1:])
+                out = ops.paged_attention(q, kc, vc, view.block_tables[s:e], view.seq_lens[s:e],
+                                          sparse_v=self.model_cache.sparse_v, **options)
+                outs.append(out if n == 1 else out.reshape((e - s) * n, *out.shape[2:]))
+            row += (e - s) * n
+            s = e
+        if d < len(counts):
+            outs.append(ops.paged_attention_varlen(queries[row:, :, 0], kc, vc, *view.runs(d, len(counts)), **options))
         return (mx.concatenate(outs) if len(outs) > 1 else outs[0])[:, :, None]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -616,14 +749,17 @@ def _min_window(a, b):
     return b if a is None else a if b is None else min(a, b)
 
 
-def _causal_window_mask(offsets: list, num_new: int, total: int, window) -> mx.array:
+def _causal_window_mask(offsets: list, num_new: int, total: int, window, *, chunk: int | None = None) -> mx.array:
     """bool [B, 1, L, T]: query l of sequence i (position offsets[i] + l) sees key t when
-    t <= that position and, with a window, t > position - window."""
+    t <= that position and, with a window, t > position - window; with a chunk, only keys
+    of the query's own chunk (t // chunk == position // chunk)."""
     pos = mx.array(offsets, dtype=mx.int32)[:, None, None, None] + mx.arange(num_new)[None, None, :, None]
     keys = mx.arange(total)[None, None, None, :]
     mask = keys <= pos
     if window is not None:
         mask = mask & (keys > pos - window)
+    if chunk is not None:
+        mask = mask & (keys // chunk == pos // chunk)
     return mask
 
 
@@ -656,8 +792,9 @@ class PagedLayerCache(_LayerGroupView):
             return self._offsets[0]
         return mx.array(self._offsets, dtype=mx.int32)
 
-    # ChunkedKVCache's protocol (llama4 asks before building its chunk mask): this cache keeps
-    # every row from position 0, so nothing is trimmed and positions start at 0.
+    # ChunkedKVCache's protocol (llama4 asks before building its chunk mask): positions start
+    # at 0 (the rows the gather returns), though a chunk layer releases blocks before its
+    # chunk (they read as zeros, and the chunk mask hides them); nothing is trimmed here.
     start_position = 0
 
     def maybe_trim_front(self) -> None:
@@ -694,8 +831,12 @@ class PagedLayerCache(_LayerGroupView):
         if self._plan is None:
             raise RuntimeError("[PagedLayerCache] attention called before update_and_fetch")
         batch, num_heads, num_queries, head_dim = queries.shape
-        known, requested = self.model_cache._mask_window(mask)
+        known, requested, chunk = self.model_cache._mask_rule(mask)
         plan = self._plan
+        if chunk is not None and chunk % self.block_size:  # the kernels' chunk rule needs whole blocks
+            mask = _causal_window_mask([o - num_queries for o in self._offsets], num_queries, max(plan.max_len, 1),
+                                       _min_window(self.window, requested), chunk=chunk)
+            known = False
         if not known:
             self.model_cache.gathered_attention += 1
             keys, values = self._gather(plan)
@@ -703,6 +844,8 @@ class PagedLayerCache(_LayerGroupView):
                 return _softcapped_attention(queries, keys, values, scale, softcap, mask)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         window = _min_window(self.window, requested)
+        if chunk is not None:
+            return self._chunk_attention(queries, plan, chunk, scale, window, sinks, softcap)
         if num_queries == 1 and window is None and self.model_cache.options["cascade"]:
             shared = self.model_cache._cascade_args(plan)
             if shared is not None:
@@ -724,6 +867,23 @@ class PagedLayerCache(_LayerGroupView):
             self.pool.key_caches[self._index], self.pool.value_caches[self._index],
             plan.block_tables, plan.seq_lens, plan.query_start_loc, scale=scale, softcap=softcap,
             sliding_window=window, sinks=sinks, validate=False)
+        return out.reshape(batch, num_queries, num_heads, head_dim).transpose(0, 2, 1, 3)
+
+    def _chunk_attention(self, queries, plan: _Plan, chunk: int, scale, window, sinks, softcap) -> mx.array:
+        """The chunk rule on the kernels (``_ChunkView``): a pass whose query rows of each
+        sequence lie in one chunk (a decode step) runs ``paged_attention`` over tables
+        shifted to the chunk start; a longer one, or one whose rows cross a chunk start, runs
+        ``paged_attention_varlen`` over the rows cut at chunk starts."""
+        batch, num_heads, num_queries, head_dim = queries.shape
+        view = self.model_cache._chunk_view(self._group, plan, chunk)
+        kc, vc = self.pool.key_caches[self._index], self.pool.value_caches[self._index]
+        options = dict(scale=scale, softcap=softcap, sliding_window=window, sinks=sinks, validate=False)
+        if num_queries <= MAX_PAGED_QUERY_TOKENS and not view.straddles.any():
+            out = ops.paged_attention(queries.transpose(0, 2, 1, 3), kc, vc, view.block_tables, view.seq_lens,
+                                      sparse_v=self.model_cache.sparse_v, **options)
+            return out.transpose(0, 2, 1, 3)
+        q = queries.transpose(0, 2, 1, 3).reshape(batch * num_queries, num_heads, head_dim)
+        out = ops.paged_attention_varlen(q, kc, vc, *view.runs(0, batch), **options)
         return out.reshape(batch, num_queries, num_heads, head_dim).transpose(0, 2, 1, 3)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -752,9 +912,10 @@ class PagedLayerCache(_LayerGroupView):
         """(keys, values, info): this layer's stored rows from the first position every
         sequence still holds, [B, Hkv, T, D] for a float pool or (data, scales, biases)
         [B, Hkv, T, *] for a quantized one (saved as stored: a reload is exact). ``info``
-        (int32) is [first, window or 0, block_size, k_bits or 0, v_bits or 0, group_size,
-        offset of each sequence...]. What mlx-lm evaluates after a prefill chunk and
-        what ``save_prompt_cache`` writes; ``from_state`` rebuilds the cache from it."""
+        (int32) is [first, window (minus the chunk of a chunk layer, 0 for a full one),
+        block_size, k_bits or 0, v_bits or 0, group_size, offset of each sequence...]. What
+        mlx-lm evaluates after a prefill chunk and what ``save_prompt_cache`` writes;
+        ``from_state`` rebuilds the cache from it."""
         first = self._first_live()
         tables, _ = self.pool.block_tables(self.seq_ids)
         tables = tables[:, first // self.block_size:]
@@ -763,7 +924,8 @@ class PagedLayerCache(_LayerGroupView):
                         for c in (self.pool.key_caches[self._index], self.pool.value_caches[self._index]))
         fmt = self.model_cache.kv_format
         groups = _pack_groups(self.pool.k_group_size, self.pool.v_group_size)
-        info = [first, self.window or 0, self.block_size, fmt.k_bits or 0, fmt.v_bits or 0, groups]
+        chunk = self.model_cache.chunks[self._group]
+        info = [first, self.window or -(chunk or 0), self.block_size, fmt.k_bits or 0, fmt.v_bits or 0, groups]
         return keys, values, mx.array(info + self._offsets, dtype=mx.int32)
 
     @state.setter
@@ -772,7 +934,8 @@ class PagedLayerCache(_LayerGroupView):
         info = [int(x) for x in np.array(info).reshape(-1)]
         first, window, block_size, k_bits, v_bits, groups = info[:6]
         k_group, v_group = _unpack_groups(groups)
-        meta = dict(first=first, window=window or None, block_size=block_size, k_bits=k_bits or None,
+        meta = dict(first=first, window=window if window > 0 else None, chunk=-window if window < 0 else None,
+                    block_size=block_size, k_bits=k_bits or None,
                     v_bits=v_bits or None, k_group_size=k_group, v_group_size=v_group)
         self._restore(keys, values, info[6:], meta)
 
@@ -798,7 +961,7 @@ class PagedLayerCache(_LayerGroupView):
         sample = keys if isinstance(keys, mx.array) else keys[1]  # float rows, or the scales
         head_dim = keys.shape[-1] if isinstance(keys, mx.array) else keys[1].shape[-1] * meta["k_group_size"]
         dtype = sample.dtype
-        spec = LayerSpec(meta["window"], int(sample.shape[1]), int(head_dim), dtype)
+        spec = LayerSpec(meta["window"], int(sample.shape[1]), int(head_dim), dtype, meta.get("chunk"))
         fmt = KVFormat(k_bits=meta["k_bits"], v_bits=meta["v_bits"], k_group_size=meta["k_group_size"],
                        v_group_size=meta["v_group_size"])
         model_cache = PagedModelCache([spec], block_size=meta["block_size"], kv_format=fmt)
@@ -905,14 +1068,16 @@ class PagedLayerCache(_LayerGroupView):
         return n
 
     def _check_window_intact(self, seq, target: int) -> None:
-        """The next token after ``target`` sees the last window - 1 tokens: all still held?"""
-        if self.window is None:
+        """The next token after ``target`` sees the last window - 1 tokens (a chunk layer:
+        its chunk from its start): all still held?"""
+        chunk = self.model_cache.chunks[self._group]
+        if self.window is None and chunk is None:
             return
-        needed = max(0, target - (self.window - 1))
+        needed = max(0, target - (self.window - 1)) if self.window is not None else _chunk_start(target, chunk)
         table = self.pool.allocator.block_table(seq)
         if any(b == HOLE for b in table[needed // self.block_size: -(-target // self.block_size)]):
-            raise ValueError(f"[PagedLayerCache.trim] cannot go back to {target} tokens: this window layer "
-                             f"already released tokens its window would need there")
+            raise ValueError(f"[PagedLayerCache.trim] cannot go back to {target} tokens: this window (or chunk) "
+                             f"layer already released tokens its window (chunk) would need there")
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "PagedLayerCache":
         """mlx-lm's ``kv_bits`` / ``quantized_kv_start``: K and V of every layer move to

@@ -117,9 +117,11 @@ def model_identity(model_dir) -> dict:
 def cache_format(model_cache) -> dict:
     """The layout a block must have to be loaded into ``model_cache``."""
     groups = []
-    for pool, window in zip(model_cache.pools, model_cache.windows):
+    for pool, window, chunk in zip(model_cache.pools, model_cache.windows, model_cache.chunks):
         group = {"window": window, "layers": pool.num_layers, "kv_heads": pool.num_kv_heads,
                  "head_dim": pool.head_dim, "dtype": str(pool.dtype), "k_bits": pool.k_bits, "v_bits": pool.v_bits}
+        if chunk is not None:  # a chunk layer group (llama4); absent elsewhere, so older formats still match
+            group["chunk"] = chunk
         for name in ("group_size", "k_group_size", "v_group_size"):  # whichever the pool has
             if hasattr(pool, name):
                 group[name] = getattr(pool, name)

@@ -70,6 +70,8 @@ def build_arch_dir(path, name: str, *, seed: int = 0) -> Path:
 
     tokenizer = train_tokenizer()
     config = dict(tiny_args(name), vocab_size=len(tokenizer), torch_dtype="float32")
+    if isinstance(config.get("text_config"), dict):  # a wrapper (llama4): its text model reads its own vocab_size
+        config["text_config"] = dict(config["text_config"], vocab_size=len(tokenizer))
     return _save_dir(path, build(name, seed=seed, config=config), config, tokenizer)
 
 
