@@ -483,6 +483,7 @@ class _Probe:
     attended: set = field(default_factory=set)  # indices of this cache's fetches some call reads
     orders: set = field(default_factory=set)  # the head orders (or None) of the calls that read them
     shared: bool = False  # another cache's calls read this one's rows
+    problem: Exception | None = None  # why one of its calls could not be resolved (raised after the basic checks)
 
 
 _analyse_lock = threading.Lock()
@@ -655,10 +656,14 @@ def _call_source(probe: _Probe, call, owners: dict, family: str):
 
 
 def _resolve_calls(probes: list, family: str) -> None:
-    """Every recorded attention call's source rows and head order (``_call_source``)."""
+    """Every recorded attention call's source rows and head order (``_call_source``); a call
+    that has none leaves its layer's refusal for ``_layer_spec``."""
     owners = {id(k): (p, i) for p in probes for i, (k, _) in enumerate(p.fetches)}
     for p in probes:
-        p.sources = [_call_source(p, call, owners, family) for call in p.calls]
+        try:
+            p.sources = [_call_source(p, call, owners, family) for call in p.calls]
+        except UnsupportedModel as exc:
+            p.problem = exc
 
 
 def _layer_spec(probe: _Probe, family: str):
@@ -674,6 +679,8 @@ def _layer_spec(probe: _Probe, family: str):
     if head_dim != v_head_dim:
         _refuse(family, name, f"K head_dim {head_dim} and V head_dim {v_head_dim} differ (MLA-style attention); "
                               f"kvmetal's pools and kernels hold one head_dim for K and V")
+    if probe.problem is not None:
+        raise probe.problem
     mapped = not calls and probe.mapped and not probe.strays  # kvmetal's variant stands in (HAND_ATTENTION)
     if not mapped and len(probe.attended) < len(fetches):
         if probe.strays:
