@@ -118,6 +118,23 @@ def test_iquestloopcoder_second_loop_reads_the_first_loops_rows_and_that_matters
     assert row.status == "broken", row
 
 
+def test_a_loaded_cache_of_a_model_that_tiles_its_kv_heads_is_refused_not_wrong(tmp_path):
+    # A saved cache keeps the rows, not how the model reads them: plamo's tiled heads would
+    # be grouped h // G over it, so attention refuses instead.
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = arch_sweep.build("plamo")
+    path = str(tmp_path / "cache.safetensors")
+    with use_paged_cache(model):
+        cache = make_prompt_cache(model)
+        model(mx.array([list(range(3, 20))]), cache=cache)
+        save_prompt_cache(path, cache)
+        loaded = load_prompt_cache(path)
+        assert isinstance(loaded[0], PagedLayerCache)
+        with pytest.raises(NotImplementedError, match=r"does not know how the model maps its query heads"):
+            model(mx.array([[5]]), cache=loaded)
+
+
 def test_plamo_head_permutation_matters(monkeypatch):
     from kvmetal.integrations import mlx_lm
 

@@ -99,9 +99,9 @@ def _paged_attention(cache, queries, keys, values, scale, mask, sinks):
     spec = cache.model_cache.specs[cache.layer]
     order = spec.head_order
     if order is None and keys.shape[1] != spec.num_kv_heads:
-        raise NotImplementedError(f"[use_paged_cache] the model attends over {keys.shape[1]} kv heads, its cache holds "
-                                  f"{spec.num_kv_heads}, and the cache does not know how the model maps its query "
-                                  f"heads onto them (a cache loaded from a file?); make the cache under use_paged_cache")
+        raise NotImplementedError(f"[use_paged_cache] the model attends over {keys.shape[1]} kv heads, its cache "
+                                  f"holds {spec.num_kv_heads}, and the cache does not know how the model maps its "
+                                  f"query heads onto them (a cache loaded from a file?); make it under use_paged_cache")
     perm = None if order is None else _head_permutation(order)
     if perm is not None:
         queries = mx.take(queries, perm[0], axis=1)
@@ -561,8 +561,9 @@ def _instrument(probe: _Probe) -> None:
 
 def _probe_passes(model, caches: list, probes: list, family: str) -> None:
     """Two passes through the model (two prompt tokens, then one decode token) with
-    mlx-lm's own caches, recording every write and every attention call. Lazy: nothing
-    is computed, only the graph is built."""
+    mlx-lm's own caches, recording every write and every attention call in order; each
+    write hands the model random stand-ins for its rows. Lazy: only the graph is built
+    (``_heads_read`` later evaluates the arguments of a call that are not a fetch itself)."""
     modules, classes = _attention_modules(model), _hand_attention_classes(model)
     for name in modules:
         _patch_module(name)
@@ -713,11 +714,14 @@ def analyse_model(model) -> ModelLayout:
     The caches come from the model's own ``make_cache()``: a ``KVCache`` or
     ``RotatingKVCache`` layer (inside a ``CacheList`` too) becomes a paged layer, an
     ``ArraysCache``/``MambaCache`` (recurrent state) keeps mlx-lm's cache. Two probe
-    passes (lazy: a graph, nothing computed) check that each paged layer writes its
-    cache once per pass and attends over exactly the rows the cache returned, through
-    ``scaled_dot_product_attention`` with that cache and no option kvmetal does not
-    model, with one head_dim for K and V that kvmetal's kernels serve. Anything else
-    raises :class:`UnsupportedModel` naming the layer and the reason."""
+    passes (lazy: a graph; only a call's arguments that are not a fetch itself are
+    evaluated) check that each paged layer writes its cache once per pass and that every
+    write is attended through ``scaled_dot_product_attention`` with a paged cache and no
+    option kvmetal does not model, over the rows a cache returned at its latest write:
+    those very arrays (its own, or a shared layer's), or its own with the heads
+    rearranged (``LayerSpec.head_order``) and cast losslessly; with one head_dim for K and
+    V that kvmetal's kernels serve. Anything else raises :class:`UnsupportedModel` naming
+    the layer and the reason."""
     family = model_family(model)
     caches = _original_caches(model)
     probes, native = [], []
