@@ -18,10 +18,12 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
 pytest.importorskip("mlx_lm")
+from mlx_lm.models.base import scaled_dot_product_attention  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache  # noqa: E402
 
 from kvmetal.integrations import arch_sweep, tiny_models  # noqa: E402
@@ -39,6 +41,10 @@ COVERAGE = ROOT / "bench" / "model_coverage.json"
     "qwen3_next",    # hybrid: gated delta-net layers keep mlx-lm's ArraysCache
     "falcon_h1",     # hybrid: attention and mamba in every layer (a CacheList)
     "llama4",        # chunked attention (ChunkedKVCache, chunk 16 here): the chunk rule on the kernels
+    "stablelm",      # attends over its fetched keys cast to float32 (a lossless cast: the same rows)
+    "plamo",         # tiles its fetched kv heads (query head h reads h % Hkv): query heads permuted
+    "iquestloopcoder",  # its second loop also attends over the first loop's fetched rows (window 24 here)
+    "plamo2",        # calls mx.fast.scaled_dot_product_attention directly: a HAND_ATTENTION stand-in
 ])
 def test_exact_against_mlx_lm(name):
     row = arch_sweep.check(name)
@@ -51,7 +57,7 @@ def test_exact_against_mlx_lm(name):
     ("mamba", r"mamba: no layer keeps a K/V cache"),
     ("rwkv7", r"rwkv7: no layer keeps a K/V cache"),
     ("deepseek_v3", r"deepseek_v3 layer 0: K head_dim 32 and V head_dim 16 differ"),
-    ("stablelm", r"stablelm layer 0: the keys/values it attends over are not the ones its cache returned"),
+    ("deepseek_v41", r"deepseek_v41 layer 0: its cache is a LayerCache, which has no update_and_fetch"),
 ])
 def test_refused_up_front_naming_the_layer(name, reason):
     model = arch_sweep.build(name)
@@ -79,10 +85,142 @@ def test_small_head_dims_are_served(head_dim):
     assert float(mx.abs(got - expected).max() / mx.abs(expected).max()) < 1e-5
 
 
-def test_attention_by_hand_is_refused():
-    model = arch_sweep.build("plamo2")  # its attention layers compute scores on the fetched keys
+def test_attention_by_hand_is_refused_unless_mapped(monkeypatch):
+    # plamo2 calls mx.fast.scaled_dot_product_attention itself: without its stand-in, refused.
+    from kvmetal.integrations import mlx_lm
+
+    model = arch_sweep.build("plamo2")
+    assert analyse_model(model).specs  # mapped: served (exact above)
+    monkeypatch.delitem(mlx_lm.HAND_ATTENTION, ("mlx_lm.models.plamo2", "Attention"))
     with pytest.raises(UnsupportedModel, match=r"plamo2 layer 1: it attends by hand over the keys"):
         use_paged_cache(model)
+
+
+@pytest.mark.parametrize("name,derived", [
+    ("stablelm", lambda s: s.head_order == (0, 1, 2, 3) and not s.shared),  # cast: the fetched heads as they are
+    ("plamo", lambda s: s.head_order == (0, 2, 1, 3) and not s.shared),  # tile: kv head 0 serves heads 0 and 2
+    ("llama", lambda s: s.head_order is None and not s.shared),
+])
+def test_what_the_model_does_to_its_fetched_rows_is_derived(name, derived):
+    specs = analyse_model(arch_sweep.build(name)).specs
+    assert specs and all(derived(s) for s in specs), specs
+
+
+def test_iquestloopcoder_second_loop_reads_the_first_loops_rows_and_that_matters(monkeypatch):
+    model = arch_sweep.build("iquestloopcoder")
+    layout = analyse_model(model)
+    assert [s.shared for s in layout.specs] == [True, True, False, False]  # loop 1's layers are read by loop 2's
+    assert [s.window for s in layout.specs] == [None, None, arch_sweep.WINDOW, arch_sweep.WINDOW]
+    from kvmetal.integrations import model_cache
+
+    monkeypatch.setattr(model_cache.PagedModelCache, "fetch_owner", lambda self, keys: None)  # attend over own rows
+    row = arch_sweep.check("iquestloopcoder")
+    assert row.status == "broken", row
+
+
+def test_a_loaded_cache_of_a_model_that_tiles_its_kv_heads_is_refused_not_wrong(tmp_path):
+    # A saved cache keeps the rows, not how the model reads them: plamo's tiled heads would
+    # be grouped h // G over it, so attention refuses instead.
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = arch_sweep.build("plamo")
+    path = str(tmp_path / "cache.safetensors")
+    with use_paged_cache(model):
+        cache = make_prompt_cache(model)
+        model(mx.array([list(range(3, 20))]), cache=cache)
+        save_prompt_cache(path, cache)
+        loaded = load_prompt_cache(path)
+        assert isinstance(loaded[0], PagedLayerCache)
+        with pytest.raises(NotImplementedError, match=r"does not know how the model maps its query heads"):
+            model(mx.array([[5]]), cache=loaded)
+
+
+def test_plamo_head_permutation_matters(monkeypatch):
+    from kvmetal.integrations import mlx_lm
+
+    monkeypatch.setattr(mlx_lm, "_head_permutation", lambda order: None)  # kvmetal's h // G grouping as is
+    row = arch_sweep.check("plamo")
+    assert row.status == "broken" and row.max_rel_diff > 1e-2, row
+
+
+class _AfterFetch(nn.Module):
+    """llama's attention with ``after`` applied to the fetched keys and values before attending."""
+
+    def __init__(self, attention, after):
+        super().__init__()
+        self.inner, self.after = attention, after
+
+    def __call__(self, x, mask=None, cache=None):
+        a = self.inner
+        b, n, _ = x.shape
+        q = a.q_proj(x).reshape(b, n, a.n_heads, -1).transpose(0, 2, 1, 3)
+        k = a.k_proj(x).reshape(b, n, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = a.v_proj(x).reshape(b, n, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = a.rope(q, offset=cache.offset), a.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = scaled_dot_product_attention(q, self.after(k), self.after(v), cache=cache, scale=a.scale, mask=mask)
+        return a.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _llama_after_fetch(after):
+    model = tiny_models.build("llama")  # 4 query heads, 2 kv heads
+    for layer in model.layers:
+        layer.self_attn = _AfterFetch(layer.self_attn, after)
+    return model
+
+
+@pytest.mark.parametrize("after,order", [
+    (lambda k: mx.repeat(k, 2, axis=1), (0, 1, 2, 3)),  # query head h reads kv head h // 2: kvmetal's grouping
+    (lambda k: mx.tile(k, [1, 2, 1, 1]), (0, 2, 1, 3)),  # h % 2
+    (lambda k: k[:, ::-1], (2, 3, 0, 1)),  # heads 0, 1 read kv head 1
+])
+def test_a_rearrangement_of_the_fetched_heads_is_served_exactly(after, order):
+    model = _llama_after_fetch(after)
+    assert [s.head_order for s in analyse_model(model).specs] == [order, order]
+    prompt = mx.array([list(range(3, 40))])
+    expected = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+    with use_paged_cache(model):
+        got = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+    for g, e in zip(got, expected):
+        assert float(mx.abs(g - e).max() / mx.abs(e).max()) < 1e-5
+
+
+@pytest.mark.parametrize("after,reason", [
+    (lambda k: k * 2, r"the keys/values it attends over are not the ones its cache returned"),
+    (lambda k: k.astype(mx.float16), r"the keys/values it attends over are not the ones"),  # lossy
+    (lambda k: k[:, [0, 0, 0, 1]], r"its query heads read its 2 kv heads unevenly"),
+])
+def test_anything_else_after_the_fetch_is_refused(after, reason):
+    with pytest.raises(UnsupportedModel, match=r"^\[use_paged_cache\] llama layer 0: " + reason):
+        use_paged_cache(_llama_after_fetch(after))
+
+
+def test_keys_cast_to_float32_give_the_dtype_mlx_gives():
+    # stablelm attends with float32 queries and keys over its float16 values: mlx's attention
+    # returns float32, computed from the same float16 rows kvmetal reads from the pool.
+    from kvmetal.integrations.mlx_lm import _paged_attention
+    from kvmetal.integrations.model_cache import LayerSpec, PagedModelCache
+
+    cache = PagedModelCache([LayerSpec(None, 2, 64, mx.float16)]).owned_layer_caches(1)[0]
+    rng = np.random.default_rng(0)
+    k, v = (mx.array(rng.standard_normal((1, 2, 5, 64)), dtype=mx.float16) for _ in range(2))
+    q = mx.array(rng.standard_normal((1, 4, 5, 64)), dtype=mx.float32)
+    keys, values = cache.update_and_fetch(k, v)
+    got = _paged_attention(cache, q, keys.astype(mx.float32), values, 0.125, "causal", None)
+    expected = mx.fast.scaled_dot_product_attention(q, k.astype(mx.float32), v, scale=0.125, mask="causal")
+    assert got.dtype == expected.dtype == mx.float32
+    assert float(mx.abs(got - expected).max()) < 1e-5
+
+
+def test_stablelm_in_float16_keeps_mlx_lms_tokens():
+    model = arch_sweep.build("stablelm")
+    model.set_dtype(mx.float16)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(1, 256, 20)]
+    expected, tokens = arch_sweep._run(model, prompt, 8)
+    with use_paged_cache(model):
+        got, got_tokens = arch_sweep._run(model, prompt, 8)
+    assert got_tokens == tokens
+    assert float(np.abs(got - expected).max() / np.abs(expected).max()) < 5e-3  # float16 rounding
 
 
 def test_gemma2_softcap_is_mapped_onto_kvmetal_and_matters(monkeypatch):

@@ -46,7 +46,7 @@ SIZES = dict(
     num_experts_per_tok=2, moe_topk=2, n_shared_experts=1, num_shared_experts=1, num_shared_expert=1,
     n_group=1, topk_group=1, first_k_dense_replace=1, num_dense_layers=1,
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=48,
-    sliding_window=WINDOW, sliding_window_size=WINDOW, attention_window_size=WINDOW,
+    sliding_window=WINDOW, sliding_window_size=WINDOW, attention_window_size=WINDOW, loop_window_size=WINDOW,
     max_position_embeddings=4096, n_positions=4096, n_ctx=4096, model_max_length=4096,
     tie_word_embeddings=False,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,

@@ -31,6 +31,7 @@ import threading
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from .. import ops
 from ..kv_format import KVFormat, KVFormatError
@@ -65,7 +66,7 @@ def _paged_sdpa_for(original):
         if isinstance(cache, (PagedLayerCache, RaggedLayerCache)):
             if kwargs:
                 raise NotImplementedError(f"[use_paged_cache] attention options {sorted(kwargs)} are not supported")
-            return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+            return _paged_attention(cache, queries, keys, values, scale, mask, sinks)
         if _probes:
             _record_attention(queries, keys, values, cache, mask, sinks, kwargs)
         if sinks is not None:
@@ -75,6 +76,44 @@ def _paged_sdpa_for(original):
     scaled_dot_product_attention.__wrapped__ = original
     scaled_dot_product_attention.__kvmetal__ = True
     return scaled_dot_product_attention
+
+
+_head_permutations: dict = {}  # head_order -> (order, inverse) as int32 arrays, None for the identity
+
+
+def _head_permutation(order: tuple):
+    got = _head_permutations.get(order, False)
+    if got is False:
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        got = None if list(order) == inverse == list(range(len(order))) else (
+            mx.array(order, dtype=mx.int32), mx.array(inverse, dtype=mx.int32))
+        _head_permutations[order] = got
+    return got
+
+
+def _paged_attention(cache, queries, keys, values, scale, mask, sinks):
+    """kvmetal's attention for a call that passes a kvmetal cache: over the rows of the layer
+    whose ``update_and_fetch`` returned ``keys`` (another layer's, where the model attends over
+    a shared layer's rows), the query heads put into kvmetal's grouping and back where the model
+    rearranged the kv heads (``LayerSpec.head_order``), in the dtype mlx's own attention gives
+    for these arguments (a model that casts the fetched keys to float32 gets float32)."""
+    cache = cache.model_cache.fetch_owner(keys) or cache
+    spec = cache.model_cache.specs[cache.layer]
+    order = spec.head_order
+    if order is None and keys.shape[1] != spec.num_kv_heads:
+        raise NotImplementedError(f"[use_paged_cache] the model attends over {keys.shape[1]} kv heads, its cache "
+                                  f"holds {spec.num_kv_heads}, and the cache does not know how the model maps its "
+                                  f"query heads onto them (a cache loaded from a file?); make it under use_paged_cache")
+    perm = None if order is None else _head_permutation(order)
+    if perm is not None:
+        queries = mx.take(queries, perm[0], axis=1)
+        sinks = None if sinks is None else mx.take(sinks, perm[0], axis=0)
+    out = cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if perm is not None:
+        out = mx.take(out, perm[1], axis=1)
+    if keys.dtype != out.dtype or values.dtype != out.dtype:
+        out = out.astype(mx.result_type(out, keys, values))
+    return out
 
 
 def _patch_module(name: str) -> None:
@@ -133,7 +172,33 @@ def _gemma2_attention(original):
     return __call__
 
 
+def _plamo2_attention(original):
+    """plamo2: plain softmax attention, but through ``mx.fast.scaled_dot_product_attention``
+    called directly (no cache argument, no module-level name to wrap)."""
+    def __call__(self, hidden_states, mask=None, cache=None):
+        if not isinstance(cache, (PagedLayerCache, RaggedLayerCache)):
+            probe = _probes.get(id(cache)) if _probes else None
+            if probe is not None:
+                probe.mapped = "softmax attention called as mx.fast.scaled_dot_product_attention"
+            return original(self, hidden_states, mask=mask, cache=cache)
+        b, n, _ = hidden_states.shape
+        q, k, v = mx.split(self.qkv_proj(hidden_states), [self.q_proj_dim, self.q_proj_dim + self.k_proj_dim], axis=-1)
+        q = q.reshape(b, n, self.q_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        k = k.reshape(b, n, self.k_num_heads, self.qk_dim).transpose(0, 2, 1, 3)
+        v = v.reshape(b, n, self.v_num_heads, self.v_dim).transpose(0, 2, 1, 3)
+        q = mx.fast.rms_norm(q, weight=None, eps=1e-6) * self.q_weight[:, None]
+        k = mx.fast.rms_norm(k, weight=None, eps=1e-6) * self.k_weight[:, None]
+        q = self.rope(q, offset=cache.offset)
+        k = self.rope(k, offset=cache.offset)
+        k, v = cache.update_and_fetch(k, v)
+        out = cache.attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, self.q_num_heads * self.v_dim))
+
+    return __call__
+
+
 HAND_ATTENTION = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
+                  ("mlx_lm.models.plamo2", "Attention"): _plamo2_attention,
                   # llama4's chunk mask becomes the chunk rule's marker; per-row positions (chunked.py)
                   ("mlx_lm.models.llama4", "LlamaModel"): chunked.llama4_model,
                   ("mlx_lm.models.llama4", "Attention"): chunked.llama4_attention}
@@ -415,19 +480,32 @@ class _Probe:
     cache: object
     window: int | None
     fetches: list = field(default_factory=list)  # per update_and_fetch: (keys, values) it returned
-    calls: list = field(default_factory=list)  # per attention call with this cache: (q shape, keys, values, options)
+    ticks: list = field(default_factory=list)  # per update_and_fetch: when (_tick)
+    calls: list = field(default_factory=list)  # per attention call with this cache: (q shape, keys, values,
+                                               # options, when)
     passes: list = field(default_factory=list)  # fetches after each probe pass
     mapped: str | None = None  # a HAND_ATTENTION mapping served this layer's attention (what it maps)
+    sources: list = field(default_factory=list)  # per call: (the probe whose rows it reads, head order or None)
+    attended: set = field(default_factory=set)  # indices of this cache's fetches some call reads
+    orders: set = field(default_factory=set)  # the head orders (or None) of the calls that read them
+    shared: bool = False  # another cache's calls read this one's rows
+    problem: Exception | None = None  # why one of its calls could not be resolved (raised after the basic checks)
 
 
 _analyse_lock = threading.Lock()
 _stray_calls: list = []  # attention calls during a probe whose cache is not a probed one: (keys, values)
+_clock = [0]  # orders the probe's fetches and attention calls
+
+
+def _tick() -> int:
+    _clock[0] += 1
+    return _clock[0]
 
 
 def _record_attention(queries, keys, values, cache, mask, sinks, kwargs) -> None:
     probe = _probes.get(id(cache))
     if probe is not None and probe.cache is cache:
-        probe.calls.append((tuple(queries.shape), keys, values, sorted(kwargs)))
+        probe.calls.append((tuple(queries.shape), keys, values, sorted(kwargs), _tick()))
     else:
         _stray_calls.append((keys, values))
 
@@ -459,16 +537,29 @@ def _classify(cache, name: str, family: str, probes: list, native: list):
         return None
     if kind is mc.CacheList:
         return tuple(_classify(c, f"{name}.{j}", family, probes, native) for j, c in enumerate(cache.caches))
+    if not callable(getattr(cache, "update_and_fetch", None)):
+        _refuse(family, name, f"its cache is a {kind.__name__}, which has no update_and_fetch: the model keeps its "
+                              f"own state in it rather than writing K/V rows and attending over the rows it "
+                              f"returns (kvmetal stands in for KVCache, RotatingKVCache and ChunkedKVCache)")
     _refuse(family, name, f"its cache is a {kind.__name__}, a cache type kvmetal does not know (it stands in for "
                           f"KVCache and RotatingKVCache, keeps ArraysCache/MambaCache, and looks inside CacheList)")
+
+
+def _stand_in(rows: mx.array) -> mx.array:
+    """Random rows of the shape and dtype of ``rows`` (lazy; distinct heads, no NaN)."""
+    return mx.random.normal(rows.shape, key=mx.random.key(_tick())).astype(rows.dtype)
 
 
 def _instrument(probe: _Probe) -> None:
     fetch = probe.cache.update_and_fetch
 
     def update_and_fetch(keys, values):
-        out = fetch(keys, values)
+        # The model gets random stand-ins for the rows its cache returns: what it does to them
+        # before attending (a lossless cast, a rearrangement of heads) can then be read off the
+        # values of its attention call's arguments, whatever the weights.
+        out = tuple(_stand_in(x) for x in fetch(keys, values))
         probe.fetches.append(out)
+        probe.ticks.append(_tick())
         return out
 
     probe.cache.update_and_fetch = update_and_fetch  # an instance attribute, removed after the probe
@@ -476,8 +567,9 @@ def _instrument(probe: _Probe) -> None:
 
 def _probe_passes(model, caches: list, probes: list, family: str) -> None:
     """Two passes through the model (two prompt tokens, then one decode token) with
-    mlx-lm's own caches, recording every write and every attention call. Lazy: nothing
-    is computed, only the graph is built."""
+    mlx-lm's own caches, recording every write and every attention call in order; each
+    write hands the model random stand-ins for its rows. Lazy: only the graph is built
+    (``_heads_read`` later evaluates the arguments of a call that are not a fetch itself)."""
     modules, classes = _attention_modules(model), _hand_attention_classes(model)
     for name in modules:
         _patch_module(name)
@@ -512,6 +604,75 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
         p.strays = [s for s in strays if any(s[0] is k or s[1] is v for k, v in p.fetches)]
 
 
+def _heads_read(rows: mx.array, fetched: mx.array):
+    """Which head of ``fetched`` [B, Hkv, T, D] each head of ``rows`` is, where ``rows`` is
+    ``fetched`` with its heads rearranged (tiled, repeated, permuted) and cast losslessly (to
+    its own dtype, or float16/bfloat16 to float32); None where it is anything else."""
+    lossless = rows.dtype == fetched.dtype or (rows.dtype == mx.float32 and fetched.dtype in (mx.float16, mx.bfloat16))
+    if not lossless or rows.ndim != 4 or rows.shape[0] != fetched.shape[0] or rows.shape[2:] != fetched.shape[2:]:
+        return None
+    a = np.array(rows.astype(mx.float32))
+    b = np.array(fetched.astype(rows.dtype).astype(mx.float32))
+    same = (a[:, :, None] == b[:, None]).all(axis=(0, 3, 4))  # [heads of rows, Hkv]
+    if not (same.sum(axis=1) == 1).all():
+        return None
+    return [int(j) for j in same.argmax(axis=1)]
+
+
+def _call_source(probe: _Probe, call, owners: dict, family: str):
+    """(the probe whose fetched rows an attention call of ``probe`` reads, kvmetal's head order
+    for it or None). The rows are a fetch itself (of this cache, or of another: a shared layer),
+    or this cache's latest fetch with its heads rearranged and losslessly cast (read off the
+    stand-in values); either must be the latest write of that cache when the call is made."""
+    name = probe.name
+    q_shape, keys, values, _, when = call
+    hit = owners.get(id(keys))
+    if hit is not None:
+        source, i = hit
+        if values is not source.fetches[i][1]:
+            _refuse(family, name, f"it attends over the keys of {source.name}'s cache with other values")
+        order = None
+    else:
+        source = probe
+        i = sum(1 for t in probe.ticks if t < when) - 1
+        if i < 0:
+            _refuse(family, name, "it attends, before its cache's first write, over keys no cache returned")
+        fk, fv = probe.fetches[i]
+        kmap, vmap = _heads_read(keys, fk), _heads_read(values, fv)
+        if kmap is None or kmap != vmap:
+            _refuse(family, name, "the keys/values it attends over are not the ones its cache returned (changed "
+                                  "after the fetch beyond a lossless cast or a rearrangement of heads), so kvmetal's "
+                                  "paged rows would differ from them")
+        heads, hkv = q_shape[1], int(fk.shape[1])
+        if heads % len(kmap) or heads % hkv:
+            _refuse(family, name, f"queries {q_shape} do not match keys {tuple(keys.shape)} (query heads a multiple "
+                                  f"of kv heads)")
+        reads = [kmap[h // (heads // len(kmap))] for h in range(heads)]  # query head -> fetched kv head
+        if any(reads.count(j) != heads // hkv for j in range(hkv)):
+            _refuse(family, name, f"its query heads read its {hkv} kv heads unevenly ({reads}); kvmetal's kernels "
+                                  f"give each kv head {heads // hkv} query heads")
+        order = tuple(sorted(range(heads), key=reads.__getitem__))  # stable: kvmetal's head p is the model's order[p]
+    later = [t for t in source.ticks[i + 1:] if t < when]
+    if later:
+        _refuse(family, name, f"it attends over rows {source.name}'s cache returned before a later write to it")
+    source.attended.add(i)
+    source.orders.add(order)
+    if source is not probe:
+        source.shared = True
+    return source, order
+
+
+def _resolve_calls(probes: list, family: str) -> None:
+    """Every recorded attention call's source rows and head order (``_call_source``); a call
+    that has none leaves its layer's refusal for ``_layer_spec``."""
+    owners = {id(k): (p, i) for p in probes for i, (k, _) in enumerate(p.fetches)}
+    for p in probes:
+        try:
+            p.sources = [_call_source(p, call, owners, family) for call in p.calls]
+        except UnsupportedModel as exc:
+            p.problem = exc
+
+
 def _layer_spec(probe: _Probe, family: str):
     """The LayerSpec of a probed K/V cache, None for one the model never writes, or a refusal."""
     name, fetches, calls = probe.name, probe.fetches, probe.calls
@@ -525,32 +686,32 @@ def _layer_spec(probe: _Probe, family: str):
     if head_dim != v_head_dim:
         _refuse(family, name, f"K head_dim {head_dim} and V head_dim {v_head_dim} differ (MLA-style attention); "
                               f"kvmetal's pools and kernels hold one head_dim for K and V")
-    if not calls and probe.mapped and not probe.strays:
-        calls = [(None, keys, values, [])] * len(fetches)  # kvmetal's variant stands in (HAND_ATTENTION)
-    elif not calls:
+    if probe.problem is not None:
+        raise probe.problem
+    mapped = not calls and probe.mapped and not probe.strays  # kvmetal's variant stands in (HAND_ATTENTION)
+    if not mapped and len(probe.attended) < len(fetches):
         if probe.strays:
             _refuse(family, name, "its keys reach scaled_dot_product_attention without its cache, so kvmetal "
                                   "cannot attend over its paged rows")
         _refuse(family, name, "it attends by hand over the keys its cache returns (not through "
                               "scaled_dot_product_attention), which kvmetal's attention cannot stand in for")
-    if len(calls) != len(fetches):
-        _refuse(family, name, f"{len(calls)} attention calls for {len(fetches)} cache writes; kvmetal expects "
-                              f"one scaled_dot_product_attention call per write")
-    for (q_shape, k, v, options), (fk, fv) in zip(calls, fetches):
+    for (q_shape, k, _, options, _), (source, order) in zip(calls, probe.sources):
         if options:
             _refuse(family, name, f"attention option(s) {', '.join(options)}, which kvmetal's attention does not model")
-        if q_shape is not None and (k is not fk or v is not fv):
-            _refuse(family, name, "the keys/values it attends over are not the ones its cache returned (changed "
-                                  "after the fetch), so kvmetal's paged rows would differ from them")
-        if q_shape is not None and (q_shape[-1] != head_dim or q_shape[1] % int(keys.shape[1])):
-            _refuse(family, name, f"queries {q_shape} do not match keys {tuple(keys.shape)} (head_dim, or query "
-                                  f"heads a multiple of kv heads)")
+        source_keys = source.fetches[0][0]
+        if q_shape[-1] != int(source_keys.shape[-1]) or q_shape[1] % int(source_keys.shape[1]):
+            _refuse(family, name, f"queries {q_shape} do not match keys {tuple(source_keys.shape)} (head_dim, or "
+                                  f"query heads a multiple of kv heads)")
+    known = probe.orders - {None}
+    if len(known) > 1 or (known and _head_permutation(next(iter(known))) is not None and None in probe.orders):
+        _refuse(family, name, "the attention calls over its rows read its kv heads in different arrangements")
     if probe.strays:
         _refuse(family, name, "its keys are also used by another attention call that does not pass its cache")
     if head_dim not in ops.SUPPORTED_HEAD_DIMS:
         _refuse(family, name, f"head_dim {head_dim} is not one kvmetal's kernels serve "
                               f"({', '.join(map(str, ops.SUPPORTED_HEAD_DIMS))})")
-    return LayerSpec(probe.window, int(keys.shape[1]), head_dim, keys.dtype)
+    return LayerSpec(probe.window, int(keys.shape[1]), head_dim, keys.dtype,
+                     head_order=next(iter(known)) if known else None, shared=probe.shared)
 
 
 def analyse_model(model) -> ModelLayout:
@@ -559,11 +720,14 @@ def analyse_model(model) -> ModelLayout:
     The caches come from the model's own ``make_cache()``: a ``KVCache`` or
     ``RotatingKVCache`` layer (inside a ``CacheList`` too) becomes a paged layer, an
     ``ArraysCache``/``MambaCache`` (recurrent state) keeps mlx-lm's cache. Two probe
-    passes (lazy: a graph, nothing computed) check that each paged layer writes its
-    cache once per pass and attends over exactly the rows the cache returned, through
-    ``scaled_dot_product_attention`` with that cache and no option kvmetal does not
-    model, with one head_dim for K and V that kvmetal's kernels serve. Anything else
-    raises :class:`UnsupportedModel` naming the layer and the reason."""
+    passes (lazy: a graph; only a call's arguments that are not a fetch itself are
+    evaluated) check that each paged layer writes its cache once per pass and that every
+    write is attended through ``scaled_dot_product_attention`` with a paged cache and no
+    option kvmetal does not model, over the rows a cache returned at its latest write:
+    those very arrays (its own, or a shared layer's), or its own with the heads
+    rearranged (``LayerSpec.head_order``) and cast losslessly; with one head_dim for K and
+    V that kvmetal's kernels serve. Anything else raises :class:`UnsupportedModel` naming
+    the layer and the reason."""
     family = model_family(model)
     caches = _original_caches(model)
     probes, native = [], []
@@ -573,6 +737,7 @@ def analyse_model(model) -> ModelLayout:
                                f"hold recurrent state: {', '.join(sorted({type(c).__name__ for c in caches}))}); "
                                f"there is nothing to page, run it without use_paged_cache")
     _probe_passes(model, caches, probes, family)
+    _resolve_calls(probes, family)
     specs, names, index = [], [], {}
     for i, p in enumerate(probes):
         spec = _layer_spec(p, family)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -41,13 +41,22 @@ TRIM_SLACK = 16  # window layers keep this many tokens beyond their window, so a
 class LayerSpec:
     """What one attention layer stores: its window (None = full) and K/V row shape;
     ``chunk``: chunked attention (llama4), a token at position p sees only positions
-    [floor(p / chunk) * chunk, p], so blocks before its chunk are released."""
+    [floor(p / chunk) * chunk, p], so blocks before its chunk are released; and, not part
+    of what a pool is grouped by, how the model reads it (``analyse_model``)."""
 
     window: int | None
     num_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
     chunk: int | None = None
+    # The model hands attention its fetched K/V with the heads rearranged (plamo tiles them:
+    # query head h reads kv head h % Hkv): kvmetal's query head p (grouped p // G) is the
+    # model's head head_order[p]. None: the model attends over the fetched heads as they are.
+    head_order: tuple | None = field(default=None, compare=False)
+    # Other layers' attention calls also read this layer's fetched rows (iquestloopcoder's
+    # second loop attends over the first loop's keys): its fetches are findable by
+    # ``PagedModelCache.fetch_owner``.
+    shared: bool = field(default=False, compare=False)
 
 
 @dataclass
@@ -200,6 +209,7 @@ class PagedModelCache:
         self._next_id = 0
         self._memo: dict = {}  # (kind, args, mutations) -> weak refs every layer of one call shares
         self._masks: list = []  # [(mask object, requested window)] that make_mask handed out
+        self._fetched: dict = {}  # id(keys) -> (weakref keys, weakref layer cache): shared layers' fetches
 
     # ------------------------------------------------------------------ sequences
 
@@ -494,6 +504,19 @@ class PagedModelCache:
             self.cascade_steps += groups is not None
         return plan.cascade or None
 
+    def _remember_fetch(self, keys: mx.array, cache) -> None:
+        """The keys a shared layer's ``update_and_fetch`` returned, and its cache (both held
+        weakly: the entry goes with the keys, and never keeps a pool array alive)."""
+        key = id(keys)
+        fetched = self._fetched
+        fetched[key] = (weakref.ref(keys, lambda _, key=key: fetched.pop(key, None)), weakref.ref(cache))
+
+    def fetch_owner(self, keys: mx.array):
+        """The layer cache whose ``update_and_fetch`` returned ``keys`` (a shared layer's, see
+        ``LayerSpec.shared``), or None."""
+        entry = self._fetched.get(id(keys))
+        return None if entry is None or entry[0]() is not keys else entry[1]()
+
     def _remember_mask(self, mask, window, *, chunk: int | None = None) -> None:
         """Masks handed out by make_mask (or ``_chunk_mask``), so attention knows what they
         mean (causal plus ``window``, or the chunk rule) and can run its own kernels instead
@@ -611,6 +634,8 @@ class RaggedLayerCache(_LayerGroupView):
         self._check_rows(keys, "keys")
         plan = self.batch.plan(self._group)
         self.pool._write_trusted(self._index, keys[:, :, 0], values[:, :, 0], plan.slots)
+        if self.model_cache.specs[self.layer].shared:
+            self.model_cache._remember_fetch(keys, self)
         return keys, values
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
@@ -814,7 +839,10 @@ class PagedLayerCache(_LayerGroupView):
         self.pool._write_trusted(self._index, rows(keys), rows(values), plan.slots)
         self._plan = plan
         self._offsets = [o + num_new for o in self._offsets]
-        return self._gather(plan)
+        rows = self._gather(plan)
+        if self.model_cache.specs[self.layer].shared:
+            self.model_cache._remember_fetch(rows[0], self)
+        return rows
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
