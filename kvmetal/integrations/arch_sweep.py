@@ -2,10 +2,12 @@
 
 ``architectures()`` walks ``mlx_lm.models`` (pkgutil) for modules with a ``ModelArgs`` and a
 ``Model``; ``tiny_args(name)`` derives a small config from the module's ``ModelArgs`` fields
-(``SIZES`` by field name, then by annotated type for any other required field), with a
-few per-architecture ``OVERRIDES`` where a family needs a field to make sense (a layer
-pattern that must contain an attention layer, say). A family mlx-lm adds is picked up
-without editing anything here.
+(``derive``: ``SIZES`` by field name; nested configs the same way: a wrapper's ``text_config``
+from the class its code reads it into, a required field annotated with a config dataclass,
+``block_configs`` one per layer; then any other required field by name and annotated type,
+``_required_value``), with a few per-architecture ``OVERRIDES`` where a family's code demands
+a structure no rule derives (a layer pattern that must contain an attention layer, a module
+manifest). A family mlx-lm adds is picked up without editing anything here.
 
 ``check(name)`` compares, on the cpu backend in float32, the logits of a prefill and
 ``DECODE_STEPS`` greedy decode steps with mlx-lm's own cache against kvmetal's paged cache
@@ -71,7 +73,8 @@ SIZES = dict(
 # Required fields of other names, by annotated type.
 BY_TYPE = {int: 2, float: 1.0, bool: False, str: ""}
 
-# Per architecture, only where one needs a field to make sense at this size.
+# Per architecture, only where its code demands a structure no rule derives. A dict given
+# for text_config refines the derived one (_refine), anything else replaces the field.
 _ROPE4 = {"llama_4_scaling_beta": 0.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
           "rope_type": "default"}
 _KDA = {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 4, "head_dim": 32,
@@ -91,9 +94,7 @@ OVERRIDES: dict = {
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
                              mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_proj_bias=False,
                              mamba_conv_bias=True),
-    "gemma4_text": dict(num_kv_shared_layers=0),
-    "gemma4": dict(text_config=dict({k: v for k, v in SIZES.items() if not isinstance(v, list)},
-                                    model_type="gemma4_text", num_kv_shared_layers=0)),
+    "gemma4": dict(text_config=dict(model_type="gemma4_text")),  # overrides merge into derived text configs
     # llama4: no MLA fields in its text_config (the model ignores them; a saved config with
     # kv_lora_rank reads as MLA to kvmetal.budget, which `kvmetal generate -m DIR` consults)
     "llama4": dict(text_config=dict({k: v for k, v in SIZES.items() if not isinstance(v, list) and "lora" not in k},
@@ -102,10 +103,8 @@ OVERRIDES: dict = {
                                     num_experts_per_tok=1, num_hidden_layers=4)),
     "plamo": dict(n_shared_head=2),
     "glm_moe_dsa": dict(rope_parameters={"rope_theta": 10000.0, "type": "default", "factor": 1.0}),
-    "qwen3_vl_moe": dict(text_config=dict({k: v for k, v in SIZES.items() if not isinstance(v, list)},
-                                          model_type="qwen3_vl_moe", mlp_only_layers=[])),
     "kimi_linear": dict(linear_attn_config=_KDA),
-    "kimi_k3": dict(text_config=dict(linear_attn_config=_KDA)),  # merged into the derived text config
+    "kimi_k3": dict(text_config=dict(linear_attn_config=_KDA)),
     # mlx-lm sets LongcatFlashMLA.mla_scale_*_lora only when the flag is on (off, the attribute
     # is missing and __call__ fails); its MoE asserts identity zero experts
     "longcat_flash": dict(mla_scale_q_lora=True, mla_scale_kv_lora=True, zero_expert_type="identity"),
@@ -124,7 +123,6 @@ OVERRIDES: dict = {
     "muse_spark": dict(text_config=dict(num_shared_experts=0)),  # it raises on shared experts
     "hunyuan": dict(rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
     "phi": dict(partial_rotary_factor=0.5),
-    "qwen": dict(intermediate_size=512),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "step3p5": dict(moe_top_k=2),
     "spark2_5": dict(rope_parameters={t: {"rope_theta": 10000.0, "rope_type": "default"}
@@ -133,7 +131,7 @@ OVERRIDES: dict = {
     "openelm": dict(num_query_heads=[4, 4], num_kv_heads=[2, 2], ffn_multipliers=[1.0, 1.0], ffn_dim_divisor=8),
     "ministral3": dict(rope_parameters=_ROPE4),
     "mistral4": dict(rope_parameters=_ROPE4),
-    "mistral3": dict(text_config=dict(SIZES, model_type="ministral3", rope_parameters=_ROPE4)),
+    "mistral3": dict(text_config=dict(model_type="ministral3")),  # + ministral3's own override
 }
 
 
