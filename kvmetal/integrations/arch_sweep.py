@@ -121,6 +121,12 @@ OVERRIDES: dict = {
         modules=[{"path": f"model.layers.1.self_attn.{p}_proj", "embedding": False, "dtype": "float16",
                   "block": 0} for p in "kv"]),
     "muse_spark": dict(text_config=dict(num_shared_experts=0)),  # it raises on shared experts
+    # gemma3n's checkpoints share K/V: their last layers attend over an earlier layer's rows
+    # (keys_and_values()). 2 layers cannot share (a sharing layer needs an earlier one of its
+    # own type), so 4, the last 2 sharing, as shipped
+    "gemma3n": dict(text_config=dict(num_hidden_layers=4, num_kv_shared_layers=2,
+                                     layer_types=["sliding_attention", "full_attention"] * 2,
+                                     activation_sparsity_pattern=[0.0] * 4)),
     "hunyuan": dict(rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
     "phi": dict(partial_rotary_factor=0.5),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
@@ -417,15 +423,16 @@ def _not_built(exc: Exception) -> str:
     return reason
 
 
-def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0) -> Row:
-    """One architecture: build, refuse or compare (see the module docstring)."""
+def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0, config: dict | None = None) -> Row:
+    """One architecture: build, refuse or compare (see the module docstring); ``config``:
+    its ModelArgs, default ``tiny_args(name)``."""
     from .. import use_backend
     from .mlx_lm import UnsupportedModel, analyse_model, use_paged_cache
 
     start = time.perf_counter()
     row = Row(name, "unbuilt")
     try:
-        model = build(name, seed=seed)
+        model = build(name, seed=seed, config=config)
     except SystemExit as exc:  # olmo's module exits when its optional dependency is missing
         row.reason = f"module not importable: {exc}"
         row.seconds = time.perf_counter() - start
