@@ -47,7 +47,8 @@ SIZES = dict(
     head_dim=64, v_head_dim=64, kv_channels=64, vocab_size=VOCAB,
     moe_intermediate_size=64, expert_ffn_hidden_size=64, shared_expert_intermediate_size=64,
     num_experts=4, n_routed_experts=4, num_local_experts=4, moe_num_experts=4,
-    num_experts_per_tok=2, num_experts_per_token=2, moe_topk=2, n_shared_experts=1, num_shared_experts=1, num_shared_expert=1,
+    num_experts_per_tok=2, num_experts_per_token=2, moe_topk=2,
+    n_shared_experts=1, num_shared_experts=1, num_shared_expert=1,
     n_group=1, topk_group=1, first_k_dense_replace=1, num_dense_layers=1,
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=48,
     sliding_window=WINDOW, sliding_window_size=WINDOW, attention_window_size=WINDOW, loop_window_size=WINDOW,
@@ -234,7 +235,7 @@ def _text_class(module, kind):
         if _is_config_class(option):
             return option
     call = re.compile(r"([A-Za-z_][\w.]*)\.from_dict\(\s*(?:\w+\.)?text_config\b")
-    for source in _modules_of(module.ModelArgs) + [m for m in _modules_of(module.Model)]:
+    for source in _modules_of(module.ModelArgs) + _modules_of(module.Model):
         try:
             text = inspect.getsource(source)
         except (OSError, TypeError):
@@ -302,7 +303,7 @@ def _per_layer_class(cls, name: str):
     """``block_configs`` -> the ``BlockConfig`` dataclass of ``cls``'s modules, if any."""
     if not name.endswith("_configs"):
         return None
-    wanted = "".join(w.capitalize() for w in name[: -len("s")].split("_")).lower()
+    wanted = name[:-1].replace("_", "")  # block_config -> blockconfig
     for module in _modules_of(cls):
         for value in vars(module).values():
             if _is_config_class(value) and value.__name__.lower() == wanted:
@@ -348,14 +349,14 @@ def _text_config(cls, kind, model_type: str) -> dict:
         return config
     config = derive(text, model_type)
     config.setdefault("model_type", model_type)
-    other = text.__module__.rsplit(".", 1)[-1]
-    if text.__name__ == "ModelArgs" and text.__module__ != cls.__module__:
-        _refine(config, OVERRIDES.get(other, {}))
+    if text.__name__ == "ModelArgs" and text.__module__ != cls.__module__:  # lfm2-vl reads lfm2's
+        _refine(config, OVERRIDES.get(text.__module__.rsplit(".", 1)[-1], {}))
     return config
 
 
 def _refine(config: dict, override: dict) -> None:
-    """Apply an OVERRIDES entry: a dict refines a derived sub-config, anything else replaces."""
+    """Apply an OVERRIDES entry: a dict given for ``text_config`` refines the derived one,
+    anything else replaces the field."""
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict) and key == "text_config":
             _refine(config[key], value)
