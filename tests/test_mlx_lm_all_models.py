@@ -8,7 +8,7 @@ greedy tokens, ``generate_step`` tokens and a K8/V4 run. A family mlx-lm adds is
 without editing anything.
 
 The first cases cover one architecture of each kind; the whole sweep (126 architectures
-in mlx-lm 0.32.2) takes about a minute on 2 cores, so it is not marked slow.
+in mlx-lm 0.32.2) takes about a minute on 2 cores.
 docs/integration.md's table comes from the same sweep (``tools/model_coverage.py``) and is
 checked against its JSON here.
 """
@@ -45,6 +45,9 @@ COVERAGE = ROOT / "bench" / "model_coverage.json"
     "plamo",         # tiles its fetched kv heads (query head h reads h % Hkv): query heads permuted
     "iquestloopcoder",  # its second loop also attends over the first loop's fetched rows (window 24 here)
     "plamo2",        # calls mx.fast.scaled_dot_product_attention directly: a HAND_ATTENTION stand-in
+    "nemotron-nas",  # block_configs: one derived BlockConfig per layer
+    "mimo_v2_flash",  # swa_head_dim, swa_num_attention_heads...: variants of the sizes
+    "lfm2-vl",       # text_config derived from lfm2.ModelArgs, the class its code reads it into
 ])
 def test_exact_against_mlx_lm(name):
     row = arch_sweep.check(name)
@@ -58,6 +61,9 @@ def test_exact_against_mlx_lm(name):
     ("rwkv7", r"rwkv7: no layer keeps a K/V cache"),
     ("deepseek_v3", r"deepseek_v3 layer 0: K head_dim 32 and V head_dim 16 differ"),
     ("deepseek_v41", r"deepseek_v41 layer 0: its cache is a LayerCache, which has no update_and_fetch"),
+    ("afm7", r"afm7 layer 0: the model reads its cache's rows with keys_and_values\(\) outside update_and_fetch"),
+    ("gemma3n", r"gemma3n layer 0: the model reads its cache's rows with keys_and_values\(\) outside"),
+    ("phi3small", r"phi3small layer 0: it attends by hand over the keys its cache returns"),
 ])
 def test_refused_up_front_naming_the_layer(name, reason):
     model = arch_sweep.build(name)
@@ -65,6 +71,53 @@ def test_refused_up_front_naming_the_layer(name, reason):
         use_paged_cache(model)
     assert "make_cache" not in vars(model)  # nothing patched, no cache was made
     assert not any(isinstance(c, PagedLayerCache) for c in make_prompt_cache(model))
+
+
+def test_kv_reuse_read_outside_the_cache_is_refused_not_broken():
+    # afm7's KV-reuse layers read the last layer's rows with cache.keys_and_values(), which
+    # the paged cache lacks: accepted, it failed at the first call (AttributeError, "broken").
+    assert not hasattr(PagedLayerCache, "keys_and_values")
+    row = arch_sweep.check("afm7")
+    assert row.status == "refused" and "keys_and_values()" in row.reason, row
+    # mlx-lm's caches call keys_and_values() inside update_and_fetch: that read is not the model's
+    assert arch_sweep.check("llama").status == "exact"
+
+
+def test_gemma3n_without_kv_sharing_is_exact():
+    config = arch_sweep.tiny_args("gemma3n")
+    config["text_config"] = dict(config["text_config"], num_hidden_layers=2, num_kv_shared_layers=0,
+                                 layer_types=["sliding_attention", "full_attention"],
+                                 activation_sparsity_pattern=[0.0, 0.0])
+    row = arch_sweep.check("gemma3n", config=config)
+    assert row.status == "exact" and row.paged_layers == 2, row
+
+
+def test_tiny_configs_are_derived_from_the_model_code():
+    args = arch_sweep.tiny_args
+    # a wrapper's text_config is its language model's own tiny config
+    assert {k: v for k, v in args("lfm2-vl")["text_config"].items() if k != "model_type"} == \
+        {k: v for k, v in args("lfm2").items() if k != "model_type"}
+    # required fields of a nested config class (gemma3n's TextConfig), by name
+    text = arch_sweep.derive(__import__("mlx_lm.models.gemma3n", fromlist=["x"]).TextConfig, "gemma3n")
+    assert text["vocab_size_per_layer_input"] == arch_sweep.VOCAB and text["hidden_size_per_layer_input"] == 256
+    assert text["activation_sparsity_pattern"] == [0.0] * arch_sweep.LAYERS and text["altup_active_idx"] == 0
+    assert text["num_kv_shared_layers"] == 0
+    # per-layer config dataclasses, one per layer
+    blocks = args("nemotron-nas")["block_configs"]
+    assert blocks == [{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.0}}] * arch_sweep.LAYERS
+    # swa_ variants agree with the sizes they qualify; an int rotary fraction is 1, not 2
+    mimo = args("mimo_v2_flash")
+    assert (mimo["swa_head_dim"], mimo["swa_num_attention_heads"], mimo["partial_rotary_factor"]) == (64, 4, 1)
+    assert args("qwen")["kv_channels"] * args("qwen")["num_attention_heads"] == args("qwen")["hidden_size"]
+    assert args("afm7")["num_kv_reuse_layers"] == 1  # one of the two layers reuses K/V
+    muse = args("muse_spark")["text_config"]
+    assert muse["layer_rope_theta"] == [10000.0] * arch_sweep.LAYERS and muse["moe_hidden_size"] == 256
+
+
+def test_a_custom_metal_kernel_reads_as_such():
+    reason = arch_sweep._not_built(RuntimeError("[metal_kernel] No Metal back-end."))
+    assert reason.startswith("tiny model not built: RuntimeError: [metal_kernel] No Metal back-end.")
+    assert "custom Metal kernel" in reason
 
 
 def test_head_dim_kvmetal_cannot_serve_is_refused_by_use_paged_cache():

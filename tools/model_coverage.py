@@ -56,6 +56,15 @@ def _kind(reason: str) -> str:
     return tail.split(" (")[0].split(";")[0].replace("K head_dim 32 and V head_dim 16", "K and V head_dims")
 
 
+def _unbuilt_kind(reason: str) -> str:
+    """Why no tiny model was built, in the README's words."""
+    if reason.startswith("module not importable"):
+        return "no tiny model here: the module needs an optional dependency that is not installed"
+    if "No Metal back-end" in reason:
+        return "no tiny model here: its code runs a custom Metal kernel with no other path (needs Metal)"
+    return "no tiny model here (a config the sweep cannot derive, or mlx-lm's own run fails on CPU)"
+
+
 def readme_table(rows) -> str:
     """The README's short form: architectures grouped by status (refusals by reason)."""
     c = counts(rows)
@@ -66,7 +75,7 @@ def readme_table(rows) -> str:
         elif r.status == "refused":
             key = ("refused", _kind(r.reason))
         else:
-            key = ("unbuilt", "no tiny model here (optional dependency, config, or mlx-lm's own run fails on CPU)")
+            key = ("unbuilt", _unbuilt_kind(r.reason))
         groups.setdefault(key, []).append(r.name)
     lines = [f"| status | architectures (mlx-lm {{version}}: {len(rows)}; {c['exact']} exact, {c['refused']} refused, "
              f"{c['broken']} broken, {c['unbuilt']} unbuilt) | reason |", "|---|---|---|"]

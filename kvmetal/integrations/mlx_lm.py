@@ -490,6 +490,7 @@ class _Probe:
     orders: set = field(default_factory=set)  # the head orders (or None) of the calls that read them
     shared: bool = False  # another cache's calls read this one's rows
     problem: Exception | None = None  # why one of its calls could not be resolved (raised after the basic checks)
+    reads: int = 0  # keys_and_values() calls from outside its update_and_fetch (the model reading its rows)
 
 
 _analyse_lock = threading.Lock()
@@ -552,17 +553,30 @@ def _stand_in(rows: mx.array) -> mx.array:
 
 def _instrument(probe: _Probe) -> None:
     fetch = probe.cache.update_and_fetch
+    read = getattr(probe.cache, "keys_and_values", None)
+    inside = [False]
 
     def update_and_fetch(keys, values):
         # The model gets random stand-ins for the rows its cache returns: what it does to them
         # before attending (a lossless cast, a rearrangement of heads) can then be read off the
         # values of its attention call's arguments, whatever the weights.
-        out = tuple(_stand_in(x) for x in fetch(keys, values))
+        inside[0] = True
+        try:
+            rows = fetch(keys, values)
+        finally:
+            inside[0] = False
+        out = tuple(_stand_in(x) for x in rows)
         probe.fetches.append(out)
         probe.ticks.append(_tick())
         return out
 
-    probe.cache.update_and_fetch = update_and_fetch  # an instance attribute, removed after the probe
+    def keys_and_values():  # mlx-lm's caches call it in update_and_fetch: only the model's own reads count
+        probe.reads += not inside[0]
+        return read()
+
+    probe.cache.update_and_fetch = update_and_fetch  # instance attributes, removed after the probe
+    if callable(read):
+        probe.cache.keys_and_values = keys_and_values
 
 
 def _probe_passes(model, caches: list, probes: list, family: str) -> None:
@@ -596,6 +610,7 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
             for p in probes:
                 _probes.pop(id(p.cache), None)
                 vars(p.cache).pop("update_and_fetch", None)
+                vars(p.cache).pop("keys_and_values", None)
             for name in modules:
                 _unpatch_module(name)
             for cls in classes:
@@ -686,6 +701,10 @@ def _layer_spec(probe: _Probe, family: str):
     if head_dim != v_head_dim:
         _refuse(family, name, f"K head_dim {head_dim} and V head_dim {v_head_dim} differ (MLA-style attention); "
                               f"kvmetal's pools and kernels hold one head_dim for K and V")
+    if probe.reads:
+        _refuse(family, name, "the model reads its cache's rows with keys_and_values() outside update_and_fetch "
+                              "(another layer attends over them: K/V reuse or sharing), which kvmetal's paged "
+                              "cache does not serve")
     if probe.problem is not None:
         raise probe.problem
     mapped = not calls and probe.mapped and not probe.strays  # kvmetal's variant stands in (HAND_ATTENTION)
