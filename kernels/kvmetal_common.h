@@ -386,12 +386,15 @@ struct KvVec4<bfloat16_t> {
     return kv_float4(as_type<float>(uint(v.x) << 16), as_type<float>(uint(v.y) << 16),
                      as_type<float>(uint(v.z) << 16), as_type<float>(uint(v.w) << 16));
   }
+  // A bfloat's bits are the top half of its (exact) float: portable to Metal versions
+  // where bfloat16_t is MLX's struct rather than a scalar type.
+  static ushort bits(bfloat16_t x) { return ushort(as_type<uint>(float(x)) >> 16); }
   static ushort4 pack(bfloat16_t a, bfloat16_t b, bfloat16_t c, bfloat16_t d) {
     ushort4 v;
-    v.x = as_type<ushort>(a);
-    v.y = as_type<ushort>(b);
-    v.z = as_type<ushort>(c);
-    v.w = as_type<ushort>(d);
+    v.x = bits(a);
+    v.y = bits(b);
+    v.z = bits(c);
+    v.w = bits(d);
     return v;
   }
 };

@@ -459,8 +459,9 @@ def estimated_registers(kernel: str, template: dict) -> int:
         # Register mode keeps the next pass's atoms in flight (software pipeline); sparse V
         # reads V in the pass.
         in_flight = k_atoms + v_atoms if shared else 2 * k_atoms + v_atoms * (1 if int(template["SV"]) else 2)
-        # The pass's weights p (a float per row) and one group of 4 elements widened at use.
-        transient = 4 * (rps + 4)
+        # The pass's scores, then weights, a float per row (and a quantized key's per-atom dot
+        # products beside them past one atom), and one group of 4 elements widened at use.
+        transient = 4 * (rps * (2 if kbits and kna > 1 else 1) + 4)
         return -(-(rps * row + in_flight + transient) // 4) + REGISTER_OVERHEAD
     if kernel == "paged_varlen_partials":
         frag = D // 8
