@@ -220,14 +220,14 @@ struct KvGatherParams {
 
 // ---------------------------------------------------------- softmax states
 
-// log2(e): scores are kept in log2 units (q pre-scaled by scale * log2(e)) so
+// log2(e): scores are kept in log2 units (scaled by scale * log2(e)) so
 // every exponential is one exp2.
 static constant constexpr const float KV_LOG2E = 1.44269504088896341f;
 
 // ------------------------------------------------------- attention variant
 //
 // What an attention kernel does to a score, defined once for decode, varlen and
-// cascade (after FlashInfer's attention variants): the query's pre-scale, the
+// cascade (after FlashInfer's attention variants): the score's scale, the
 // softcap, the causal and sliding-window masks, the sinks' place in the
 // softmax, and the exponential. Kernels call these and never spell the math
 // themselves: tools/msl_check.py fails on exp2 / exp / tanh / log / rsqrt
