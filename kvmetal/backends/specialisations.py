@@ -206,7 +206,7 @@ def family_keys(calls) -> frozenset:
             keys.add((kernel, extra["mode"], "SV", template["SV"]))  # sparse V in each mode
             keys.add((kernel, extra["mode"], "TQ", _value(template["TQ"])))  # the query's register type
             if not template["KBITS"] and not template["VBITS"]:  # both sides float: no scales at all
-                keys.add((kernel, extra["mode"], "float K and V"))
+                keys.add((kernel, "float K and V"))
         for name, value in params.items():
             keys.add((kernel, name, value))
         for name, value in extra.items():
