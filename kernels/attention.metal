@@ -11,9 +11,14 @@
 //   rows of its kv head, so every K/V row leaves device memory once.
 // - Lanes are cut into key groups of LPK lanes; a pass scores KPP = 32 / LPK
 //   keys at once. A lane holds "atoms" of a row (4 elements of a float cache,
-//   or KAW/VAW whole packed words) in registers, in their storage type; the
-//   partial dot products meet through simd_shuffle_xor inside the key group.
-// - Scores are in log2 units (q pre-scaled by scale * log2 e): one exp2 per
+//   or KAW/VAW whole packed words) in registers, in their storage type until
+//   the dot product or the accumulation widens them (KvAtom); the partial dot
+//   products meet through simd_shuffle_xor inside the key group.
+// - Registers (issue 41, P1; metal_layout.estimated_registers): the query share
+//   stays in the query's type (16-bit: half the registers), K/V atoms stay 16-bit
+//   or packed, the accumulator o is float32; the layout keeps every lane's
+//   estimate within the 128 registers an Apple GPU thread has.
+// - Scores are in log2 units (scale * log2 e applied to q . k): one exp2 per
 //   (pass, row) for the probabilities, and the running state is rescaled once
 //   per pass, only when the pass raises the running max.
 // - Quantized K is scored from the packed words: q.(s*w + b) = s*(q.w) + b*sum(q)
@@ -200,35 +205,73 @@ inline KvSteps kv_strided_steps(PS data, PS scales, PS biases) {
   return s;
 }
 
-// The registers of one key (or value) row a lane holds: NA atoms of AE elements
-// widened to float, and each atom's (scale, bias) for a quantized cache.
-template <int NA, int AE4>
+// One atom of a row as a lane holds it from its load to its use (issue 41, P1): a
+// float cache's 4 elements in their storage type (KvVec4: half4, bfloat as ushort4,
+// float4), or a quantized cache's AW packed words. `elems(j)` widens or unpacks
+// elements 4j .. 4j + 3 to float where the dot product or the accumulation takes
+// them, so a 16-bit atom costs 2 registers and a packed one AW, not AE floats.
+template <int BITS, int AW, typename T>
+struct KvAtom {
+  uint w[AW];
+  void clear() {
+    for (int i = 0; i < AW; i++) {
+      w[i] = 0u;
+    }
+  }
+  template <typename PD>
+  void read(PD data, size_t row, size_t step, bool vec, int a) {
+    if (vec) {
+      kv_words<AW>(data + row + a * AW, w);
+    } else {
+      kv_words_strided<AW>(data + row + size_t(a * AW) * step, step, w);
+    }
+  }
+  float4 elems(int j) const {
+    return kv_float4(kv_unpack<BITS>(w, 4 * j), kv_unpack<BITS>(w, 4 * j + 1), kv_unpack<BITS>(w, 4 * j + 2),
+                     kv_unpack<BITS>(w, 4 * j + 3));
+  }
+};
+template <int AW, typename T>
+struct KvAtom<0, AW, T> {
+  typename KvVec4<T>::type x;
+  void clear() {
+    x = KvVec4<T>::pack(static_cast<T>(0.0f), static_cast<T>(0.0f), static_cast<T>(0.0f), static_cast<T>(0.0f));
+  }
+  template <typename PD>
+  void read(PD data, size_t row, size_t step, bool vec, int a) {
+    x = vec ? kv_raw4(data + row + a * 4) : kv_raw4_strided<T>(data + row + size_t(a * 4) * step, step);
+  }
+  float4 elems(int j) const {
+    return KvVec4<T>::widen(x);
+  }
+};
+
+// The registers of one key (or value) row a lane holds: NA atoms (KvAtom, T the
+// data array's element type), and each atom's (scale, bias) for a quantized cache.
+template <int NA, int BITS, int AW, typename T>
 struct KvAtoms {
-  float4 x[NA][AE4];
+  KvAtom<BITS, AW, T> a[NA];
   float2 sb[NA];
 };
 
 // Read this lane's atoms of one row. BITS == 0: a float cache (atoms of 4
 // elements). Else AW packed words per atom; each group's (scale, bias) is loaded
 // once per key group, by lane g % LPK, and shuffled to the lanes that need it.
-template <int D, int LPK, int BITS, int GS, int AW, typename PD, typename PS>
-inline KvAtoms<(((BITS ? D / (AW * 32 / BITS) : D / 4) + LPK - 1) / LPK), (BITS ? AW * 8 / BITS : 1)>
+template <int D, int LPK, int BITS, int GS, int AW, typename T, typename PD, typename PS>
+inline KvAtoms<(((BITS ? D / (AW * 32 / BITS) : D / 4) + LPK - 1) / LPK), BITS, AW, T>
 kv_fetch(PD data, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, int kg) {
   constexpr int AE = BITS ? AW * 32 / BITS : 4;
-  constexpr int AE4 = AE / 4;
   constexpr int NAR = D / AE;                 // atoms per row
   constexpr int NA = (NAR + LPK - 1) / LPK;  // atoms per lane
-  KvAtoms<NA, AE4> r;
+  KvAtoms<NA, BITS, AW, T> r;
   for (int c = 0; c < NA; c++) {
     const int a = kl + LPK * c;
-    for (int j = 0; j < AE4; j++) {
-      r.x[c][j] = float4(0.0f);
-    }
+    r.a[c].clear();
     r.sb[c] = float2(0.0f);
     if (!ok || a >= NAR) {
       continue;
     }
-    KvAtomRead<BITS, AW>::read(data, at.data, step.data, step.vec, a, r.x[c]);
+    r.a[c].read(data, at.data, step.data, step.vec, a);
   }
   if (BITS != 0) {
     constexpr int NG = D / GS;
@@ -253,10 +296,12 @@ kv_fetch(PD data, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, 
   return r;
 }
 
-// The running state of RPS query rows in one lane.
-template <int RPS, int KNA, int KAE4, int VNA, int VAE4>
+// The running state of RPS query rows in one lane. The query share stays in the
+// query's type TQ (KvVec4<TQ>: a float16 / bfloat16 query costs half the registers,
+// without rounding); scale * log2 e is applied to q . k (kv_score_rows).
+template <int RPS, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
 struct KvRowState {
-  float4 q[RPS][KNA][KAE4];  // pre-scaled query, this lane's K atoms
+  typename KvVec4<TQ>::type q[RPS][KNA][KAE4];  // the query as given, this lane's K atoms
   float qsum[RPS][KNA];      // sum of each q atom (quantized K)
   float4 o[RPS][VNA][VAE4];  // sum of p * s * w (or p * v), this lane's V atoms
   float ob[RPS][VNA];        // sum of p * b (quantized V)
@@ -265,64 +310,91 @@ struct KvRowState {
   int pos[RPS];              // the row's position; -1 for padding rows
 };
 
-// Score key t (this lane's key group holds it) for row r and fold the pass
-// maximum into the row's running state (rescaling o and l when it rises).
-// Returns the key's weight relative to the running maximum, p = exp2(s - m)
-// with s and m in log2 units (= exp(score - max) in natural units); 0 when
-// the key is not visible to the row.
-template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4>
-inline float kv_score_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
-                          int r, int t, bool ok, KvVariant var, int kl) {
+// Score key t (this lane's key group holds it) for every row and fold the pass
+// maximum into each row's running state (rescaling o and l when it rises).
+// p[r] is the key's weight relative to row r's running maximum, p = exp2(s - m)
+// with s and m in log2 units (= exp(score - max) in natural units); 0 when the
+// key is not visible to the row. Each element group of the key is widened (or
+// unpacked) once and dotted with every row's query: its floats live only here.
+template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4, typename TQ, typename KA>
+inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const KA& k,
+                          thread float* p, int t, bool ok, KvVariant var, int kl) {
   constexpr int KAE = KAE4 * 4;
   constexpr int KNAR = D / KAE;
-  float s = 0.0f;
+  float s[RPS];
+  for (int r = 0; r < RPS; r++) {
+    s[r] = 0.0f;
+  }
   for (int c = 0; c < KNA; c++) {
     if (kl + LPK * c < KNAR) {
-      float d = 0.0f;
+      float d[RPS];
+      for (int r = 0; r < RPS; r++) {
+        d[r] = 0.0f;
+      }
       for (int j = 0; j < KAE4; j++) {
-        d += dot(st.q[r][c][j], k.x[c][j]);
+        const float4 kx = k.a[c].elems(j);
+        for (int r = 0; r < RPS; r++) {
+          d[r] += dot(KvVec4<TQ>::widen(st.q[r][c][j]), kx);
+        }
       }
-      s += KBITS ? k.sb[c].x * d + k.sb[c].y * st.qsum[r][c] : d;
+      for (int r = 0; r < RPS; r++) {
+        s[r] += KBITS ? k.sb[c].x * d[r] + k.sb[c].y * st.qsum[r][c] : d[r];
+      }
     }
   }
-  for (int off = 1; off < LPK; off <<= 1) {
-    s += simd_shuffle_xor(s, ushort(off));
-  }
-  s = var.logit(s);
-  const bool visible = ok && var.visible(t, st.pos[r]);
-  s = visible ? s : KV_NEG_BIG;
-  float m_pass = s;
-  for (int off = LPK; off < 32; off <<= 1) {
-    m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
-  }
-  if (m_pass > st.m[r]) {  // uniform: rescale only when the pass raises the max
-    const float correction = kv_weight(st.m[r], m_pass);
-    st.l[r] *= correction;
-    for (int c = 0; c < VNA; c++) {
-      for (int j = 0; j < VAE4; j++) {
-        st.o[r][c][j] *= correction;
-      }
-      st.ob[r][c] *= correction;
+  for (int r = 0; r < RPS; r++) {
+    float sr = s[r];
+    for (int off = 1; off < LPK; off <<= 1) {
+      sr += simd_shuffle_xor(sr, ushort(off));
     }
-    st.m[r] = m_pass;
+    sr = var.logit(sr * var.q_scale);
+    const bool visible = ok && var.visible(t, st.pos[r]);
+    sr = visible ? sr : KV_NEG_BIG;
+    float m_pass = sr;
+    for (int off = LPK; off < 32; off <<= 1) {
+      m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
+    }
+    if (m_pass > st.m[r]) {  // uniform: rescale only when the pass raises the max
+      const float correction = kv_weight(st.m[r], m_pass);
+      st.l[r] *= correction;
+      for (int c = 0; c < VNA; c++) {
+        for (int j = 0; j < VAE4; j++) {
+          st.o[r][c][j] *= correction;
+        }
+        st.ob[r][c] *= correction;
+      }
+      st.m[r] = m_pass;
+    }
+    p[r] = visible ? kv_weight(sr, st.m[r]) : 0.0f;
   }
-  return visible ? kv_weight(s, st.m[r]) : 0.0f;
 }
 
-// Add p * v (this lane's V atoms) to row r's accumulator.
-template <int D, int RPS, int LPK, int VBITS, int KNA, int KAE4, int VNA, int VAE4>
-inline void kv_accumulate_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<VNA, VAE4>& v,
-                              int r, float p, int kl) {
+// Add p[r] * v (this lane's V atoms) to every row's accumulator; with SPARSE only
+// the rows whose weight reaches tau. Each element group of the value row is
+// widened (or unpacked) once for all rows.
+template <int D, int RPS, int LPK, int VBITS, bool SPARSE, int KNA, int KAE4, int VNA, int VAE4, typename TQ,
+          typename VA>
+inline void kv_accumulate_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const VA& v,
+                               thread const float* p, float tau, int kl) {
   constexpr int VAE = VAE4 * 4;
   constexpr int VNAR = D / VAE;
   for (int c = 0; c < VNA; c++) {
     if (kl + LPK * c < VNAR) {
-      const float ps = VBITS ? p * v.sb[c].x : p;
       for (int j = 0; j < VAE4; j++) {
-        st.o[r][c][j] += ps * v.x[c][j];
+        const float4 vx = v.a[c].elems(j);
+        for (int r = 0; r < RPS; r++) {
+          if (!SPARSE || p[r] >= tau) {
+            const float ps = VBITS ? p[r] * v.sb[c].x : p[r];
+            st.o[r][c][j] += ps * vx;
+          }
+        }
       }
       if (VBITS) {
-        st.ob[r][c] += p * v.sb[c].y;
+        for (int r = 0; r < RPS; r++) {
+          if (!SPARSE || p[r] >= tau) {
+            st.ob[r][c] += p[r] * v.sb[c].y;
+          }
+        }
       }
     }
   }
@@ -330,14 +402,16 @@ inline void kv_accumulate_row(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, 
 
 // Score one pass of keys (this lane's key group holds key t) and fold it into
 // the running state of every row. The exact path: V was loaded with K.
-template <int D, int RPS, int LPK, int KBITS, int VBITS, int KNA, int KAE4, int VNA, int VAE4>
-inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
-                    thread const KvAtoms<VNA, VAE4>& v, int t, bool ok, KvVariant var, int kl) {
+template <int D, int RPS, int LPK, int KBITS, int VBITS, int KNA, int KAE4, int VNA, int VAE4, typename TQ,
+          typename KA, typename VA>
+inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const KA& k, thread const VA& v,
+                    int t, bool ok, KvVariant var, int kl) {
+  float p[RPS];
+  kv_score_rows<D, RPS, LPK, KBITS>(st, k, p, t, ok, var, kl);
   for (int r = 0; r < RPS; r++) {
-    const float p = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, var, kl);
-    st.l[r] += p;
-    kv_accumulate_row<D, RPS, LPK, VBITS>(st, v, r, p, kl);
+    st.l[r] += p[r];
   }
+  kv_accumulate_rows<D, RPS, LPK, VBITS, false>(st, v, p, 0.0f, kl);
 }
 
 // Sparse V (SV = 1): the same pass, but V is read only after the scores of the
@@ -349,27 +423,24 @@ inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread con
 // skipped weight relative to the final max is below tau too: the error bound
 // of docs/kernels.md. `va` locates key t's V
 // row in `vdata` (device memory in register mode, the tile in shared mode).
-template <int D, int RPS, int LPK, int KBITS, int VBITS, int VGS, int VAW, int KNA, int KAE4, int VNA, int VAE4,
-          typename PVD, typename PVS>
-inline void kv_pass_sparse(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread const KvAtoms<KNA, KAE4>& k,
-                           PVD vdata, PVS vscales, PVS vbiases, KvAt va, KvSteps vsteps, int t, bool ok, KvVariant var,
+template <int D, int RPS, int LPK, int KBITS, int VBITS, int VGS, int VAW, typename TVD, int KNA, int KAE4, int VNA,
+          int VAE4, typename TQ, typename KA, typename PVD, typename PVS>
+inline void kv_pass_sparse(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const KA& k, PVD vdata,
+                           PVS vscales, PVS vbiases, KvAt va, KvSteps vsteps, int t, bool ok, KvVariant var,
                            float tau, int kl, int kg) {
   float p[RPS];
+  kv_score_rows<D, RPS, LPK, KBITS>(st, k, p, t, ok, var, kl);
   bool need = false;
   for (int r = 0; r < RPS; r++) {
-    p[r] = kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, var, kl);
     st.l[r] += p[r];
     need = need || p[r] >= tau;
   }
   // Every lane calls kv_fetch (its scale/bias shuffles are simdgroup-wide);
   // only the key groups that need their row load it.
-  const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok && need, kl, kg);
+  const KvAtoms<VNA, VBITS, VAW, TVD> v =
+      kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok && need, kl, kg);
   if (need) {
-    for (int r = 0; r < RPS; r++) {
-      if (p[r] >= tau) {
-        kv_accumulate_row<D, RPS, LPK, VBITS>(st, v, r, p[r], kl);
-      }
-    }
+    kv_accumulate_rows<D, RPS, LPK, VBITS, true>(st, v, p, tau, kl);
   }
 }
 
@@ -387,9 +458,9 @@ static constant constexpr const int KV_SEEDS = 32;  // 1 + reference.SPARSE_V_RE
 // see is masked, so m stays a score the row sees: never above its final max,
 // and the error bound holds. The seeds' weights are not added here (l and o
 // stay 0): they join where their tokens are walked. K loads only, no V.
-template <int D, int RPS, int LPK, int KBITS, int KGS, int KAW, int KNA, int KAE4, int VNA, int VAE4,
-          typename SRC, typename PKD, typename PKS>
-inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread SRC& src, PKD kdata,
+template <int D, int RPS, int LPK, int KBITS, int KGS, int KAW, typename TKD, int KNA, int KAE4, int VNA, int VAE4,
+          typename TQ, typename SRC, typename PKD, typename PKS>
+inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread SRC& src, PKD kdata,
                          PKS kscales, PKS kbiases, KvSteps ksteps, int first, int newest, int len, KvVariant var,
                          int kl, int kg, int seed0, int step) {
   for (int i = seed0; i < KV_SEEDS; i += step) {  // uniform in the simdgroup
@@ -398,10 +469,10 @@ inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, threa
     KvAt ka;
     KvAt va;
     const bool ok = seed < KV_SEEDS && t >= 0 && t < len && src.locate(t, ka, va);
-    const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
-    for (int r = 0; r < RPS; r++) {
-      kv_score_row<D, RPS, LPK, KBITS>(st, k, r, t, ok, var, kl);
-    }
+    const KvAtoms<KNA, KBITS, KAW, TKD> k =
+        kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
+    float p[RPS];
+    kv_score_rows<D, RPS, LPK, KBITS>(st, k, p, t, ok, var, kl);
   }
 }
 
@@ -420,14 +491,15 @@ inline void kv_seed_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, threa
 // share of the seeds each (one pass of KPP keys apiece covers NSG * KPP seeds)
 // and take the max of their maxima through `stats` (NSG * RPS floats of their
 // own, KV_MERGE_SEEDS: the merge never writes them). One barrier, once per split.
-template <int D, int NSG, int RPS, int LPK, int KBITS, int KGS, int KAW, int KNA, int KAE4, int VNA, int VAE4,
-          typename SRC, typename PKD, typename PKS>
-inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, thread SRC& src, PKD kdata,
-                                     PKS kscales, PKS kbiases, KvSteps ksteps, int first, int newest, int len,
-                                     KvVariant var, int kl, int kg, int sg, int lane, threadgroup float* stats) {
+template <int D, int NSG, int RPS, int LPK, int KBITS, int KGS, int KAW, typename TKD, int KNA, int KAE4, int VNA,
+          int VAE4, typename TQ, typename SRC, typename PKD, typename PKS>
+inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread SRC& src,
+                                     PKD kdata, PKS kscales, PKS kbiases, KvSteps ksteps, int first, int newest,
+                                     int len, KvVariant var, int kl, int kg, int sg, int lane,
+                                     threadgroup float* stats) {
   constexpr int KPP = 32 / LPK;
-  kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps, first, newest, len, var, kl,
-                                              kg, sg * KPP, NSG * KPP);
+  kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW, TKD>(st, src, kdata, kscales, kbiases, ksteps, first, newest, len, var,
+                                                   kl, kg, sg * KPP, NSG * KPP);
   if (NSG > 1) {
     for (int r = 0; r < RPS; r++) {
       if (lane == 0) {
@@ -446,8 +518,8 @@ inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4
 }
 
 // Sum the key groups' sums (l, o, ob) so every lane holds the simdgroup's totals.
-template <int RPS, int LPK, int KNA, int KAE4, int VNA, int VAE4>
-inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st) {
+template <int RPS, int LPK, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
+inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st) {
   for (int off = LPK; off < 32; off <<= 1) {
     for (int r = 0; r < RPS; r++) {
       st.l[r] += simd_shuffle_xor(st.l[r], ushort(off));
@@ -462,12 +534,14 @@ inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& s
 }
 
 // Load the query rows [row0, row0 + RPS) of this kv head (row = g * L + l,
-// query row index q_index(g, l)) pre-scaled, and reset the state.
-template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4, typename PQ>
-inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, PQ q, int row0, int rows, int L,
-                         int len, int head0, int head_stride, int token_stride, float qscale, int kl) {
+// query row index q_index(g, l)) as given (no scale: it joins q . k), and reset
+// the state. A padding row's query is 0.
+template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4, typename TQ, typename PQ>
+inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, PQ q, int row0, int rows, int L,
+                         int len, int head0, int head_stride, int token_stride, int kl) {
   constexpr int KAE = KAE4 * 4;
   constexpr int KNAR = D / KAE;
+  const TQ zero = static_cast<TQ>(0.0f);
   for (int r = 0; r < RPS; r++) {
     const int row = row0 + r;
     const int g = row / L;
@@ -479,14 +553,15 @@ inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, PQ q,
       const int a = kl + LPK * c;
       float sum = 0.0f;
       for (int j = 0; j < KAE4; j++) {
-        float4 x = float4(0.0f);
+        typename KvVec4<TQ>::type x = KvVec4<TQ>::pack(zero, zero, zero, zero);
         if (live && a < KNAR) {
-          x = kv_float4(static_cast<float>(q[base + a * KAE + 4 * j]), static_cast<float>(q[base + a * KAE + 4 * j + 1]),
-                        static_cast<float>(q[base + a * KAE + 4 * j + 2]),
-                        static_cast<float>(q[base + a * KAE + 4 * j + 3])) * qscale;
+          const size_t e = base + a * KAE + 4 * j;
+          x = KvVec4<TQ>::pack(static_cast<TQ>(q[e]), static_cast<TQ>(q[e + 1]), static_cast<TQ>(q[e + 2]),
+                               static_cast<TQ>(q[e + 3]));
         }
         st.q[r][c][j] = x;
-        sum += x.x + x.y + x.z + x.w;
+        const float4 xf = KvVec4<TQ>::widen(x);
+        sum += xf.x + xf.y + xf.z + xf.w;
       }
       st.qsum[r][c] = sum;
     }
@@ -616,8 +691,8 @@ inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PK
 
 // Write the partials (max, sum, accumulator) of rows [row0, row0 + RPS); rows
 // past R are padding (uniform in the simdgroup) and write nothing.
-template <int D, int R, int QL, int RPS, int LPK, int VAE4, int VNA, int KNA, int KAE4>
-inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4>& st, int row0, int lane,
+template <int D, int R, int QL, int RPS, int LPK, int VAE4, int VNA, int KNA, int KAE4, typename TQ>
+inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int row0, int lane,
                               device float* part_max, device float* part_sum, device float* part_acc,
                               size_t part_row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
   constexpr int VAE = VAE4 * 4;
@@ -779,7 +854,8 @@ inline KvPartialsOut kv_partials_out(device float* part_max, device float* part_
 // SV = 1 compiles sparse V (kv_pass_sparse, threshold `sparse_v`); SV = 0 is
 // the exact path, and `sparse_v` is then unused.
 template <int D, int G, int QL, int NSG, int RPS, int LPK, int TT, int KBITS, int KGS, int KAW, int VBITS,
-          int VGS, int VAW, int SV, typename TKD, typename TVD, typename TKS, typename TVS, typename SRC, typename PQ,
+          int VGS, int VAW, int SV, typename TKD, typename TVD, typename TKS, typename TVS, typename TQ, typename SRC,
+          typename PQ,
           typename PKD, typename PKS, typename PVD, typename PVS>
 inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD, PKS, PVD, PVS> cache, int len,
                       KvSplitRange range, KvScoring scoring, KvThreadIds ids, KvAttnScratch scratch,
@@ -837,7 +913,6 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
   const int kl = lane % LPK;
   const int kg = lane / LPK;
   const KvVariant var = kv_variant(scale, softcap, window);
-  const float qscale = var.q_scale;
   const int seed_first = kv_first_visible(len - QL, window);  // sparse V's first seed (kv_seed_rows)
 
   // An empty split (past the sequence's last window: a sequence shorter than the
@@ -855,12 +930,12 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     return;
   }
 
-  KvRowState<RPS, KNA, KAE4, VNA, VAE4> st;
+  KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ> st;
 
   if (!SHARED) {
-    kv_init_rows<D, RPS, LPK, KBITS>(st, q, 0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
+    kv_init_rows<D, RPS, LPK, KBITS>(st, q, 0, R, QL, len, head0, head_stride, token_stride, kl);
     if (SV) {
-      kv_seed_rows_cooperative<D, NSG, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps,
+      kv_seed_rows_cooperative<D, NSG, RPS, LPK, KBITS, KGS, KAW, TKD>(st, src, kdata, kscales, kbiases, ksteps,
                                                                   seed_first, len - QL, len, var, kl, kg, sg, lane,
                                                                   merge_stats + KV_MERGE_SEEDS(NSG, RPS));
     }
@@ -875,7 +950,8 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     KvAt va;
     int t = s_lo + kg;
     bool ok = t < s_hi && src.locate(t, ka, va);
-    KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
+    KvAtoms<KNA, KBITS, KAW, TKD> k =
+        kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
     if (SV) {
       // Sparse V: K stays a pass ahead; V is read in the pass, once its
       // scores are known (kv_pass_sparse), and only where a row needs it.
@@ -883,23 +959,24 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
         const KvAt va_now = va;
         const int t_next = t0 + KPP + kg;
         const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
-        const KvAtoms<KNA, KAE4> k_next =
-            kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
-        kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW>(st, k, vdata, vscales, vbiases, va_now, vsteps, t, ok,
+        const KvAtoms<KNA, KBITS, KAW, TKD> k_next =
+            kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+        kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVD>(st, k, vdata, vscales, vbiases, va_now, vsteps, t, ok,
                                                             var, sparse_v, kl, kg);
         k = k_next;
         t = t_next;
         ok = ok_next;
       }
     } else {
-      KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
+      KvAtoms<VNA, VBITS, VAW, TVD> v =
+          kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
       for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
         const int t_next = t0 + KPP + kg;
         const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
-        const KvAtoms<KNA, KAE4> k_next =
-            kv_fetch<D, LPK, KBITS, KGS, KAW>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
-        const KvAtoms<VNA, VAE4> v_next =
-            kv_fetch<D, LPK, VBITS, VGS, VAW>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
+        const KvAtoms<KNA, KBITS, KAW, TKD> k_next =
+            kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+        const KvAtoms<VNA, VBITS, VAW, TVD> v_next =
+            kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
         kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
         k = k_next;
         v = v_next;
@@ -928,9 +1005,9 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     const KvSteps unit = kv_unit_steps();
     for (int pass = 0; pass < ROW_PASSES; pass++) {
       const int row0 = (pass * NSG + sg) * RPS;
-      kv_init_rows<D, RPS, LPK, KBITS>(st, q, row0, R, QL, len, head0, head_stride, token_stride, qscale, kl);
+      kv_init_rows<D, RPS, LPK, KBITS>(st, q, row0, R, QL, len, head0, head_stride, token_stride, kl);
       if (SV) {  // from device memory (rarely in this split's tiles); each simdgroup owns its rows
-        kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW>(st, src, kdata, kscales, kbiases, ksteps, seed_first, len - QL,
+        kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW, TKD>(st, src, kdata, kscales, kbiases, ksteps, seed_first, len - QL,
                                                     len, var, kl, kg, 0, KPP);
       }
       kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
@@ -951,14 +1028,16 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
           KvAt ka;
           KvAt va;
           const bool ok = t < t0 + TT && tile.locate(t, ka, va);
-          const KvAtoms<KNA, KAE4> k = kv_fetch<D, LPK, KBITS, KGS, KAW>(tkd, tks, tkb, ka, unit, ok, kl, kg);
+          const KvAtoms<KNA, KBITS, KAW, TKD> k =
+              kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(tkd, tks, tkb, ka, unit, ok, kl, kg);
           if (SV) {
             // The tile already holds V (copied with K): sparse V skips the
             // accumulation and the tile reads, not the device loads.
-            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW>(st, k, tvd, tvs, tvb, va, unit, t, ok, var,
+            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVD>(st, k, tvd, tvs, tvb, va, unit, t, ok, var,
                                                                 sparse_v, kl, kg);
           } else {
-            const KvAtoms<VNA, VAE4> v = kv_fetch<D, LPK, VBITS, VGS, VAW>(tvd, tvs, tvb, va, unit, ok, kl, kg);
+            const KvAtoms<VNA, VBITS, VAW, TVD> v =
+                kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(tvd, tvs, tvb, va, unit, ok, kl, kg);
             kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
           }
         }
@@ -1215,7 +1294,7 @@ KV_ATTN_THREADGROUP_ARRAYS
 KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
 src.init(block_tables, seq, kvh, p);
 const KvSteps unit = kv_unit_steps();
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV, TQ>(
     src, kv_query_view(query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D),
     kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, unit, unit), len,
     range, kv_scoring<SV>(p, p.window),
@@ -1245,7 +1324,7 @@ const KvSteps ksteps = kv_strided_steps<KBITS ? KAW : 4, 16 / int(sizeof(TKD))>(
     key_data_strides, key_scales_strides, key_biases_strides);
 const KvSteps vsteps = kv_strided_steps<VBITS ? VAW : 4, 16 / int(sizeof(TVD))>(
     value_data_strides, value_scales_strides, value_biases_strides);
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV, TQ>(
     src, kv_query_view(query + size_t(batch) * p.num_heads * QL * D, kvh * G, QL * D, D),
     kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, ksteps, vsteps), len,
     range, kv_scoring<SV>(p, 0),

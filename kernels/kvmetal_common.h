@@ -220,14 +220,14 @@ struct KvGatherParams {
 
 // ---------------------------------------------------------- softmax states
 
-// log2(e): scores are kept in log2 units (q pre-scaled by scale * log2(e)) so
+// log2(e): scores are kept in log2 units (scaled by scale * log2(e)) so
 // every exponential is one exp2.
 static constant constexpr const float KV_LOG2E = 1.44269504088896341f;
 
 // ------------------------------------------------------- attention variant
 //
 // What an attention kernel does to a score, defined once for decode, varlen and
-// cascade (after FlashInfer's attention variants): the query's pre-scale, the
+// cascade (after FlashInfer's attention variants): the score's scale, the
 // softcap, the causal and sliding-window masks, the sinks' place in the
 // softmax, and the exponential. Kernels call these and never spell the math
 // themselves: tools/msl_check.py fails on exp2 / exp / tanh / log / rsqrt
@@ -272,12 +272,13 @@ inline int kv_first_visible(int pos, int window) {
 
 // The score path of one launch (from KvAttnParams' scale, softcap, window).
 struct KvVariant {
-  float q_scale;   // on the query: scale * log2(e), or scale alone under a softcap
+  float q_scale;   // scale * log2(e), or scale alone under a softcap: on the query (varlen's
+                   // Q fragments) or on q . k (the decode partials, whose q stays 16-bit)
   float softcap;   // 0 = off
   float cap_log2;  // softcap * log2(e)
   int window;      // sliding window, 0 = off
 
-  // q_scale-scaled q . k -> the key's logit in log2 units (softcap through kv_tanh).
+  // q_scale * (q . k) -> the key's logit in log2 units (softcap through kv_tanh).
   float logit(float s) const {
     return softcap > 0.0f ? cap_log2 * kv_tanh(s / softcap) : s;
   }
@@ -330,9 +331,6 @@ inline KvSoftmaxMerge kv_softmax_merge(float m_a, float m_b) {
 
 // ------------------------------------------------- storage-type vector loads
 
-// Four elements of a float cache in one load of their storage type: half4
-// (8 bytes), float4 (16 bytes), or bfloat as ushort4 (8 bytes; a bfloat is the
-// top half of a float, so widening is a shift and works on every Metal version).
 // Two adjacent threadgroup elements in one load of their storage type (half2,
 // float2, or bfloat as ushort2): an 8x8 fragment's two columns of one lane.
 template <typename T>
@@ -358,15 +356,28 @@ struct KvVec2<bfloat16_t> {
   }
 };
 
+// KvVec4<T>: four elements of type T as stored (`type`: float4 (16 bytes), half4
+// (8 bytes), or bfloat as ushort4 (8 bytes; a bfloat is the top half of a float, so
+// widening is a shift and works on every Metal version)), `widen` to float4, and
+// `pack` four scalars into `type` bit for bit.
 template <typename T>
 struct KvVec4 {
   typedef float4 type;
   static float4 widen(float4 v) { return v; }
+  static float4 pack(T a, T b, T c, T d) { return kv_float4(float(a), float(b), float(c), float(d)); }
 };
 template <>
 struct KvVec4<half> {
   typedef half4 type;
   static float4 widen(half4 v) { return kv_widen(v); }
+  static half4 pack(half a, half b, half c, half d) {
+    half4 v;
+    v.x = a;
+    v.y = b;
+    v.z = c;
+    v.w = d;
+    return v;
+  }
 };
 template <>
 struct KvVec4<bfloat16_t> {
@@ -375,39 +386,38 @@ struct KvVec4<bfloat16_t> {
     return kv_float4(as_type<float>(uint(v.x) << 16), as_type<float>(uint(v.y) << 16),
                      as_type<float>(uint(v.z) << 16), as_type<float>(uint(v.w) << 16));
   }
+  // A bfloat's bits are the top half of its (exact) float: portable to Metal versions
+  // where bfloat16_t is MLX's struct rather than a scalar type.
+  static ushort bits(bfloat16_t x) { return ushort(as_type<uint>(float(x)) >> 16); }
+  static ushort4 pack(bfloat16_t a, bfloat16_t b, bfloat16_t c, bfloat16_t d) {
+    ushort4 v;
+    v.x = bits(a);
+    v.y = bits(b);
+    v.z = bits(c);
+    v.w = bits(d);
+    return v;
+  }
 };
 
+// Four elements as stored (KvVec4<T>::type, not widened): one vector load, or
+// four scalar loads from a constant buffer or `step` elements apart.
 template <typename T>
-inline float4 kv_vec4(const device T* p) {
+inline typename KvVec4<T>::type kv_raw4(const device T* p) {
   typedef typename KvVec4<T>::type V4;
-  return KvVec4<T>::widen(*reinterpret_cast<const device V4*>(p));
+  return *reinterpret_cast<const device V4*>(p);
 }
 template <typename T>
-inline float4 kv_vec4(const threadgroup T* p) {
+inline typename KvVec4<T>::type kv_raw4(const threadgroup T* p) {
   typedef typename KvVec4<T>::type V4;
-  return KvVec4<T>::widen(*reinterpret_cast<const threadgroup V4*>(p));
+  return *reinterpret_cast<const threadgroup V4*>(p);
 }
 template <typename T>
-inline float4 kv_vec4(const constant T* p) {
-  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[1]), static_cast<float>(p[2]),
-                   static_cast<float>(p[3]));
+inline typename KvVec4<T>::type kv_raw4(const constant T* p) {
+  return KvVec4<T>::pack(p[0], p[1], p[2], p[3]);
 }
-// Strided fallback: four scalar loads `step` elements apart.
-template <typename T>
-inline float4 kv_vec4_strided(const device T* p, size_t step) {
-  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[step]), static_cast<float>(p[2 * step]),
-                   static_cast<float>(p[3 * step]));
-}
-
-template <typename T>
-inline float4 kv_vec4_strided(const constant T* p, size_t step) {
-  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[step]), static_cast<float>(p[2 * step]),
-                   static_cast<float>(p[3 * step]));
-}
-template <typename T>
-inline float4 kv_vec4_strided(const threadgroup T* p, size_t step) {
-  return kv_float4(static_cast<float>(p[0]), static_cast<float>(p[step]), static_cast<float>(p[2 * step]),
-                   static_cast<float>(p[3 * step]));
+template <typename T, typename PT>
+inline typename KvVec4<T>::type kv_raw4_strided(PT p, size_t step) {
+  return KvVec4<T>::pack(p[0], p[step], p[2 * step], p[3 * step]);
 }
 
 // AW packed words in as few loads as their alignment allows (uint4, uint2, words).
@@ -492,31 +502,5 @@ inline float kv_unpack(thread const uint* w, int e) {
   }
   return float(v & ((1u << BITS) - 1u));
 }
-
-// One atom of a row into floats: 4 elements of a float cache (BITS == 0, one
-// vector load where `vec`), or AW packed words unpacked (AW * 32 / BITS values).
-template <int BITS, int AW>
-struct KvAtomRead {
-  template <typename PD>
-  static void read(PD data, size_t row, size_t step, bool vec, int a, thread float4* x) {
-    uint w[AW];
-    if (vec) {
-      kv_words<AW>(data + row + a * AW, w);
-    } else {
-      kv_words_strided<AW>(data + row + size_t(a * AW) * step, step, w);
-    }
-    for (int j = 0; j < AW * 8 / BITS; j++) {
-      x[j] = kv_float4(kv_unpack<BITS>(w, 4 * j), kv_unpack<BITS>(w, 4 * j + 1), kv_unpack<BITS>(w, 4 * j + 2),
-                       kv_unpack<BITS>(w, 4 * j + 3));
-    }
-  }
-};
-template <int AW>
-struct KvAtomRead<0, AW> {
-  template <typename PD>
-  static void read(PD data, size_t row, size_t step, bool vec, int a, thread float4* x) {
-    x[0] = vec ? kv_vec4(data + row + a * 4) : kv_vec4_strided(data + row + size_t(a * 4) * step, step);
-  }
-};
 
 #endif  // KVMETAL_COMMON_H

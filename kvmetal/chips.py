@@ -15,23 +15,26 @@ from dataclasses import dataclass
 # passes the memory limit to its runtime, rt.cpp, as a compile-time define).
 THREADGROUP_MEMORY_LIMIT = 32 * 1024
 THREADS_PER_THREADGROUP_LIMIT = 1024
-# What kvmetal's own kernels launch at most. Apple lowers a pipeline's
-# maxTotalThreadsPerThreadgroup below 1024 when its lanes hold many registers: M1/M2
-# report about 384 for a pipeline of ~200 live 32-bit values per lane, and MLX then
-# refuses the launch ("Thread group size ... is greater than the maximum allowed").
-# Every specialisation stays at or under 384 threads and under PIPELINE_REGISTER_LIMIT
-# estimated live registers per lane (kvmetal/backends/metal_layout.py, docs/kernels.md), so
-# the limit a Mac reports can never be below what we launch; the sim backend refuses
-# larger launches as such a pipeline would.
+# What kvmetal's own kernels launch at most. An Apple GPU thread has up to 128 32-bit
+# registers (256 16-bit halves); past them the compiler spills to memory. The more
+# registers a pipeline's lanes use, the fewer threads a threadgroup may have: Apple lowers
+# maxTotalThreadsPerThreadgroup below 1024, M1/M2 report 384 for a pipeline at the full
+# 128, and MLX then refuses a larger launch ("Thread group size ... is greater than the
+# maximum allowed"). Every specialisation launches at most 384 threads, and the decode
+# family's layouts keep every lane's estimated live registers within 128
+# (kvmetal/backends/metal_layout.py, docs/kernels.md), so the limit a Mac reports can never
+# be below what we launch; the sim backend refuses larger launches as such a pipeline would.
 PIPELINE_THREAD_LIMIT = 384
-PIPELINE_REGISTER_LIMIT = 200
+PIPELINE_REGISTER_LIMIT = 128
 
 
 def max_threads_for_registers(registers: int) -> int:
     """The threads per threadgroup a pipeline of ``registers`` live 32-bit registers per
-    lane is assumed to allow: the register file that gives 384 threads at 200 registers
-    (the one figure reported for M1/M2), in whole simdgroups, at most Metal's 1024. A model,
-    not Apple's formula: ``kvmetal selfcheck`` on a Mac reports the real limit."""
+    lane is assumed to allow: the register file that gives PIPELINE_THREAD_LIMIT (384)
+    threads at PIPELINE_REGISTER_LIMIT (128, all a thread has), in whole simdgroups, at
+    most Metal's 1024 (1024 threads at up to 48 registers). Past 128 the count keeps
+    falling, a conservative stand-in for a pipeline that spills. A model, not Apple's
+    formula: ``kvmetal selfcheck`` on a Mac reports the real limit."""
     per_threadgroup = PIPELINE_THREAD_LIMIT * PIPELINE_REGISTER_LIMIT
     return max(32, min(THREADS_PER_THREADGROUP_LIMIT, per_threadgroup // max(registers, 1) // 32 * 32))
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import mlx.core as mx
 import pytest
 
 from kvmetal.sim import cost_model as cm
@@ -99,8 +100,8 @@ def test_every_figure_cites_a_source():
 
 
 def test_kvmetal_registers_parsed_from_the_call_name():
-    name = ("kvmetal_paged_attention_partials_tkf16_tvf16_d128_g4_bs16_ql1_nsg4_rps4_lpk8_tt0_kbits0_kgs32_kaw0"
-            "_vbits0_vgs32_vaw0_sv0")
+    name = ("kvmetal_paged_attention_partials_tqf16_tkf16_tvf16_d128_g4_bs16_ql1_nsg4_rps4_lpk16_tt0_kbits0_kgs32"
+            "_kaw0_vbits0_vgs32_vaw0_sv0")
     regs = cm.kvmetal_registers(name)
     from kvmetal.backends import metal_specs
     spec = metal_specs.SPECS["paged_attention_partials"]
@@ -108,6 +109,12 @@ def test_kvmetal_registers_parsed_from_the_call_name():
         assert regs is None or regs > 0
     else:
         assert regs is not None and regs > 32
+        # the dtype tags are read too: a 16-bit query and cache estimate as such, not as float32
+        from kvmetal.backends import metal_layout
+        template = dict(TQ=mx.float16, TK=mx.float16, TV=mx.float16, D=128, G=4, BS=16, QL=1, NSG=4, RPS=4, LPK=16,
+                        TT=0, KBITS=0, KGS=32, KAW=0, VBITS=0, VGS=32, VAW=0, SV=0)
+        assert regs == metal_layout.estimated_registers("paged_attention_partials", template)
+        assert regs < metal_layout.estimated_registers("paged_attention_partials", {**template, "TQ": mx.float32})
     assert cm.kvmetal_registers("mlx_sdpa_vector") is None
 
 

@@ -328,7 +328,7 @@ def test_kernels_are_built_once_per_specialisation():
         mx.eval(kv.paged_attention(query * 2, kc, vc, tables, seq_lens))
     assert backend._kernels == built
     names = [n for n in set(built) - before if "paged_attention_partials" in n]
-    assert names and all(n.startswith("kvmetal_paged_attention_partials_tkf16") for n in names)
+    assert names and all(n.startswith("kvmetal_paged_attention_partials_tqf16_tkf16") for n in names)
 
 
 def test_split_count_changes_only_rounding():

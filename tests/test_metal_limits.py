@@ -33,7 +33,8 @@ KV_FORMATS = ((0, 32), (8, 64), (4, 64), (2, 32), (3, 32), (5, 32), (6, 64), (4,
 
 
 def _layouts(head_dim, block_size):
-    """Every layout the backend can pick at this head_dim and block size."""
+    """Every layout the backend can pick at this head_dim and block size (the query of the
+    cache's element size: float32 with float32, 16-bit with 16-bit)."""
     for itemsize, gqa, query_len, (kbits, kgs), (vbits, vgs) in itertools.product(
             ITEMSIZES, GQA, QUERY_TOKENS, KV_FORMATS, KV_FORMATS[:3]):
         if head_dim % kgs or head_dim % vgs:
@@ -41,32 +42,37 @@ def _layouts(head_dim, block_size):
         # A float cache's rows, or a quantized cache's scales and biases, have the cache dtype.
         layout = metal_layout.attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=kbits,
                                         k_group=kgs, k_itemsize=itemsize, v_bits=vbits, v_group=vgs,
-                                        v_itemsize=itemsize, block_size=block_size)
-        yield gqa, query_len, kbits, kgs, vbits, vgs, layout
+                                        v_itemsize=itemsize, block_size=block_size, q_itemsize=itemsize)
+        yield itemsize, gqa, query_len, kbits, kgs, vbits, vgs, layout
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_attention_limits_every_configuration(head_dim):
     for block_size in BLOCK_SIZES:
-        for gqa, query_len, kbits, kgs, vbits, vgs, layout in _layouts(head_dim, block_size):
+        for itemsize, gqa, query_len, kbits, kgs, vbits, vgs, layout in _layouts(head_dim, block_size):
             rows = gqa * query_len
             for name in ("paged_attention_partials", "decode_attention_partials"):
                 _within_limits(metal_specs.SPECS[name].geometry(splits=3, num_kv_heads=8, num_seqs=2, layout=layout))
-            # Registers (estimated_registers): register mode within REGISTER_MODE_LIMIT (one
-            # row: the fewest its atoms allow), shared mode within chips.PIPELINE_REGISTER_LIMIT;
-            # every launch within what a pipeline of that many registers allows.
+            # Registers (estimated_registers): every layout within the 128 a thread has
+            # (chips.PIPELINE_REGISTER_LIMIT; issue 41, P1), register mode included (one row
+            # too: its fewest-register key group fits), and every launch within what a
+            # pipeline of that many registers allows.
             per = layout.rows_per_simdgroup
-            registers = layout.registers(head_dim=head_dim, k_bits=kbits, v_bits=vbits)
+            registers = layout.registers(head_dim=head_dim, k_bits=kbits, v_bits=vbits, q_itemsize=itemsize,
+                                         k_itemsize=itemsize, v_itemsize=itemsize)
+            assert registers <= chips.PIPELINE_REGISTER_LIMIT, (layout, registers)
+            assert metal_layout.REGISTER_MODE_LIMIT == chips.PIPELINE_REGISTER_LIMIT
             if per < rows:
-                assert per <= metal_layout.SHARED_ROW_LIMIT and registers <= chips.PIPELINE_REGISTER_LIMIT, layout
+                assert per <= metal_layout.SHARED_ROW_LIMIT, layout
             else:
                 assert per <= metal_layout.ROW_REGISTER_LIMIT
-                assert registers <= metal_layout.REGISTER_MODE_LIMIT or rows == 1, (layout, registers)
             assert layout.threads <= min(chips.PIPELINE_THREAD_LIMIT, chips.max_threads_for_registers(registers))
-            # Up to 8 rows at D <= 128, float and 4/8-bit caches stay in register mode; only
-            # wide atoms (3/5/6 bits: 32 values, 2 bits: 16) or wide heads may need shared
-            # mode's smaller row blocks.
-            if rows <= metal_layout.ROW_REGISTER_LIMIT and head_dim <= 128 and kbits in (0, 4, 8) and vbits in (0, 4, 8):
+            # 16-bit float and 4/8-bit caches keep up to 4 rows in register mode at D <= 128,
+            # 3 at D 192 / 256, one fewer with float32 (more rows: shared mode's smaller row
+            # blocks); wide atoms (2/3/5/6 bits: 16 or 32 values an atom) keep 1.
+            if kbits in (0, 4, 8) and vbits in (0, 4, 8) and rows <= (4 if head_dim <= 128 else 3) - (itemsize == 4):
+                assert per == rows, layout
+            if rows == 1:
                 assert per == rows, layout
             # Issue 9's threadgroup memory budget: 2 KiB for one-token GQA <= 8 at D <= 128
             # (register mode; plus the merge's chunk of rows since issue 41, P5), 8 KiB at
@@ -144,9 +150,9 @@ def test_gpu_core_count_fallback_without_metal():
 
 def test_variant_names_spell_the_specialisation():
     spec = metal_specs.SPECS["paged_attention_partials"]
-    name = spec.variant(dict(TK=mx.float16, TV=mx.bfloat16, D=128, G=4, BS=16, QL=2, NSG=4, RPS=8, LPK=16, TT=0,
+    name = spec.variant(dict(TQ=mx.float32, TK=mx.float16, TV=mx.bfloat16, D=128, G=4, BS=16, QL=2, NSG=4, RPS=8, LPK=16, TT=0,
                              KBITS=8, KGS=64, KAW=2, VBITS=4, VGS=64, VAW=1, SV=0))
-    assert name == ("kvmetal_paged_attention_partials_tkf16_tvbf16_d128_g4_bs16_ql2_nsg4_rps8_lpk16_tt0"
+    assert name == ("kvmetal_paged_attention_partials_tqf32_tkf16_tvbf16_d128_g4_bs16_ql2_nsg4_rps8_lpk16_tt0"
                     "_kbits8_kgs64_kaw2_vbits4_vgs64_vaw1_sv0")
 
 

@@ -159,6 +159,21 @@ def test_every_launch_within_the_pipeline_limits():
     assert over == []
 
 
+DECODE_FAMILY = ("paged_attention_partials", "decode_attention_partials", "cascade_partials")
+
+
+def test_every_decode_family_launch_within_the_registers_a_thread_has():
+    # Issue 41, P1: the partials kernels (kv_attend) keep every lane's estimated live
+    # registers within the 128 an Apple GPU thread has (no per-pass state spilled), in
+    # every mode, over every launch of the registry.
+    rows = [r for r in kernel_limits.launches() if r[1] in DECODE_FAMILY]
+    assert {r[1] for r in rows} == set(DECODE_FAMILY)
+    assert {mode for _, kernel, mode, _, _ in rows if kernel == "paged_attention_partials"} == {
+        "register", "shared", "shared-multipass"}
+    over = [r for r in rows if r[4] > chips.PIPELINE_REGISTER_LIMIT]
+    assert chips.PIPELINE_REGISTER_LIMIT == 128 and over == []
+
+
 def test_sim_backend_refuses_a_launch_over_the_thread_limit():
     from kvmetal.sim.errors import ThreadgroupSizeError
 

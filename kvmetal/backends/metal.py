@@ -254,7 +254,8 @@ class KernelBackend:
         splits, split_tokens = self._splits(num_splits, work, num_seqs * num_kv_heads, layout,
                                             misaligned=sliding_window is not None)
         gqa = num_heads // num_kv_heads
-        template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, gqa, query_len, layout, sparse_v)
+        template, kv_buffers = self._kv_inputs(query, key_cache, value_cache, head_dim, gqa, query_len, layout,
+                                               sparse_v)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
@@ -276,8 +277,8 @@ class KernelBackend:
         _, num_kv_heads, num_tokens, _ = keys.shape
         layout = layout_for(query, keys, values, paged=False)
         splits, split_tokens = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout, misaligned=False)
-        template, kv_buffers = self._kv_inputs(keys, values, head_dim, num_heads // num_kv_heads, query_len, layout,
-                                               sparse_v)
+        template, kv_buffers = self._kv_inputs(query, keys, values, head_dim, num_heads // num_kv_heads, query_len,
+                                               layout, sparse_v)
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, num_tokens=num_tokens, scale=scale,
                                        softcap=softcap or 0.0, head_div=query_len, sparse_v=sparse_v or 0.0,
@@ -419,8 +420,8 @@ class KernelBackend:
         if splits is None:
             splits, split_tokens = self._splits(None, max(1, work), num_rows * num_kv_heads, layout,
                                                 misaligned=False)
-        template, kv_buffers = self._kv_inputs(key_cache, value_cache, head_dim, num_heads // num_kv_heads, query_len,
-                                               layout, sparse_v)
+        template, kv_buffers = self._kv_inputs(query4, key_cache, value_cache, head_dim, num_heads // num_kv_heads,
+                                               query_len, layout, sparse_v)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=tables.shape[1], num_blocks=num_blocks, window=0,
@@ -435,11 +436,12 @@ class KernelBackend:
         return parts, splits
 
     @staticmethod
-    def _kv_inputs(keys, values, head_dim, gqa, query_len, layout, sparse_v=None) -> tuple:
-        """The template parameters and the K/V buffers both partials kernels take."""
+    def _kv_inputs(query, keys, values, head_dim, gqa, query_len, layout, sparse_v=None) -> tuple:
+        """The template parameters and the K/V buffers the partials kernels take (TQ: the
+        query's dtype, the type its register share keeps)."""
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(keys)
         vd, vs, vb, vdt, vbits, vgs = _cache_parts(values)
-        template = dict(TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
+        template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
                         RPS=layout.rows_per_simdgroup, LPK=layout.lanes_per_key, TT=layout.tile, KBITS=kbits,
                         KGS=kgs, KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words,
                         SV=int(bool(sparse_v)))

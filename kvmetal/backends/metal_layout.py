@@ -28,14 +28,11 @@ ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in 
 # what M1/M2 allow a register-heavy pipeline); more rows take several passes over the split.
 MAX_SHARED_SIMDGROUPS = chips.PIPELINE_THREAD_LIMIT // 32
 SHARED_ROW_LIMIT = 16               # shared mode: most query rows one simdgroup serves (registers permitting)
-# Register mode: 32-bit registers per lane for the rows' q + accumulators (the launch is 128
-# threads, within what chips.max_threads_for_registers allows at any estimate in the table).
-REGISTER_BUDGET = 128
-# Register mode is taken while the estimate (estimated_registers) stays within this; past
-# it (3/5/6-bit atoms at several rows) the rows go to shared mode. The common layouts
-# estimate 150-240; whether spilling past Apple's per-thread registers beats shared mode's
-# tiles is for a Mac to settle (docs/kernels.md, "Threads and registers").
-REGISTER_MODE_LIMIT = 256
+# Register mode is taken at the narrowest key group whose estimate (estimated_registers) stays
+# within this: the 128 32-bit registers an Apple GPU thread has (chips.PIPELINE_REGISTER_LIMIT;
+# past them the compiler spills the per-pass state to memory). Rows that no key group fits go
+# to shared mode, which holds fewer rows per simdgroup (docs/kernels.md, "Register budget rule").
+REGISTER_MODE_LIMIT = chips.PIPELINE_REGISTER_LIMIT
 LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
 # Shared-mode K/V tiles (double-buffered, scales and biases included), by max head_dim
 # (issue 41, P6): 16 KiB gives float16 D 128 tiles of 16 tokens (a barrier per 16 keys;
@@ -202,10 +199,13 @@ class AttentionLayout:
     def threads(self) -> int:
         return self.simdgroups * 32
 
-    def registers(self, *, head_dim: int, k_bits: int, v_bits: int, sparse_v: bool = False) -> int:
-        """Estimated live registers per lane (:func:`estimated_registers`) of this layout."""
+    def registers(self, *, head_dim: int, k_bits: int, v_bits: int, sparse_v: bool = False, q_itemsize: int = 2,
+                  k_itemsize: int = 2, v_itemsize: int = 2) -> int:
+        """Estimated live registers per lane (:func:`estimated_registers`) of this layout, for
+        a query of ``q_itemsize`` bytes an element and float caches of ``k/v_itemsize``."""
         return _partials_registers(head_dim, self.rows, self.rows_per_simdgroup, self.lanes_per_key, k_bits,
-                                   self.key_atom_words, v_bits, self.value_atom_words, sparse_v)
+                                   self.key_atom_words, v_bits, self.value_atom_words, sparse_v,
+                                   (q_itemsize, k_itemsize, v_itemsize))
 
     @property
     def row_passes(self) -> int:
@@ -287,38 +287,42 @@ def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgrou
 
 
 def _partials_registers(head_dim: int, rows: int, per: int, lanes: int, k_bits: int, k_atom_words: int, v_bits: int,
-                        v_atom_words: int, sparse_v: bool = False) -> int:
-    """:func:`estimated_registers` of a partials kernel serving ``rows`` rows, ``per`` per simdgroup."""
+                        v_atom_words: int, sparse_v: bool = False, itemsizes: tuple = (2, 2, 2)) -> int:
+    """:func:`estimated_registers` of a partials kernel serving ``rows`` rows, ``per`` per simdgroup;
+    ``itemsizes``: bytes per element of the query, a float K cache and a float V cache."""
+    q, k, v = (_ITEM_DTYPES[n] for n in itemsizes)
     return estimated_registers("paged_attention_partials", dict(
-        D=head_dim, RPS=per, LPK=lanes, KBITS=k_bits, VBITS=v_bits, KAW=k_atom_words, VAW=v_atom_words, G=rows, QL=1,
-        SV=int(sparse_v)))
+        TQ=q, TK=k, TV=v, D=head_dim, RPS=per, LPK=lanes, KBITS=k_bits, VBITS=v_bits, KAW=k_atom_words,
+        VAW=v_atom_words, G=rows, QL=1, SV=int(sparse_v)))
 
 
 def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
-                     v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None) -> AttentionLayout:
+                     v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None,
+                     q_itemsize: int = 2) -> AttentionLayout:
     """The layout of one partial-kernel specialisation (:func:`_attention_layout`), at the
-    tile budget of KVMETAL_METAL_TILE_KIB / TILE_MEMORY_BUDGET (read on every call)."""
+    tile budget of KVMETAL_METAL_TILE_KIB / TILE_MEMORY_BUDGET (read on every call).
+    ``q_itemsize``: bytes per query element (2: float16 / bfloat16, 4: float32)."""
     return _attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=k_bits, k_group=k_group,
                              k_itemsize=k_itemsize, v_bits=v_bits, v_group=v_group, v_itemsize=v_itemsize,
-                             block_size=block_size, tile_budget=tile_memory_budget(head_dim))
+                             block_size=block_size, tile_budget=tile_memory_budget(head_dim), q_itemsize=q_itemsize)
 
 
 @functools.lru_cache(maxsize=None)  # runs per layer on every decode step; its search costs ~0.1 ms
 def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
                       v_bits: int, v_group: int, v_itemsize: int, block_size: int | None,
-                      tile_budget: int) -> AttentionLayout:
+                      tile_budget: int, q_itemsize: int = 2) -> AttentionLayout:
     """The layout of one partial-kernel specialisation.
 
     Register mode (up to ROW_REGISTER_LIMIT rows: every one of REGISTER_SIMDGROUPS
-    simdgroups holds all rows; 128 threads): the narrowest key group whose query and
-    accumulator shares, rows * 2 * head_dim / lanes_per_key floats, fit REGISTER_BUDGET
-    (narrow groups score more keys per pass) and whose whole estimate stays within
-    REGISTER_MODE_LIMIT (one row: the group of fewest registers, always register mode).
+    simdgroups holds all rows; 128 threads): the narrowest key group (narrow groups score
+    more keys per pass) whose estimate (:func:`estimated_registers`) stays within
+    REGISTER_MODE_LIMIT, the 128 registers of a thread (one row: the group of fewest
+    registers, always register mode).
 
     Shared mode (more rows: simdgroups split the rows and share K/V tiles; up to
     PIPELINE_THREAD_LIMIT threads): every simdgroup's estimated live registers
-    (:func:`estimated_registers`) stay within chips.PIPELINE_REGISTER_LIMIT, so that no
-    Mac lowers the pipeline's thread limit below what is launched. The fewest
+    (:func:`estimated_registers`) stay within chips.PIPELINE_REGISTER_LIMIT, the 128 a
+    thread has (no spilling; a pipeline at 128 still gets 384 threads). The fewest
     ``row_passes`` (blocks of simdgroups x rows_per_simdgroup rows; K/V read once a
     block) come first, with up to SHARED_ROW_LIMIT rows per simdgroup where the cap of
     MAX_SHARED_SIMDGROUPS needs it; then the narrowest key group that fits (a wider
@@ -329,13 +333,13 @@ def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k
 
     def registers(per: int, lanes: int) -> int:
         return _partials_registers(head_dim, rows, per, lanes, k_bits, _atom_words(head_dim, k_bits, k_group, lanes),
-                                   v_bits, _atom_words(head_dim, v_bits, v_group, lanes))
+                                   v_bits, _atom_words(head_dim, v_bits, v_group, lanes), False,
+                                   (q_itemsize, k_itemsize, v_itemsize))
 
     def fitting_lanes(per: int):
         return next((w for w in LANES_PER_KEY if registers(per, w) <= chips.PIPELINE_REGISTER_LIMIT), None)
 
-    lanes = next((w for w in LANES_PER_KEY if rows * 2 * head_dim // w <= REGISTER_BUDGET
-                  and registers(rows, w) <= REGISTER_MODE_LIMIT), None)
+    lanes = next((w for w in LANES_PER_KEY if registers(rows, w) <= REGISTER_MODE_LIMIT), None)
     if rows == 1 and lanes is None:  # one row with wide atoms: the key group of fewest registers
         lanes = min(LANES_PER_KEY, key=lambda w: registers(rows, w))
     if rows <= ROW_REGISTER_LIMIT and lanes is not None:
@@ -376,6 +380,9 @@ def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k
                            _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes, rows)
 
 
+_ITEM_DTYPES = {2: mx.float16, 4: mx.float32}  # a dtype of each element size (what the estimate reads)
+
+
 def cache_format(cache) -> tuple:
     """(element dtype, bits, group size) of one K or V cache; a float cache has bits 0 and
     group 32 (placeholders the kernels never read)."""
@@ -393,7 +400,8 @@ def layout_for(query, keys, values, *, paged: bool) -> AttentionLayout:
     num_kv_heads = tuple(keys.shape)[1]
     return attention_layout(head_dim=query.shape[-1], gqa=num_heads // num_kv_heads, query_len=query_len,
                             k_bits=kbits, k_group=kgs, k_itemsize=ksize, v_bits=vbits, v_group=vgs,
-                            v_itemsize=vsize, block_size=tuple(keys.shape)[2] if paged else None)
+                            v_itemsize=vsize, block_size=tuple(keys.shape)[2] if paged else None,
+                            q_itemsize=query.dtype.size)
 
 
 # A prefix chunk's rows (G x members) stay within one walk over a split: past
@@ -413,30 +421,51 @@ def _atoms(head_dim: int, bits: int, atom_words: int, lanes_per_key: int) -> tup
     return -(-(head_dim // per_atom) // lanes_per_key), per_atom
 
 
+def _element_bytes(dtype) -> int:
+    """Bytes per element of a template dtype: an mx.Dtype, or its tag in a kernel name
+    ("f16", "bf16", "f32"); 4 when not given."""
+    if dtype is None:
+        return 4
+    if isinstance(dtype, str):
+        return 2 if dtype in ("f16", "bf16", "float16", "bfloat16") else 4
+    return dtype.size
+
+
 def estimated_registers(kernel: str, template: dict) -> int:
     """Estimated live 32-bit registers per lane of one specialisation: the arrays a lane
-    keeps across its key loop (from the kernel's data layout) plus REGISTER_OVERHEAD.
+    keeps across its key loop (from the kernel's data layout; a 16-bit value is half a
+    register) plus REGISTER_OVERHEAD.
 
-    An estimate, not the compiler's count: what keeps every layout under
-    chips.PIPELINE_REGISTER_LIMIT, where M1/M2 still allow PIPELINE_THREAD_LIMIT threads
-    per threadgroup. ``kvmetal selfcheck`` on a Mac reports the real limits. The table
-    for every family is in docs/kernels.md ("Threads and registers")."""
+    An estimate, not the compiler's count. Apple GPUs give a thread up to 128 32-bit
+    registers (chips.PIPELINE_REGISTER_LIMIT); past them the compiler spills to memory,
+    and a pipeline using all 128 still gets 384 threads a threadgroup on M1/M2
+    (chips.PIPELINE_THREAD_LIMIT). The decode-family layouts keep every launch within
+    128 (metal_layout.attention_layout); ``kvmetal selfcheck`` on a Mac reports the real
+    limits. The table for every family is in docs/kernels.md ("Threads and registers")."""
     D = int(template.get("D", 0))
     if "RPS" in template:  # decode / paged / cascade partials (kv_attend)
         rps, lanes = int(template["RPS"]), int(template["LPK"])
         kbits, vbits = int(template["KBITS"]), int(template["VBITS"])
-        kna, kae = _atoms(D, kbits, int(template["KAW"]), lanes)
-        vna, vae = _atoms(D, vbits, int(template["VAW"]), lanes)
-        # KvRowState: q and o shares, qsum / ob (quantized), m, l, pos.
-        row = kna * kae + vna * vae + 3 + (kna if kbits else 0) + (vna if vbits else 0)
-        # KvAtoms: values, and (scale, bias) per atom for a quantized side (dead code for a float one).
-        k_atoms = kna * kae + (2 * kna if kbits else 0)
-        v_atoms = vna * vae + (2 * vna if vbits else 0)
+        kaw, vaw = int(template["KAW"]), int(template["VAW"])
+        qb = _element_bytes(template.get("TQ"))
+        kb, vb = _element_bytes(template.get("TK")), _element_bytes(template.get("TV"))
+        kna, kae = _atoms(D, kbits, kaw, lanes)
+        vna, vae = _atoms(D, vbits, vaw, lanes)
+        # KvRowState, in bytes: the q share in the query's type, q sums (quantized K), the
+        # float32 accumulator o, its bias sums (quantized V), m, l, pos.
+        row = kna * kae * qb + 4 * ((kna if kbits else 0) + vna * vae + (vna if vbits else 0) + 3)
+        # KvAtoms as held until use (KvAtom): a float cache's elements in their type, a
+        # quantized one's packed words and each atom's (scale, bias).
+        k_atoms = kna * (4 * kaw + 8 if kbits else kae * kb)
+        v_atoms = vna * (4 * vaw + 8 if vbits else vae * vb)
         shared = rps < int(template["G"]) * int(template["QL"])
-        # Register mode keeps the next pass's atoms in flight (software pipeline).
-        in_flight = k_atoms + v_atoms if shared else 2 * k_atoms + v_atoms * (1 if template["SV"] else 2)
-        words = max(int(template["KAW"]), int(template["VAW"]))  # packed words being unpacked
-        return rps * row + in_flight + words + REGISTER_OVERHEAD
+        # Register mode keeps the next pass's atoms in flight (software pipeline); sparse V
+        # reads V in the pass.
+        in_flight = k_atoms + v_atoms if shared else 2 * k_atoms + v_atoms * (1 if int(template["SV"]) else 2)
+        # The pass's scores, then weights, a float per row (and a quantized key's per-atom dot
+        # products beside them past one atom), and one group of 4 elements widened at use.
+        transient = 4 * (rps * (2 if kbits and kna > 1 else 1) + 4)
+        return -(-(rps * row + in_flight + transient) // 4) + REGISTER_OVERHEAD
     if kernel == "paged_varlen_partials":
         frag = D // 8
         rf = int(template.get("RF", 1))

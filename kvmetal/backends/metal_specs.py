@@ -100,9 +100,10 @@ def _attention_geometry(*, splits, num_kv_heads, num_seqs, layout):
                     threadgroup_bytes=layout.threadgroup_bytes)
 
 
-# SV: 1 compiles sparse V (kv_pass_sparse; threshold KvAttnParams.sparse_v), 0 the exact path.
-_ATTENTION_TEMPLATE = ("TK", "TV", "D", "G", "QL", "NSG", "RPS", "LPK", "TT", "KBITS", "KGS", "KAW", "VBITS", "VGS",
-                       "VAW", "SV")
+# TQ: the query's dtype (its register share keeps it); SV: 1 compiles sparse V (kv_pass_sparse;
+# threshold KvAttnParams.sparse_v), 0 the exact path.
+_ATTENTION_TEMPLATE = ("TQ", "TK", "TV", "D", "G", "QL", "NSG", "RPS", "LPK", "TT", "KBITS", "KGS", "KAW", "VBITS",
+                       "VGS", "VAW", "SV")
 _KV_INPUTS = ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
 _PARTIALS = ("part_max", "part_sum", "part_acc")
 # Attention math mode: "relaxed" lets Metal use its fast exp2/tanh and contract
@@ -137,7 +138,7 @@ SPECS = {
     for spec in (
         KernelSpec("paged_attention_partials", "attention",
                    ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
-                   _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
+                   _ATTENTION_TEMPLATE[:5] + ("BS",) + _ATTENTION_TEMPLATE[5:], _attention_geometry,
                    math_mode=ATTENTION_MATH_MODE),
         KernelSpec("decode_attention_partials", "attention",
                    ("query",) + _KV_INPUTS + ("params",), _PARTIALS,
@@ -175,7 +176,7 @@ SPECS = {
         # and own partials of each row.
         KernelSpec("cascade_partials", "cascade",
                    ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "params"), _PARTIALS,
-                   _ATTENTION_TEMPLATE[:4] + ("BS",) + _ATTENTION_TEMPLATE[4:], _attention_geometry,
+                   _ATTENTION_TEMPLATE[:5] + ("BS",) + _ATTENTION_TEMPLATE[5:], _attention_geometry,
                    math_mode=ATTENTION_MATH_MODE, uses=("attention",)),
         KernelSpec("cascade_reduce", "cascade",
                    ("prefix_max", "prefix_sum", "prefix_acc", "own_max", "own_sum", "own_acc", "slot_of", "sinks",

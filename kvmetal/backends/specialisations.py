@@ -33,15 +33,15 @@ from .. import quant
 
 # Template parameters that select code, per kernel (the others are sizes).
 PATH_PARAMETERS = {
-    "paged_attention_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
-    "decode_attention_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
+    "paged_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
+    "decode_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
     "attention_reduce": ("TQ", "HAS_SINKS"),
     "cache_rows_convert": ("TC",),
     "cache_rows_quantize": ("TC", "BITS", "GS"),
     "gather_kv_rows": ("TE", "BITS", "GS", "BS"),
     "copy_blocks_gather": ("T",),
     "paged_varlen_partials": ("TQ", "TK", "TV", "KBITS", "VBITS", "NSG", "BK", "KT", "RF"),
-    "cascade_partials": ("TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
+    "cascade_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
     "cascade_reduce": ("TQ", "HAS_SINKS"),
 }
 MAX_CONSTANT_ELEMENTS = 8  # MLX binds inputs with fewer elements as `constant`
@@ -204,6 +204,9 @@ def family_keys(calls) -> frozenset:
                 keys.add((kernel, extra["mode"], side + "BITS", bits))
                 keys.add((kernel, extra["mode"], side + "T", _value(template["T" + side])))
             keys.add((kernel, extra["mode"], "SV", template["SV"]))  # sparse V in each mode
+            keys.add((kernel, extra["mode"], "TQ", _value(template["TQ"])))  # the query's register type
+            if not template["KBITS"] and not template["VBITS"]:  # both sides float: no scales at all
+                keys.add((kernel, "float K and V"))
         for name, value in params.items():
             keys.add((kernel, name, value))
         for name, value in extra.items():
