@@ -112,7 +112,8 @@ def test_splits_and_tile_sizes(splits, tiles):
 def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     """One chunk of 64 rows after a 64-token prefix, G = 4: every query tile reads only
     the K/V rows up to its last row's position, each once for its G heads; two
-    barriers per K/V tile."""
+    barriers per K/V tile and one per threadgroup (the first tile's block ids); the block
+    table read once per block of each K/V tile (issue 41: not once per fill task)."""
     rng = np.random.default_rng(7)
     hkv, gqa, d, bs = 1, 4, 64, 16
     query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
@@ -127,7 +128,8 @@ def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     assert call.buffers["key_data"].loaded == sum(visible) * d * 2   # rows past the diagonal: never loaded
     assert call.buffers["value_data"].loaded == call.buffers["key_data"].loaded
     assert call.bytes_per_load("key_data", "value_data") == 16.0   # rows copied in 16-byte units
-    assert call.barriers == 2 * sum(kv_tiles)
+    assert call.barriers == 2 * sum(kv_tiles) + len(kv_tiles)
+    assert call.buffers["block_tables"].load_ops == sum(-(-v // bs) for v in visible)
     per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups * tiles.row_fragments
     assert call.mma == per_tile * sum(kv_tiles)
 
