@@ -501,6 +501,10 @@ class VarlenTiles:
     row_fragments: int = 1
     d_split: int = 1
 
+    def __post_init__(self):
+        if self.d_split not in (1, 2) or self.simdgroups % self.d_split:
+            raise ValueError(f"[metal] varlen tiles need a d_split of 1 or 2 dividing the simdgroups, got {self}")
+
     @property
     def block_q(self) -> int:
         return 8 * self.simdgroups * self.row_fragments // self.d_split
