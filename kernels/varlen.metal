@@ -6,12 +6,13 @@
 //
 // Design (docs/kernels.md, "Varlen prefill"):
 // - One threadgroup per (query tile, kv head, split). A query tile is BQ = 8 *
-//   NSG consecutive rows of one sequence's rows enumerated position-major over
+//   NSG * RF / DS consecutive rows of one sequence's rows enumerated position-major over
 //   the G query heads of the kv head (row r = position r / G, head r % G), so
 //   the G heads share every K/V tile: each K/V row leaves device memory once
 //   per kv head and query tile.
-// - Simdgroup sg owns the 8 rows [8 sg, 8 sg + 8) of the tile: its Q (pre-
-//   scaled), S and O live in simdgroup_float8x8 fragments; a lane holds row fm
+// - Simdgroup sg owns the 8 rows [8 sg, 8 sg + 8) of the tile (RF 1, DS 1; RF row
+//   fragments, shared by DS simdgroups over D / DS dims each: see the kernel's
+//   Grid note): its Q (pre-scaled), S and O live in simdgroup_float8x8 fragments; a lane holds row fm
 //   of every fragment (Apple's layout: fm = (lane / 4 & 4) + (lane / 2) % 4), so
 //   the online-softmax state (m, l) of a row is one scalar per lane and a row
 //   reduction is simd_shuffle_xor by 1 and 8.
@@ -23,7 +24,8 @@
 //   elements in one vector load: V row-major, K transposed (KT = 1, dims as
 //   rows) so that a K fragment's two keys are adjacent (rows padded by 16 bytes
 //   against bank conflicts). Fragment loops are unrolled (KV_UNROLL). Two
-//   barriers per tile (load, use); no double buffer, so the tiles fit the budget
+//   barriers per tile (load, use; DS 2 a third: the scores' exchange) and one per
+//   threadgroup (the first tile's block ids); no double buffer, so the tiles fit the budget
 //   at BK = 32 for D = 128 half.
 // - Key range of a tile: [first visible key of its first row, last row's
 //   position]: tiles above the causal diagonal are never visited, tiles before
