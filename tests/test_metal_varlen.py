@@ -282,7 +282,7 @@ def test_split_d_matches_one_simdgroup_per_row_and_keeps_a_rows_bits_in_any_chun
     rng = np.random.default_rng(21)
     d, bs, gqa = 256, 16, 2
     tiles = metal_layout.varlen_tiles(head_dim=d, k_itemsize=2, v_itemsize=2)
-    assert (tiles.d_split, tiles.simdgroups, tiles.block_q) == (2, 8, 32)
+    assert (tiles.d_split, tiles.simdgroups, tiles.block_q) == (2, metal_layout.VARLEN_SPLIT_D_SIMDGROUPS, 24)
     query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
         rng, lens=(30, 72), counts=(10, 40), num_kv_heads=1, gqa=gqa, head_dim=d, block_size=bs, dtype=f16)
     expected = oracle(query, kc, vc, tables, seq_lens, qsl)
@@ -290,8 +290,8 @@ def test_split_d_matches_one_simdgroup_per_row_and_keeps_a_rows_bits_in_any_chun
     for out in outs:
         assert_close(out, expected, f16)
     split = next(c for c in trace.calls if "paged_varlen_partials" in c.name)
-    assert "_ds2_" in split.name and split.threadgroup[0] == 256
-    one = metal_layout.VarlenTiles(4, tiles.block_k, True, 1, 1)
+    assert "_ds2_" in split.name and split.threadgroup[0] == 32 * tiles.simdgroups
+    one = metal_layout.VarlenTiles(tiles.simdgroups // 2, tiles.block_k, True, 1, 1)  # the same BQ, DS 1
     outs1, trace1 = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], tiles=one)
     assert_close(outs1[0], expected, f16)
     whole = next(c for c in trace1.calls if "paged_varlen_partials" in c.name)

@@ -475,6 +475,10 @@ VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVa
 # and the softmax run by both. KVMETAL_METAL_VARLEN_REGISTERS sets it for a Mac to compare (a
 # large value: never split; `kvmetal bench --cases prefill` times d_split 1 and 2).
 VARLEN_SPLIT_D_REGISTERS = REGISTER_BUDGET
+# Simdgroups of a split-D tile (3 row fragments x 2, 192 threads, BQ 24): the cost model's
+# best of 4 / 6 / 8 at D 256 (8, BQ 32: 256 threads at 112 registers leave one threadgroup a
+# core, and its barriers unhidden; bench/varlen_costs_p1.json).
+VARLEN_SPLIT_D_SIMDGROUPS = 6
 VARLEN_SCORE_PAD = 16                    # bytes added to each row of the split-D score exchange (tile_s)
 
 
@@ -563,8 +567,8 @@ def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups:
     with the Q tile (RF > 1) and the score exchange (DS 2), 32 KiB. ``row_fragments`` None:
     VARLEN_ROW_FRAGMENTS where some BK fits with it, else 1. ``d_split`` None: 2 where one
     simdgroup per row fragment would estimate more registers a lane than
-    varlen_split_registers() (D 256), else 1. ``simdgroups`` None: VARLEN_SIMDGROUPS x DS
-    (BQ 32 query rows either way)."""
+    varlen_split_registers() (D 256), else 1. ``simdgroups`` None: VARLEN_SIMDGROUPS, or
+    VARLEN_SPLIT_D_SIMDGROUPS with DS 2."""
 
     def fits(bk, rf, ds, nsg):
         t = VarlenTiles(nsg, bk, True, rf, ds)
@@ -573,7 +577,7 @@ def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups:
         return _varlen_kv_bytes(head_dim, bk, k_itemsize, v_itemsize) <= VARLEN_TILE_MEMORY and total <= 32 * 1024
 
     def choose(ds):
-        nsg = simdgroups or VARLEN_SIMDGROUPS * ds
+        nsg = simdgroups or (VARLEN_SPLIT_D_SIMDGROUPS if ds > 1 else VARLEN_SIMDGROUPS)
         rf = row_fragments
         if rf is None:
             rf = VARLEN_ROW_FRAGMENTS
