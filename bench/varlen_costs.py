@@ -1,10 +1,11 @@
 """Simulator cost counters and modelled times of the varlen prefill kernel (issue 41, P7/P8).
 
-    python bench/varlen_costs.py [--json out.json] [--quick] [--tiles NSG,BK,KT,RF]
+    python bench/varlen_costs.py [--json out.json] [--quick] [--head-dim D] [--tiles NSG,BK,KT,RF,DS]
 
 Cases: one sequence whose last 2048 tokens are new rows (a 2K prefill chunk) over 0 or
 8K cached tokens, one kv head (the modelled time scales it to cost_cases.KV_HEADS), float16
-and K8/V4 g64, GQA 1/4/8, head_dim 64/128 (--quick: context 0, GQA 4, D 128 only).
+and K8/V4 g64, GQA 1/4/8, head_dim 64/128 (--quick: context 0, GQA 4, D 128 only; --head-dim:
+that head_dim instead, e.g. 256, where the default tiles split D, issue 41 P1).
 
 Per case, for the paged_varlen_partials launch (the reduce is listed in the modelled time):
 - measured by the simulator: loads and bytes per load of each device buffer, K/V bytes
@@ -47,7 +48,7 @@ def _cache(rng, blocks, bs, d, bits):
 def _tiles_of(call_name: str) -> dict:
     vals = {}
     for part in call_name.split("_"):
-        for key in ("nsg", "bk", "kt", "rf", "kbits", "vbits"):
+        for key in ("nsg", "bk", "kt", "rf", "ds", "kbits", "vbits"):
             if part.startswith(key) and part[len(key):].isdigit():
                 vals.setdefault(key, int(part[len(key):]))
     return vals
@@ -109,11 +110,12 @@ def case(rng, *, context, gqa, d, fmt, tiles=None):
                     for n, b in call.buffers.items() if b.load_ops}
             kvn = [n for n in ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
                    if n in call.buffers]
-            nsg, bk, rf = tv.get("nsg", 4), tv.get("bk", 32), tv.get("rf", 1)
-            kf, df = bk // 8, d // 8
+            nsg, bk, rf, ds = tv.get("nsg", 4), tv.get("bk", 32), tv.get("rf", 1), tv.get("ds", 1)
+            kf, df = bk // 8, d // 8 // ds
             # Threadgroup fragment loads per K/V tile per simdgroup: K and V fragments (one
-            # each per (key block, dim block)), Q fragments when Q is staged (RF per dim block).
-            frag_loads = 2 * kf * df + (rf * df if rf > 1 else 0)
+            # each per (key block, dim block) of its dims), Q fragments when Q is staged (RF
+            # per dim block); split-D adds the partner's partial scores (RF x KF float2 loads).
+            frag_loads = 2 * kf * df + (rf * df if rf > 1 else 0) + (rf * kf if ds > 1 else 0)
             mma_tile = 2 * rf * kf * df
             ttk = 4 if kb else 2
             out = {"kernel": call.name, "threadgroups": call.threadgroups, "threads": call.threadgroup[0],
@@ -129,7 +131,8 @@ def case(rng, *, context, gqa, d, fmt, tiles=None):
                    "fill_v_lines": fill_lines(d=d, bits=vb, bk=bk, nt=32 * nsg, mapping="row"),
                    "fragment_loads_per_tile": frag_loads, "mma_per_tile": mma_tile,
                    "mma_per_fragment_load": round(mma_tile / frag_loads, 3),
-                   "k_tile_bytes_type": ttk}
+                   "k_tile_bytes_type": ttk, "block_table_loads": call.buffers["block_tables"].load_ops,
+                   "registers": metal_layout.varlen_registers(head_dim=d, block_k=bk, row_fragments=rf, d_split=ds)}
         else:
             rows = NEW * gqa
             works.append(cm.work_from_call(call, fma_lanes=rows * (d + cc.SOFTMAX_OPS), name="reduce"))
@@ -139,10 +142,11 @@ def case(rng, *, context, gqa, d, fmt, tiles=None):
     return out
 
 
-def measure(quick=False, tiles=None, steel=True, progress=print) -> list:
+def measure(quick=False, tiles=None, steel=True, progress=print, head_dim=None) -> list:
     rows = []
     # (8K context only at GQA 4, D 128: the simulator takes minutes per such case.)
-    grid = [(0, 4, 128, "f16")] if quick else (
+    grid = [(0, 4, head_dim or 128, "f16")] if quick else [(0, g, head_dim, f) for f in ("f16", "K8/V4")
+                                                           for g in (1, 4, 8)] if head_dim else (
         [(0, g, d, f) for f in ("f16", "K8/V4") for g in (1, 4, 8) for d in (64, 128)]
         + [(8192, 4, 128, f) for f in ("f16", "K8/V4")])
     for context, gqa, d, fmt in grid:
@@ -163,7 +167,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-steel", action="store_true")
-    parser.add_argument("--tiles", help="NSG,BK[,KT[,RF]]: a VarlenTiles override")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="this head_dim only (context 0; with --quick: GQA 4 f16 only)")
+    parser.add_argument("--tiles", help="NSG,BK[,KT[,RF[,DS]]]: a VarlenTiles override")
     parser.add_argument("--old-fill", action="store_true", help="index map of the fill before issue 41 P7")
     args = parser.parse_args(argv)
     global OLD_FILL
@@ -172,7 +178,7 @@ def main(argv=None) -> int:
     if args.tiles:
         vals = [int(x) for x in args.tiles.split(",")]
         tiles = metal_layout.VarlenTiles(*vals[:2], *(bool(v) if i == 0 else v for i, v in enumerate(vals[2:])))
-    rows = measure(args.quick, tiles, steel=not args.no_steel)
+    rows = measure(args.quick, tiles, steel=not args.no_steel, head_dim=args.head_dim)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"label": "simulator counters (measured); fill lines and fragment loads from the kernel's "

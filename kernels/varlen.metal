@@ -6,12 +6,13 @@
 //
 // Design (docs/kernels.md, "Varlen prefill"):
 // - One threadgroup per (query tile, kv head, split). A query tile is BQ = 8 *
-//   NSG consecutive rows of one sequence's rows enumerated position-major over
+//   NSG * RF / DS consecutive rows of one sequence's rows enumerated position-major over
 //   the G query heads of the kv head (row r = position r / G, head r % G), so
 //   the G heads share every K/V tile: each K/V row leaves device memory once
 //   per kv head and query tile.
-// - Simdgroup sg owns the 8 rows [8 sg, 8 sg + 8) of the tile: its Q (pre-
-//   scaled), S and O live in simdgroup_float8x8 fragments; a lane holds row fm
+// - Simdgroup sg owns the 8 rows [8 sg, 8 sg + 8) of the tile (RF 1, DS 1; RF row
+//   fragments, shared by DS simdgroups over D / DS dims each: see the kernel's
+//   Grid note): its Q (pre-scaled), S and O live in simdgroup_float8x8 fragments; a lane holds row fm
 //   of every fragment (Apple's layout: fm = (lane / 4 & 4) + (lane / 2) % 4), so
 //   the online-softmax state (m, l) of a row is one scalar per lane and a row
 //   reduction is simd_shuffle_xor by 1 and 8.
@@ -23,7 +24,8 @@
 //   elements in one vector load: V row-major, K transposed (KT = 1, dims as
 //   rows) so that a K fragment's two keys are adjacent (rows padded by 16 bytes
 //   against bank conflicts). Fragment loops are unrolled (KV_UNROLL). Two
-//   barriers per tile (load, use); no double buffer, so the tiles fit the budget
+//   barriers per tile (load, use; DS 2 a third: the scores' exchange) and one per
+//   threadgroup (the first tile's block ids); no double buffer, so the tiles fit the budget
 //   at BK = 32 for D = 128 half.
 // - Key range of a tile: [first visible key of its first row, last row's
 //   position]: tiles above the causal diagonal are never visited, tiles before
@@ -129,10 +131,12 @@ struct KvWordLoad<4> {
 // (issue 41, P7): a simdgroup's loads cover whole rows (a float row in 16-byte
 // loads, a packed row's runs of words in 16-byte loads where aligned), and the
 // transposed tile takes each element down its column. Rows outside [lo, hi) or in
-// a block outside [0, N) are zeros (never NaN into the MMA) with ok = 0.
+// a block outside [0, N) are zeros (never NaN into the MMA) with ok = 0. The tile's
+// block ids come from threadgroup memory (`bid`, kv_varlen_load_blocks: one device
+// load per block, not one per task; issue 41).
 template <int BK, int D, int BS, int BITS, int GS, bool KT, int NT, typename TT, typename PD, typename PS,
-          typename PB, typename PT>
-inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num_blocks,
+          typename PB>
+inline void kv_varlen_load_tile(PD data, PS scales, PB biases, const threadgroup int* bid, int num_blocks,
                                 int num_kv_heads, int kvh, int t0, int lo, int hi, threadgroup TT* tile,
                                 threadgroup int* ok, int tid, bool write_ok) {
   constexpr int W = BITS ? D * BITS / 32 : D;   // data elements per row
@@ -150,7 +154,7 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
     bool good = t >= lo && t < hi;
     size_t row = 0;
     if (good) {
-      const int block = table[t / BS];
+      const int block = bid[t / BS - t0 / BS];
       good = uint(block) < uint(num_blocks);
       row = (size_t(good ? block : 0) * uint(num_kv_heads) + uint(kvh)) * BS + uint(t % BS);
     }
@@ -196,6 +200,24 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
   }
 }
 
+// Blocks a K/V tile of BK tokens starting at a multiple of BK can touch.
+template <int BK, int BS>
+struct KvVarlenSlots {
+  static constant constexpr const int N = (BK + BS - 1) / BS + 1;
+};
+
+// The block ids of the K/V tile at t0 into bid[0, N): thread s < N loads block t0 / BS + s
+// of the sequence's table if the block holds a key of [lo, t_end) in the tile, else
+// writes -1 (never an index past the table: t_end <= the clamped length). Written between
+// barriers its readers are on the other side of.
+template <int BK, int BS, typename PT>
+inline void kv_varlen_load_blocks(PT table, int t0, int lo, int t_end, threadgroup int* bid, int tid) {
+  if (tid < KvVarlenSlots<BK, BS>::N) {
+    const int b = t0 / BS + tid;
+    bid[tid] = b * BS < min(t0 + BK, t_end) && (b + 1) * BS > lo ? table[b] : -1;
+  }
+}
+
 //@kernel paged_varlen_partials
 // Inputs:  query [T, H, D] TQ; key_data [N, Hkv, BS, WK] (TK, or uint32 packed);
 //          key_scales/key_biases [N, Hkv, BS, D/KGS] TK (placeholders for a float
@@ -203,11 +225,20 @@ inline void kv_varlen_load_tile(PD data, PS scales, PB biases, PT table, int num
 //          [S]; tiles int32 [num_tiles, 8] (KvVarlenTile); params int32 KvAttnParams
 //          (num_tokens = T, query_len = rows of the partials / H)
 // Outputs: part_max, part_sum float32 [R, splits]; part_acc float32 [R, splits, D]
-// Grid:    threadgroups (num_tiles, Hkv, splits), NSG * 32 threads each; BQ = 8 * NSG * RF.
+// Grid:    threadgroups (num_tiles, Hkv, splits), NSG * 32 threads each; BQ = 8 * NSG * RF / DS.
+// DS (split-D, issue 41 P1): DS simdgroups share each row fragment, each holding the Q and
+// O fragments of D / DS dims (the registers of D 256 in one simdgroup spill); their partial
+// scores meet in threadgroup memory (one more barrier per K/V tile), and each computes
+// the row's softmax from the same sum, so the halves agree bit for bit.
 const device KvAttnParams& p = kv_params<KvAttnParams>(params);
-constexpr int BQ = 8 * NSG * RF;
+static_assert(DS == 1 || DS == 2, "DS is 1 or 2");
+static_assert(NSG % DS == 0 && D % (8 * DS) == 0, "DS divides the simdgroups and the fragments");
+constexpr int BQ = 8 * NSG * RF / DS;
 constexpr int NT = NSG * 32;
-constexpr int DF = D / 8;    // fragments along the head dim
+constexpr int DH = D / DS;   // dims of one simdgroup's Q and O fragments
+constexpr int DF = DH / 8;   // fragments along them
+constexpr int SLD = BK + 4;  // row stride of tile_s (floats; 16 bytes of pad)
+constexpr int TILE_S = DS > 1 ? NSG * RF * 8 * SLD : 4;
 constexpr int KF = BK / 8;   // fragments along the keys
 constexpr bool QTG = RF > 1; // Q staged in threadgroup memory (RF > 1), else in registers
 const int tile_index = int(threadgroup_position_in_grid.x);
@@ -216,6 +247,8 @@ const int split = int(threadgroup_position_in_grid.z);
 const int tid = int(thread_index_in_threadgroup);
 const int sg = int(simdgroup_index_in_threadgroup);
 const int lane = int(thread_index_in_simdgroup);
+const int rsg = sg / DS;        // the row fragments' simdgroup index
+const int dh0 = sg % DS * DH;   // first dim of this simdgroup's Q and O fragments
 const int num_heads = p.num_heads;
 const int num_splits = p.num_splits;
 const int out_rows = p.query_len;  // partial rows / H
@@ -232,6 +265,9 @@ threadgroup uint4 tile_k_raw[TILE_K16];
 threadgroup uint4 tile_v_raw[TILE_V16];
 threadgroup uint4 tile_q_raw[TILE_Q16];
 threadgroup int tile_ok[BK + 1];  // row flags; [BK]: t0 of the last tile with a masked row
+threadgroup int tile_bid[BK / 8 + 1];  // block ids of the next K/V tile (KvVarlenSlots)
+threadgroup float tile_s[TILE_S];        // DS > 1: each simdgroup's partial scores
+static_assert(KvVarlenSlots<BK, BS>::N <= BK / 8 + 1, "block size >= 8");
 threadgroup TK* tile_k = reinterpret_cast<threadgroup TK*>(tile_k_raw);
 threadgroup TV* tile_v = reinterpret_cast<threadgroup TV*>(tile_v_raw);
 threadgroup TQ* tile_q = reinterpret_cast<threadgroup TQ*>(tile_q_raw);
@@ -247,7 +283,8 @@ const int r_end = min(r0 + BQ, rows);
 const decltype(block_tables) table = block_tables + size_t(seq) * p.max_blocks;
 
 // This lane's row (fm) and columns (fn, fn + 1) of every fragment; simdgroup sg owns
-// the RF row fragments sg * RF + f, f < RF (rows 8 (sg * RF + f) + [0, 8) of the tile).
+// dims [dh0, dh0 + DH) of the RF row fragments rsg * RF + f, f < RF (rows
+// 8 (rsg * RF + f) + [0, 8) of the tile).
 const int qid = lane / 4;
 const int fm = (qid & 4) + (lane / 2) % 4;
 const int fn = (qid & 2) * 2 + (lane % 2) * 2;
@@ -259,7 +296,7 @@ bool row_ok[RF];
 bool rows_ok = true;
 KV_UNROLL
 for (int f = 0; f < RF; f++) {
-  const int r = r0 + (sg * RF + f) * 8 + fm;
+  const int r = r0 + (rsg * RF + f) * 8 + fm;
   const int pos_i = r / G;                     // new position index of the row
   head[f] = kvh * G + r % G;
   pos[f] = len - n + pos_i;                    // its cached position
@@ -314,7 +351,8 @@ if (QTG) {
   for (int j = 0; j < DF; j++) {
     KV_UNROLL
     for (int e = 0; e < 2; e++) {
-      const float x = row_ok[0] ? float(query[(size_t(q_row[0]) * num_heads + head[0]) * D + j * 8 + fn + e]) : 0.0f;
+      const float x =
+          row_ok[0] ? float(query[(size_t(q_row[0]) * num_heads + head[0]) * D + dh0 + j * 8 + fn + e]) : 0.0f;
       qf[QTG ? 0 : j].thread_elements()[e] = x * qscale;
     }
   }
@@ -331,14 +369,25 @@ for (int f = 0; f < RF; f++) {
   l[f] = 0.0f;
 }
 
+// Block ids of the first K/V tile; each later tile's are loaded after the barrier that
+// ends the previous fill (the fill reads them) and published by the barrier that ends
+// the tile (one barrier per threadgroup here, none per tile).
+if (t_begin < t_end) {
+  kv_varlen_load_blocks<BK, BS>(table, t_begin, lo, t_end, tile_bid, tid);
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
 for (int t0 = t_begin; t0 < t_end; t0 += BK) {
-  kv_varlen_load_tile<BK, D, BS, KBITS, KGS, KT != 0, NT, TK>(key_data, key_scales, key_biases, table,
+  kv_varlen_load_tile<BK, D, BS, KBITS, KGS, KT != 0, NT, TK>(key_data, key_scales, key_biases, tile_bid,
                                                               p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
                                                               tile_k, tile_ok, tid, true);
-  kv_varlen_load_tile<BK, D, BS, VBITS, VGS, false, NT, TV>(value_data, value_scales, value_biases, table,
+  kv_varlen_load_tile<BK, D, BS, VBITS, VGS, false, NT, TV>(value_data, value_scales, value_biases, tile_bid,
                                                              p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
                                                              tile_v, tile_ok, tid, false);
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (t0 + BK < t_end) {
+    kv_varlen_load_blocks<BK, BS>(table, t0 + BK, lo, t_end, tile_bid, tid);
+  }
 
   // S = Q K^T: fragment (f, kb) holds keys t0 + 8 kb + [0, 8) of row fragment f. Each K
   // fragment loaded serves the RF row fragments.
@@ -355,8 +404,8 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     simdgroup_float8x8 qa[RF];
     KV_UNROLL
     for (int f = 0; f < RF; f++) {
-      if (QTG) {  // row (sg RF + f) 8 + fm, dims j 8 + fn, fn + 1
-        const float2 x = KvVec2<TQ>::load(tile_q + ((sg * RF + f) * 8 + fm) * QLD + j * 8 + fn);
+      if (QTG) {  // row (rsg RF + f) 8 + fm, dims dh0 + j 8 + fn, fn + 1
+        const float2 x = KvVec2<TQ>::load(tile_q + ((rsg * RF + f) * 8 + fm) * QLD + dh0 + j * 8 + fn);
         qa[f].thread_elements()[0] = x.x;
         qa[f].thread_elements()[1] = x.y;
       } else {
@@ -366,17 +415,42 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     KV_UNROLL
     for (int kb = 0; kb < KF; kb++) {
       simdgroup_float8x8 kt;  // (dim, key) = K[key][dim]
-      if (KT) {  // keys fn, fn + 1 of dim j * 8 + fm: adjacent in the transposed tile
-        const float2 x = KvVec2<TK>::load(tile_k + (j * 8 + fm) * KLDT + kb * 8 + fn);
+      if (KT) {  // keys fn, fn + 1 of dim dh0 + j * 8 + fm: adjacent in the transposed tile
+        const float2 x = KvVec2<TK>::load(tile_k + (dh0 + j * 8 + fm) * KLDT + kb * 8 + fn);
         kt.thread_elements()[0] = x.x;
         kt.thread_elements()[1] = x.y;
       } else {
-        kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * KLD + j * 8 + fm]);
-        kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * KLD + j * 8 + fm]);
+        kt.thread_elements()[0] = float(tile_k[(kb * 8 + fn) * KLD + dh0 + j * 8 + fm]);
+        kt.thread_elements()[1] = float(tile_k[(kb * 8 + fn + 1) * KLD + dh0 + j * 8 + fm]);
       }
       KV_UNROLL
       for (int f = 0; f < RF; f++) {
         simdgroup_multiply_accumulate(sf[f][kb], qa[f], kt, sf[f][kb]);
+      }
+    }
+  }
+
+  // Split-D: the full scores are the sum of the DS simdgroups' partial ones (over their
+  // dims), exchanged through tile_s. Both of a pair add own + other: IEEE addition
+  // commutes exactly, so both hold the same bits and run the same softmax.
+  if (DS > 1) {
+    KV_UNROLL
+    for (int f = 0; f < RF; f++) {
+      KV_UNROLL
+      for (int kb = 0; kb < KF; kb++) {
+        *reinterpret_cast<threadgroup float2*>(tile_s + ((sg * RF + f) * 8 + fm) * SLD + kb * 8 + fn) =
+            kv_float2(sf[f][kb].thread_elements()[0], sf[f][kb].thread_elements()[1]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    KV_UNROLL
+    for (int f = 0; f < RF; f++) {
+      KV_UNROLL
+      for (int kb = 0; kb < KF; kb++) {
+        const float2 o = *reinterpret_cast<const threadgroup float2*>(
+            tile_s + (((sg ^ 1) * RF + f) * 8 + fm) * SLD + kb * 8 + fn);
+        sf[f][kb].thread_elements()[0] += o.x;
+        sf[f][kb].thread_elements()[1] += o.y;
       }
     }
   }
@@ -447,7 +521,7 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
     KV_UNROLL
     for (int kb = 0; kb < KF; kb++) {
       simdgroup_float8x8 vf;  // (key, dim): dims fn, fn + 1 adjacent in the row-major tile
-      const float2 x = KvVec2<TV>::load(tile_v + (kb * 8 + fm) * VLD + j * 8 + fn);
+      const float2 x = KvVec2<TV>::load(tile_v + (kb * 8 + fm) * VLD + dh0 + j * 8 + fn);
       vf.thread_elements()[0] = x.x;
       vf.thread_elements()[1] = x.y;
       KV_UNROLL
@@ -464,14 +538,14 @@ KV_UNROLL
 for (int f = 0; f < RF; f++) {
   if (row_ok[f]) {
     const size_t at = (size_t(o_row[f]) * num_heads + head[f]) * num_splits + split;
-    if (fn == 0) {
+    if (fn == 0 && dh0 == 0) {
       part_max[at] = m[f];
       part_sum[at] = l[f];
     }
     KV_UNROLL
     for (int j = 0; j < DF; j++) {
-      part_acc[at * D + j * 8 + fn] = of[f][j].thread_elements()[0];
-      part_acc[at * D + j * 8 + fn + 1] = of[f][j].thread_elements()[1];
+      part_acc[at * D + dh0 + j * 8 + fn] = of[f][j].thread_elements()[0];
+      part_acc[at * D + dh0 + j * 8 + fn + 1] = of[f][j].thread_elements()[1];
     }
   }
 }

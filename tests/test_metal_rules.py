@@ -174,6 +174,21 @@ def test_every_decode_family_launch_within_the_registers_a_thread_has():
     assert chips.PIPELINE_REGISTER_LIMIT == 128 and over == []
 
 
+def test_every_varlen_launch_within_the_register_budget():
+    """Issue 41, P1: every paged_varlen_partials launch of the registry estimates at most
+    chips.PIPELINE_REGISTER_LIMIT (128) registers a lane (D 256 splits D), and so does the default
+    tile of every head_dim the ops serve at every tile element size."""
+    rows = [r for r in kernel_limits.launches() if r[1] == "paged_varlen_partials"]
+    assert any("-d256-" in r[0] for r in rows)
+    assert [r for r in rows if r[4] > chips.PIPELINE_REGISTER_LIMIT] == []
+    for d in ops.SUPPORTED_HEAD_DIMS:
+        for k_item, v_item, q_item in ((2, 2, 2), (4, 2, 2), (4, 4, 4)):
+            t = metal_layout.varlen_tiles(head_dim=d, k_itemsize=k_item, v_itemsize=v_item, q_itemsize=q_item)
+            regs = metal_layout.varlen_registers(head_dim=d, block_k=t.block_k, row_fragments=t.row_fragments,
+                                                 d_split=t.d_split)
+            assert regs <= chips.PIPELINE_REGISTER_LIMIT, (d, k_item, v_item, q_item, t, regs)
+
+
 def test_sim_backend_refuses_a_launch_over_the_thread_limit():
     from kvmetal.sim.errors import ThreadgroupSizeError
 

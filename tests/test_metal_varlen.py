@@ -93,7 +93,8 @@ def test_every_row_a_decode_row_equals_paged_attention():
     np.testing.assert_array_equal(np.array(outs[0]), np.array(want[:, 0]))
 
 
-@pytest.mark.parametrize("splits,tiles", [(3, None), (2, metal_layout.VarlenTiles(2, 16))])
+@pytest.mark.parametrize("splits,tiles", [(3, None), (2, metal_layout.VarlenTiles(2, 16)),
+                                          (2, metal_layout.VarlenTiles(4, 16, True, 2, 2))])
 def test_splits_and_tile_sizes(splits, tiles):
     rng = np.random.default_rng(splits)
     query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
@@ -112,7 +113,8 @@ def test_splits_and_tile_sizes(splits, tiles):
 def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     """One chunk of 64 rows after a 64-token prefix, G = 4: every query tile reads only
     the K/V rows up to its last row's position, each once for its G heads; two
-    barriers per K/V tile."""
+    barriers per K/V tile and one per threadgroup (the first tile's block ids); the block
+    table read once per block of each K/V tile (issue 41: not once per fill task)."""
     rng = np.random.default_rng(7)
     hkv, gqa, d, bs = 1, 4, 64, 16
     query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
@@ -127,7 +129,8 @@ def test_costs_causal_skip_and_kv_read_once_per_query_tile():
     assert call.buffers["key_data"].loaded == sum(visible) * d * 2   # rows past the diagonal: never loaded
     assert call.buffers["value_data"].loaded == call.buffers["key_data"].loaded
     assert call.bytes_per_load("key_data", "value_data") == 16.0   # rows copied in 16-byte units
-    assert call.barriers == 2 * sum(kv_tiles)
+    assert call.barriers == 2 * sum(kv_tiles) + len(kv_tiles)
+    assert call.buffers["block_tables"].load_ops == sum(-(-v // bs) for v in visible)
     per_tile = 2 * (tiles.block_k // 8) * (d // 8) * tiles.simdgroups * tiles.row_fragments
     assert call.mma == per_tile * sum(kv_tiles)
 
@@ -152,12 +155,15 @@ def test_index_guards_without_validation():
 def test_bench_prefill_case_sweeps_tiles_on_sim(monkeypatch):
     from kvmetal.benchmarks import cases
 
-    # Two tile sizes x RF 1 and 2; what does not fit 32 KiB (BK 128, and RF 2's Q tile beside
-    # BK 32's K/V tiles at D 128) is skipped. Each row is a kernel build.
+    # Two tile sizes x RF 1 and 2 x DS 1 and 2 (DS 2: twice the simdgroups, the same BQ); what
+    # does not fit 32 KiB (BK 128, and RF 2's Q tile beside BK 32's K/V tiles at D 128) is
+    # skipped. Each row is a kernel build.
     monkeypatch.setattr(cases, "PREFILL_TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
     rows = cases.run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
-    assert [(r["tiles"]["row_fragments"], r["tiles"]["block_q"], r["tiles"]["block_k"]) for r in rows] == \
-        [(1, 32, 32), (1, 16, 16), (2, 32, 16)]
+    assert [(r["tiles"]["row_fragments"], r["tiles"]["block_q"], r["tiles"]["block_k"], r["tiles"]["d_split"],
+             r["tiles"]["simdgroups"]) for r in rows] == \
+        [(1, 32, 32, 1, 4), (1, 32, 32, 2, 8), (1, 16, 16, 1, 2), (1, 16, 16, 2, 4), (2, 32, 16, 1, 2),
+         (2, 32, 16, 2, 4)]
     for r in rows:
         assert r["seconds"] > 0 and r["baseline"]["seconds"] > 0
 
@@ -266,3 +272,59 @@ def test_rescale_only_when_the_max_rises():
     assert_close(outs[0], oracle(query, kc, vc, tables, seq_lens, qsl), f16)
     (call,) = [c for c in trace.calls if "paged_varlen_partials" in c.name]
     assert call.math.get("exp2", 0) == 45 + 36, call.math
+
+
+def test_split_d_matches_one_simdgroup_per_row_and_keeps_a_rows_bits_in_any_chunk_or_batch():
+    """Issue 41, P1: at D 256 the default tiles split D (two simdgroups per row fragment,
+    each over half the dims, their partial scores summed in threadgroup memory): the oracle's
+    result, as with one simdgroup per row fragment (DS 1, the tiles a Mac can compare), with
+    one more barrier per K/V tile; and a row gets the same bits whatever chunk and batch it is in."""
+    rng = np.random.default_rng(21)
+    d, bs, gqa = 256, 16, 2
+    tiles = metal_layout.varlen_tiles(head_dim=d, k_itemsize=2, v_itemsize=2)
+    assert (tiles.d_split, tiles.simdgroups, tiles.block_q) == (2, metal_layout.VARLEN_SPLIT_D_SIMDGROUPS, 24)
+    query, kc, vc, tables, seq_lens, qsl, _ = varlen_inputs(
+        rng, lens=(30, 72), counts=(10, 40), num_kv_heads=1, gqa=gqa, head_dim=d, block_size=bs, dtype=f16)
+    expected = oracle(query, kc, vc, tables, seq_lens, qsl)
+    outs, trace = run_varlen(query, kc, vc, tables, seq_lens, qsl)
+    for out in outs:
+        assert_close(out, expected, f16)
+    split = next(c for c in trace.calls if "paged_varlen_partials" in c.name)
+    assert "_ds2_" in split.name and split.threadgroup[0] == 32 * tiles.simdgroups
+    one = metal_layout.VarlenTiles(tiles.simdgroups // 2, tiles.block_k, True, 1, 1)  # the same BQ, DS 1
+    outs1, trace1 = run_varlen(query, kc, vc, tables, seq_lens, qsl, seeds=SEEDS[:1], tiles=one)
+    assert_close(outs1[0], expected, f16)
+    whole = next(c for c in trace1.calls if "paged_varlen_partials" in c.name)
+    assert "_ds1_" in whole.name and whole.mma == split.mma
+    # The same K/V tiles and threadgroups: DS 2 adds one barrier per K/V tile.
+    per_tg = (whole.barriers - whole.threadgroups) // 2
+    assert split.barriers == 3 * per_tg + split.threadgroups
+    # The second sequence's rows in chunks of 14 (query tiles cut elsewhere than in the whole
+    # run; every chunk over VARLEN_DECODE_ROWS) after a varying neighbour: the same bits.
+    q1 = query[10:]
+    parts = []
+    for a in range(0, 40, 14):
+        b = min(40, a + 14)
+        lens = mx.array([int(seq_lens[0]), 72 - 40 + b], mx.int32)
+        q = mx.concatenate([query[:a % 11 + 9], q1[a:b]])
+        with sim.trace(strict=True, seed=SEEDS[0]), kv.use_backend("sim"):
+            out = kv.paged_attention_varlen(q, kc, vc, tables, lens, mx.array([0, a % 11 + 9, q.shape[0]], mx.int32))
+            mx.eval(out)
+        parts.append(out[a % 11 + 9:])
+    assert mx.array_equal(mx.concatenate(parts), outs[0][10:])
+
+
+def test_split_d_threshold_is_a_tuning_variable(monkeypatch):
+    """KVMETAL_METAL_VARLEN_REGISTERS moves the split-D threshold (a large value: never
+    split); a value that does not parse or is below 1 raises naming the variable."""
+    args = dict(head_dim=256, k_itemsize=2, v_itemsize=2)
+    assert metal_layout.varlen_tiles(**args).d_split == 2
+    assert metal_layout.varlen_tiles(head_dim=128, k_itemsize=2, v_itemsize=2).d_split == 1
+    monkeypatch.setenv("KVMETAL_METAL_VARLEN_REGISTERS", "1000")
+    assert metal_layout.varlen_tiles(**args) == metal_layout.VarlenTiles(4, 16, True, 1, 1)
+    monkeypatch.setenv("KVMETAL_METAL_VARLEN_REGISTERS", "100")
+    assert metal_layout.varlen_tiles(head_dim=128, k_itemsize=2, v_itemsize=2).d_split == 2
+    for bad in ("0", "x", "1.5"):
+        monkeypatch.setenv("KVMETAL_METAL_VARLEN_REGISTERS", bad)
+        with pytest.raises(ValueError, match="KVMETAL_METAL_VARLEN_REGISTERS"):
+            metal_layout.varlen_tiles(**args)

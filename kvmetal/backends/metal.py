@@ -22,7 +22,7 @@ from .metal_cascade import plan as cascade_plan
 from . import metal_layout, metal_specs
 from .metal_layout import (CASCADE_CHUNK_ROWS, SPLIT_TOKENS, SPLIT_UNIT,
                            VARLEN_SPLIT_TOKENS, VarlenTiles, _window_fields, cache_format, choose_num_splits,
-                           layout_for, split_policy, varlen_plan, varlen_threadgroup_bytes, varlen_tiles,
+                           layout_for, split_policy, tiles_threadgroup_bytes, varlen_plan, varlen_tiles,
                            window_div, window_splits)
 from .metal_specs import (ATTENTION_PARAMS, CASCADE_REDUCE_PARAMS, DTYPE_TAGS, GATHER_PARAMS, Geometry, KernelSpec,
                           SPECS, kernel_text, math_mode_for)
@@ -317,10 +317,8 @@ class KernelBackend:
                            max_len=max_blocks * block_size, sliding_window=sliding_window)
         outs = []
         if plan.tiles.shape[0]:
-            tg_bytes = varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=ktt.size,
-                                                v_itemsize=vdt.size, transposed_k=tiles.transposed_k,
-                                                block_q=tiles.block_q, q_itemsize=query.dtype.size,
-                                                row_fragments=tiles.row_fragments)
+            tg_bytes = tiles_threadgroup_bytes(tiles, head_dim=head_dim, k_itemsize=ktt.size, v_itemsize=vdt.size,
+                                               q_itemsize=query.dtype.size)
             useful = max(1, -(-plan.max_work // tiles.block_k))
             split_tokens = 0
             if num_splits is not None:
@@ -339,7 +337,8 @@ class KernelBackend:
                                            num_tokens=num_tokens, scale=scale, softcap=softcap or 0.0, head_div=1,
                                            split_tokens=split_tokens)
             template = dict(TQ=query.dtype, TK=ktt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
-                            NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), RF=tiles.row_fragments, KBITS=kbits, KGS=kgs,
+                            NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), RF=tiles.row_fragments,
+                            DS=tiles.d_split, KBITS=kbits, KGS=kgs,
                             VBITS=vbits, VGS=vgs)
             geometry = SPECS["paged_varlen_partials"].geometry(
                 num_tiles=plan.tiles.shape[0], num_kv_heads=num_kv_heads, splits=splits, tiles=tiles,

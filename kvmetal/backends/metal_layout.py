@@ -467,12 +467,8 @@ def estimated_registers(kernel: str, template: dict) -> int:
         transient = 4 * (rps * (2 if kbits and kna > 1 else 1) + 4)
         return -(-(rps * row + in_flight + transient) // 4) + REGISTER_OVERHEAD
     if kernel == "paged_varlen_partials":
-        frag = D // 8
-        rf = int(template.get("RF", 1))
-        q = 2 * rf if rf > 1 else 2 * frag  # Q fragments (RF > 1: the RF of one dim block, from threadgroup memory)
-        # O and S fragments (2 floats a lane each) of RF row fragments, the K/V fragment being
-        # loaded, m, l, rows and the tile's sums.
-        return q + rf * (2 * frag + 2 * (int(template["BK"]) // 8) + 4) + 6 + REGISTER_OVERHEAD
+        return varlen_registers(head_dim=D, block_k=int(template["BK"]), row_fragments=int(template.get("RF", 1)),
+                                d_split=int(template.get("DS", 1)))
     if kernel in ("attention_reduce", "cascade_reduce"):
         return 4 * -(-(D // 4) // 32) + 8 + REGISTER_OVERHEAD  # float4 chunks of the row, m, denom
     if kernel == "cache_rows_quantize":
@@ -481,6 +477,20 @@ def estimated_registers(kernel: str, template: dict) -> int:
 
 
 # ----------------------------------------------------------------------------- varlen prefill tiles
+
+def varlen_registers(*, head_dim: int, block_k: int, row_fragments: int = 1, d_split: int = 1) -> int:
+    """estimated_registers of paged_varlen_partials: a lane holds 2 floats of each 8x8
+    fragment. Q: the DF = head_dim / 8 / d_split fragments of its dims in registers (RF 1),
+    or (RF > 1, Q staged in threadgroup memory) the RF of one dim block; O: RF x DF; S: RF x
+    BK / 8; per row fragment m, l, the rescale factor and its row flag; the K/V fragment being
+    loaded, the tile's max and sum, the loop's key; split-D (d_split 2) also the partner's
+    two partial scores being added."""
+    frag = head_dim // 8 // d_split
+    rf = row_fragments
+    q = 2 * rf if rf > 1 else 2 * frag
+    exchange = 2 if d_split > 1 else 0
+    return q + rf * (2 * frag + 2 * (block_k // 8) + 4) + 6 + exchange + REGISTER_OVERHEAD
+
 
 VARLEN_DECODE_ROWS = VARLEN_SHORT_RUN  # sequences with n_s <= this go through the decode partials
 assert VARLEN_DECODE_ROWS <= ROW_REGISTER_LIMIT
@@ -491,6 +501,17 @@ VARLEN_TILE_MEMORY = 20 * 1024           # bytes of the K + V tiles (one buffer 
 VARLEN_ROW_PAD = 16                      # bytes added to each tile row (kernels: KvVarlenStride)
 VARLEN_TRANSPOSED_PAD = 8                # bytes added to each row of the transposed K tile (KvVarlenStrideT)
 VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVarlenTile)
+# Split-D (issue 41 P1): where one simdgroup per row fragment would keep more than this many
+# registers a lane (varlen_registers; D 256: 174), two simdgroups share each row fragment, each
+# holding the Q and O fragments of half the dims (D 256: 112), at one more barrier per K/V tile
+# and the softmax run by both. KVMETAL_METAL_VARLEN_REGISTERS sets it for a Mac to compare (a
+# large value: never split; `kvmetal bench --cases prefill` times d_split 1 and 2).
+VARLEN_SPLIT_D_REGISTERS = chips.PIPELINE_REGISTER_LIMIT  # the 128 registers a thread has
+# Simdgroups of a split-D tile (3 row fragments x 2, 192 threads, BQ 24): the cost model's
+# best of 4 / 6 / 8 at D 256 (8, BQ 32: 256 threads at 112 registers leave one threadgroup a
+# core, and its barriers unhidden; bench/varlen_costs_p1.json).
+VARLEN_SPLIT_D_SIMDGROUPS = 6
+VARLEN_SCORE_PAD = 16                    # bytes added to each row of the split-D score exchange (tile_s)
 
 
 @dataclass(frozen=True)
@@ -502,18 +523,27 @@ class VarlenTiles:
     like V (two scalar loads per K fragment, 16-byte stores). The default is the
     pattern of the fast kernels; only a Mac can time the two (``tiles=`` override).
 
-    ``row_fragments`` (RF): 8-row fragments per simdgroup (BQ = 8 x simdgroups x RF). RF 2
+    ``row_fragments`` (RF): 8-row fragments per simdgroup (BQ = 8 x simdgroups x RF / DS). RF 2
     stages the tile's Q rows in threadgroup memory and makes each K and V fragment read
-    from the tiles serve two MMAs (issue 41, P8); RF 1 keeps Q in registers."""
+    from the tiles serve two MMAs (issue 41, P8); RF 1 keeps Q in registers.
+
+    ``d_split`` (DS): simdgroups sharing each row fragment, each over head_dim / DS dims of Q
+    and O (issue 41, P1: split-D); their partial scores are summed through threadgroup
+    memory."""
 
     simdgroups: int
     block_k: int
     transposed_k: bool = True
     row_fragments: int = 1
+    d_split: int = 1
+
+    def __post_init__(self):
+        if self.d_split not in (1, 2) or self.simdgroups % self.d_split:
+            raise ValueError(f"[metal] varlen tiles need a d_split of 1 or 2 dividing the simdgroups, got {self}")
 
     @property
     def block_q(self) -> int:
-        return 8 * self.simdgroups * self.row_fragments
+        return 8 * self.simdgroups * self.row_fragments // self.d_split
 
     @property
     def threads(self) -> int:
@@ -522,17 +552,20 @@ class VarlenTiles:
 
 def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int,
                              transposed_k: bool = True, block_q: int = 8 * VARLEN_SIMDGROUPS, q_itemsize: int = 2,
-                             row_fragments: int = 1) -> int:
+                             row_fragments: int = 1, simdgroups: int = VARLEN_SIMDGROUPS, d_split: int = 1) -> int:
     """Threadgroup memory of paged_varlen_partials: K tile (transposed: head_dim rows of
     block_k keys, padded by VARLEN_TRANSPOSED_PAD bytes), V tile (rows padded by
     VARLEN_ROW_PAD bytes; both in the tile element types), Q tile (row_fragments > 1:
     block_q rows padded by VARLEN_ROW_PAD bytes, in the query type; else a 16-byte
-    placeholder), ok flags (block_k + 1 int32)."""
+    placeholder), ok flags (block_k + 1 int32), the next tile's block ids (block_k / 8 + 1
+    int32: block sizes >= 8), the split-D score exchange (d_split > 1: 8 rows of block_k
+    floats, padded by VARLEN_SCORE_PAD bytes, per simdgroup and row fragment; else 16 bytes)."""
     k_tile = (head_dim * (block_k * k_itemsize + VARLEN_TRANSPOSED_PAD) if transposed_k
               else block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
     q_tile = block_q * (head_dim * q_itemsize + VARLEN_ROW_PAD) if row_fragments > 1 else 16
+    s_tile = simdgroups * row_fragments * 8 * (4 * block_k + VARLEN_SCORE_PAD) if d_split > 1 else 16
     return (_round16(k_tile) + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(q_tile)
-            + _round16(4 * (block_k + 1)))
+            + _round16(4 * (block_k + 1)) + _round16(4 * (block_k // 8 + 1)) + _round16(s_tile))
 
 
 def tiles_threadgroup_bytes(tiles: VarlenTiles, *, head_dim: int, k_itemsize: int, v_itemsize: int,
@@ -540,35 +573,63 @@ def tiles_threadgroup_bytes(tiles: VarlenTiles, *, head_dim: int, k_itemsize: in
     """varlen_threadgroup_bytes of one VarlenTiles."""
     return varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
                                     v_itemsize=v_itemsize, transposed_k=tiles.transposed_k, block_q=tiles.block_q,
-                                    q_itemsize=q_itemsize, row_fragments=tiles.row_fragments)
+                                    q_itemsize=q_itemsize, row_fragments=tiles.row_fragments,
+                                    simdgroups=tiles.simdgroups, d_split=tiles.d_split)
+
+
+def varlen_split_registers() -> int:
+    """The registers per lane past which varlen tiles split D (VARLEN_SPLIT_D_REGISTERS, or
+    KVMETAL_METAL_VARLEN_REGISTERS: a whole number >= 1; unset: the default; a value that
+    does not parse or is out of range: a ValueError naming the variable)."""
+    value = _env_number("KVMETAL_METAL_VARLEN_REGISTERS", int, lambda v: v >= 1, "a whole number >= 1")
+    return VARLEN_SPLIT_D_REGISTERS if value is None else value
+
+
+def _varlen_kv_bytes(head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int) -> int:
+    """The padded K (transposed) + V tiles of one BK (what VARLEN_TILE_MEMORY bounds)."""
+    return (_round16(head_dim * (block_k * k_itemsize + VARLEN_TRANSPOSED_PAD))
+            + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)))
 
 
 def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups: int | None = None,
-                 block_k: int | None = None, row_fragments: int | None = None, q_itemsize: int = 2) -> VarlenTiles:
+                 block_k: int | None = None, row_fragments: int | None = None, q_itemsize: int = 2,
+                 d_split: int | None = None) -> VarlenTiles:
     """The tile sizes for one head_dim and tile element sizes: the largest BK whose
     padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16) and,
-    with the Q tile (RF > 1), 32 KiB. ``row_fragments`` None: VARLEN_ROW_FRAGMENTS where
-    some BK fits with it, else 1."""
-    simdgroups = simdgroups or VARLEN_SIMDGROUPS
+    with the Q tile (RF > 1) and the score exchange (DS 2), 32 KiB. ``row_fragments`` None:
+    VARLEN_ROW_FRAGMENTS where some BK fits with it, else 1. ``d_split`` None: 2 where one
+    simdgroup per row fragment would estimate more registers a lane than
+    varlen_split_registers() (D 256), else 1. ``simdgroups`` None: VARLEN_SIMDGROUPS, or
+    VARLEN_SPLIT_D_SIMDGROUPS with DS 2."""
 
-    def fits(bk, rf):
-        t = VarlenTiles(simdgroups, bk, True, rf)
+    def fits(bk, rf, ds, nsg):
+        t = VarlenTiles(nsg, bk, True, rf, ds)
         total = tiles_threadgroup_bytes(t, head_dim=head_dim, k_itemsize=k_itemsize, v_itemsize=v_itemsize,
                                         q_itemsize=q_itemsize)
-        kv = varlen_threadgroup_bytes(head_dim=head_dim, block_k=bk, k_itemsize=k_itemsize, v_itemsize=v_itemsize)
-        return kv - 16 - _round16(4 * (bk + 1)) <= VARLEN_TILE_MEMORY and total <= 32 * 1024
+        return _varlen_kv_bytes(head_dim, bk, k_itemsize, v_itemsize) <= VARLEN_TILE_MEMORY and total <= 32 * 1024
 
-    if row_fragments is None:
-        row_fragments = VARLEN_ROW_FRAGMENTS
-        if not any(fits(bk, row_fragments) for bk in ((block_k,) if block_k else VARLEN_BLOCK_K)):
-            row_fragments = 1
-    if block_k is None:
-        block_k = next((bk for bk in VARLEN_BLOCK_K if fits(bk, row_fragments)), VARLEN_BLOCK_K[-1])
-    tiles = VarlenTiles(simdgroups, block_k, True, row_fragments)
+    def choose(ds):
+        nsg = simdgroups or (VARLEN_SPLIT_D_SIMDGROUPS if ds > 1 else VARLEN_SIMDGROUPS)
+        rf = row_fragments
+        if rf is None:
+            rf = VARLEN_ROW_FRAGMENTS
+            if not any(fits(bk, rf, ds, nsg) for bk in ((block_k,) if block_k else VARLEN_BLOCK_K)):
+                rf = 1
+        bk = block_k or next((bk for bk in VARLEN_BLOCK_K if fits(bk, rf, ds, nsg)), VARLEN_BLOCK_K[-1])
+        return VarlenTiles(nsg, bk, True, rf, ds)
+
+    if d_split is None:
+        one = choose(1)
+        over = varlen_registers(head_dim=head_dim, block_k=one.block_k, row_fragments=one.row_fragments,
+                                d_split=1) > varlen_split_registers()
+        d_split = 2 if over and head_dim % 16 == 0 and (simdgroups or 2) % 2 == 0 else 1
+    tiles = choose(d_split)
     if (tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= MAX_SHARED_SIMDGROUPS
-            or tiles.row_fragments not in (1, 2)):
+            or tiles.row_fragments not in (1, 2) or tiles.d_split not in (1, 2)
+            or tiles.simdgroups % tiles.d_split or head_dim % (8 * tiles.d_split)):
         raise ValueError(f"[metal] varlen tiles need BK a multiple of 8, 1..{MAX_SHARED_SIMDGROUPS} simdgroups "
-                         f"(chips.PIPELINE_THREAD_LIMIT threads) and 1 or 2 row fragments, got {tiles}")
+                         f"(chips.PIPELINE_THREAD_LIMIT threads), 1 or 2 row fragments and a d_split of 1 or 2 "
+                         f"dividing the simdgroups and head_dim / 8, got {tiles} at head_dim {head_dim}")
     used = tiles_threadgroup_bytes(tiles, head_dim=head_dim, k_itemsize=k_itemsize, v_itemsize=v_itemsize,
                                    q_itemsize=q_itemsize)
     if used > 32 * 1024:

@@ -166,7 +166,7 @@ SPECS = {
         # The tiled varlen kernel (kernels/varlen.metal).
         KernelSpec("paged_varlen_partials", "varlen",
                    ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "tiles", "params"), _PARTIALS,
-                   ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KT", "RF", "KBITS", "KGS", "VBITS", "VGS"),
+                   ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KT", "RF", "DS", "KBITS", "KGS", "VBITS", "VGS"),
                    lambda *, num_tiles, num_kv_heads, splits, tiles, threadgroup_bytes: Geometry(
                        grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
                        threadgroup_bytes=threadgroup_bytes),

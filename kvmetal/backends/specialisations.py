@@ -40,7 +40,7 @@ PATH_PARAMETERS = {
     "cache_rows_quantize": ("TC", "BITS", "GS"),
     "gather_kv_rows": ("TE", "BITS", "GS", "BS"),
     "copy_blocks_gather": ("T",),
-    "paged_varlen_partials": ("TQ", "TK", "TV", "KBITS", "VBITS", "NSG", "BK", "KT", "RF"),
+    "paged_varlen_partials": ("TQ", "TK", "TV", "KBITS", "VBITS", "NSG", "BK", "KT", "RF", "DS"),
     "cascade_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
     "cascade_reduce": ("TQ", "HAS_SINKS"),
 }

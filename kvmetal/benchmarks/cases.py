@@ -242,15 +242,17 @@ PREFILL_CHUNK = 512
 PREFILL_MAX_CONTEXT = 4096
 PREFILL_TILE_SWEEP = ((4, 32), (4, 16), (2, 32), (8, 16), (2, 16), (8, 8))  # (simdgroups, BK)
 PREFILL_ROW_FRAGMENTS = (1, 2)  # RF: 8-row fragments per simdgroup (issue 41 P8; only a Mac can time 1 vs 2)
+PREFILL_D_SPLITS = (1, 2)       # DS: simdgroups per row fragment, over D / DS dims each (issue 41 P1: split-D)
 
 
 def prefill(*, backend, tokens, repeat, baseline, progress):
     """One prefill chunk after a cached prefix through ``paged_attention_varlen``, against
     gather + MLX SDPA (causal) measured in the same run. On the metal (and sim) backend it
-    sweeps the tiled kernel's tile sizes (``metal_layout.VarlenTiles``: simdgroups and row
-    fragments RF -> BQ = 8 x simdgroups x RF query rows, BK K/V tokens), one row per
-    configuration that fits 32 KiB of threadgroup memory; on other backends it times the
-    backend's own implementation once."""
+    sweeps the tiled kernel's tile sizes (``metal_layout.VarlenTiles``: simdgroups per row
+    group, row fragments RF -> BQ = 8 x simdgroups x RF query rows, BK K/V tokens, and
+    split-D DS: DS x the simdgroups, each over D / DS dims, the same BQ), one row per
+    configuration that fits 32 KiB of threadgroup memory and the thread limit; on other
+    backends it times the backend's own implementation once."""
     from ..backends import metal_layout
 
     context = max(1, min(tokens, PREFILL_MAX_CONTEXT))
@@ -285,20 +287,22 @@ def prefill(*, backend, tokens, repeat, baseline, progress):
                 return [{"name": f"prefill_f16 T={context}", "backend": backend, "seconds": None, "kv_bytes": None,
                          "gbps": None, "note": f"skipped: {e}", "skipped": True}]
         return [_result(f"prefill_f16 T={context}", backend, stats, kv_bytes, bases, shape=shape)]
-    for (simdgroups, block_k), rf in itertools.product(PREFILL_TILE_SWEEP, PREFILL_ROW_FRAGMENTS):
+    for (simdgroups, block_k), rf, ds in itertools.product(PREFILL_TILE_SWEEP, PREFILL_ROW_FRAGMENTS,
+                                                           PREFILL_D_SPLITS):
         try:
             tiles = metal_layout.varlen_tiles(head_dim=HEAD_DIM, k_itemsize=dtype.size, v_itemsize=dtype.size,
-                                              simdgroups=simdgroups, block_k=block_k, row_fragments=rf)
+                                              simdgroups=simdgroups * ds, block_k=block_k, row_fragments=rf,
+                                              d_split=ds)
         except ValueError:
-            continue  # over 32 KiB of threadgroup memory
-        progress(f"  tiles: {simdgroups} simdgroups x RF {rf} (BQ {tiles.block_q}), BK {block_k}")
+            continue  # over 32 KiB of threadgroup memory or the thread limit
+        progress(f"  tiles: {simdgroups} simdgroups x RF {rf} (BQ {tiles.block_q}), BK {block_k}, DS {ds}")
         stats = time_stats(lambda: kernels.paged_attention_varlen(
             query, kc, vc, tables, lens, qsl, scale=scale, softcap=None, sliding_window=None, sinks=None,
             tiles=tiles), repeat=repeat)
-        results.append(_result(f"prefill_f16 T={context} nsg={simdgroups} rf={rf} bk={block_k}", backend, stats,
-                               kv_bytes, bases, shape=shape,
-                               tiles={"simdgroups": simdgroups, "row_fragments": rf, "block_q": tiles.block_q,
-                                      "block_k": block_k}))
+        results.append(_result(f"prefill_f16 T={context} nsg={simdgroups} rf={rf} bk={block_k} ds={ds}", backend,
+                               stats, kv_bytes, bases, shape=shape,
+                               tiles={"simdgroups": tiles.simdgroups, "row_fragments": rf, "block_q": tiles.block_q,
+                                      "block_k": block_k, "d_split": ds}))
     return results
 
 
