@@ -332,13 +332,17 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
         d[r] = 0.0f;
       }
       for (int j = 0; j < KAE4; j++) {
-        const float4 kx = k.a[c].elems(j);
+        // A quantized key's integers centred on 0 (exact): q . k = scale (q . (k - mid))
+        // + (bias + scale mid) sum(q), whose two terms no longer cancel (uncentred, scale
+        // q . k and bias sum(q) are each many times the score at large |q|).
+        const float4 kx = k.a[c].elems(j) - float(KBITS ? 1 << (KBITS - 1) : 0);
         for (int r = 0; r < RPS; r++) {
           d[r] += dot(KvVec4<TQ>::widen(st.q[r][c][j]), kx);
         }
       }
+      const float mid_bias = KBITS ? k.sb[c].y + k.sb[c].x * float(1 << (KBITS - 1)) : 0.0f;
       for (int r = 0; r < RPS; r++) {
-        s[r] += KBITS ? k.sb[c].x * d[r] + k.sb[c].y * st.qsum[r][c] : d[r];
+        s[r] += KBITS ? k.sb[c].x * d[r] + mid_bias * st.qsum[r][c] : d[r];
       }
     }
   }
