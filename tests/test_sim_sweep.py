@@ -109,3 +109,17 @@ def test_reproducer_runs_one_configuration(capsys):
                      lens=(40,), view="offset", pad=4, data_seed=3)
     assert sweep.main(["--case", c.to_json()]) == 0
     assert "ok" in capsys.readouterr().out
+
+
+def test_a_quantized_keys_score_does_not_cancel_at_large_queries():
+    # A fresh-seed sinks_scale sweep found this row (seed 5204): float32, K 8-bit, queries
+    # x 40 under softcap 50. With the key's integers uncentred, scale q.k and bias sum(q)
+    # were each many times the score and cancelled: 2.09e-5 relative error against the
+    # oracle's 1e-5 budget (cpu: 4.7e-6). Centred on 0 (kv_score_rows) it is 4.8e-6.
+    c = sweep.Config(**{"op": "varlen", "dtype": "float32", "head_dim": 32, "gqa": 40, "query_len": 1,
+                        "k_quant": [8, 32], "v_quant": None, "block_size": 8, "num_kv_heads": 2, "lens": [5],
+                        "splits": None, "window": None, "softcap": 50.0, "big_scores": True, "sinks": True,
+                        "view": "contiguous", "pad": 0, "data_seed": 153936301, "counts": [3],
+                        "prefix_lens": None, "prefix_of": None, "sparse_v": None, "scale": None,
+                        "sink_spread": False})
+    assert sweep.run_config(c) < 1e-5
