@@ -434,8 +434,8 @@ def test_every_architecture_is_exact_refused_or_unbuilt():
     assert {"llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss"} <= exact
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "mixtral", "cohere2"])
-def test_batch_generator_gives_mlx_lms_tokens_on_hybrid_moe_and_window_models(name):
+@pytest.mark.parametrize("name", ["qwen3_next", "mixtral", "cohere2", "gemma3n"])
+def test_batch_generator_gives_mlx_lms_tokens_on_hybrid_moe_window_and_kv_sharing_models(name):
     # mlx-lm's BatchGenerator merges, filters and extracts the prompt caches: the paged
     # layers as table operations, a hybrid's ArraysCache layers as mlx-lm does.
     from mlx_lm_cases import batch_generate
