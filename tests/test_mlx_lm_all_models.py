@@ -124,6 +124,54 @@ def test_a_shared_layer_reading_a_cache_of_another_kind_is_refused():
         use_paged_cache(model)
 
 
+class _AlsoReadsLayer0(nn.Module):
+    """llama's attention; layer 1 also attends over layer 0's rows, read with
+    ``keys_and_values()`` (``after`` applied to the keys), passing its own cache."""
+
+    def __init__(self, attention, holder: dict, after=None):
+        super().__init__()
+        self.inner, self.holder, self.after = attention, holder, after
+
+    def __call__(self, x, mask=None, cache=None):
+        a = self.inner
+        if self.after is None:  # layer 0: its cache is the one layer 1 reads
+            self.holder["cache"] = cache
+            return a(x, mask=mask, cache=cache)
+        out = a(x, mask=mask, cache=cache)
+        b, n, _ = x.shape
+        q = a.rope(a.q_proj(x).reshape(b, n, a.n_heads, -1).transpose(0, 2, 1, 3), offset=cache.offset - n)
+        k, v = self.holder["cache"].keys_and_values()
+        o = scaled_dot_product_attention(q, self.after(k), v, cache=cache, scale=a.scale, mask=mask)
+        return out + a.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _llama_reading_layer0(after):
+    model = tiny_models.build("llama")
+    holder = {}
+    model.layers[0].self_attn = _AlsoReadsLayer0(model.layers[0].self_attn, holder)
+    model.layers[1].self_attn = _AlsoReadsLayer0(model.layers[1].self_attn, holder, after)
+    return model
+
+
+def test_a_read_of_another_layers_rows_is_derived_from_the_calls_not_the_family():
+    # llama, no family list involved: layer 1 attends over layer 0's read rows passing its own
+    # cache; kvmetal runs that call on layer 0's pool and matches mlx-lm.
+    model = _llama_reading_layer0(lambda k: k)
+    assert [s.read for s in analyse_model(model).specs] == ["cache", None]
+    prompt = mx.array([list(range(3, 40))])
+    expected = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+    with use_paged_cache(model):
+        got = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+    for g, e in zip(got, expected):
+        assert float(mx.abs(g - e).max() / mx.abs(e).max()) < 1e-5
+
+
+def test_read_rows_used_otherwise_are_refused():
+    with pytest.raises(UnsupportedModel, match=r"^\[use_paged_cache\] llama layer 0: the model reads its cache's "
+                                               r"rows with keys_and_values\(\) and uses them other than as"):
+        use_paged_cache(_llama_reading_layer0(lambda k: k * 2))
+
+
 def test_keys_and_values_returns_every_row_and_attention_needs_the_writing_pass():
     from kvmetal.integrations.mlx_lm import _paged_attention
     from kvmetal.integrations.model_cache import LayerSpec, PagedModelCache, read_owner

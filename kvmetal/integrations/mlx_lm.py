@@ -19,11 +19,12 @@ and passes of up to 8 tokens (speculative verification, short chunks),
 ``paged_attention_varlen`` for longer passes (a prompt, a chunk after a cached prefix, a
 batch of prompts), both reading the pool in place. A call over rows a kvmetal cache's
 ``keys_and_values()`` returned (a layer attending over another layer's K/V: gemma3n's KV
-sharing, afm7's KV reuse) runs on that cache's pool, whatever cache (or none) it passes. Any other cache goes to mlx-lm's own
-function untouched. Every ``make_cache()`` of one patch draws its sequences from one
-shared pool, so mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table
-operations; a cache's blocks go back when the cache is dropped. Patching is atomic per
-model: a second ``use_paged_cache`` on a patched model raises, from any thread.
+sharing, afm7's KV reuse) runs on that cache's pool, whatever cache (or none) it passes.
+Any other cache goes to mlx-lm's own function untouched. Every ``make_cache()`` of one
+patch draws its sequences from one shared pool, so mlx-lm's ``BatchGenerator`` merges,
+splits and extracts them as table operations; a cache's blocks go back when the cache is
+dropped. Patching is atomic per model: a second ``use_paged_cache`` on a patched model
+raises, from any thread.
 """
 from __future__ import annotations
 
@@ -708,11 +709,11 @@ def _call_source(probe: _Probe, call: _Call, owners: dict, reads: dict, family: 
     q_shape, keys, values, when = call.q_shape, call.keys, call.values, call.when
     hit, read = owners.get(id(keys)), reads.get(id(keys))
     if read is not None:
-        source, i, rows, stale = read
+        source, i, rows, _ = read
         if values is not rows[1]:
             _refuse(family, name, f"it attends over the keys keys_and_values() read from {source.name}'s cache "
                                   f"with other values")
-        _check_read(probe, call, read, reads, family)
+        _check_read(call, read, reads, family)
         source.read_modes.add("cache" if call.cached else "none")
         order = None
     elif hit is not None:
@@ -737,11 +738,11 @@ def _call_source(probe: _Probe, call: _Call, owners: dict, reads: dict, family: 
         if heads % len(kmap) or heads % hkv:
             _refuse(family, name, f"queries {q_shape} do not match keys {tuple(keys.shape)} (query heads a multiple "
                                   f"of kv heads)")
-        reads_of = [kmap[h // (heads // len(kmap))] for h in range(heads)]  # query head -> fetched kv head
-        if any(reads_of.count(j) != heads // hkv for j in range(hkv)):
-            _refuse(family, name, f"its query heads read its {hkv} kv heads unevenly ({reads_of}); kvmetal's "
+        kv_of = [kmap[h // (heads // len(kmap))] for h in range(heads)]  # query head -> fetched kv head
+        if any(kv_of.count(j) != heads // hkv for j in range(hkv)):
+            _refuse(family, name, f"its query heads read its {hkv} kv heads unevenly ({kv_of}); kvmetal's "
                                   f"kernels give each kv head {heads // hkv} query heads")
-        order = tuple(sorted(range(heads), key=reads_of.__getitem__))  # stable: kvmetal's head p is the model's order[p]
+        order = tuple(sorted(range(heads), key=kv_of.__getitem__))  # stable: kvmetal's head p is the model's order[p]
     later = [t for t in source.ticks[i + 1:] if t < when]
     if later:
         _refuse(family, name, f"it attends over rows {source.name}'s cache returned before a later write to it")
@@ -750,7 +751,7 @@ def _call_source(probe: _Probe, call: _Call, owners: dict, reads: dict, family: 
     return source, order
 
 
-def _check_read(probe: _Probe, call: _Call, read: tuple, reads: dict, family: str) -> None:
+def _check_read(call: _Call, read: tuple, reads: dict, family: str) -> None:
     """An attention call over rows ``keys_and_values()`` returned runs, under kvmetal, on the
     reading cache's pool with the plan of its write in this pass, under the mask rule of its
     own attention call over that write: the call must have that pass's new tokens as queries

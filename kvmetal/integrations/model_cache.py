@@ -6,8 +6,8 @@ group can release blocks the window left behind while full layers keep theirs). 
 group sees the same sequence ids.
 
 :class:`PagedLayerCache` speaks mlx-lm's cache protocol for one layer and one or more
-sequences: ``offset``, ``update_and_fetch``, ``make_mask``, ``state``/``meta_state``/
-``from_state``, ``trim``, ``to_quantized``, ``copy.deepcopy``, and the batching
+sequences: ``offset``, ``update_and_fetch``, ``keys_and_values``, ``make_mask``,
+``state``/``meta_state``/``from_state``, ``trim``, ``to_quantized``, ``copy.deepcopy``, and the batching
 operations ``merge``/``extend``/``filter``/``extract``/``prepare``/``finalize`` that
 mlx-lm's ``BatchGenerator`` uses. On the pool those are table operations (fork, free,
 truncate), never copies of K/V. Dimension names: B sequences, H query heads, Hkv kv
