@@ -48,6 +48,8 @@ COVERAGE = ROOT / "bench" / "model_coverage.json"
     "nemotron-nas",  # block_configs: one derived BlockConfig per layer
     "mimo_v2_flash",  # swa_head_dim, swa_num_attention_heads...: variants of the sizes
     "lfm2-vl",       # text_config derived from lfm2.ModelArgs, the class its code reads it into
+    "gemma3n",       # K/V sharing as shipped: layers 2, 3 attend over layers 0, 1's rows (keys_and_values())
+    "afm7",          # K/V reuse: layer 1 attends over layer 0's rows (keys_and_values(), no cache passed)
 ])
 def test_exact_against_mlx_lm(name):
     row = arch_sweep.check(name)
@@ -61,8 +63,6 @@ def test_exact_against_mlx_lm(name):
     ("rwkv7", r"rwkv7: no layer keeps a K/V cache"),
     ("deepseek_v3", r"deepseek_v3 layer 0: K head_dim 32 and V head_dim 16 differ"),
     ("deepseek_v41", r"deepseek_v41 layer 0: its cache is a LayerCache, which has no update_and_fetch"),
-    ("afm7", r"afm7 layer 0: the model reads its cache's rows with keys_and_values\(\) outside update_and_fetch"),
-    ("gemma3n", r"gemma3n layer 0: the model reads its cache's rows with keys_and_values\(\) outside"),
     ("phi3small", r"phi3small layer 0: it attends by hand over the keys its cache returns"),
 ])
 def test_refused_up_front_naming_the_layer(name, reason):
@@ -73,14 +73,130 @@ def test_refused_up_front_naming_the_layer(name, reason):
     assert not any(isinstance(c, PagedLayerCache) for c in make_prompt_cache(model))
 
 
-def test_kv_reuse_read_outside_the_cache_is_refused_not_broken():
-    # afm7's KV-reuse layers read the last layer's rows with cache.keys_and_values(), which
-    # the paged cache lacks: accepted, it failed at the first call (AttributeError, "broken").
-    assert not hasattr(PagedLayerCache, "keys_and_values")
-    row = arch_sweep.check("afm7")
-    assert row.status == "refused" and "keys_and_values()" in row.reason, row
-    # mlx-lm's caches call keys_and_values() inside update_and_fetch: that read is not the model's
-    assert arch_sweep.check("llama").status == "exact"
+@pytest.mark.parametrize("name,reads,calls", [
+    ("gemma3n", ["cache", "cache"], 4),  # 2 own calls, 2 shared layers passing the owner's cache
+    ("afm7", ["none"], 2),  # 1 own call, 1 reuse layer passing no cache
+])
+def test_kv_sharing_and_reuse_attend_on_the_owners_pool(monkeypatch, name, reads, calls):
+    # Every attention call, the readers' included, runs kvmetal's attention over a pool (never
+    # mlx-lm's sdpa over gathered rows, which would also be exact): one call per model layer.
+    model = arch_sweep.build(name)
+    assert [s.read for s in analyse_model(model).specs] == reads
+    seen = []
+    attention = PagedLayerCache.attention
+    monkeypatch.setattr(PagedLayerCache, "attention", lambda self, *a, **k: seen.append(self.layer) or
+                        attention(self, *a, **k))
+    prompt = mx.array([list(range(3, 40))])
+    expected = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+    with use_paged_cache(model) as handle:
+        got = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+        assert handle.shared_cache.gathered_attention == 0
+    assert len(seen) == 2 * calls
+    for g, e in zip(got, expected):
+        assert float(mx.abs(g - e).max() / mx.abs(e).max()) < arch_sweep.TOLERANCE
+
+
+def test_kv_sharing_mapped_to_the_wrong_layer_fails(monkeypatch):
+    # Negative control: the shared layers attending over the other paged layer's pool (window
+    # 24 against full, a 20-token prompt and 16 steps) is caught by the sweep's comparison.
+    from kvmetal.integrations import mlx_lm
+
+    written = {}
+    update = PagedLayerCache.update_and_fetch
+    monkeypatch.setattr(PagedLayerCache, "update_and_fetch",
+                        lambda self, k, v: written.__setitem__(self.layer, self) or update(self, k, v))
+    owner = mlx_lm.read_owner
+    monkeypatch.setattr(mlx_lm, "read_owner", lambda keys: (o := owner(keys)) and written[1 - o.layer])
+    row = arch_sweep.check("gemma3n")
+    assert row.status == "broken" and row.max_rel_diff > 1e-2, row
+
+
+def test_a_shared_layer_reading_a_cache_of_another_kind_is_refused():
+    # gemma3n with its shared layers mapped across kinds: the full layer 3 reads the sliding
+    # layer 0's rows under the full mask, which kvmetal's attention over layer 0's pool (its
+    # window) would not give; the probe tells the two "causal" masks apart.
+    model = arch_sweep.build("gemma3n")
+    language = model.model.language_model
+    assert language.layer_idx_to_cache_idx == [0, 1, 0, 1]
+    language.layer_idx_to_cache_idx = [0, 1, 1, 0]
+    with pytest.raises(UnsupportedModel, match=r"^\[use_paged_cache\] gemma3n layer 0: a layer attends over its "
+                                               r"rows read with keys_and_values\(\) with another mask"):
+        use_paged_cache(model)
+
+
+class _AlsoReadsLayer0(nn.Module):
+    """llama's attention; layer 1 also attends over layer 0's rows, read with
+    ``keys_and_values()`` (``after`` applied to the keys), passing its own cache."""
+
+    def __init__(self, attention, holder: dict, after=None):
+        super().__init__()
+        self.inner, self.holder, self.after = attention, holder, after
+
+    def __call__(self, x, mask=None, cache=None):
+        a = self.inner
+        if self.after is None:  # layer 0: its cache is the one layer 1 reads
+            self.holder["cache"] = cache
+            return a(x, mask=mask, cache=cache)
+        out = a(x, mask=mask, cache=cache)
+        b, n, _ = x.shape
+        q = a.rope(a.q_proj(x).reshape(b, n, a.n_heads, -1).transpose(0, 2, 1, 3), offset=cache.offset - n)
+        k, v = self.holder["cache"].keys_and_values()
+        o = scaled_dot_product_attention(q, self.after(k), v, cache=cache, scale=a.scale, mask=mask)
+        return out + a.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+def _llama_reading_layer0(after):
+    model = tiny_models.build("llama")
+    holder = {}
+    model.layers[0].self_attn = _AlsoReadsLayer0(model.layers[0].self_attn, holder)
+    model.layers[1].self_attn = _AlsoReadsLayer0(model.layers[1].self_attn, holder, after)
+    return model
+
+
+def test_a_read_of_another_layers_rows_is_derived_from_the_calls_not_the_family():
+    # llama, no family list involved: layer 1 attends over layer 0's read rows passing its own
+    # cache; kvmetal runs that call on layer 0's pool and matches mlx-lm.
+    model = _llama_reading_layer0(lambda k: k)
+    assert [s.read for s in analyse_model(model).specs] == ["cache", None]
+    prompt = mx.array([list(range(3, 40))])
+    expected = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+    with use_paged_cache(model):
+        got = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
+    for g, e in zip(got, expected):
+        assert float(mx.abs(g - e).max() / mx.abs(e).max()) < 1e-5
+
+
+def test_read_rows_used_otherwise_are_refused():
+    with pytest.raises(UnsupportedModel, match=r"^\[use_paged_cache\] llama layer 0: the model reads its cache's "
+                                               r"rows with keys_and_values\(\) and uses them other than as"):
+        use_paged_cache(_llama_reading_layer0(lambda k: k * 2))
+
+
+def test_keys_and_values_returns_every_row_and_attention_needs_the_writing_pass():
+    from kvmetal.integrations.mlx_lm import _paged_attention
+    from kvmetal.integrations.model_cache import LayerSpec, PagedModelCache, read_owner
+
+    cache = PagedModelCache([LayerSpec(None, 2, 64, mx.float32)]).owned_layer_caches(1)[0]
+    assert cache.keys_and_values()[0].shape == (1, 2, 0, 64)  # nothing written yet
+    rng = np.random.default_rng(0)
+    rows = [[mx.array(rng.standard_normal((1, 2, n, 64)).astype(np.float32)) for _ in range(2)] for n in (3, 5)]
+    for k, v in rows:
+        cache.update_and_fetch(k, v)
+    keys, values = cache.keys_and_values()
+    assert read_owner(keys) is cache and read_owner(rows[1][0]) is None
+    np.testing.assert_array_equal(np.array(keys), np.concatenate([np.array(rows[0][0]), np.array(rows[1][0])], 2))
+    np.testing.assert_array_equal(np.array(values), np.concatenate([np.array(rows[0][1]), np.array(rows[1][1])], 2))
+    q = mx.array(rng.standard_normal((1, 4, 5, 64)).astype(np.float32))
+    got = _paged_attention(cache, q, keys, values, 0.125, "causal", None)
+    expected = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask="causal")
+    assert float(mx.abs(got - expected).max()) < 1e-5
+    with pytest.raises(NotImplementedError, match=r"with the queries of the pass that wrote them"):
+        _paged_attention(cache, q[:, :, :3], keys, values, 0.125, "causal", None)  # 3 queries, 5 written
+    cache.trim(1)  # the tables changed: no pass wrote these rows as they are now
+    keys, values = cache.keys_and_values()
+    assert keys.shape[2] == 7
+    with pytest.raises(NotImplementedError, match=r"after no write in this pass"):
+        _paged_attention(cache, q, keys, values, 0.125, "causal", None)
 
 
 def test_gemma3n_without_kv_sharing_is_exact():
@@ -366,8 +482,8 @@ def test_every_architecture_is_exact_refused_or_unbuilt():
     assert {"llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt_oss"} <= exact
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "mixtral", "cohere2"])
-def test_batch_generator_gives_mlx_lms_tokens_on_hybrid_moe_and_window_models(name):
+@pytest.mark.parametrize("name", ["qwen3_next", "mixtral", "cohere2", "gemma3n"])
+def test_batch_generator_gives_mlx_lms_tokens_on_hybrid_moe_window_and_kv_sharing_models(name):
     # mlx-lm's BatchGenerator merges, filters and extracts the prompt caches: the paged
     # layers as table operations, a hybrid's ArraysCache layers as mlx-lm does.
     from mlx_lm_cases import batch_generate

@@ -17,11 +17,14 @@ cache attends through kvmetal (families that attend by hand, ``HAND_ATTENTION``,
 their attention class's ``__call__`` wrapped instead): ``paged_attention`` for decode
 and passes of up to 8 tokens (speculative verification, short chunks),
 ``paged_attention_varlen`` for longer passes (a prompt, a chunk after a cached prefix, a
-batch of prompts), both reading the pool in place. Any other cache goes to mlx-lm's own
-function untouched. Every ``make_cache()`` of one patch draws its sequences from one
-shared pool, so mlx-lm's ``BatchGenerator`` merges, splits and extracts them as table
-operations; a cache's blocks go back when the cache is dropped. Patching is atomic per
-model: a second ``use_paged_cache`` on a patched model raises, from any thread.
+batch of prompts), both reading the pool in place. A call over rows a kvmetal cache's
+``keys_and_values()`` returned (a layer attending over another layer's K/V: gemma3n's KV
+sharing, afm7's KV reuse) runs on that cache's pool, whatever cache (or none) it passes.
+Any other cache goes to mlx-lm's own function untouched. Every ``make_cache()`` of one
+patch draws its sequences from one shared pool, so mlx-lm's ``BatchGenerator`` merges,
+splits and extracts them as table operations; a cache's blocks go back when the cache is
+dropped. Patching is atomic per model: a second ``use_paged_cache`` on a patched model
+raises, from any thread.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import numpy as np
 from .. import ops
 from ..kv_format import KVFormat, KVFormatError
 from . import chunked
-from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache
+from .model_cache import LayerSpec, PagedLayerCache, PagedModelCache, RaggedLayerCache, read_owner
 
 # What kvmetal checks token for token in depth (engine, batching, speculative tests), and the
 # families whose LM head heads.py knows: the Engine slices their hidden states before the head
@@ -63,6 +66,8 @@ def model_family(model) -> str:
 
 def _paged_sdpa_for(original):
     def scaled_dot_product_attention(queries, keys, values, cache=None, scale=None, mask=None, sinks=None, **kwargs):
+        if not isinstance(cache, (PagedLayerCache, RaggedLayerCache)):
+            cache = read_owner(keys) or cache  # rows a kvmetal cache's keys_and_values() gave (afm7 passes no cache)
         if isinstance(cache, (PagedLayerCache, RaggedLayerCache)):
             if kwargs:
                 raise NotImplementedError(f"[use_paged_cache] attention options {sorted(kwargs)} are not supported")
@@ -92,12 +97,19 @@ def _head_permutation(order: tuple):
 
 
 def _paged_attention(cache, queries, keys, values, scale, mask, sinks):
-    """kvmetal's attention for a call that passes a kvmetal cache: over the rows of the layer
-    whose ``update_and_fetch`` returned ``keys`` (another layer's, where the model attends over
-    a shared layer's rows), the query heads put into kvmetal's grouping and back where the model
-    rearranged the kv heads (``LayerSpec.head_order``), in the dtype mlx's own attention gives
-    for these arguments (a model that casts the fetched keys to float32 gets float32)."""
-    cache = cache.model_cache.fetch_owner(keys) or cache
+    """kvmetal's attention for a call that passes a kvmetal cache (or rows one read): over the
+    rows of the layer whose ``update_and_fetch`` returned ``keys`` (another layer's, where the
+    model attends over a shared layer's rows) or whose ``keys_and_values()`` did (K/V sharing
+    and reuse: that layer's pool, with the plan of the pass that wrote it), the query heads put
+    into kvmetal's grouping and back where the model rearranged the kv heads
+    (``LayerSpec.head_order``), in the dtype mlx's own attention gives for these arguments (a
+    model that casts the fetched keys to float32 gets float32)."""
+    owner = read_owner(keys)
+    if owner is not None:
+        owner.check_read(queries)
+        cache = owner
+    else:
+        cache = cache.model_cache.fetch_owner(keys) or cache
     spec = cache.model_cache.specs[cache.layer]
     order = spec.head_order
     if order is None and keys.shape[1] != spec.num_kv_heads:
@@ -490,11 +502,36 @@ class _Probe:
     orders: set = field(default_factory=set)  # the head orders (or None) of the calls that read them
     shared: bool = False  # another cache's calls read this one's rows
     problem: Exception | None = None  # why one of its calls could not be resolved (raised after the basic checks)
-    reads: int = 0  # keys_and_values() calls from outside its update_and_fetch (the model reading its rows)
+    news: list = field(default_factory=list)  # per update_and_fetch: the new tokens written
+    reads: list = field(default_factory=list)  # per keys_and_values() from outside its update_and_fetch (the
+                                               # model reading its rows): (fetch index, stale, rows it returned)
+    read_modes: set = field(default_factory=set)  # "cache" / "none": whether calls over its read rows pass a cache
+    strays: list = field(default_factory=list)
+    unattended_reads: int = 0  # reads whose rows no attention call takes as its keys
+
+
+@dataclass
+class _Call:
+    """One attention call the probe saw (``cached``: it passed a cache; one passing none
+    is recorded only where its keys are rows a probed cache's keys_and_values() returned)."""
+
+    q_shape: tuple
+    keys: mx.array
+    values: mx.array
+    options: list
+    when: int
+    mask: object
+    cached: bool = True
+
+
+class _ProbeMask(str):
+    """A "causal" mask one probed cache's make_mask returned: a str of its own, so that which
+    make_mask call made a mask (which window it means) reads off its identity."""
 
 
 _analyse_lock = threading.Lock()
 _stray_calls: list = []  # attention calls during a probe whose cache is not a probed one: (keys, values)
+_probe_reads: dict = {}  # id(keys) -> (probe, fetch index, (keys, values), stale): what keys_and_values() gave
 _clock = [0]  # orders the probe's fetches and attention calls
 
 
@@ -505,8 +542,14 @@ def _tick() -> int:
 
 def _record_attention(queries, keys, values, cache, mask, sinks, kwargs) -> None:
     probe = _probes.get(id(cache))
+    call = _Call(tuple(queries.shape), keys, values, sorted(kwargs), _tick(), mask)
     if probe is not None and probe.cache is cache:
-        probe.calls.append((tuple(queries.shape), keys, values, sorted(kwargs), _tick()))
+        probe.calls.append(call)
+        return
+    read = _probe_reads.get(id(keys))
+    if read is not None and read[2][0] is keys:  # over rows a cache's keys_and_values() gave, passing no cache
+        call.cached = False
+        read[0].calls.append(call)
     else:
         _stray_calls.append((keys, values))
 
@@ -554,6 +597,7 @@ def _stand_in(rows: mx.array) -> mx.array:
 def _instrument(probe: _Probe) -> None:
     fetch = probe.cache.update_and_fetch
     read = getattr(probe.cache, "keys_and_values", None)
+    make = getattr(probe.cache, "make_mask", None)
     inside = [False]
 
     def update_and_fetch(keys, values):
@@ -568,15 +612,33 @@ def _instrument(probe: _Probe) -> None:
         out = tuple(_stand_in(x) for x in rows)
         probe.fetches.append(out)
         probe.ticks.append(_tick())
+        probe.news.append(int(keys.shape[2]))
         return out
 
     def keys_and_values():  # mlx-lm's caches call it in update_and_fetch: only the model's own reads count
-        probe.reads += not inside[0]
-        return read()
+        if inside[0]:
+            return read()
+        # Every row written so far is what the latest write returned: the model gets its
+        # stand-ins again, as arrays of their own, so that its calls over them can be told apart.
+        i = len(probe.fetches) - 1
+        stale = i < (probe.passes[-1] if probe.passes else 0)  # written in an earlier pass, not this one
+        if i < 0:
+            probe.reads.append((i, stale, None))
+            return read()
+        rows = tuple(mx.array(x) for x in probe.fetches[i])
+        probe.reads.append((i, stale, rows))
+        _probe_reads[id(rows[0])] = (probe, i, rows, stale)
+        return rows
+
+    def make_mask(*args, **kwargs):
+        mask = make(*args, **kwargs)
+        return _ProbeMask(mask) if isinstance(mask, str) else mask
 
     probe.cache.update_and_fetch = update_and_fetch  # instance attributes, removed after the probe
     if callable(read):
         probe.cache.keys_and_values = keys_and_values
+    if callable(make):
+        probe.cache.make_mask = make_mask
 
 
 def _probe_passes(model, caches: list, probes: list, family: str) -> None:
@@ -594,6 +656,7 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
             _instrument(p)
             _probes[id(p.cache)] = p
         _stray_calls.clear()
+        _probe_reads.clear()
         try:
             for tokens in ([[0, 1]], [[2]]):
                 try:
@@ -607,10 +670,12 @@ def _probe_passes(model, caches: list, probes: list, family: str) -> None:
         finally:
             strays = list(_stray_calls)
             _stray_calls.clear()
+            _probe_reads.clear()
             for p in probes:
                 _probes.pop(id(p.cache), None)
                 vars(p.cache).pop("update_and_fetch", None)
                 vars(p.cache).pop("keys_and_values", None)
+                vars(p.cache).pop("make_mask", None)
             for name in modules:
                 _unpatch_module(name)
             for cls in classes:
@@ -634,19 +699,30 @@ def _heads_read(rows: mx.array, fetched: mx.array):
     return [int(j) for j in same.argmax(axis=1)]
 
 
-def _call_source(probe: _Probe, call, owners: dict, family: str):
+def _call_source(probe: _Probe, call: _Call, owners: dict, reads: dict, family: str):
     """(the probe whose fetched rows an attention call of ``probe`` reads, kvmetal's head order
     for it or None). The rows are a fetch itself (of this cache, or of another: a shared layer),
-    or this cache's latest fetch with its heads rearranged and losslessly cast (read off the
+    rows a cache's ``keys_and_values()`` returned (K/V sharing or reuse: ``_check_read``), or
+    this cache's latest fetch with its heads rearranged and losslessly cast (read off the
     stand-in values); either must be the latest write of that cache when the call is made."""
     name = probe.name
-    q_shape, keys, values, _, when = call
-    hit = owners.get(id(keys))
-    if hit is not None:
+    q_shape, keys, values, when = call.q_shape, call.keys, call.values, call.when
+    hit, read = owners.get(id(keys)), reads.get(id(keys))
+    if read is not None:
+        source, i, rows, _ = read
+        if values is not rows[1]:
+            _refuse(family, name, f"it attends over the keys keys_and_values() read from {source.name}'s cache "
+                                  f"with other values")
+        _check_read(call, read, reads, family)
+        source.read_modes.add("cache" if call.cached else "none")
+        order = None
+    elif hit is not None:
         source, i = hit
         if values is not source.fetches[i][1]:
             _refuse(family, name, f"it attends over the keys of {source.name}'s cache with other values")
         order = None
+        if source is not probe:
+            source.shared = True
     else:
         source = probe
         i = sum(1 for t in probe.ticks if t < when) - 1
@@ -662,28 +738,55 @@ def _call_source(probe: _Probe, call, owners: dict, family: str):
         if heads % len(kmap) or heads % hkv:
             _refuse(family, name, f"queries {q_shape} do not match keys {tuple(keys.shape)} (query heads a multiple "
                                   f"of kv heads)")
-        reads = [kmap[h // (heads // len(kmap))] for h in range(heads)]  # query head -> fetched kv head
-        if any(reads.count(j) != heads // hkv for j in range(hkv)):
-            _refuse(family, name, f"its query heads read its {hkv} kv heads unevenly ({reads}); kvmetal's kernels "
-                                  f"give each kv head {heads // hkv} query heads")
-        order = tuple(sorted(range(heads), key=reads.__getitem__))  # stable: kvmetal's head p is the model's order[p]
+        kv_of = [kmap[h // (heads // len(kmap))] for h in range(heads)]  # query head -> fetched kv head
+        if any(kv_of.count(j) != heads // hkv for j in range(hkv)):
+            _refuse(family, name, f"its query heads read its {hkv} kv heads unevenly ({kv_of}); kvmetal's "
+                                  f"kernels give each kv head {heads // hkv} query heads")
+        order = tuple(sorted(range(heads), key=kv_of.__getitem__))  # stable: kvmetal's head p is the model's order[p]
     later = [t for t in source.ticks[i + 1:] if t < when]
     if later:
         _refuse(family, name, f"it attends over rows {source.name}'s cache returned before a later write to it")
     source.attended.add(i)
     source.orders.add(order)
-    if source is not probe:
-        source.shared = True
     return source, order
+
+
+def _check_read(call: _Call, read: tuple, reads: dict, family: str) -> None:
+    """An attention call over rows ``keys_and_values()`` returned runs, under kvmetal, on the
+    reading cache's pool with the plan of its write in this pass, under the mask rule of its
+    own attention call over that write: the call must have that pass's new tokens as queries
+    and the very mask the cache's own call had (gemma3n: a shared sliding layer reads a
+    sliding cache with the sliding mask, a full one a full cache with the full mask)."""
+    source, i, _, stale = read
+    where = "a layer attends over its rows read with keys_and_values()"
+    if stale:
+        _refuse(family, source.name, f"{where} before its write of that pass (rows of an earlier pass), which "
+                                     f"kvmetal's attention over its pool does not reproduce")
+    if call.q_shape[2] != source.news[i]:
+        _refuse(family, source.name, f"{where} with {call.q_shape[2]} queries after a write of {source.news[i]} "
+                                     f"token(s); kvmetal attends over a cache's rows with the queries of the pass "
+                                     f"that wrote them (same new tokens, same positions)")
+    end = source.ticks[i + 1] if i + 1 < len(source.ticks) else float("inf")
+    own = [c for c in source.calls if id(c.keys) not in reads and source.ticks[i] < c.when < end]
+    if not own:
+        _refuse(family, source.name, f"{where}, but it has no attention call of its own over that write, so "
+                                     f"kvmetal cannot tell which mask rule its rows take")
+    if any(c.mask is not call.mask for c in own):
+        _refuse(family, source.name, f"{where} with another mask than its own attention call's (a different "
+                                     f"window or mask rule), which kvmetal's attention over its pool would not "
+                                     f"apply")
 
 
 def _resolve_calls(probes: list, family: str) -> None:
     """Every recorded attention call's source rows and head order (``_call_source``); a call
     that has none leaves its layer's refusal for ``_layer_spec``."""
     owners = {id(k): (p, i) for p in probes for i, (k, _) in enumerate(p.fetches)}
+    reads = {id(rows[0]): (p, i, rows, stale) for p in probes for i, stale, rows in p.reads if rows is not None}
+    attended = {id(c.keys) for p in probes for c in p.calls}
     for p in probes:
+        p.unattended_reads = sum(1 for _, _, rows in p.reads if rows is None or id(rows[0]) not in attended)
         try:
-            p.sources = [_call_source(p, call, owners, family) for call in p.calls]
+            p.sources = [_call_source(p, call, owners, reads, family) for call in p.calls]
         except UnsupportedModel as exc:
             p.problem = exc
 
@@ -701,10 +804,12 @@ def _layer_spec(probe: _Probe, family: str):
     if head_dim != v_head_dim:
         _refuse(family, name, f"K head_dim {head_dim} and V head_dim {v_head_dim} differ (MLA-style attention); "
                               f"kvmetal's pools and kernels hold one head_dim for K and V")
-    if probe.reads:
-        _refuse(family, name, "the model reads its cache's rows with keys_and_values() outside update_and_fetch "
-                              "(another layer attends over them: K/V reuse or sharing), which kvmetal's paged "
-                              "cache does not serve")
+    if any(i < 0 for i, _, _ in probe.reads):
+        _refuse(family, name, "the model reads its cache's rows with keys_and_values() before its first write")
+    if probe.unattended_reads:
+        _refuse(family, name, "the model reads its cache's rows with keys_and_values() and uses them other than as "
+                              "the keys and values of an attention call, which kvmetal's attention over its pool "
+                              "does not stand in for")
     if probe.problem is not None:
         raise probe.problem
     mapped = not calls and probe.mapped and not probe.strays  # kvmetal's variant stands in (HAND_ATTENTION)
@@ -714,7 +819,8 @@ def _layer_spec(probe: _Probe, family: str):
                                   "cannot attend over its paged rows")
         _refuse(family, name, "it attends by hand over the keys its cache returns (not through "
                               "scaled_dot_product_attention), which kvmetal's attention cannot stand in for")
-    for (q_shape, k, _, options, _), (source, order) in zip(calls, probe.sources):
+    for call, (source, order) in zip(calls, probe.sources):
+        q_shape, options = call.q_shape, call.options
         if options:
             _refuse(family, name, f"attention option(s) {', '.join(options)}, which kvmetal's attention does not model")
         source_keys = source.fetches[0][0]
@@ -729,8 +835,9 @@ def _layer_spec(probe: _Probe, family: str):
     if head_dim not in ops.SUPPORTED_HEAD_DIMS:
         _refuse(family, name, f"head_dim {head_dim} is not one kvmetal's kernels serve "
                               f"({', '.join(map(str, ops.SUPPORTED_HEAD_DIMS))})")
+    read = "none" if "none" in probe.read_modes else "cache" if probe.read_modes else None
     return LayerSpec(probe.window, int(keys.shape[1]), head_dim, keys.dtype,
-                     head_order=next(iter(known)) if known else None, shared=probe.shared)
+                     head_order=next(iter(known)) if known else None, shared=probe.shared, read=read)
 
 
 def analyse_model(model) -> ModelLayout:
@@ -745,8 +852,12 @@ def analyse_model(model) -> ModelLayout:
     option kvmetal does not model, over the rows a cache returned at its latest write:
     those very arrays (its own, or a shared layer's), or its own with the heads
     rearranged (``LayerSpec.head_order``) and cast losslessly; with one head_dim for K and
-    V that kvmetal's kernels serve. Anything else raises :class:`UnsupportedModel` naming
-    the layer and the reason."""
+    V that kvmetal's kernels serve. Rows the model reads with a cache's ``keys_and_values()``
+    (K/V sharing, gemma3n; K/V reuse, afm7) may be attended too, passing that cache or none,
+    where kvmetal's attention over that cache's pool gives what mlx-lm's does: read after the
+    cache's write in the same pass, attended with that pass's new tokens as queries and the
+    very mask the cache's own attention call had (``_check_read``; ``LayerSpec.read``).
+    Anything else raises :class:`UnsupportedModel` naming the layer and the reason."""
     family = model_family(model)
     caches = _original_caches(model)
     probes, native = [], []
@@ -832,9 +943,19 @@ class PagedCacheHandle:
         the paged layers only: a model whose layout is not plain (recurrent-state layers,
         CacheLists) also needs ``sequence_states()`` to run the Engine's ragged passes. A model
         with chunked attention needs a block size that divides its chunk: the ragged passes
-        apply the chunk rule on the kernels only (tables shifted to a chunk start)."""
+        apply the chunk rule on the kernels only (tables shifted to a chunk start). A model
+        whose layers attend over rows read with ``keys_and_values()`` without passing a cache
+        (afm7) is refused here: such a layer takes its positions from the rows, which a ragged
+        pass does not hold (``LayerSpec.read``)."""
         block_size = overrides.get("block_size", self.options["block_size"])
         for name, spec in zip(self.layout.names, self.specs):
+            if spec.read == "none":
+                raise UnsupportedModel(
+                    f"[use_paged_cache] {model_family(self.model)} {name}: a layer attends over its rows read with "
+                    f"keys_and_values() through an attention call that passes no cache, so that layer does not "
+                    f"take its positions from a cache (afm7's KV-reuse layers count the rows read); a ragged pass "
+                    f"of kvmetal's Engine holds one row per token, so the Engine cannot run it "
+                    f"(use_paged_cache with mlx-lm's generate serves it)")
             if spec.chunk is not None and spec.chunk % block_size:
                 raise UnsupportedModel(f"[use_paged_cache] {model_family(self.model)} {name}: chunked attention "
                                        f"(chunk {spec.chunk}) needs a block_size that divides the chunk for "

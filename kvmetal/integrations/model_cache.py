@@ -6,8 +6,8 @@ group can release blocks the window left behind while full layers keep theirs). 
 group sees the same sequence ids.
 
 :class:`PagedLayerCache` speaks mlx-lm's cache protocol for one layer and one or more
-sequences: ``offset``, ``update_and_fetch``, ``make_mask``, ``state``/``meta_state``/
-``from_state``, ``trim``, ``to_quantized``, ``copy.deepcopy``, and the batching
+sequences: ``offset``, ``update_and_fetch``, ``keys_and_values``, ``make_mask``,
+``state``/``meta_state``/``from_state``, ``trim``, ``to_quantized``, ``copy.deepcopy``, and the batching
 operations ``merge``/``extend``/``filter``/``extract``/``prepare``/``finalize`` that
 mlx-lm's ``BatchGenerator`` uses. On the pool those are table operations (fork, free,
 truncate), never copies of K/V. Dimension names: B sequences, H query heads, Hkv kv
@@ -57,6 +57,10 @@ class LayerSpec:
     # second loop attends over the first loop's keys): its fetches are findable by
     # ``PagedModelCache.fetch_owner``.
     shared: bool = field(default=False, compare=False)
+    # Other layers attend over this layer's rows read with ``keys_and_values()`` (gemma3n's
+    # KV-shared layers, afm7's KV-reuse layers): "cache" where every such attention call passes
+    # a kvmetal cache, "none" where one passes no cache (see ``read_owner``); None: never read.
+    read: str | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -146,6 +150,26 @@ def _pack_groups(k_group: int, v_group: int) -> int:
 def _unpack_groups(field: int) -> tuple:
     k_group, v_group = field & 0xFFFF, field >> 16
     return k_group, v_group or k_group
+
+
+_reads: dict = {}  # id(keys) -> (weakref keys, weakref layer cache): what keys_and_values() returned
+
+
+def _remember_read(keys: mx.array, cache) -> None:
+    """The keys a layer cache's ``keys_and_values()`` returned, and the cache (both held
+    weakly: the entry goes with the keys, and never keeps a pool array alive)."""
+    key = id(keys)
+    _reads[key] = (weakref.ref(keys, lambda _, key=key: _reads.pop(key, None)), weakref.ref(cache))
+
+
+def read_owner(keys: mx.array):
+    """The layer cache (paged or ragged) whose ``keys_and_values()`` returned ``keys``, or
+    None. An attention call over such rows runs on that cache's pool, with the plan of the
+    pass that last wrote it, whatever cache (or none) the call passes."""
+    if not _reads:
+        return None
+    entry = _reads.get(id(keys))
+    return None if entry is None or entry[0]() is not keys else entry[1]()
 
 
 class PagedModelCache:
@@ -620,6 +644,7 @@ class RaggedLayerCache(_LayerGroupView):
         self.model_cache, self.layer, self.batch = model_cache, layer, batch
         self._group = model_cache.layer_group[layer]
         self._index = model_cache.layer_index[layer]
+        self._written = None  # (keys, values) of this pass's update_and_fetch
 
     @property
     def offset(self) -> mx.array:
@@ -636,7 +661,23 @@ class RaggedLayerCache(_LayerGroupView):
         self.pool._write_trusted(self._index, keys[:, :, 0], values[:, :, 0], plan.slots)
         if self.model_cache.specs[self.layer].shared:
             self.model_cache._remember_fetch(keys, self)
+        self._written = (keys, values)
         return keys, values
+
+    def keys_and_values(self):
+        """This pass's rows, [T, Hkv, 1, D], as ``update_and_fetch`` returned them (a ragged
+        pass has one row per token: the earlier rows live only in the pool). An attention
+        call over them runs on this layer's pool with the pass's plan (``read_owner``)."""
+        written = self._written
+        if written is None:
+            raise NotImplementedError(f"[RaggedLayerCache] keys_and_values() on layer {self.layer} before its "
+                                      f"update_and_fetch in this pass: a ragged pass holds only its own rows")
+        _remember_read(written[0], self)
+        return written
+
+    def check_read(self, queries: mx.array) -> None:
+        """Attention over this layer's rows read in this pass (``keys_and_values``): the pass's rows."""
+        self._check_rows(queries, "queries")
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
@@ -843,6 +884,54 @@ class PagedLayerCache(_LayerGroupView):
         if self.model_cache.specs[self.layer].shared:
             self.model_cache._remember_fetch(rows[0], self)
         return rows
+
+    def keys_and_values(self):
+        """Every row written so far, [B, Hkv, T, D], as ``update_and_fetch`` last returned
+        them (mlx-lm's protocol; gemma3n's KV-shared layers and afm7's KV-reuse layers read
+        another layer's rows with it). A lazy gather from the pool: an attention call over
+        these rows runs kvmetal's kernels on this layer's pool, with the plan of the pass
+        that wrote them (``read_owner``), so unless the model uses them otherwise they are
+        never computed."""
+        plan = self._current_plan()
+        if plan is not None:
+            rows = self._gather(plan)
+        elif max(self._offsets, default=0) == 0:  # nothing written yet: no rows
+            spec = self.model_cache.specs[self.layer]
+            empty = mx.zeros((len(self.seq_ids), spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype)
+            rows = (empty, empty)
+        else:  # not written in this pass (a loaded or copied cache): the rows the tables hold
+            tables, _ = self.pool.block_tables(self.seq_ids)
+            rows = backends.get().gather_kv_cache(
+                self.pool.key_caches[self._index], self.pool.value_caches[self._index], tables,
+                mx.array(self._offsets, dtype=mx.int32), max_len=max(self._offsets))
+        _remember_read(rows[0], self)
+        return rows
+
+    def _current_plan(self) -> _Plan | None:
+        """The plan of this layer's latest write while it still describes the cache (same
+        sequences, offsets just past the write, each sequence still that long in the pool:
+        nothing trimmed since), else None. Not the group's table version: another cache
+        dropped mid-pass (its sequences freed) bumps it without touching these tables."""
+        plan = self._plan
+        if plan is None:
+            return None
+        seqs, before, num_new, _ = plan.key
+        if seqs != tuple(self.seq_ids) or [o + num_new for o in before] != self._offsets:
+            return None
+        if any(self.pool.num_tokens(s) != o for s, o in zip(self.seq_ids, self._offsets)):
+            return None
+        return plan
+
+    def check_read(self, queries: mx.array) -> None:
+        """Attention over rows ``keys_and_values()`` returned runs with the plan of the pass
+        that wrote them: the queries must be that pass's new tokens."""
+        plan = self._current_plan()
+        if plan is None or queries.ndim != 4 or queries.shape[2] != plan.key[2]:
+            wrote = "no write in this pass" if plan is None else f"a write of {plan.key[2]} token(s)"
+            raise NotImplementedError(f"[use_paged_cache] attention over rows read with keys_and_values() from "
+                                      f"layer {self.layer}'s cache after {wrote}, with queries "
+                                      f"{tuple(queries.shape)}: kvmetal attends over a cache's rows with the "
+                                      f"queries of the pass that wrote them (same new tokens, same positions)")
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None,
                   sinks: mx.array | None = None, softcap: float | None = None) -> mx.array:
