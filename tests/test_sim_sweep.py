@@ -2,6 +2,7 @@
 (kvmetal/sim/sweep.py): a fixed-seed, bounded sample in CI. Longer runs:
 ``python -m kvmetal.sim.sweep --fuzz N [--seed S]``; every failure prints a
 one-line reproducer (``python -m kvmetal.sim.sweep --case '<json>'``)."""
+import dataclasses
 import io
 
 import numpy as np
@@ -123,3 +124,22 @@ def test_a_quantized_keys_score_does_not_cancel_at_large_queries():
                         "prefix_lens": None, "prefix_of": None, "sparse_v": None, "scale": None,
                         "sink_spread": False})
     assert sweep.run_config(c) < 1e-5
+
+
+def test_big_scores_at_the_default_scale_get_the_rounding_of_their_size():
+    # Queries x 40 at the default scale: a score's float32 rounding is about 2^-24 x 0.64 D
+    # x 40 x D^-0.5 (sweep._scale_term), which the 1e-5 budget alone does not cover (a
+    # fresh-seed sweep row: tiled varlen at D 112, 1.22e-5; cpu 5.2e-6); the row passes
+    # within it, and the term stays too small to hide the quantized-key cancellation
+    # (2.09e-5 at D 32, test above).
+    base = dict(op="varlen", dtype="float32", gqa=9, query_len=1, k_quant=None, v_quant=None, block_size=16,
+                num_kv_heads=2, splits=None, softcap=50.0, sinks=False, view="contiguous", pad=0,
+                prefix_lens=None, prefix_of=None, sparse_v=None, scale=None, sink_spread=False)
+    c = sweep.Config(**base, head_dim=112, lens=[64, 77, 29], window=10, big_scores=True,
+                     data_seed=210743646, counts=[64, 9, 0])
+    assert sweep._scale_term(c) > 1.5e-5
+    assert sweep.run_config(c) < sweep.TOLERANCE["float32"] + sweep._scale_term(c)
+    d32 = sweep.Config(**{**base, "gqa": 40, "k_quant": [8, 32], "block_size": 8}, head_dim=32, lens=[5],
+                       window=None, big_scores=True, data_seed=153936301, counts=[3])
+    assert sweep.TOLERANCE["float32"] + sweep._scale_term(d32) < 2.09e-5
+    assert sweep._scale_term(dataclasses.replace(c, big_scores=False)) == 0.0
