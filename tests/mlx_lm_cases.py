@@ -31,3 +31,27 @@ def mlx_lm_greedy(model, prompt, max_tokens):
     from mlx_lm.generate import generate_step
 
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=GREEDY)]
+
+
+class TinyGreedy:
+    """One tiny architecture (arch_sweep), built on first use, and mlx-lm's greedy tokens per
+    prompt, each computed once: what a module of Engine-against-mlx-lm tests compares to."""
+
+    def __init__(self, name: str, steps: int):
+        self.name, self.steps = name, steps
+        self._model = None
+        self._expected: dict = {}
+
+    def model(self):
+        if self._model is None:
+            from kvmetal.integrations import arch_sweep
+
+            self._model = arch_sweep.build(self.name)
+        return self._model
+
+    def expected(self, prompt, steps=None):
+        steps = self.steps if steps is None else steps
+        key = (tuple(prompt), steps)
+        if key not in self._expected:
+            self._expected[key] = mlx_lm_greedy(self.model(), prompt, steps)
+        return self._expected[key]

@@ -16,25 +16,12 @@ from kvmetal.engine.engine import Engine  # noqa: E402
 from kvmetal.integrations import arch_sweep  # noqa: E402
 from kvmetal.integrations.mlx_lm import UnsupportedModel, use_paged_cache  # noqa: E402
 
-from mlx_lm_cases import mlx_lm_greedy  # noqa: E402
+from mlx_lm_cases import TinyGreedy  # noqa: E402
 
 PROMPTS = [list(range(3, 60)), [7, 1, 9, 4, 4], list(range(100, 141))]  # 57, 5 and 41 tokens: past the window 24
 STEPS = 20
-_MODEL: list = []
-_EXPECTED: dict = {}
-
-
-def model():
-    if not _MODEL:
-        _MODEL.append(arch_sweep.build("gemma3n"))
-    return _MODEL[0]
-
-
-def expected(prompt, steps=STEPS):
-    key = (tuple(prompt), steps)
-    if key not in _EXPECTED:
-        _EXPECTED[key] = mlx_lm_greedy(model(), prompt, steps)
-    return _EXPECTED[key]
+_CASE = TinyGreedy("gemma3n", STEPS)  # the tiny model and mlx-lm's greedy tokens, each built once
+model, expected = _CASE.model, _CASE.expected
 
 
 @pytest.mark.parametrize("options", [dict(block_size=8), dict(async_steps=True, max_num_batched_tokens=16),

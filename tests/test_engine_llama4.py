@@ -14,27 +14,18 @@ from kvmetal.engine.engine import Engine  # noqa: E402
 from kvmetal.integrations import arch_sweep  # noqa: E402
 from kvmetal.integrations.mlx_lm import UnsupportedModel  # noqa: E402
 
-from mlx_lm_cases import mlx_lm_greedy  # noqa: E402
+from mlx_lm_cases import TinyGreedy  # noqa: E402
 
 CHUNK = 16
 PROMPTS = [list(range(3, 60)), [7, 1, 9, 4, 4], list(range(100, 141))]  # 57, 5 and 41 tokens
 STEPS = 20  # each crosses a chunk start while decoding
-_MODEL: list = []
-_EXPECTED: dict = {}
+_CASE = TinyGreedy("llama4", STEPS)  # the tiny model and mlx-lm's greedy tokens, each built once
+expected = _CASE.expected
 
 
 def model():
-    if not _MODEL:
-        assert arch_sweep.tiny_args("llama4")["text_config"]["attention_chunk_size"] == CHUNK
-        _MODEL.append(arch_sweep.build("llama4"))
-    return _MODEL[0]
-
-
-def expected(prompt, steps=STEPS):
-    key = (tuple(prompt), steps)
-    if key not in _EXPECTED:
-        _EXPECTED[key] = mlx_lm_greedy(model(), prompt, steps)
-    return _EXPECTED[key]
+    assert arch_sweep.tiny_args("llama4")["text_config"]["attention_chunk_size"] == CHUNK
+    return _CASE.model()
 
 
 @pytest.mark.parametrize("options", [dict(block_size=8), dict(async_steps=True, max_num_batched_tokens=16),

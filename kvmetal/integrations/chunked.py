@@ -17,7 +17,7 @@ mlx-lm's ``Attention.__call__`` with that temperature computed per row. With an 
 offset (one sequence, or a batch at one position) mlx-lm's own call runs.
 
 Both run mlx-lm's own code for any other cache (mlx-lm's, during ``analyse_model``'s
-probe passes too); ``tests/test_chunked_attention.py`` checks them against mlx-lm.
+probe passes too); ``tests/test_mlx_lm_chunked.py`` and ``tests/test_engine_llama4.py`` check them against mlx-lm. ``project_heads`` is the q/k/v head split the hand-attention stand-ins (gemma2's too) share.
 """
 from __future__ import annotations
 
@@ -27,6 +27,15 @@ from .model_cache import PagedLayerCache, RaggedLayerCache
 
 _OURS = (PagedLayerCache, RaggedLayerCache)
 
+
+
+def project_heads(attn, x):
+    """A llama-style attention module's q/k/v projections of ``x`` [B, L, hidden] as
+    [B, heads, L, head_dim] (n_heads for the queries, n_kv_heads for keys and values)."""
+    b, n, _ = x.shape
+    split = lambda y, heads: y.reshape(b, n, heads, -1).transpose(0, 2, 1, 3)
+    return (split(attn.q_proj(x), attn.n_heads), split(attn.k_proj(x), attn.n_kv_heads),
+            split(attn.v_proj(x), attn.n_kv_heads))
 
 def llama4_model(original):
     """``LlamaModel.__call__`` (llama4): over kvmetal's caches, the chunked layers get the
@@ -58,10 +67,7 @@ def llama4_attention(original):
         if not isinstance(cache, _OURS) or not isinstance(cache.offset, mx.array):
             return original(self, x, mask=mask, cache=cache)
         b, n, _ = x.shape
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries = queries.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = keys.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = values.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = project_heads(self, x)
         offset = cache.offset  # int32 [b]
         if self.use_rope:
             queries = self.rope(queries, offset=offset)

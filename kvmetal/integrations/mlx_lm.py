@@ -170,10 +170,7 @@ def _gemma2_attention(original):
                 probe.mapped = f"softcap {self.attn_logit_softcapping}"
             return original(self, x, mask=mask, cache=cache)
         b, n, _ = x.shape
-        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries = queries.reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = keys.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = values.reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = chunked.project_heads(self, x)
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
