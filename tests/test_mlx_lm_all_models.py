@@ -153,17 +153,22 @@ def _llama_reading_layer0(after):
     return model
 
 
-def test_a_read_of_another_layers_rows_is_derived_from_the_calls_not_the_family():
-    # llama, no family list involved: layer 1 attends over layer 0's read rows passing its own
-    # cache; kvmetal runs that call on layer 0's pool and matches mlx-lm.
-    model = _llama_reading_layer0(lambda k: k)
-    assert [s.read for s in analyse_model(model).specs] == ["cache", None]
+def _assert_prompt_and_step_match_mlx_lm(model):
+    """A 37-token prompt and one decode step under use_paged_cache give mlx-lm's logits."""
     prompt = mx.array([list(range(3, 40))])
     expected = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
     with use_paged_cache(model):
         got = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
     for g, e in zip(got, expected):
         assert float(mx.abs(g - e).max() / mx.abs(e).max()) < 1e-5
+
+
+def test_a_read_of_another_layers_rows_is_derived_from_the_calls_not_the_family():
+    # llama, no family list involved: layer 1 attends over layer 0's read rows passing its own
+    # cache; kvmetal runs that call on layer 0's pool and matches mlx-lm.
+    model = _llama_reading_layer0(lambda k: k)
+    assert [s.read for s in analyse_model(model).specs] == ["cache", None]
+    _assert_prompt_and_step_match_mlx_lm(model)
 
 
 def test_read_rows_used_otherwise_are_refused():
@@ -346,12 +351,7 @@ def _llama_after_fetch(after):
 def test_a_rearrangement_of_the_fetched_heads_is_served_exactly(after, order):
     model = _llama_after_fetch(after)
     assert [s.head_order for s in analyse_model(model).specs] == [order, order]
-    prompt = mx.array([list(range(3, 40))])
-    expected = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
-    with use_paged_cache(model):
-        got = [model(prompt, cache=(c := make_prompt_cache(model))), model(mx.array([[5]]), cache=c)]
-    for g, e in zip(got, expected):
-        assert float(mx.abs(g - e).max() / mx.abs(e).max()) < 1e-5
+    _assert_prompt_and_step_match_mlx_lm(model)
 
 
 @pytest.mark.parametrize("after,reason", [
