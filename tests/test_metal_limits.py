@@ -68,9 +68,10 @@ def test_attention_limits_every_configuration(head_dim):
                 assert per <= metal_layout.ROW_REGISTER_LIMIT
             assert layout.threads <= min(chips.PIPELINE_THREAD_LIMIT, chips.max_threads_for_registers(registers))
             # 16-bit float and 4/8-bit caches keep up to 4 rows in register mode at D <= 128,
-            # 3 at D 192 / 256, one fewer with float32 (more rows: shared mode's smaller row
-            # blocks); wide atoms (2/3/5/6 bits: 16 or 32 values an atom) keep 1.
-            if kbits in (0, 4, 8) and vbits in (0, 4, 8) and rows <= (4 if head_dim <= 128 else 3) - (itemsize == 4):
+            # 3 at D 192 / 256, 2 at D 512, one fewer with float32 (more rows: shared mode's
+            # smaller row blocks); wide atoms (2/3/5/6 bits: 16 or 32 values an atom) keep 1.
+            most = 4 if head_dim <= 128 else 3 if head_dim <= 256 else 2
+            if kbits in (0, 4, 8) and vbits in (0, 4, 8) and rows <= most - (itemsize == 4):
                 assert per == rows, layout
             if rows == 1:
                 assert per == rows, layout
