@@ -178,3 +178,24 @@ def test_cascade(quant):
             mx.eval(out)
         assert_close(out, expected, f16)
     assert any("cascade_partials" in c.name and "_d512_" in c.name for c in trace.calls)
+
+
+def test_gemma4_text_on_the_simulated_kernels_matches_mlx_lm():
+    """gemma4_text (tiny, float32: sliding layers at D 64, the global layer at D 512) under
+    use_paged_cache on the simulated Metal kernels: mlx-lm's logits over a 20-token prefill
+    (the varlen kernel, DS 4) and 6 decode steps (the decode partials), greedy tokens the same."""
+    pytest.importorskip("mlx_lm")
+    from kvmetal.integrations import arch_sweep
+    from kvmetal.integrations.mlx_lm import use_paged_cache
+
+    model = arch_sweep.build("gemma4_text")
+    prompt = [int(t) for t in np.random.default_rng(0).integers(1, 256, arch_sweep.PROMPT_TOKENS)]
+    with kv.use_backend("cpu"):
+        expected, tokens = arch_sweep._run(model, prompt, 6)
+    with kv.use_backend("sim"), sim.trace(strict=True, seed=SEEDS[0]) as trace, use_paged_cache(model, block_size=16):
+        got, got_tokens = arch_sweep._run(model, prompt, 6)
+    assert float(np.abs(got - expected).max() / np.abs(expected).max()) <= arch_sweep.TOLERANCE
+    assert got_tokens == tokens
+    wide = [c.name for c in trace.calls if "_d512_" in c.name]
+    assert any("paged_varlen_partials" in n and "_ds4_" in n for n in wide)
+    assert any("paged_attention_partials" in n for n in wide)
