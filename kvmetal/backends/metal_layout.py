@@ -634,8 +634,8 @@ def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups:
     VARLEN_D_SPLITS whose tiles estimate at most varlen_split_registers() registers a lane
     (D 192 and 256: 2; D 512: 4), else the most. ``simdgroups`` None: VARLEN_SIMDGROUPS, or
     VARLEN_SPLIT_D_SIMDGROUPS_BY_DS with split-D. ``sequential_kv`` None: K and V side by
-    side where they fit 32 KiB at some BK (BK 8 past VARLEN_TILE_MEMORY), else in turns
-    (D 512 with a float32 K tile)."""
+    side where they fit 32 KiB at the smallest BK with RF 1, else in turns (D 512 with a
+    float32 K tile)."""
 
     def total(bk, rf, ds, nsg, skv):
         t = VarlenTiles(nsg, bk, True, rf, ds, skv)
@@ -648,20 +648,16 @@ def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups:
 
     def choose(ds):
         nsg = simdgroups or (VARLEN_SPLIT_D_SIMDGROUPS_BY_DS[ds] if ds > 1 else VARLEN_SIMDGROUPS)
-        bks = (block_k,) if block_k else VARLEN_BLOCK_K
-        skvs = (False, True) if sequential_kv is None else (bool(sequential_kv),)
+        # K and V in turns only where side by side they pass 32 KiB even at the smallest BK
+        skv = (total(VARLEN_BLOCK_K[-1], 1, ds, nsg, False) > 32 * 1024 if sequential_kv is None
+               else bool(sequential_kv))
         rf = row_fragments
         if rf is None:
             rf = VARLEN_ROW_FRAGMENTS
-            if not any(fits(bk, rf, ds, nsg, skv) for bk in bks for skv in skvs):
+            if not any(fits(bk, rf, ds, nsg, skv) for bk in ((block_k,) if block_k else VARLEN_BLOCK_K)):
                 rf = 1
-        for skv in skvs:
-            bk = next((bk for bk in bks if fits(bk, rf, ds, nsg, skv)), None)
-            if bk is None and total(bks[-1], rf, ds, nsg, skv) <= 32 * 1024:
-                bk = bks[-1]  # past VARLEN_TILE_MEMORY, within 32 KiB
-            if bk is not None:
-                return VarlenTiles(nsg, bk, True, rf, ds, skv)
-        return VarlenTiles(nsg, bks[-1], True, rf, ds, skvs[-1])  # refused below
+        bk = block_k or next((bk for bk in VARLEN_BLOCK_K if fits(bk, rf, ds, nsg, skv)), VARLEN_BLOCK_K[-1])
+        return VarlenTiles(nsg, bk, True, rf, ds, skv)
 
     if d_split is None:
         feasible = [ds for ds in VARLEN_D_SPLITS if head_dim % (8 * ds) == 0 and (simdgroups or ds) % ds == 0]
