@@ -1,11 +1,12 @@
 """Simulator cost counters and modelled times of the varlen prefill kernel (issue 41, P7/P8).
 
-    python bench/varlen_costs.py [--json out.json] [--quick] [--head-dim D] [--tiles NSG,BK,KT,RF,DS]
+    python bench/varlen_costs.py [--json out.json] [--quick] [--head-dim D] [--tiles NSG,BK,KT,RF,DS,SKV]
 
 Cases: one sequence whose last 2048 tokens are new rows (a 2K prefill chunk) over 0 or
 8K cached tokens, one kv head (the modelled time scales it to cost_cases.KV_HEADS), float16
 and K8/V4 g64, GQA 1/4/8, head_dim 64/128 (--quick: context 0, GQA 4, D 128 only; --head-dim:
-that head_dim instead, e.g. 256, where the default tiles split D, issue 41 P1).
+that head_dim instead, e.g. 256, where the default tiles split D, issue 41 P1; 512: DS 4,
+issue 40).
 
 Per case, for the paged_varlen_partials launch (the reduce is listed in the modelled time):
 - measured by the simulator: loads and bytes per load of each device buffer, K/V bytes
@@ -48,7 +49,7 @@ def _cache(rng, blocks, bs, d, bits):
 def _tiles_of(call_name: str) -> dict:
     vals = {}
     for part in call_name.split("_"):
-        for key in ("nsg", "bk", "kt", "rf", "ds", "kbits", "vbits"):
+        for key in ("nsg", "bk", "kt", "rf", "ds", "skv", "kbits", "vbits"):
             if part.startswith(key) and part[len(key):].isdigit():
                 vals.setdefault(key, int(part[len(key):]))
     return vals
@@ -114,8 +115,8 @@ def case(rng, *, context, gqa, d, fmt, tiles=None):
             kf, df = bk // 8, d // 8 // ds
             # Threadgroup fragment loads per K/V tile per simdgroup: K and V fragments (one
             # each per (key block, dim block) of its dims), Q fragments when Q is staged (RF
-            # per dim block); split-D adds the partner's partial scores (RF x KF float2 loads).
-            frag_loads = 2 * kf * df + (rf * df if rf > 1 else 0) + (rf * kf if ds > 1 else 0)
+            # per dim block); split-D adds the DS partial scores it sums (RF x KF x DS float2 loads).
+            frag_loads = 2 * kf * df + (rf * df if rf > 1 else 0) + (rf * kf * ds if ds > 1 else 0)
             mma_tile = 2 * rf * kf * df
             ttk = 4 if kb else 2
             out = {"kernel": call.name, "threadgroups": call.threadgroups, "threads": call.threadgroup[0],
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-steel", action="store_true")
     parser.add_argument("--head-dim", type=int, default=None,
                         help="this head_dim only (context 0; with --quick: GQA 4 f16 only)")
-    parser.add_argument("--tiles", help="NSG,BK[,KT[,RF[,DS]]]: a VarlenTiles override")
+    parser.add_argument("--tiles", help="NSG,BK[,KT[,RF[,DS[,SKV]]]]: a VarlenTiles override")
     parser.add_argument("--old-fill", action="store_true", help="index map of the fill before issue 41 P7")
     args = parser.parse_args(argv)
     global OLD_FILL
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     tiles = None
     if args.tiles:
         vals = [int(x) for x in args.tiles.split(",")]
-        tiles = metal_layout.VarlenTiles(*vals[:2], *(bool(v) if i == 0 else v for i, v in enumerate(vals[2:])))
+        tiles = metal_layout.VarlenTiles(*vals[:2], *(bool(v) if i in (0, 3) else v for i, v in enumerate(vals[2:])))
     rows = measure(args.quick, tiles, steel=not args.no_steel, head_dim=args.head_dim)
     if args.json:
         with open(args.json, "w") as f:

@@ -856,11 +856,11 @@ inline KvPartialsOut kv_partials_out(device float* part_max, device float* part_
 // The whole partial kernel for one (split, kv head, sequence), any row source.
 // Register mode when RPS >= R, else shared mode with tiles of TT tokens.
 // SV = 1 compiles sparse V (kv_pass_sparse, threshold `sparse_v`); SV = 0 is
-// the exact path, and `sparse_v` is then unused.
+// the exact path, and `sparse_v` is then unused. PF (register mode): 1 loads the
+// next pass's K/V a pass ahead, 0 in the pass (fewer registers: one row at D 512).
 template <int D, int G, int QL, int NSG, int RPS, int LPK, int TT, int KBITS, int KGS, int KAW, int VBITS,
-          int VGS, int VAW, int SV, typename TKD, typename TVD, typename TKS, typename TVS, typename TQ, typename SRC,
-          typename PQ,
-          typename PKD, typename PKS, typename PVD, typename PVS>
+          int VGS, int VAW, int PF, int SV, typename TKD, typename TVD, typename TKS, typename TVS, typename TQ,
+          typename SRC, typename PQ, typename PKD, typename PKS, typename PVD, typename PVS>
 inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD, PKS, PVD, PVS> cache, int len,
                       KvSplitRange range, KvScoring scoring, KvThreadIds ids, KvAttnScratch scratch,
                       KvPartialsOut out) {
@@ -948,47 +948,69 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     const int per = ((n + NSG - 1) / NSG + KPP - 1) / KPP * KPP;
     const int s_lo = range.lo + sg * per;
     const int s_hi = min(range.hi, s_lo + per);
-    // Software pipeline: the next pass's K/V loads are issued before this
-    // pass is scored, so memory latency overlaps the math.
-    KvAt ka;
-    KvAt va;
-    int t = s_lo + kg;
-    bool ok = t < s_hi && src.locate(t, ka, va);
-    KvAtoms<KNA, KBITS, KAW, TKD> k =
-        kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
-    if (SV) {
-      // Sparse V: K stays a pass ahead; V is read in the pass, once its
-      // scores are known (kv_pass_sparse), and only where a row needs it.
+    if (!PF) {
+      // PF 0 (one row whose pipelined atoms would pass the register budget, D 512):
+      // each pass loads its own K/V, nothing a pass ahead.
       for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
-        const KvAt va_now = va;
-        const int t_next = t0 + KPP + kg;
-        const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
-        const KvAtoms<KNA, KBITS, KAW, TKD> k_next =
-            kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
-        kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVD>(st, k, vdata, vscales, vbiases, va_now, vsteps, t, ok,
-                                                            var, sparse_v, kl, kg);
-        k = k_next;
-        t = t_next;
-        ok = ok_next;
+        const int t = t0 + kg;
+        KvAt ka;
+        KvAt va;
+        const bool ok = t < s_hi && src.locate(t, ka, va);
+        const KvAtoms<KNA, KBITS, KAW, TKD> k =
+            kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
+        if (SV) {
+          kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVD>(st, k, vdata, vscales, vbiases, va, vsteps, t, ok,
+                                                              var, sparse_v, kl, kg);
+        } else {
+          const KvAtoms<VNA, VBITS, VAW, TVD> v =
+              kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
+          kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
+        }
       }
+      kv_reduce_key_groups<RPS, LPK>(st);
     } else {
-      KvAtoms<VNA, VBITS, VAW, TVD> v =
-          kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
-      for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
-        const int t_next = t0 + KPP + kg;
-        const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
-        const KvAtoms<KNA, KBITS, KAW, TKD> k_next =
-            kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
-        const KvAtoms<VNA, VBITS, VAW, TVD> v_next =
-            kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
-        kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
-        k = k_next;
-        v = v_next;
-        t = t_next;
-        ok = ok_next;
+      // Software pipeline (PF 1): the next pass's K/V loads are issued before this
+      // pass is scored, so memory latency overlaps the math.
+      KvAt ka;
+      KvAt va;
+      int t = s_lo + kg;
+      bool ok = t < s_hi && src.locate(t, ka, va);
+      KvAtoms<KNA, KBITS, KAW, TKD> k =
+          kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok, kl, kg);
+      if (SV) {
+        // Sparse V: K stays a pass ahead; V is read in the pass, once its
+        // scores are known (kv_pass_sparse), and only where a row needs it.
+        for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
+          const KvAt va_now = va;
+          const int t_next = t0 + KPP + kg;
+          const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
+          const KvAtoms<KNA, KBITS, KAW, TKD> k_next =
+              kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+          kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVD>(st, k, vdata, vscales, vbiases, va_now, vsteps, t,
+                                                              ok, var, sparse_v, kl, kg);
+          k = k_next;
+          t = t_next;
+          ok = ok_next;
+        }
+      } else {
+        KvAtoms<VNA, VBITS, VAW, TVD> v =
+            kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok, kl, kg);
+        for (int t0 = s_lo; t0 < s_hi; t0 += KPP) {
+          const int t_next = t0 + KPP + kg;
+          const bool ok_next = t_next < s_hi && src.locate(t_next, ka, va);
+          const KvAtoms<KNA, KBITS, KAW, TKD> k_next =
+              kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(kdata, kscales, kbiases, ka, ksteps, ok_next, kl, kg);
+          const KvAtoms<VNA, VBITS, VAW, TVD> v_next =
+              kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok_next, kl, kg);
+          kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
+          k = k_next;
+          v = v_next;
+          t = t_next;
+          ok = ok_next;
+        }
       }
+      kv_reduce_key_groups<RPS, LPK>(st);
     }
-    kv_reduce_key_groups<RPS, LPK>(st);
   } else {
     // Shared mode: all threads copy each tile once (double-buffered, one
     // barrier per tile); simdgroup sg scores its own rows from the tile. The
@@ -1298,7 +1320,7 @@ KV_ATTN_THREADGROUP_ARRAYS
 KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
 src.init(block_tables, seq, kvh, p);
 const KvSteps unit = kv_unit_steps();
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV, TQ>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, PF, SV, TKD, TVD, TK, TV, TQ>(
     src, kv_query_view(query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D),
     kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, unit, unit), len,
     range, kv_scoring<SV>(p, p.window),
@@ -1328,7 +1350,7 @@ const KvSteps ksteps = kv_strided_steps<KBITS ? KAW : 4, 16 / int(sizeof(TKD))>(
     key_data_strides, key_scales_strides, key_biases_strides);
 const KvSteps vsteps = kv_strided_steps<VBITS ? VAW : 4, 16 / int(sizeof(TVD))>(
     value_data_strides, value_scales_strides, value_biases_strides);
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV, TQ>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, PF, SV, TKD, TVD, TK, TV, TQ>(
     src, kv_query_view(query + size_t(batch) * p.num_heads * QL * D, kvh * G, QL * D, D),
     kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, ksteps, vsteps), len,
     range, kv_scoring<SV>(p, 0),

@@ -57,7 +57,7 @@ KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
 src.init(block_tables, seq, kvh, p);
 const KvSteps unit = kv_unit_steps();
 // Rows sit at positions len - 1 .. len + QL - 2: each sees all of [0, len).
-kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, SV, TKD, TVD, TK, TV, TQ>(
+kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, PF, SV, TKD, TVD, TK, TV, TQ>(
     src, kv_query_view(query + size_t(seq) * QL * p.num_heads * D, kvh * G, D, p.num_heads * D),
     kv_cache_arrays(key_data, key_scales, key_biases, value_data, value_scales, value_biases, unit, unit),
     len + QL - 1, range, kv_scoring<SV>(p, 0),

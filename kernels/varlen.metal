@@ -24,9 +24,10 @@
 //   elements in one vector load: V row-major, K transposed (KT = 1, dims as
 //   rows) so that a K fragment's two keys are adjacent (rows padded by 16 bytes
 //   against bank conflicts). Fragment loops are unrolled (KV_UNROLL). Two
-//   barriers per tile (load, use; DS 2 a third: the scores' exchange) and one per
-//   threadgroup (the first tile's block ids); no double buffer, so the tiles fit the budget
-//   at BK = 32 for D = 128 half.
+//   barriers per tile (load, use; DS > 1 a third: the scores' exchange; SKV a fourth:
+//   V filled into K's buffer after the scores) and one per threadgroup (the first
+//   tile's block ids); no double buffer, so the tiles fit the budget at BK = 32 for
+//   D = 128 half.
 // - Key range of a tile: [first visible key of its first row, last row's
 //   position]: tiles above the causal diagonal are never visited, tiles before
 //   the sliding window never loaded. Splits cut that range in whole K/V tiles;
@@ -227,11 +228,13 @@ inline void kv_varlen_load_blocks(PT table, int t0, int lo, int t_end, threadgro
 // Outputs: part_max, part_sum float32 [R, splits]; part_acc float32 [R, splits, D]
 // Grid:    threadgroups (num_tiles, Hkv, splits), NSG * 32 threads each; BQ = 8 * NSG * RF / DS.
 // DS (split-D, issue 41 P1): DS simdgroups share each row fragment, each holding the Q and
-// O fragments of D / DS dims (the registers of D 256 in one simdgroup spill); their partial
-// scores meet in threadgroup memory (one more barrier per K/V tile), and each computes
-// the row's softmax from the same sum, so the halves agree bit for bit.
+// O fragments of D / DS dims (the registers of D 256 in one simdgroup spill; D 512 takes
+// DS 4); their partial scores meet in threadgroup memory (one more barrier per K/V tile),
+// and each adds all DS of them in the same order, so they agree bit for bit.
+// SKV (sequential K/V, issue 40): one buffer holds the K tile, then (after the scores) the
+// V tile, where the two side by side would pass 32 KiB (D 512, float32 K tile).
 const device KvAttnParams& p = kv_params<KvAttnParams>(params);
-static_assert(DS == 1 || DS == 2, "DS is 1 or 2");
+static_assert(DS == 1 || DS == 2 || DS == 4, "DS is 1, 2 or 4");
 static_assert(NSG % DS == 0 && D % (8 * DS) == 0, "DS divides the simdgroups and the fragments");
 constexpr int BQ = 8 * NSG * RF / DS;
 constexpr int NT = NSG * 32;
@@ -258,8 +261,11 @@ constexpr int KLD = KvVarlenStride<D, TK>::LD;
 constexpr int KLDT = KvVarlenStrideT<BK, TK>::LDT;
 constexpr int VLD = KvVarlenStride<D, TV>::LD;
 constexpr int QLD = KvVarlenStride<D, TQ>::LD;
-constexpr int TILE_K16 = ((KT ? D * KLDT : BK * KLD) * int(sizeof(TK)) + 15) / 16;
-constexpr int TILE_V16 = (BK * VLD * int(sizeof(TV)) + 15) / 16;
+constexpr int TILE_K16_OWN = ((KT ? D * KLDT : BK * KLD) * int(sizeof(TK)) + 15) / 16;
+constexpr int TILE_V16_OWN = (BK * VLD * int(sizeof(TV)) + 15) / 16;
+// SKV: the V tile reuses the K tile's buffer (the larger of the two; V's own is a placeholder).
+constexpr int TILE_K16 = SKV && TILE_V16_OWN > TILE_K16_OWN ? TILE_V16_OWN : TILE_K16_OWN;
+constexpr int TILE_V16 = SKV ? 1 : TILE_V16_OWN;
 constexpr int TILE_Q16 = QTG ? (BQ * QLD * int(sizeof(TQ)) + 15) / 16 : 1;
 threadgroup uint4 tile_k_raw[TILE_K16];
 threadgroup uint4 tile_v_raw[TILE_V16];
@@ -269,7 +275,7 @@ threadgroup int tile_bid[BK / 8 + 1];  // block ids of the next K/V tile (KvVarl
 threadgroup float tile_s[TILE_S];        // DS > 1: each simdgroup's partial scores
 static_assert(KvVarlenSlots<BK, BS>::N <= BK / 8 + 1, "block size >= 8");
 threadgroup TK* tile_k = reinterpret_cast<threadgroup TK*>(tile_k_raw);
-threadgroup TV* tile_v = reinterpret_cast<threadgroup TV*>(tile_v_raw);
+threadgroup TV* tile_v = reinterpret_cast<threadgroup TV*>(SKV ? tile_k_raw : tile_v_raw);
 threadgroup TQ* tile_q = reinterpret_cast<threadgroup TQ*>(tile_q_raw);
 
 const device KvVarlenTile& tl = reinterpret_cast<const device KvVarlenTile*>(tiles)[tile_index];
@@ -381,11 +387,13 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   kv_varlen_load_tile<BK, D, BS, KBITS, KGS, KT != 0, NT, TK>(key_data, key_scales, key_biases, tile_bid,
                                                               p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
                                                               tile_k, tile_ok, tid, true);
-  kv_varlen_load_tile<BK, D, BS, VBITS, VGS, false, NT, TV>(value_data, value_scales, value_biases, tile_bid,
-                                                             p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
-                                                             tile_v, tile_ok, tid, false);
+  if (!SKV) {
+    kv_varlen_load_tile<BK, D, BS, VBITS, VGS, false, NT, TV>(value_data, value_scales, value_biases, tile_bid,
+                                                               p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
+                                                               tile_v, tile_ok, tid, false);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (t0 + BK < t_end) {
+  if (!SKV && t0 + BK < t_end) {  // (SKV: after the V fill, which reads this tile's ids)
     kv_varlen_load_blocks<BK, BS>(table, t0 + BK, lo, t_end, tile_bid, tid);
   }
 
@@ -431,8 +439,9 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
   }
 
   // Split-D: the full scores are the sum of the DS simdgroups' partial ones (over their
-  // dims), exchanged through tile_s. Both of a pair add own + other: IEEE addition
-  // commutes exactly, so both hold the same bits and run the same softmax.
+  // dims), exchanged through tile_s. Every simdgroup of a row fragment adds the DS partials
+  // in the order of their dims (d = 0, 1, ..), so all hold the same bits and run the same
+  // softmax (at DS 2 the same bits as own + other: IEEE addition commutes exactly).
   if (DS > 1) {
     KV_UNROLL
     for (int f = 0; f < RF; f++) {
@@ -443,15 +452,36 @@ for (int t0 = t_begin; t0 < t_end; t0 += BK) {
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    const int sg0 = rsg * DS;  // the row fragments' first simdgroup (dims 0 .. DH)
     KV_UNROLL
     for (int f = 0; f < RF; f++) {
       KV_UNROLL
       for (int kb = 0; kb < KF; kb++) {
-        const float2 o = *reinterpret_cast<const threadgroup float2*>(
-            tile_s + (((sg ^ 1) * RF + f) * 8 + fm) * SLD + kb * 8 + fn);
-        sf[f][kb].thread_elements()[0] += o.x;
-        sf[f][kb].thread_elements()[1] += o.y;
+        float2 sum =
+            *reinterpret_cast<const threadgroup float2*>(tile_s + ((sg0 * RF + f) * 8 + fm) * SLD + kb * 8 + fn);
+        KV_UNROLL
+        for (int d = 1; d < DS; d++) {
+          sum += *reinterpret_cast<const threadgroup float2*>(
+              tile_s + (((sg0 + d) * RF + f) * 8 + fm) * SLD + kb * 8 + fn);
+        }
+        sf[f][kb].thread_elements()[0] = sum.x;
+        sf[f][kb].thread_elements()[1] = sum.y;
       }
+    }
+  }
+
+  // SKV: every simdgroup is done with the K tile (the exchange's barrier, or this one at
+  // DS 1); V takes its buffer, then the next tile's block ids go in.
+  if (SKV) {
+    if (DS == 1) {
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    kv_varlen_load_tile<BK, D, BS, VBITS, VGS, false, NT, TV>(value_data, value_scales, value_biases, tile_bid,
+                                                               p.num_blocks, p.num_kv_heads, kvh, t0, lo, t_end,
+                                                               tile_v, tile_ok, tid, false);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (t0 + BK < t_end) {
+      kv_varlen_load_blocks<BK, BS>(table, t0 + BK, lo, t_end, tile_bid, tid);
     }
   }
 

@@ -29,7 +29,7 @@ from .quant import QuantizedKV
 
 FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 INDEX_DTYPES = (mx.int32, mx.int64)
-SUPPORTED_HEAD_DIMS = (32, 48, 64, 72, 80, 96, 112, 128, 192, 256)
+SUPPORTED_HEAD_DIMS = (32, 48, 64, 72, 80, 96, 112, 128, 192, 256, 512)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 # The float32 range a scale or softcap must fall in: a value outside it would reach the

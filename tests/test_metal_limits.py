@@ -68,9 +68,10 @@ def test_attention_limits_every_configuration(head_dim):
                 assert per <= metal_layout.ROW_REGISTER_LIMIT
             assert layout.threads <= min(chips.PIPELINE_THREAD_LIMIT, chips.max_threads_for_registers(registers))
             # 16-bit float and 4/8-bit caches keep up to 4 rows in register mode at D <= 128,
-            # 3 at D 192 / 256, one fewer with float32 (more rows: shared mode's smaller row
-            # blocks); wide atoms (2/3/5/6 bits: 16 or 32 values an atom) keep 1.
-            if kbits in (0, 4, 8) and vbits in (0, 4, 8) and rows <= (4 if head_dim <= 128 else 3) - (itemsize == 4):
+            # 3 at D 192 / 256, 2 at D 512, one fewer with float32 (more rows: shared mode's
+            # smaller row blocks); wide atoms (2/3/5/6 bits: 16 or 32 values an atom) keep 1.
+            most = 4 if head_dim <= 128 else 3 if head_dim <= 256 else 2
+            if kbits in (0, 4, 8) and vbits in (0, 4, 8) and rows <= most - (itemsize == 4):
                 assert per == rows, layout
             if rows == 1:
                 assert per == rows, layout
@@ -151,9 +152,9 @@ def test_gpu_core_count_fallback_without_metal():
 def test_variant_names_spell_the_specialisation():
     spec = metal_specs.SPECS["paged_attention_partials"]
     name = spec.variant(dict(TQ=mx.float32, TK=mx.float16, TV=mx.bfloat16, D=128, G=4, BS=16, QL=2, NSG=4, RPS=8, LPK=16, TT=0,
-                             KBITS=8, KGS=64, KAW=2, VBITS=4, VGS=64, VAW=1, SV=0))
+                             KBITS=8, KGS=64, KAW=2, VBITS=4, VGS=64, VAW=1, PF=1, SV=0))
     assert name == ("kvmetal_paged_attention_partials_tqf32_tkf16_tvbf16_d128_g4_bs16_ql2_nsg4_rps8_lpk16_tt0"
-                    "_kbits8_kgs64_kaw2_vbits4_vgs64_vaw1_sv0")
+                    "_kbits8_kgs64_kaw2_vbits4_vgs64_vaw1_pf1_sv0")
 
 
 def test_every_description_has_a_body_and_no_spurious_injected_names():

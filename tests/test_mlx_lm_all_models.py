@@ -27,6 +27,7 @@ from mlx_lm.models.base import scaled_dot_product_attention  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache  # noqa: E402
 
 from kvmetal.integrations import arch_sweep, tiny_models  # noqa: E402
+from kvmetal.ops import SUPPORTED_HEAD_DIMS  # noqa: E402
 from kvmetal.integrations.mlx_lm import UnsupportedModel, analyse_model, use_paged_cache  # noqa: E402
 from kvmetal.integrations.model_cache import PagedLayerCache  # noqa: E402
 
@@ -54,6 +55,26 @@ COVERAGE = ROOT / "bench" / "model_coverage.json"
 def test_exact_against_mlx_lm(name):
     row = arch_sweep.check(name)
     assert row.status == "exact", row
+    assert row.max_rel_diff <= arch_sweep.TOLERANCE and row.greedy_identical and row.generate_step_identical
+    assert row.k8v4_finite and row.k8v4_top1 >= 0.5, row
+
+
+def _widest_head_dim_architectures() -> list:
+    """The architectures whose paged layers (in the coverage sweep's JSON) reach the widest
+    head_dim kvmetal serves: gemma4 and gemma4_text's global layers at D 512 (issue 40)."""
+    widest = max(SUPPORTED_HEAD_DIMS)
+    return sorted(r["name"] for r in json.loads(COVERAGE.read_text())["rows"]
+                  if r.get("head_dims") and max(r["head_dims"]) == widest)
+
+
+def test_some_architecture_reaches_the_widest_head_dim():
+    assert _widest_head_dim_architectures(), f"no swept architecture has a head_dim {max(SUPPORTED_HEAD_DIMS)} layer"
+
+
+@pytest.mark.parametrize("name", _widest_head_dim_architectures())
+def test_widest_head_dim_is_exact_against_mlx_lm(name):
+    row = arch_sweep.check(name)
+    assert row.status == "exact" and max(row.head_dims) == max(SUPPORTED_HEAD_DIMS), row
     assert row.max_rel_diff <= arch_sweep.TOLERANCE and row.greedy_identical and row.generate_step_identical
     assert row.k8v4_finite and row.k8v4_top1 >= 0.5, row
 

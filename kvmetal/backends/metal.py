@@ -338,7 +338,7 @@ class KernelBackend:
                                            split_tokens=split_tokens)
             template = dict(TQ=query.dtype, TK=ktt, TV=vdt, D=head_dim, G=gqa, BS=block_size,
                             NSG=tiles.simdgroups, BK=tiles.block_k, KT=int(tiles.transposed_k), RF=tiles.row_fragments,
-                            DS=tiles.d_split, KBITS=kbits, KGS=kgs,
+                            DS=tiles.d_split, SKV=int(tiles.sequential_kv), KBITS=kbits, KGS=kgs,
                             VBITS=vbits, VGS=vgs)
             geometry = SPECS["paged_varlen_partials"].geometry(
                 num_tiles=plan.tiles.shape[0], num_kv_heads=num_kv_heads, splits=splits, tiles=tiles,
@@ -443,7 +443,7 @@ class KernelBackend:
         template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
                         RPS=layout.rows_per_simdgroup, LPK=layout.lanes_per_key, TT=layout.tile, KBITS=kbits,
                         KGS=kgs, KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words,
-                        SV=int(bool(sparse_v)))
+                        PF=int(layout.prefetch), SV=int(bool(sparse_v)))
         buffers = dict(key_data=kd, key_scales=ks, key_biases=kb, value_data=vd, value_scales=vs, value_biases=vb)
         return template, buffers
 

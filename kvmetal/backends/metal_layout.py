@@ -194,6 +194,11 @@ class AttentionLayout:
     value_atom_words: int
     threadgroup_bytes: int
     rows: int = 0             # G x L
+    # Register mode: the next pass's K/V atoms are loaded a pass ahead (template PF 1, the
+    # software pipeline). PF 0 loads them in the pass: only for one row whose pipelined atoms
+    # pass REGISTER_MODE_LIMIT at every key group (D 512 with a float32 query and float32 or
+    # 3/5/6-bit atoms); shared mode ignores it.
+    prefetch: bool = True
 
     @property
     def threads(self) -> int:
@@ -205,7 +210,7 @@ class AttentionLayout:
         a query of ``q_itemsize`` bytes an element and float caches of ``k/v_itemsize``."""
         return _partials_registers(head_dim, self.rows, self.rows_per_simdgroup, self.lanes_per_key, k_bits,
                                    self.key_atom_words, v_bits, self.value_atom_words, sparse_v,
-                                   (q_itemsize, k_itemsize, v_itemsize))
+                                   (q_itemsize, k_itemsize, v_itemsize), self.prefetch)
 
     @property
     def row_passes(self) -> int:
@@ -287,13 +292,14 @@ def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgrou
 
 
 def _partials_registers(head_dim: int, rows: int, per: int, lanes: int, k_bits: int, k_atom_words: int, v_bits: int,
-                        v_atom_words: int, sparse_v: bool = False, itemsizes: tuple = (2, 2, 2)) -> int:
+                        v_atom_words: int, sparse_v: bool = False, itemsizes: tuple = (2, 2, 2),
+                        prefetch: bool = True) -> int:
     """:func:`estimated_registers` of a partials kernel serving ``rows`` rows, ``per`` per simdgroup;
     ``itemsizes``: bytes per element of the query, a float K cache and a float V cache."""
     q, k, v = (_ITEM_DTYPES[n] for n in itemsizes)
     return estimated_registers("paged_attention_partials", dict(
         TQ=q, TK=k, TV=v, D=head_dim, RPS=per, LPK=lanes, KBITS=k_bits, VBITS=v_bits, KAW=k_atom_words,
-        VAW=v_atom_words, G=rows, QL=1, SV=int(sparse_v)))
+        VAW=v_atom_words, G=rows, QL=1, SV=int(sparse_v), PF=int(prefetch)))
 
 
 def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
@@ -331,17 +337,23 @@ def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k
     """
     rows = gqa * query_len
 
-    def registers(per: int, lanes: int) -> int:
+    def registers(per: int, lanes: int, prefetch: bool = True) -> int:
         return _partials_registers(head_dim, rows, per, lanes, k_bits, _atom_words(head_dim, k_bits, k_group, lanes),
                                    v_bits, _atom_words(head_dim, v_bits, v_group, lanes), False,
-                                   (q_itemsize, k_itemsize, v_itemsize))
+                                   (q_itemsize, k_itemsize, v_itemsize), prefetch)
 
     def fitting_lanes(per: int):
         return next((w for w in LANES_PER_KEY if registers(per, w) <= chips.PIPELINE_REGISTER_LIMIT), None)
 
+    prefetch = True
     lanes = next((w for w in LANES_PER_KEY if registers(rows, w) <= REGISTER_MODE_LIMIT), None)
-    if rows == 1 and lanes is None:  # one row with wide atoms: the key group of fewest registers
-        lanes = min(LANES_PER_KEY, key=lambda w: registers(rows, w))
+    if rows == 1 and lanes is None:
+        # One row whose pipelined atoms pass the limit at every key group (D 512: a float32
+        # query with float32 or 3/5/6-bit atoms): load each pass's atoms in the pass (PF 0),
+        # at the narrowest key group that fits, else the one of fewest registers.
+        prefetch = False
+        lanes = next((w for w in LANES_PER_KEY if registers(rows, w, False) <= REGISTER_MODE_LIMIT),
+                     None) or min(LANES_PER_KEY, key=lambda w: registers(rows, w, False))
     if rows <= ROW_REGISTER_LIMIT and lanes is not None:
         simdgroups, per = REGISTER_SIMDGROUPS, rows
     else:
@@ -377,7 +389,7 @@ def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k
         head_dim=head_dim, rows=rows, simdgroups=simdgroups, rows_per_simdgroup=per, tile=tile, k_row_bytes=k_row,
         v_row_bytes=v_row, k_scale_bytes=k_scales, v_scale_bytes=v_scales)
     return AttentionLayout(simdgroups, per, lanes, tile, _atom_words(head_dim, k_bits, k_group, lanes),
-                           _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes, rows)
+                           _atom_words(head_dim, v_bits, v_group, lanes), tg_bytes, rows, prefetch)
 
 
 _ITEM_DTYPES = {2: mx.float16, 4: mx.float32}  # a dtype of each element size (what the estimate reads)
@@ -459,9 +471,12 @@ def estimated_registers(kernel: str, template: dict) -> int:
         k_atoms = kna * (4 * kaw + 8 if kbits else kae * kb)
         v_atoms = vna * (4 * vaw + 8 if vbits else vae * vb)
         shared = rps < int(template["G"]) * int(template["QL"])
-        # Register mode keeps the next pass's atoms in flight (software pipeline); sparse V
-        # reads V in the pass.
-        in_flight = k_atoms + v_atoms if shared else 2 * k_atoms + v_atoms * (1 if int(template["SV"]) else 2)
+        # Register mode keeps the next pass's atoms in flight (software pipeline, PF 1); sparse V
+        # reads V in the pass; PF 0 reads both in the pass.
+        if shared or not int(template.get("PF", 1)):
+            in_flight = k_atoms + v_atoms
+        else:
+            in_flight = 2 * k_atoms + v_atoms * (1 if int(template["SV"]) else 2)
         # The pass's scores, then weights, a float per row (and a quantized key's per-atom dot
         # products beside them past one atom), and one group of 4 elements widened at use.
         transient = 4 * (rps * (2 if kbits and kna > 1 else 1) + 4)
@@ -483,8 +498,8 @@ def varlen_registers(*, head_dim: int, block_k: int, row_fragments: int = 1, d_s
     fragment. Q: the DF = head_dim / 8 / d_split fragments of its dims in registers (RF 1),
     or (RF > 1, Q staged in threadgroup memory) the RF of one dim block; O: RF x DF; S: RF x
     BK / 8; per row fragment m, l, the rescale factor and its row flag; the K/V fragment being
-    loaded, the tile's max and sum, the loop's key; split-D (d_split 2) also the partner's
-    two partial scores being added."""
+    loaded, the tile's max and sum, the loop's key; split-D (d_split 2 or 4) also the
+    partners' partial scores being added (two floats at a time)."""
     frag = head_dim // 8 // d_split
     rf = row_fragments
     q = 2 * rf if rf > 1 else 2 * frag
@@ -504,13 +519,17 @@ VARLEN_TILE_FIELDS = 8                   # int32 per row of the tile table (KvVa
 # Split-D (issue 41 P1): where one simdgroup per row fragment would keep more than this many
 # registers a lane (varlen_registers; D 256: 174), two simdgroups share each row fragment, each
 # holding the Q and O fragments of half the dims (D 256: 112), at one more barrier per K/V tile
-# and the softmax run by both. KVMETAL_METAL_VARLEN_REGISTERS sets it for a Mac to compare (a
-# large value: never split; `kvmetal bench --cases prefill` times d_split 1 and 2).
+# and the softmax run by both; four where two would still pass it (D 512: 174 at DS 2, 110 at
+# DS 4; issue 40). KVMETAL_METAL_VARLEN_REGISTERS sets it for a Mac to compare (a large
+# value: never split; `kvmetal bench --cases prefill` times d_split 1 and 2).
 VARLEN_SPLIT_D_REGISTERS = chips.PIPELINE_REGISTER_LIMIT  # the 128 registers a thread has
-# Simdgroups of a split-D tile (3 row fragments x 2, 192 threads, BQ 24): the cost model's
-# best of 4 / 6 / 8 at D 256 (8, BQ 32: 256 threads at 112 registers leave one threadgroup a
-# core, and its barriers unhidden; bench/varlen_costs_p1.json).
+VARLEN_D_SPLITS = (1, 2, 4)              # d_split candidates, fewest first
+# Simdgroups of a split-D tile by d_split (3 row fragments x DS, BQ 24: 192 threads at DS 2,
+# 384 at DS 4): at D 256 the cost model's best of 4 / 6 / 8 (8, BQ 32: 256 threads at 112
+# registers leave one threadgroup a core, and its barriers unhidden;
+# bench/varlen_costs_p1.json); at D 512 see bench/varlen_costs_d512.json.
 VARLEN_SPLIT_D_SIMDGROUPS = 6
+VARLEN_SPLIT_D_SIMDGROUPS_BY_DS = {2: VARLEN_SPLIT_D_SIMDGROUPS, 4: 12}
 VARLEN_SCORE_PAD = 16                    # bytes added to each row of the split-D score exchange (tile_s)
 
 
@@ -528,18 +547,24 @@ class VarlenTiles:
     from the tiles serve two MMAs (issue 41, P8); RF 1 keeps Q in registers.
 
     ``d_split`` (DS): simdgroups sharing each row fragment, each over head_dim / DS dims of Q
-    and O (issue 41, P1: split-D); their partial scores are summed through threadgroup
-    memory."""
+    and O (issue 41, P1: split-D; DS 4 at D 512, issue 40); their partial scores are summed
+    through threadgroup memory.
+
+    ``sequential_kv`` (SKV): K and V take turns in one threadgroup buffer (the V tile is
+    filled after the scores, one more barrier per K/V tile), where the two tiles side by
+    side would pass 32 KiB (D 512 with a float32 K tile: 16 KiB + pads each at BK 8)."""
 
     simdgroups: int
     block_k: int
     transposed_k: bool = True
     row_fragments: int = 1
     d_split: int = 1
+    sequential_kv: bool = False
 
     def __post_init__(self):
-        if self.d_split not in (1, 2) or self.simdgroups % self.d_split:
-            raise ValueError(f"[metal] varlen tiles need a d_split of 1 or 2 dividing the simdgroups, got {self}")
+        if self.d_split not in VARLEN_D_SPLITS or self.simdgroups % self.d_split:
+            raise ValueError(f"[metal] varlen tiles need a d_split in {VARLEN_D_SPLITS} dividing the simdgroups, "
+                             f"got {self}")
 
     @property
     def block_q(self) -> int:
@@ -552,10 +577,12 @@ class VarlenTiles:
 
 def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int,
                              transposed_k: bool = True, block_q: int = 8 * VARLEN_SIMDGROUPS, q_itemsize: int = 2,
-                             row_fragments: int = 1, simdgroups: int = VARLEN_SIMDGROUPS, d_split: int = 1) -> int:
+                             row_fragments: int = 1, simdgroups: int = VARLEN_SIMDGROUPS, d_split: int = 1,
+                             sequential_kv: bool = False) -> int:
     """Threadgroup memory of paged_varlen_partials: K tile (transposed: head_dim rows of
     block_k keys, padded by VARLEN_TRANSPOSED_PAD bytes), V tile (rows padded by
-    VARLEN_ROW_PAD bytes; both in the tile element types), Q tile (row_fragments > 1:
+    VARLEN_ROW_PAD bytes; both in the tile element types; sequential_kv: one buffer of the
+    larger of the two and a 16-byte placeholder), Q tile (row_fragments > 1:
     block_q rows padded by VARLEN_ROW_PAD bytes, in the query type; else a 16-byte
     placeholder), ok flags (block_k + 1 int32), the next tile's block ids (block_k / 8 + 1
     int32: block sizes >= 8), the split-D score exchange (d_split > 1: 8 rows of block_k
@@ -564,8 +591,10 @@ def varlen_threadgroup_bytes(*, head_dim: int, block_k: int, k_itemsize: int, v_
               else block_k * (head_dim * k_itemsize + VARLEN_ROW_PAD))
     q_tile = block_q * (head_dim * q_itemsize + VARLEN_ROW_PAD) if row_fragments > 1 else 16
     s_tile = simdgroups * row_fragments * 8 * (4 * block_k + VARLEN_SCORE_PAD) if d_split > 1 else 16
-    return (_round16(k_tile) + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)) + _round16(q_tile)
-            + _round16(4 * (block_k + 1)) + _round16(4 * (block_k // 8 + 1)) + _round16(s_tile))
+    v_tile = block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)
+    kv = _round16(max(k_tile, v_tile)) + 16 if sequential_kv else _round16(k_tile) + _round16(v_tile)
+    return (kv + _round16(q_tile) + _round16(4 * (block_k + 1)) + _round16(4 * (block_k // 8 + 1))
+            + _round16(s_tile))
 
 
 def tiles_threadgroup_bytes(tiles: VarlenTiles, *, head_dim: int, k_itemsize: int, v_itemsize: int,
@@ -574,7 +603,8 @@ def tiles_threadgroup_bytes(tiles: VarlenTiles, *, head_dim: int, k_itemsize: in
     return varlen_threadgroup_bytes(head_dim=head_dim, block_k=tiles.block_k, k_itemsize=k_itemsize,
                                     v_itemsize=v_itemsize, transposed_k=tiles.transposed_k, block_q=tiles.block_q,
                                     q_itemsize=q_itemsize, row_fragments=tiles.row_fragments,
-                                    simdgroups=tiles.simdgroups, d_split=tiles.d_split)
+                                    simdgroups=tiles.simdgroups, d_split=tiles.d_split,
+                                    sequential_kv=tiles.sequential_kv)
 
 
 def varlen_split_registers() -> int:
@@ -585,51 +615,67 @@ def varlen_split_registers() -> int:
     return VARLEN_SPLIT_D_REGISTERS if value is None else value
 
 
-def _varlen_kv_bytes(head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int) -> int:
-    """The padded K (transposed) + V tiles of one BK (what VARLEN_TILE_MEMORY bounds)."""
-    return (_round16(head_dim * (block_k * k_itemsize + VARLEN_TRANSPOSED_PAD))
-            + _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD)))
+def _varlen_kv_bytes(head_dim: int, block_k: int, k_itemsize: int, v_itemsize: int,
+                     sequential_kv: bool = False) -> int:
+    """The padded K (transposed) + V tiles of one BK (what VARLEN_TILE_MEMORY bounds;
+    sequential_kv: the larger of the two)."""
+    k = _round16(head_dim * (block_k * k_itemsize + VARLEN_TRANSPOSED_PAD))
+    v = _round16(block_k * (head_dim * v_itemsize + VARLEN_ROW_PAD))
+    return max(k, v) if sequential_kv else k + v
 
 
 def varlen_tiles(*, head_dim: int, k_itemsize: int, v_itemsize: int, simdgroups: int | None = None,
                  block_k: int | None = None, row_fragments: int | None = None, q_itemsize: int = 2,
-                 d_split: int | None = None) -> VarlenTiles:
+                 d_split: int | None = None, sequential_kv: bool | None = None) -> VarlenTiles:
     """The tile sizes for one head_dim and tile element sizes: the largest BK whose
     padded K + V tiles fit VARLEN_TILE_MEMORY (D = 128 half: 32; D = 256 half: 16) and,
-    with the Q tile (RF > 1) and the score exchange (DS 2), 32 KiB. ``row_fragments`` None:
-    VARLEN_ROW_FRAGMENTS where some BK fits with it, else 1. ``d_split`` None: 2 where one
-    simdgroup per row fragment would estimate more registers a lane than
-    varlen_split_registers() (D 256), else 1. ``simdgroups`` None: VARLEN_SIMDGROUPS, or
-    VARLEN_SPLIT_D_SIMDGROUPS with DS 2."""
+    with the Q tile (RF > 1) and the score exchange (DS > 1), 32 KiB. ``row_fragments`` None:
+    VARLEN_ROW_FRAGMENTS where some BK fits with it, else 1. ``d_split`` None: the fewest of
+    VARLEN_D_SPLITS whose tiles estimate at most varlen_split_registers() registers a lane
+    (D 192 and 256: 2; D 512: 4), else the most. ``simdgroups`` None: VARLEN_SIMDGROUPS, or
+    VARLEN_SPLIT_D_SIMDGROUPS_BY_DS with split-D. ``sequential_kv`` None: K and V side by
+    side where they fit 32 KiB at the smallest BK with RF 1, else in turns (D 512 with a
+    float32 K tile)."""
 
-    def fits(bk, rf, ds, nsg):
-        t = VarlenTiles(nsg, bk, True, rf, ds)
-        total = tiles_threadgroup_bytes(t, head_dim=head_dim, k_itemsize=k_itemsize, v_itemsize=v_itemsize,
-                                        q_itemsize=q_itemsize)
-        return _varlen_kv_bytes(head_dim, bk, k_itemsize, v_itemsize) <= VARLEN_TILE_MEMORY and total <= 32 * 1024
+    def total(bk, rf, ds, nsg, skv):
+        t = VarlenTiles(nsg, bk, True, rf, ds, skv)
+        return tiles_threadgroup_bytes(t, head_dim=head_dim, k_itemsize=k_itemsize, v_itemsize=v_itemsize,
+                                       q_itemsize=q_itemsize)
+
+    def fits(bk, rf, ds, nsg, skv):
+        return (_varlen_kv_bytes(head_dim, bk, k_itemsize, v_itemsize, skv) <= VARLEN_TILE_MEMORY
+                and total(bk, rf, ds, nsg, skv) <= 32 * 1024)
 
     def choose(ds):
-        nsg = simdgroups or (VARLEN_SPLIT_D_SIMDGROUPS if ds > 1 else VARLEN_SIMDGROUPS)
+        nsg = simdgroups or (VARLEN_SPLIT_D_SIMDGROUPS_BY_DS[ds] if ds > 1 else VARLEN_SIMDGROUPS)
+        # K and V in turns only where side by side they pass 32 KiB even at the smallest BK
+        skv = (total(VARLEN_BLOCK_K[-1], 1, ds, nsg, False) > 32 * 1024 if sequential_kv is None
+               else bool(sequential_kv))
         rf = row_fragments
         if rf is None:
             rf = VARLEN_ROW_FRAGMENTS
-            if not any(fits(bk, rf, ds, nsg) for bk in ((block_k,) if block_k else VARLEN_BLOCK_K)):
+            if not any(fits(bk, rf, ds, nsg, skv) for bk in ((block_k,) if block_k else VARLEN_BLOCK_K)):
                 rf = 1
-        bk = block_k or next((bk for bk in VARLEN_BLOCK_K if fits(bk, rf, ds, nsg)), VARLEN_BLOCK_K[-1])
-        return VarlenTiles(nsg, bk, True, rf, ds)
+        bk = block_k or next((bk for bk in VARLEN_BLOCK_K if fits(bk, rf, ds, nsg, skv)), VARLEN_BLOCK_K[-1])
+        return VarlenTiles(nsg, bk, True, rf, ds, skv)
 
     if d_split is None:
-        one = choose(1)
-        over = varlen_registers(head_dim=head_dim, block_k=one.block_k, row_fragments=one.row_fragments,
-                                d_split=1) > varlen_split_registers()
-        d_split = 2 if over and head_dim % 16 == 0 and (simdgroups or 2) % 2 == 0 else 1
+        feasible = [ds for ds in VARLEN_D_SPLITS if head_dim % (8 * ds) == 0 and (simdgroups or ds) % ds == 0]
+        d_split = feasible[-1]
+        for ds in feasible:
+            t = choose(ds)
+            if varlen_registers(head_dim=head_dim, block_k=t.block_k, row_fragments=t.row_fragments,
+                                d_split=ds) <= varlen_split_registers():
+                d_split = ds
+                break
     tiles = choose(d_split)
     if (tiles.block_k % 8 or tiles.block_k <= 0 or not 1 <= tiles.simdgroups <= MAX_SHARED_SIMDGROUPS
-            or tiles.row_fragments not in (1, 2) or tiles.d_split not in (1, 2)
+            or tiles.row_fragments not in (1, 2) or tiles.d_split not in VARLEN_D_SPLITS
             or tiles.simdgroups % tiles.d_split or head_dim % (8 * tiles.d_split)):
         raise ValueError(f"[metal] varlen tiles need BK a multiple of 8, 1..{MAX_SHARED_SIMDGROUPS} simdgroups "
-                         f"(chips.PIPELINE_THREAD_LIMIT threads), 1 or 2 row fragments and a d_split of 1 or 2 "
-                         f"dividing the simdgroups and head_dim / 8, got {tiles} at head_dim {head_dim}")
+                         f"(chips.PIPELINE_THREAD_LIMIT threads), 1 or 2 row fragments and a d_split in "
+                         f"{VARLEN_D_SPLITS} dividing the simdgroups and head_dim / 8, got {tiles} at head_dim "
+                         f"{head_dim}")
     used = tiles_threadgroup_bytes(tiles, head_dim=head_dim, k_itemsize=k_itemsize, v_itemsize=v_itemsize,
                                    q_itemsize=q_itemsize)
     if used > 32 * 1024:

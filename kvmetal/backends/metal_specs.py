@@ -100,10 +100,11 @@ def _attention_geometry(*, splits, num_kv_heads, num_seqs, layout):
                     threadgroup_bytes=layout.threadgroup_bytes)
 
 
-# TQ: the query's dtype (its register share keeps it); SV: 1 compiles sparse V (kv_pass_sparse;
-# threshold KvAttnParams.sparse_v), 0 the exact path.
+# TQ: the query's dtype (its register share keeps it); PF: register mode loads the next pass's
+# K/V a pass ahead (1) or in the pass (0: AttentionLayout.prefetch); SV: 1 compiles sparse V
+# (kv_pass_sparse; threshold KvAttnParams.sparse_v), 0 the exact path.
 _ATTENTION_TEMPLATE = ("TQ", "TK", "TV", "D", "G", "QL", "NSG", "RPS", "LPK", "TT", "KBITS", "KGS", "KAW", "VBITS",
-                       "VGS", "VAW", "SV")
+                       "VGS", "VAW", "PF", "SV")
 _KV_INPUTS = ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
 _PARTIALS = ("part_max", "part_sum", "part_acc")
 # Attention math mode: "relaxed" lets Metal use its fast exp2/tanh and contract
@@ -166,7 +167,8 @@ SPECS = {
         # The tiled varlen kernel (kernels/varlen.metal).
         KernelSpec("paged_varlen_partials", "varlen",
                    ("query",) + _KV_INPUTS + ("block_tables", "seq_lens", "tiles", "params"), _PARTIALS,
-                   ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KT", "RF", "DS", "KBITS", "KGS", "VBITS", "VGS"),
+                   ("TQ", "TK", "TV", "D", "G", "BS", "NSG", "BK", "KT", "RF", "DS", "SKV", "KBITS", "KGS", "VBITS",
+                    "VGS"),
                    lambda *, num_tiles, num_kv_heads, splits, tiles, threadgroup_bytes: Geometry(
                        grid=(num_tiles * tiles.threads, num_kv_heads, splits), threadgroup=(tiles.threads, 1, 1),
                        threadgroup_bytes=threadgroup_bytes),

@@ -33,15 +33,15 @@ from .. import quant
 
 # Template parameters that select code, per kernel (the others are sizes).
 PATH_PARAMETERS = {
-    "paged_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
-    "decode_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
+    "paged_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV"),
+    "decode_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV"),
     "attention_reduce": ("TQ", "HAS_SINKS"),
     "cache_rows_convert": ("TC",),
     "cache_rows_quantize": ("TC", "BITS", "GS"),
     "gather_kv_rows": ("TE", "BITS", "GS", "BS"),
     "copy_blocks_gather": ("T",),
-    "paged_varlen_partials": ("TQ", "TK", "TV", "KBITS", "VBITS", "NSG", "BK", "KT", "RF", "DS"),
-    "cascade_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "SV"),
+    "paged_varlen_partials": ("TQ", "TK", "TV", "KBITS", "VBITS", "NSG", "BK", "KT", "RF", "DS", "SKV"),
+    "cascade_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV"),
     "cascade_reduce": ("TQ", "HAS_SINKS"),
 }
 MAX_CONSTANT_ELEMENTS = 8  # MLX binds inputs with fewer elements as `constant`
@@ -276,10 +276,15 @@ def backend_call(f: Family) -> tuple:
 
 # ----------------------------------------------------------------------------- candidates
 
-# The head dims the candidate grid draws from. head_dim is a size, not a code path: every
-# other dim kvmetal serves (ops.SUPPORTED_HEAD_DIMS) reaches only families these reach
-# (tests/test_head_dims_small.py traces every candidate again at each of them).
-GRID_HEAD_DIMS = (64, 128, 256)
+# The head dims the candidate grid draws from. head_dim is a size, not a code path, up to
+# 256: every other dim kvmetal serves (ops.SUPPORTED_HEAD_DIMS) reaches only families these
+# reach (tests/test_head_dims_small.py traces every candidate again at each of them). D 512
+# (issue 40) takes paths of its own: varlen tiles with DS 4 and sequential K/V (SKV), and
+# shared-mode tiles of 2 tokens.
+GRID_HEAD_DIMS = (64, 128, 256, 512)
+# Candidates drawn from each shuffled grid per head dim of GRID_HEAD_DIMS (the draws were
+# 2500 and 600 over three head dims before D 512 joined).
+_DRAWS_PER_HEAD_DIM = {"attention": 834, "varlen": 200, "cascade": 200}
 SPARSE_V_TAU = 1e-3  # the threshold sparse-V candidates run with (any tau in (0, 1) builds SV = 1)
 _QUANTS = (None, (2, 32), (2, 64), (3, 32), (4, 32), (4, 64), (4, 128), (5, 32), (6, 64), (8, 32), (8, 64),
            (8, 128), (2, 128), (3, 128), (5, 128), (6, 32))
@@ -297,7 +302,8 @@ def _candidates():
     for op in ("paged_attention", "decode_attention"):
         grid = list(itertools.product(DTYPES, GRID_HEAD_DIMS, _ROWS, _QUANTS, _QUANTS, (8, 16, 32)))
         rng.shuffle(grid)
-        for i, (dtype, D, (g, L), kq, vq, bs) in enumerate(grid[:2500]):
+        draws = _DRAWS_PER_HEAD_DIM["attention"] * len(GRID_HEAD_DIMS)
+        for i, (dtype, D, (g, L), kq, vq, bs) in enumerate(grid[:draws]):
             if not (_fits(D, kq) and _fits(D, vq)):
                 continue
             # Every 7th candidate compiles sparse V (SV = 1); chosen by position, so
@@ -317,7 +323,7 @@ def _candidates():
     # partials above) at every dtype, head_dim and cache format.
     grid = list(itertools.product(DTYPES, GRID_HEAD_DIMS, (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
     rng.shuffle(grid)
-    for dtype, D, g, kq, vq, bs in grid[:600]:
+    for dtype, D, g, kq, vq, bs in grid[:_DRAWS_PER_HEAD_DIM["varlen"] * len(GRID_HEAD_DIMS)]:
         if _fits(D, kq) and _fits(D, vq):
             n = int(rng.choice((9, 17, 40)))
             out.append(Family("paged_attention_varlen", dtype, D, int(rng.choice((1, 2))), g, n, bs,
@@ -325,7 +331,7 @@ def _candidates():
     # Cascade: prefixes of 1-100 members (the chunking), every dtype and cache format.
     grid = list(itertools.product(DTYPES, GRID_HEAD_DIMS, (1, 4, 8), _QUANTS, _QUANTS, (8, 16, 32)))
     rng.shuffle(grid)
-    for i, (dtype, D, g, kq, vq, bs) in enumerate(grid[:600]):
+    for i, (dtype, D, g, kq, vq, bs) in enumerate(grid[:_DRAWS_PER_HEAD_DIM["cascade"] * len(GRID_HEAD_DIMS)]):
         if _fits(D, kq) and _fits(D, vq):
             members = int(rng.choice((1, 3, 16, 100)))
             out.append(Family("paged_attention_cascade", dtype, D, 1, g, 1, bs, int(rng.choice((bs, 40))), members,

@@ -158,6 +158,7 @@ class Row:
     native_layers: int | None = None
     gathered_calls: int | None = None  # attention calls that took the model's own mask array (gather + MLX sdpa)
     seconds: float = 0.0
+    head_dims: list | None = None  # the paged layers' head dims, ascending (tests pick models by them)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -465,6 +466,7 @@ def check(name: str, *, steps: int = DECODE_STEPS, seed: int = 0, config: dict |
             row.seconds = time.perf_counter() - start
             return row
         row.paged_layers, row.native_layers = len(layout.specs), len(layout.native)
+        row.head_dims = sorted({int(spec.head_dim) for spec in layout.specs})
         _mark(name, "paged")
         try:
             with use_paged_cache(model, block_size=16) as handle:

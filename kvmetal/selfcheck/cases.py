@@ -69,6 +69,11 @@ def matrix(quick: bool) -> list:
             _f(op="paged_attention", dtype="f32", d=64, bs=8, hkv=1, g=8, L=2, lens=(90,), sinks=True),
             _f(op="paged_attention", dtype="bf16", d=128, bs=16, hkv=2, g=6, L=1, lens=(33, 160), softcap=50.0),
             _f(op="paged_attention", dtype="f16", d=256, bs=32, hkv=1, g=16, L=4, lens=(500,), **K8V4),
+            # head_dim 512 (gemma4's global layers, issue 40): register and shared mode, varlen DS 4 + SKV
+            _f(op="paged_attention", dtype="f16", d=512, bs=16, hkv=2, g=8, L=1, lens=(1, 300), sinks=True, **K8V4),
+            _f(op="paged_attention", dtype="f32", d=512, bs=16, hkv=1, g=1, L=1, lens=(77,)),
+            _f(op="paged_attention_varlen", dtype="f16", d=512, bs=16, hkv=2, g=4, lens=(40, 90), runs=(20, 45),
+               **K8V4),
         ]
     return paged + others
 
@@ -76,7 +81,7 @@ def matrix(quick: bool) -> list:
 def sweep(count: int, seed: int, quick: bool) -> list:
     """Random paged and contiguous decode cases: lengths, options and split counts drawn
     at random. Quick: at the families' points (no new kernels to build); full: anywhere
-    in a wider space (GQA 1-8, D 64-256, every block size and format)."""
+    in a wider space (GQA 1-8, D 64-512, every block size and format)."""
     rng = np.random.default_rng(seed)
     families = specialisation_families()
     cases = []
@@ -84,7 +89,7 @@ def sweep(count: int, seed: int, quick: bool) -> list:
         if quick:
             point = families[rng.integers(len(families))].point()
         else:
-            d = int(rng.choice([64, 80, 96, 128, 256]))
+            d = int(rng.choice([64, 80, 96, 128, 256, 512]))
             fmts = [None, (8, 64), (4, 64), (4, 32), (3, 32), (5, 32), (6, 32), (2, 32)]
             pick = lambda: fmts[rng.integers(len(fmts))]
             k, v = pick(), pick()

@@ -4,7 +4,7 @@ registry (``specialisations.ATTENTION_OPS``: paged and contiguous decode, varlen
 cascade), so a new attention op must be drawn here or the sweep refuses to start.
 
 Each configuration is drawn over the whole space the ops accept: G 1-48 query
-heads per kv head, L 1-8 query tokens, every head_dim the ops serve (32-256), block sizes
+heads per kv head, L 1-8 query tokens, every head_dim the ops serve (32-512), block sizes
 8/16/32, 1-7 splits (or automatic), tiny and odd lengths, every K/V bit width and
 group size (float and quantized K and V mixed), sliding window, softcap (with
 scores large enough to overflow an unguarded fast tanh now and then), sinks, and
