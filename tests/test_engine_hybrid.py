@@ -17,8 +17,10 @@ from mlx_lm_cases import mlx_lm_greedy  # noqa: E402
 PROMPTS = [list(range(3, 40)), [7, 1, 9, 4, 4], list(range(100, 121))]
 STEPS = 10
 # qwen3_moe: MoE only; qwen3_next: gated-delta recurrent layers (ArraysCache) and MoE;
-# falcon_h1: a CacheList per layer, a Mamba state beside a K/V cache.
-FAMILIES = ["qwen3_moe", "qwen3_next", "falcon_h1"]
+# falcon_h1: a CacheList per layer, a Mamba state beside a K/V cache; bailing_moe_linear: its
+# linear-attention layers take the attention cache's offset (the pass's per-row positions,
+# handed to each sequence as its first position).
+FAMILIES = ["qwen3_moe", "qwen3_next", "falcon_h1", "bailing_moe_linear"]
 _MODELS: dict = {}
 
 
@@ -118,3 +120,11 @@ def test_stand_in_split_families_give_mlx_lm_tokens_through_the_engine(name):
         assert engine.runner.head.__name__ == "head"  # hidden states sliced before the head
         got = engine.run(PROMPTS, STEPS)
     assert got == expected(name)
+
+
+def test_absolute_positions_from_the_offset_follow_each_row_in_the_engine():
+    # gpt_bigcode looks its learned positions up from np.arange(cache[0].offset, ...), one int:
+    # an Engine pass's offset is a position per row (ValueError before its stand-in).
+    with Engine(model_of("gpt_bigcode"), block_size=8, max_num_batched_tokens=16) as engine:
+        got = engine.run(PROMPTS, STEPS)
+    assert got == expected("gpt_bigcode")

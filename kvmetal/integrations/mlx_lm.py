@@ -181,6 +181,28 @@ def _gemma2_attention(original):
     return __call__
 
 
+def _gpt_bigcode_model(original):
+    """gpt_bigcode: learned absolute positions from ``np.arange(cache[0].offset, ... + L)``,
+    which takes one int; over kvmetal caches whose offset is an array (a position per
+    sequence, or per row of an Engine pass) each row gets its own positions."""
+    def __call__(self, inputs, cache=None):
+        offset = None if cache is None else getattr(cache[0], "offset", None)
+        if not isinstance(cache[0] if cache else None, (PagedLayerCache, RaggedLayerCache)) \
+                or not isinstance(offset, mx.array):
+            return original(self, inputs, cache=cache)
+        from mlx_lm.models import gpt_bigcode
+
+        _, n = inputs.shape
+        positions = offset.reshape(-1, 1) + mx.arange(n)[None]  # [B, L]
+        hidden = self.wte(inputs) + self.wpe(positions)
+        mask = gpt_bigcode.create_attention_mask(hidden, cache[0])
+        for layer, c in zip(self.h, cache):
+            hidden = layer(hidden, mask, cache=c)
+        return self.ln_f(hidden)
+
+    return __call__
+
+
 def _plamo2_attention(original):
     """plamo2: plain softmax attention, but through ``mx.fast.scaled_dot_product_attention``
     called directly (no cache argument, no module-level name to wrap)."""
@@ -208,6 +230,8 @@ def _plamo2_attention(original):
 
 HAND_ATTENTION = {("mlx_lm.models.gemma2", "Attention"): _gemma2_attention,
                   ("mlx_lm.models.plamo2", "Attention"): _plamo2_attention,
+                  # absolute positions from an int offset (per-row positions in an Engine pass)
+                  ("mlx_lm.models.gpt_bigcode", "GPTBigCodeModel"): _gpt_bigcode_model,
                   # llama4's chunk mask becomes the chunk rule's marker; per-row positions (chunked.py)
                   ("mlx_lm.models.llama4", "LlamaModel"): chunked.llama4_model,
                   ("mlx_lm.models.llama4", "Attention"): chunked.llama4_attention}
@@ -263,9 +287,15 @@ class SequenceState:
 
 
 def _sequence_rows(value, start: int, n: int, rows: int):
-    """A sequence's rows of a packed ``[rows, 1, ...]`` array as ``[1, n, ...]``; anything else as is."""
+    """A sequence's rows of a packed ``[rows, 1, ...]`` array as ``[1, n, ...]``; the pass's
+    per-row positions (an integer ``[rows]`` array, the caches' ``offset``, which a model may
+    hand its recurrent layers: bailing_moe_linear's rope) as the sequence's first position,
+    a one-element vector (its rows are consecutive positions); anything else as is."""
     if isinstance(value, mx.array) and value.ndim >= 2 and value.shape[0] == rows and value.shape[1] == 1:
         return value[start:start + n].swapaxes(0, 1)
+    if (isinstance(value, mx.array) and value.ndim == 1 and value.shape[0] == rows
+            and mx.issubdtype(value.dtype, mx.integer)):
+        return value[start:start + 1]
     return value
 
 
