@@ -203,3 +203,14 @@ def test_sim_backend_refuses_a_launch_over_the_thread_limit():
                                        sinks=None, tiles=tiles)
     with pytest.raises(ValueError, match="simdgroups"):
         metal_layout.varlen_tiles(head_dim=64, k_itemsize=4, v_itemsize=4, simdgroups=metal_layout.MAX_SHARED_SIMDGROUPS + 1)
+
+
+def test_every_kernel_mutant_still_finds_its_snippet():
+    # tools/mutate_kernels.py's mutants name a snippet of today's kernels; a kernel change that
+    # removes one leaves that mutant "not applicable" and its check silently gone (stop 48
+    # found 14 such, from P2, P1 and varlen's RF rewrite). Each snippet is in its file once.
+    import mutate_kernels
+
+    kernels = Path(__file__).resolve().parents[1] / "kernels"
+    counts = {m.name: (kernels / m.file).read_text().count(m.old) for m in mutate_kernels.MUTANTS}
+    assert {name: n for name, n in counts.items() if n != 1} == {}
