@@ -31,11 +31,11 @@ from kvmetal.backends import metal_layout  # noqa: E402
 
 
 def registers() -> dict:
-    """kernel -> (mode -> most estimated registers per lane) over the registry."""
+    """kernel -> (mode -> most estimated registers per lane) over the registry
+    (tools/kernel_limits.py's summary)."""
     out: dict = {}
-    for _family, kernel, mode, _threads, regs in kernel_limits.launches():
-        modes = out.setdefault(kernel, {})
-        modes[mode] = max(modes.get(mode, 0), regs)
+    for kernel, mode, _launches, _threads, regs in kernel_limits.summary(kernel_limits.launches()):
+        out.setdefault(kernel, {})[mode] = regs
     return out
 
 

@@ -186,16 +186,15 @@ def _gpt_bigcode_model(original):
     which takes one int; over kvmetal caches whose offset is an array (a position per
     sequence, or per row of an Engine pass) each row gets its own positions."""
     def __call__(self, inputs, cache=None):
-        offset = None if cache is None else getattr(cache[0], "offset", None)
-        if not isinstance(cache[0] if cache else None, (PagedLayerCache, RaggedLayerCache)) \
-                or not isinstance(offset, mx.array):
+        first = cache[0] if cache else None
+        if not isinstance(first, (PagedLayerCache, RaggedLayerCache)) or not isinstance(first.offset, mx.array):
             return original(self, inputs, cache=cache)
         from mlx_lm.models import gpt_bigcode
 
         _, n = inputs.shape
-        positions = offset.reshape(-1, 1) + mx.arange(n)[None]  # [B, L]
+        positions = first.offset.reshape(-1, 1) + mx.arange(n)[None]  # [B, L]
         hidden = self.wte(inputs) + self.wpe(positions)
-        mask = gpt_bigcode.create_attention_mask(hidden, cache[0])
+        mask = gpt_bigcode.create_attention_mask(hidden, first)
         for layer, c in zip(self.h, cache):
             hidden = layer(hidden, mask, cache=c)
         return self.ln_f(hidden)
