@@ -19,6 +19,7 @@ scaled by 16 (4) (exact: every sequence runs the same windows), and one kv head 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -37,13 +38,25 @@ SIZES = {"1x2K": (1, 1, 2048), "1x4K": (1, 1, 4096), "1x8K": (1, 1, 8192), "1x16
 SHAPES = {"G4": (4, 1), "G8": (8, 1), "G16": (16, 1), "G4xL4": (4, 4)}  # (GQA, query tokens)
 
 
-def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, qlen: int, fmt: str) -> dict:
-    os.environ["KVMETAL_METAL_WINDOW_DIV"] = str(div)
-    saved, metal_layout.SPLIT_WINDOW_MAX = metal_layout.SPLIT_WINDOW_MAX, cap
+@contextlib.contextmanager
+def window_policy(div: int, cap: int):
+    """Launches inside cut windows with divisor ``div`` (KVMETAL_METAL_WINDOW_DIV) and cap
+    ``cap`` (metal_layout.SPLIT_WINDOW_MAX); both are restored after."""
+    saved_div, saved_cap = os.environ.get("KVMETAL_METAL_WINDOW_DIV"), metal_layout.SPLIT_WINDOW_MAX
+    os.environ["KVMETAL_METAL_WINDOW_DIV"], metal_layout.SPLIT_WINDOW_MAX = str(div), cap
     try:
-        r = dc.run_case(sim_batch, tokens, gqa, qlen, fmt)
+        yield
     finally:
-        metal_layout.SPLIT_WINDOW_MAX = saved
+        metal_layout.SPLIT_WINDOW_MAX = saved_cap
+        if saved_div is None:
+            os.environ.pop("KVMETAL_METAL_WINDOW_DIV", None)
+        else:
+            os.environ["KVMETAL_METAL_WINDOW_DIV"] = saved_div
+
+
+def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, qlen: int, fmt: str) -> dict:
+    with window_policy(div, cap):
+        r = dc.run_case(sim_batch, tokens, gqa, qlen, fmt)
     scale = batch // sim_batch
     works = [w.scaled(scale) for w in r["works"]]
     part, red = r["launches"]
@@ -67,23 +80,16 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
     args = ap.parse_args(argv)
     policies = [tuple(int(x) for x in p.split(":")) for p in args.policies.split(",")]
-    saved = os.environ.get("KVMETAL_METAL_WINDOW_DIV")
     rows = []
-    try:
-        for shape, (gqa, qlen) in ([("G4", SHAPES["G4"])] if args.quick else [(k, SHAPES[k]) for k in args.shapes.split(",")]):
-            for fmt in dc.FORMATS:
-                for size, (batch, sim_batch, tokens) in SIZES.items():
-                    for div, cap in policies:
-                        row = dict(case=f"{shape} {fmt} {size}", **run(div, cap, batch, sim_batch, tokens, gqa, qlen, fmt))
-                        rows.append(row)
-                        print(f"{row['case']:22s} {row['policy']:>8s} window {row['window']:5d} partials "
-                              f"{row['partials_fraction']:7.2%} " + " ".join(
-                                  f"{c} {row['modelled_us'][c]:9.2f}us" for c in dc.CHIPS), flush=True)
-    finally:
-        if saved is None:
-            os.environ.pop("KVMETAL_METAL_WINDOW_DIV", None)
-        else:
-            os.environ["KVMETAL_METAL_WINDOW_DIV"] = saved
+    for shape, (gqa, qlen) in ([("G4", SHAPES["G4"])] if args.quick else [(k, SHAPES[k]) for k in args.shapes.split(",")]):
+        for fmt in dc.FORMATS:
+            for size, (batch, sim_batch, tokens) in SIZES.items():
+                for div, cap in policies:
+                    row = dict(case=f"{shape} {fmt} {size}", **run(div, cap, batch, sim_batch, tokens, gqa, qlen, fmt))
+                    rows.append(row)
+                    print(f"{row['case']:22s} {row['policy']:>8s} window {row['window']:5d} partials "
+                          f"{row['partials_fraction']:7.2%} " + " ".join(
+                              f"{c} {row['modelled_us'][c]:9.2f}us" for c in dc.CHIPS), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "label": "simulator counters; times MODELLED (kvmetal/sim/cost_model.py), not measured",
