@@ -14,6 +14,8 @@ come from ``kvmetal.backends.metal_specs.SPECS``; tests/test_metal_rules.py runs
 """
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ import pytest
 import kvmetal as kv
 from kvmetal import quant
 from kvmetal import reference as ref
-from kvmetal.backends import metal_layout
+from kvmetal.backends import metal, metal_layout
 from kvmetal.sim.backend import sim_backend
 from kvcases import maybe_quantize, paged_attention_inputs, paged_cache, random, run_checked, run_on
 from paged_cases import cascade_case, varlen_inputs
@@ -62,6 +64,23 @@ def test_attention_modes_are_both_covered():
         layout = metal_layout.layout_for(q, kc, vc, paged=True)
         shared = layout.rows_per_simdgroup < gqa * (rows or 1)
         assert shared == name.startswith("shared"), (name, layout)
+
+
+def test_attention_paged_register_in_pass_loads(monkeypatch):
+    """Register mode's in-pass loads (PF 0, which the layout takes only for one D 512 row
+    whose pipelined atoms pass 128 registers) forced at D 64: one row per kv head,
+    several splits, a sink and a window, so a mutant of that loop is seen without a D 512
+    compile."""
+    rng = np.random.default_rng(64)
+    query, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=(1, 45, 70), num_kv_heads=2, gqa=1, head_dim=64, block_size=16, dtype=f32, use_sinks=True)
+    monkeypatch.setattr(metal, "layout_for", lambda *a, **k: dataclasses.replace(
+        metal_layout.layout_for(*a, **k), prefetch=False))
+    options = dict(sinks=sinks, sliding_window=50)
+    expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
+    calls = run_checked("sim", kv.paged_attention, expected, query, kc, vc, tables, seq_lens, num_splits=3,
+                        kernel="paged_attention_partials", **options)
+    assert all("_pf0_" in call.name for call in calls)
 
 
 # head_dim, kv heads, GQA, tokens, query rows, splits, softcap, sinks, K quant, V quant
@@ -126,6 +145,30 @@ def test_varlen_uneven_splits():
     assert call.grid[2] == 2
 
 
+# Split-D and sequential K/V (D 256 takes DS 2, D 512 DS 4 and SKV): forced at D 64, where
+# each costs one small compile, so mutants of those paths are seen. (d_split, sequential_kv)
+VARLEN_TILE_PATHS = [(2, False), (4, False), (1, True), (4, True)]
+
+
+@pytest.mark.parametrize("d_split,sequential_kv", VARLEN_TILE_PATHS,
+                         ids=[f"ds{d}-skv{int(s)}" for d, s in VARLEN_TILE_PATHS])
+def test_varlen_split_d_and_sequential_kv(d_split, sequential_kv):
+    rng = np.random.default_rng(10 * d_split + sequential_kv)
+    query, kc, vc, tables, seq_lens, qsl, sinks = varlen_inputs(
+        rng, lens=(70, 21), counts=(19, 21), num_kv_heads=1, gqa=2, head_dim=64, block_size=8, dtype=f32,
+        use_sinks=True)
+    options = dict(softcap=5.0, sinks=sinks, sliding_window=None)
+    expected = ref.paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, **options)
+    tiles = metal_layout.VarlenTiles(4, 16, d_split=d_split, sequential_kv=sequential_kv)
+    with run_on("sim", seed=1) as trace:
+        out = sim_backend().paged_attention_varlen(query, kc, vc, tables, seq_lens, qsl, scale=64 ** -0.5,
+                                                   tiles=tiles, num_splits=2, **options)
+        mx.eval(out)
+    np.testing.assert_allclose(np.array(out), expected, rtol=1e-5, atol=1e-5)
+    (call,) = [c for c in trace.calls if "paged_varlen_partials" in c.name]
+    assert call.grid[2] == 2
+
+
 # prefix lens, own lens, prefix of each sequence, GQA, query scale, softcap, sinks, K, V quant, dtype
 CASCADE = [
     # Two prefixes (3 members and 1), a sequence without one; scores past fast tanh's overflow.
@@ -145,6 +188,19 @@ def test_cascade(case):
     options = dict(softcap=softcap, sinks=sinks)
     expected = ref.paged_attention_cascade(*args.values(), **options)
     run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials", **options)
+
+
+def test_cascade_register_in_pass_loads(monkeypatch):
+    """The cascade's register mode with in-pass loads (PF 0, as one D 512 row takes it),
+    forced at D 64: its prefix and own partials walk the same loop as the paged kernel's."""
+    monkeypatch.setattr(metal, "layout_for", lambda *a, **k: dataclasses.replace(
+        metal_layout.layout_for(*a, **k), prefetch=False))
+    args, sinks = cascade_case((70,), (5, 41, 1), (0, 0, -1), num_kv_heads=2, gqa=1, head_dim=64, block_size=16,
+                               dtype=f32, k_bits=None, v_bits=None, group_size=32, seed=7, sinks=True)
+    expected = ref.paged_attention_cascade(*args.values(), sinks=sinks)
+    calls = run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials",
+                        sinks=sinks)
+    assert all("_pf0_" in call.name for call in calls)
 
 
 @pytest.mark.parametrize("qspec", [None, (3, 32)], ids=["float", "k3"])

@@ -142,6 +142,9 @@ MUTANTS = [
       "rows past seq_len are not zero"),
     M("copy-src", "cache_copy.metal", "blocks[size_t(src[i]) * width + elem]", "blocks[size_t(src[i]) * width]",
       "block copy repeats one element"),
+    M("pf0-bound", "attention.metal", "const bool ok = t < s_hi && src.locate(t, ka, va);",
+      "const bool ok = t <= s_hi && src.locate(t, ka, va);",
+      "register mode's in-pass loads (PF 0) take one key past the simdgroup's run"),
     # --- varlen.metal
     M("varlen-rescale-l", "varlen.metal", "l[f] = l[f] * factor[f] + tile_sum;", "l[f] = l[f] + tile_sum;",
       "varlen: running sum not rescaled"),
@@ -163,6 +166,14 @@ MUTANTS = [
       "varlen: rows outside the range are not zero in the tile"),
     M("varlen-qscale", "varlen.metal", "const float qscale = var.q_scale;", "const float qscale = p.scale;",
       "varlen: query not pre-scaled to log2 units"),
+    M("varlen-ds4-sum", "varlen.metal", "for (int d = 1; d < DS; d++) {", "for (int d = 1; d < 2; d++) {",
+      "varlen split-D 4: the scores miss two simdgroups' dims"),
+    M("varlen-skv-barrier", "varlen.metal", "if (DS == 1) {\n      threadgroup_barrier",
+      "if (DS == 0) {\n      threadgroup_barrier", "varlen sequential K/V: V overwrites K while it is read"),
+    M("varlen-skv-ids", "varlen.metal",
+      "    if (t0 + BK < t_end) {\n      kv_varlen_load_blocks<BK, BS>(table, t0 + BK, lo",
+      "    if (t0 + BK < t_end) {\n      kv_varlen_load_blocks<BK, BS>(table, t0, lo",
+      "varlen sequential K/V: the next tile reads this tile's blocks"),
     # --- cascade.metal
     M("cascade-rows-past", "cascade.metal", "len + QL - 1, range", "len - 1, range",
       "cascade: member rows placed inside the prefix (causal cut of the shared prefix)"),
@@ -211,6 +222,9 @@ EQUIVALENT = {
     "tile-barrier": "not observable on the simulator: its scheduler runs simdgroups in lockstep rounds (one "
                     "collective per round) and every simdgroup meets the same collectives per tile, so the last "
                     "tile read always precedes the next load; on a GPU this is a real race (a Mac run decides)",
+    "varlen-skv-barrier": "not observable on the simulator, as tile-barrier: its simdgroups meet the same MMA "
+                          "collectives of the scores in lockstep rounds before the V fill, so every read of the K "
+                          "tile precedes the fill that overwrites it; on a GPU this is a real race (a Mac run decides)",
     "varlen-zero-row": "equivalent: rows outside the key range are masked (weight 0, and 0 x 1.0 = 0); the zero "
                        "fill only keeps NaN out of the MMA, and 1.0 is as finite",
     # name@family: equivalent for that family only. The cascade places every row past its
