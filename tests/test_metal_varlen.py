@@ -155,15 +155,17 @@ def test_index_guards_without_validation():
 def test_bench_prefill_case_sweeps_tiles_on_sim(monkeypatch):
     from kvmetal.benchmarks import cases
 
-    # Two tile sizes x RF 1 and 2 x DS 1 and 2 (DS 2: twice the simdgroups, the same BQ); what
-    # does not fit 32 KiB (BK 128, and RF 2's Q tile beside BK 32's K/V tiles at D 128) is
+    # Two tile sizes x RF 1 and 2 x DS 1, 2 and 4 (DS: DS x the simdgroups, the same BQ), and
+    # sequential K/V (SKV) on the first tile size at RF 1; what does not fit 32 KiB (BK 128,
+    # and RF 2's Q tile beside BK 32's K/V tiles at D 128) or 384 threads (16 simdgroups) is
     # skipped. Each row is a kernel build.
     monkeypatch.setattr(cases, "PREFILL_TILE_SWEEP", ((4, 32), (2, 16), (4, 128)))
     rows = cases.run_case("prefill", backend="sim", tokens=24, repeat=1, baseline=True, progress=lambda m: None)
     assert [(r["tiles"]["row_fragments"], r["tiles"]["block_q"], r["tiles"]["block_k"], r["tiles"]["d_split"],
-             r["tiles"]["simdgroups"]) for r in rows] == \
-        [(1, 32, 32, 1, 4), (1, 32, 32, 2, 8), (1, 16, 16, 1, 2), (1, 16, 16, 2, 4), (2, 32, 16, 1, 2),
-         (2, 32, 16, 2, 4)]
+             r["tiles"]["simdgroups"], r["tiles"]["sequential_kv"]) for r in rows] == \
+        [(1, 32, 32, 1, 4, False), (1, 32, 32, 1, 4, True), (1, 32, 32, 2, 8, False), (1, 32, 32, 2, 8, True),
+         (1, 16, 16, 1, 2, False), (1, 16, 16, 2, 4, False), (1, 16, 16, 4, 8, False),
+         (2, 32, 16, 1, 2, False), (2, 32, 16, 2, 4, False), (2, 32, 16, 4, 8, False)]
     for r in rows:
         assert r["seconds"] > 0 and r["baseline"]["seconds"] > 0
 

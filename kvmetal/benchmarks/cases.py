@@ -242,7 +242,11 @@ PREFILL_CHUNK = 512
 PREFILL_MAX_CONTEXT = 4096
 PREFILL_TILE_SWEEP = ((4, 32), (4, 16), (2, 32), (8, 16), (2, 16), (8, 8))  # (simdgroups, BK)
 PREFILL_ROW_FRAGMENTS = (1, 2)  # RF: 8-row fragments per simdgroup (issue 41 P8; only a Mac can time 1 vs 2)
-PREFILL_D_SPLITS = (1, 2)       # DS: simdgroups per row fragment, over D / DS dims each (issue 41 P1: split-D)
+PREFILL_D_SPLITS = (1, 2, 4)    # DS: simdgroups per row fragment, over D / DS dims each (issue 41 P1: split-D;
+                                # D 256 takes 2, D 512 4)
+# SKV: K and V take turns in one threadgroup buffer (D 512 takes it where the two tiles side
+# by side pass 32 KiB); timed also where both fit, on the sweep's first tile size, RF 1.
+PREFILL_SEQUENTIAL_KV = (False, True)
 
 
 def prefill(*, backend, tokens, repeat, baseline, progress):
@@ -287,22 +291,25 @@ def prefill(*, backend, tokens, repeat, baseline, progress):
                 return [{"name": f"prefill_f16 T={context}", "backend": backend, "seconds": None, "kv_bytes": None,
                          "gbps": None, "note": f"skipped: {e}", "skipped": True}]
         return [_result(f"prefill_f16 T={context}", backend, stats, kv_bytes, bases, shape=shape)]
-    for (simdgroups, block_k), rf, ds in itertools.product(PREFILL_TILE_SWEEP, PREFILL_ROW_FRAGMENTS,
-                                                           PREFILL_D_SPLITS):
+    for (simdgroups, block_k), rf, ds, skv in itertools.product(PREFILL_TILE_SWEEP, PREFILL_ROW_FRAGMENTS,
+                                                                PREFILL_D_SPLITS, PREFILL_SEQUENTIAL_KV):
+        if skv and ((simdgroups, block_k) != PREFILL_TILE_SWEEP[0] or rf != 1):
+            continue
         try:
             tiles = metal_layout.varlen_tiles(head_dim=HEAD_DIM, k_itemsize=dtype.size, v_itemsize=dtype.size,
                                               simdgroups=simdgroups * ds, block_k=block_k, row_fragments=rf,
-                                              d_split=ds)
+                                              d_split=ds, sequential_kv=skv)
         except ValueError:
             continue  # over 32 KiB of threadgroup memory or the thread limit
-        progress(f"  tiles: {simdgroups} simdgroups x RF {rf} (BQ {tiles.block_q}), BK {block_k}, DS {ds}")
+        progress(f"  tiles: {simdgroups} simdgroups x RF {rf} (BQ {tiles.block_q}), BK {block_k}, DS {ds}, "
+                 f"SKV {int(skv)}")
         stats = time_stats(lambda: kernels.paged_attention_varlen(
             query, kc, vc, tables, lens, qsl, scale=scale, softcap=None, sliding_window=None, sinks=None,
             tiles=tiles), repeat=repeat)
-        results.append(_result(f"prefill_f16 T={context} nsg={simdgroups} rf={rf} bk={block_k} ds={ds}", backend,
-                               stats, kv_bytes, bases, shape=shape,
+        results.append(_result(f"prefill_f16 T={context} nsg={simdgroups} rf={rf} bk={block_k} ds={ds} skv={int(skv)}",
+                               backend, stats, kv_bytes, bases, shape=shape,
                                tiles={"simdgroups": tiles.simdgroups, "row_fragments": rf, "block_q": tiles.block_q,
-                                      "block_k": block_k, "d_split": ds}))
+                                      "block_k": block_k, "d_split": ds, "sequential_kv": skv}))
     return results
 
 
