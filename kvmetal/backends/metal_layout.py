@@ -26,8 +26,10 @@ REGISTER_SIMDGROUPS = 4             # simdgroups per threadgroup in register mod
 # Register mode's simdgroups a window (issue 41, P5 as worded): KVMETAL_METAL_WINDOW_SIMDGROUPS
 # picks one of these per launch (window_simdgroups). 1: one simdgroup walks the whole window,
 # no merge (no barrier, no merge memory), a quarter of the simdgroups of 4 on the same windows.
-# The default stays 4: the model prefers it in every case of bench/window_simdgroups.py but
-# some batch-64 ones (docs/kernels.md, "Register-mode merge"); a Mac's `kvmetal bench` settles it.
+# The default stays 4: in bench/window_policy.py's MODELLED sweep (div:cap:simdgroups policies)
+# 1 loses every batch-1 case, 2K-32K (div 8: a quarter of the simdgroups, 1.5-3.8x slower;
+# div 32: 4x the partials, 1.01-1.9x) and wins 64 x 4K and 8 x 32K by 0.1-2.6% (docs/kernels.md,
+# "Register-mode merge and shared-mode tiles"); a Mac's `kvmetal bench` settles it.
 REGISTER_SIMDGROUP_CHOICES = (1, 2, 4)
 ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in registers
 # Shared mode: at most this many simdgroups (384 threads, chips.PIPELINE_THREAD_LIMIT:
