@@ -2,6 +2,7 @@
 divisor (issue 41, P4 and the <=2% partials goal; docs/kernels.md "Split windows").
 
     python bench/window_policy.py [--json out.json] [--policies 32:2048,8:2048,4:2048,8:4096] [--quick]
+                                  [--shapes G4,G8] [--sizes 1x8K,64x4K]
 
 A sequence of ``len`` tokens is cut in windows of clamp(pow2ceil(len) / div, 256, 2048)
 tokens (metal_layout.split_window; KVMETAL_METAL_WINDOW_DIV sets div, SPLIT_WINDOW_MAX the
@@ -15,6 +16,11 @@ and reports partials bytes as a fraction of K/V bytes and the modelled time
 on M2 Max and M4 Max (kvmetal/sim/cost_model.py: published figures plus assumptions;
 MODELLED, never measured). Batch 64 (8) is simulated as 4 (2) identical sequences and its counts
 scaled by 16 (4) (exact: every sequence runs the same windows), and one kv head scaled to 8.
+
+A policy div:cap:sg also sets register mode's simdgroups a window (KVMETAL_METAL_WINDOW_SIMDGROUPS,
+issue 41 P5 as worded: 1 = one simdgroup walks a whole window, no merge; shared mode ignores
+it), e.g. ``--shapes G4,G8 --policies 8:2048:4,8:2048:1,32:2048:1`` (docs/kernels.md,
+"Register-mode merge and shared-mode tiles").
 """
 from __future__ import annotations
 
@@ -39,33 +45,41 @@ SHAPES = {"G4": (4, 1), "G8": (8, 1), "G16": (16, 1), "G4xL4": (4, 4)}  # (GQA, 
 
 
 @contextlib.contextmanager
-def window_policy(div: int, cap: int):
-    """Launches inside cut windows with divisor ``div`` (KVMETAL_METAL_WINDOW_DIV) and cap
-    ``cap`` (metal_layout.SPLIT_WINDOW_MAX); both are restored after."""
-    saved_div, saved_cap = os.environ.get("KVMETAL_METAL_WINDOW_DIV"), metal_layout.SPLIT_WINDOW_MAX
-    os.environ["KVMETAL_METAL_WINDOW_DIV"], metal_layout.SPLIT_WINDOW_MAX = str(div), cap
+def window_policy(div: int, cap: int, simdgroups: int | None = None):
+    """Launches inside cut windows with divisor ``div`` (KVMETAL_METAL_WINDOW_DIV), cap
+    ``cap`` (metal_layout.SPLIT_WINDOW_MAX) and, unless None, register mode's ``simdgroups``
+    a window (KVMETAL_METAL_WINDOW_SIMDGROUPS); all are restored after."""
+    names = ("KVMETAL_METAL_WINDOW_DIV", "KVMETAL_METAL_WINDOW_SIMDGROUPS")
+    saved, saved_cap = {n: os.environ.get(n) for n in names}, metal_layout.SPLIT_WINDOW_MAX
+    os.environ[names[0]], metal_layout.SPLIT_WINDOW_MAX = str(div), cap
+    if simdgroups is not None:
+        os.environ[names[1]] = str(simdgroups)
     try:
         yield
     finally:
         metal_layout.SPLIT_WINDOW_MAX = saved_cap
-        if saved_div is None:
-            os.environ.pop("KVMETAL_METAL_WINDOW_DIV", None)
-        else:
-            os.environ["KVMETAL_METAL_WINDOW_DIV"] = saved_div
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
-def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, qlen: int, fmt: str) -> dict:
-    with window_policy(div, cap):
+def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, qlen: int, fmt: str,
+        simdgroups: int | None = None) -> dict:
+    with window_policy(div, cap, simdgroups):
         r = dc.run_case(sim_batch, tokens, gqa, qlen, fmt)
     scale = batch // sim_batch
     works = [w.scaled(scale) for w in r["works"]]
     part, red = r["launches"]
     partials = (part["partials_bytes"] + red["partials_bytes_loaded"]) * scale  # stored, then loaded by the reduce
     total_kv = part["kv_bytes_loaded"] * scale
-    row = {"policy": f"{div}:{cap}", "window": metal_layout.split_window(tokens, metal_layout.SPLIT_TOKENS, cap, div),
+    policy = f"{div}:{cap}" + ("" if simdgroups is None else f":{simdgroups}")
+    row = {"policy": policy, "window": metal_layout.split_window(tokens, metal_layout.SPLIT_TOKENS, cap, div),
            "partials_fraction": round(partials / total_kv, 4),
            "barriers_per_1k_rows": round(part["barriers_per_kv_head"] * dc.cc.KV_HEADS * 1024
                                          / (sim_batch * tokens * dc.cc.KV_HEADS), 2),
+           "threadgroup_memory": part["threadgroup_memory"], "threads": part["threadgroup"],
            "reduce_dependent_loads": red["dependent_loads"], "modelled_us": {}}
     for chip in dc.CHIPS:
         row["modelled_us"][chip] = round(cm.estimate_launches(works, chip)["seconds"] * 1e6, 2)
@@ -75,20 +89,27 @@ def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, q
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--policies", default="32:2048,8:2048,4:2048,8:4096", help="div:cap,...")
+    ap.add_argument("--policies", default="32:2048,8:2048,4:2048,8:4096",
+                    help="div:cap[:simdgroups],... (simdgroups: KVMETAL_METAL_WINDOW_SIMDGROUPS)")
     ap.add_argument("--quick", action="store_true", help="GQA 4 only")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
+    ap.add_argument("--sizes", default=",".join(SIZES), help="subset of " + ",".join(SIZES))
     args = ap.parse_args(argv)
     policies = [tuple(int(x) for x in p.split(":")) for p in args.policies.split(",")]
+    if any(len(p) not in (2, 3) for p in policies):
+        raise SystemExit(f"--policies: div:cap or div:cap:simdgroups, got {args.policies!r}")
     rows = []
     for shape, (gqa, qlen) in ([("G4", SHAPES["G4"])] if args.quick else [(k, SHAPES[k]) for k in args.shapes.split(",")]):
         for fmt in dc.FORMATS:
-            for size, (batch, sim_batch, tokens) in SIZES.items():
-                for div, cap in policies:
-                    row = dict(case=f"{shape} {fmt} {size}", **run(div, cap, batch, sim_batch, tokens, gqa, qlen, fmt))
+            for size in args.sizes.split(","):
+                batch, sim_batch, tokens = SIZES[size]
+                for div, cap, *sg in policies:
+                    row = dict(case=f"{shape} {fmt} {size}",
+                               **run(div, cap, batch, sim_batch, tokens, gqa, qlen, fmt, *sg))
                     rows.append(row)
-                    print(f"{row['case']:22s} {row['policy']:>8s} window {row['window']:5d} partials "
-                          f"{row['partials_fraction']:7.2%} " + " ".join(
+                    print(f"{row['case']:22s} {row['policy']:>10s} window {row['window']:5d} partials "
+                          f"{row['partials_fraction']:7.2%} barriers/1K {row['barriers_per_1k_rows']:6.2f} "
+                          f"tg {row['threadgroup_memory']:5d} " + " ".join(
                               f"{c} {row['modelled_us'][c]:9.2f}us" for c in dc.CHIPS), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({

@@ -62,6 +62,15 @@ def test_provenance_names_versions_cpu_and_threads(small_report):
     assert prov["versions"]["kvmetal"] and prov["versions"]["mlx"] == mx.__version__
     assert "mlx-lm" in prov["versions"]
     assert prov["machine"]["cpu"] and prov["threads"]["kvmetal_cpu"] >= 1 and prov["threads"]["os_cpu_count"] >= 1
+    assert prov["tuning"] == {k: v for k, v in os.environ.items() if k.startswith("KVMETAL_METAL_")}
+
+
+def test_provenance_records_the_metal_tuning_variables(monkeypatch):
+    from kvmetal.benchmarks.provenance import provenance
+
+    monkeypatch.setenv("KVMETAL_METAL_WINDOW_SIMDGROUPS", "1")
+    monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", "32")
+    assert provenance("cpu")["tuning"] == {"KVMETAL_METAL_WINDOW_DIV": "32", "KVMETAL_METAL_WINDOW_SIMDGROUPS": "1"}
 
 
 def test_k8v4_is_compared_with_mlx_lm_quantized_and_gather_sdpa(small_report):

@@ -23,6 +23,14 @@ from . import MIN_TOKENS_PER_SPLIT, VARLEN_SHORT_RUN
 # ----------------------------------------------------------------------------- tuning
 
 REGISTER_SIMDGROUPS = 4             # simdgroups per threadgroup in register mode (128 threads)
+# Register mode's simdgroups a window (issue 41, P5 as worded): KVMETAL_METAL_WINDOW_SIMDGROUPS
+# picks one of these per launch (window_simdgroups). 1: one simdgroup walks the whole window,
+# no merge (no barrier, no merge memory), a quarter of the simdgroups of 4 on the same windows.
+# The default stays 4: in bench/window_policy.py's MODELLED sweep (div:cap:simdgroups policies)
+# 1 loses every batch-1 case, 2K-32K (div 8: a quarter of the simdgroups, 1.5-3.8x slower;
+# div 32: 4x the partials, 1.01-1.9x) and wins 64 x 4K and 8 x 32K by 0.1-2.6% (docs/kernels.md,
+# "Register-mode merge and shared-mode tiles"); a Mac's `kvmetal bench` settles it.
+REGISTER_SIMDGROUP_CHOICES = (1, 2, 4)
 ROW_REGISTER_LIMIT = 8              # query rows (G x L) one simdgroup keeps in registers
 # Shared mode: at most this many simdgroups (384 threads, chips.PIPELINE_THREAD_LIMIT:
 # what M1/M2 allow a register-heavy pipeline); more rows take several passes over the split.
@@ -160,6 +168,16 @@ def window_div() -> int:
     div = _env_number("KVMETAL_METAL_WINDOW_DIV", int, lambda v: 0 <= v <= MAX_WINDOW_DIV and not v & (v - 1),
                       f"0 or a power of two up to {MAX_WINDOW_DIV}")
     return SPLIT_WINDOW_DIV if div is None else div
+
+
+def window_simdgroups() -> int:
+    """Register mode's simdgroups per threadgroup, all over one window (merged at its end):
+    KVMETAL_METAL_WINDOW_SIMDGROUPS if set (1, 2 or 4), else REGISTER_SIMDGROUPS (read on every
+    launch by attention_layout). Shared mode and the windows themselves never read it, and it
+    never depends on the batch: a row's bits follow its sequence alone either way."""
+    n = _env_number("KVMETAL_METAL_WINDOW_SIMDGROUPS", int, lambda v: v in REGISTER_SIMDGROUP_CHOICES,
+                    " or ".join(map(str, REGISTER_SIMDGROUP_CHOICES)))
+    return REGISTER_SIMDGROUPS if n is None else n
 
 
 def _window_fields(split_tokens: int) -> dict:
@@ -306,21 +324,25 @@ def attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_
                      v_bits: int, v_group: int, v_itemsize: int, block_size: int | None = None,
                      q_itemsize: int = 2) -> AttentionLayout:
     """The layout of one partial-kernel specialisation (:func:`_attention_layout`), at the
-    tile budget of KVMETAL_METAL_TILE_KIB / TILE_MEMORY_BUDGET (read on every call).
+    tile budget of KVMETAL_METAL_TILE_KIB / TILE_MEMORY_BUDGET and register mode's simdgroups
+    of KVMETAL_METAL_WINDOW_SIMDGROUPS / REGISTER_SIMDGROUPS (both read on every call).
     ``q_itemsize``: bytes per query element (2: float16 / bfloat16, 4: float32)."""
     return _attention_layout(head_dim=head_dim, gqa=gqa, query_len=query_len, k_bits=k_bits, k_group=k_group,
                              k_itemsize=k_itemsize, v_bits=v_bits, v_group=v_group, v_itemsize=v_itemsize,
-                             block_size=block_size, tile_budget=tile_memory_budget(head_dim), q_itemsize=q_itemsize)
+                             block_size=block_size, tile_budget=tile_memory_budget(head_dim), q_itemsize=q_itemsize,
+                             register_simdgroups=window_simdgroups())
 
 
 @functools.lru_cache(maxsize=None)  # runs per layer on every decode step; its search costs ~0.1 ms
 def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k_group: int, k_itemsize: int,
                       v_bits: int, v_group: int, v_itemsize: int, block_size: int | None,
-                      tile_budget: int, q_itemsize: int = 2) -> AttentionLayout:
+                      tile_budget: int, q_itemsize: int = 2,
+                      register_simdgroups: int = REGISTER_SIMDGROUPS) -> AttentionLayout:
     """The layout of one partial-kernel specialisation.
 
-    Register mode (up to ROW_REGISTER_LIMIT rows: every one of REGISTER_SIMDGROUPS
-    simdgroups holds all rows; 128 threads): the narrowest key group (narrow groups score
+    Register mode (up to ROW_REGISTER_LIMIT rows: every one of ``register_simdgroups``
+    simdgroups holds all rows and walks a contiguous run of the window, then they merge;
+    4 by default, 128 threads; 1: the simdgroup walks the whole window, no merge): the narrowest key group (narrow groups score
     more keys per pass) whose estimate (:func:`estimated_registers`) stays within
     REGISTER_MODE_LIMIT, the 128 registers of a thread (one row: the group of fewest
     registers, always register mode).
@@ -355,7 +377,7 @@ def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k
         lanes = next((w for w in LANES_PER_KEY if registers(rows, w, False) <= REGISTER_MODE_LIMIT),
                      None) or min(LANES_PER_KEY, key=lambda w: registers(rows, w, False))
     if rows <= ROW_REGISTER_LIMIT and lanes is not None:
-        simdgroups, per = REGISTER_SIMDGROUPS, rows
+        simdgroups, per = register_simdgroups, rows
     else:
         # (Few rows land here only with wide atoms: their register-mode copies of q and o
         # pass REGISTER_MODE_LIMIT, so fewer rows per simdgroup.) Fewest passes over K/V
