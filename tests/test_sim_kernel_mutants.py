@@ -134,8 +134,9 @@ CASCADE = [
     ("members-softcap-big-sinks", (32, 16), (3, 17, 0, 5, 9), (0, 0, 1, 0, -1), 4, 40.0, 5.0, True, None, None,
      f32),
     ("chunks-k8v4", (48,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13), (0,) * 13, 8, 1.0, None, False, 8, 4, f32),
-    # float16: half partials in both passes (prefix and own), normalized.
-    ("members-f16-sinks", (40,), (3, 0, 9), (0, 0, -1), 4, 1.0, None, True, None, None, f16),
+    # float16: half partials in both passes (prefix and own), normalized; the last sequence
+    # has no prefix and no own token, and there is no sink: its row sees nothing (zeros).
+    ("members-f16-empty-row", (40,), (3, 0, 9, 0), (0, 0, -1, -1), 4, 1.0, None, False, None, None, f16),
 ]
 
 
