@@ -693,11 +693,24 @@ inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PK
   }
 }
 
-// Write the partials (max, sum, accumulator) of rows [row0, row0 + RPS); rows
-// past R are padding (uniform in the simdgroup) and write nothing.
-template <int D, int R, int QL, int RPS, int LPK, int VAE4, int VNA, int KNA, int KAE4, typename TQ>
+// Four elements of a partial accumulator (issue 41, P4's partials goal). TP float32:
+// the accumulator o as summed (unnormalized, one float4 store). A 16-bit TP (half,
+// bfloat; the host picks it, metal_layout.partials_dtype): o / l, normalized, a convex
+// combination of the window's V rows, so it stays within max |V| and the type's range
+// (half only over a float16 V); the reduces weight it by l (kv_fold_splits).
+template <typename TP>
+inline void kv_store_partial4(device TP* dst, float4 o, float inv_l) {
+  kv_store4<TP>(dst, o * inv_l);
+}
+inline void kv_store_partial4(device float* dst, float4 o, float) {
+  *reinterpret_cast<device float4*>(dst) = o;
+}
+
+// Write the partials (max, sum, accumulator in TP: kv_store_partial4) of rows
+// [row0, row0 + RPS); rows past R are padding (uniform in the simdgroup) and write nothing.
+template <int D, int R, int QL, int RPS, int LPK, int VAE4, int VNA, int KNA, int KAE4, typename TQ, typename TP>
 inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int row0, int lane,
-                              device float* part_max, device float* part_sum, device float* part_acc,
+                              device float* part_max, device float* part_sum, device TP* part_acc,
                               size_t part_row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
   constexpr int VAE = VAE4 * 4;
   const int kl = lane % LPK;
@@ -714,11 +727,12 @@ inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4,
       part_sum[at] = st.l[r];
     }
     if (kg == 0) {
+      const float inv_l = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;  // read by a 16-bit TP only
       for (int c = 0; c < VNA; c++) {
         const int a = kl + LPK * c;
         if (a < D / VAE) {
           for (int j = 0; j < VAE4; j++) {
-            *reinterpret_cast<device float4*>(part_acc + at * D + a * VAE + 4 * j) = st.o[r][c][j] + st.ob[r][c];
+            kv_store_partial4(part_acc + at * D + a * VAE + 4 * j, st.o[r][c][j] + st.ob[r][c], inv_l);
           }
         }
       }
@@ -827,11 +841,13 @@ struct KvAttnScratch {
 };
 
 // Where the partials go: query row (g, l) of this kv head is partial row
-// row0 + g * row_stride_g + l * row_stride_l, its entry `split` of num_splits.
+// row0 + g * row_stride_g + l * row_stride_l, its entry `split` of num_splits; the
+// accumulator in TP (the part_acc output's type: kv_store_partial4).
+template <typename TP>
 struct KvPartialsOut {
   device float* part_max;
   device float* part_sum;
-  device float* part_acc;
+  device TP* part_acc;
   size_t row0;
   int row_stride_g;
   int row_stride_l;
@@ -839,9 +855,10 @@ struct KvPartialsOut {
   int split;
 };
 
-inline KvPartialsOut kv_partials_out(device float* part_max, device float* part_sum, device float* part_acc,
-                                     size_t row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
-  KvPartialsOut o;
+template <typename TP>
+inline KvPartialsOut<TP> kv_partials_out(device float* part_max, device float* part_sum, device TP* part_acc,
+                                         size_t row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
+  KvPartialsOut<TP> o;
   o.part_max = part_max;
   o.part_sum = part_sum;
   o.part_acc = part_acc;
@@ -860,10 +877,10 @@ inline KvPartialsOut kv_partials_out(device float* part_max, device float* part_
 // next pass's K/V a pass ahead, 0 in the pass (fewer registers: one row at D 512).
 template <int D, int G, int QL, int NSG, int RPS, int LPK, int TT, int KBITS, int KGS, int KAW, int VBITS,
           int VGS, int VAW, int PF, int SV, typename TKD, typename TVD, typename TKS, typename TVS, typename TQ,
-          typename SRC, typename PQ, typename PKD, typename PKS, typename PVD, typename PVS>
+          typename SRC, typename PQ, typename PKD, typename PKS, typename PVD, typename PVS, typename TP>
 inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD, PKS, PVD, PVS> cache, int len,
                       KvSplitRange range, KvScoring scoring, KvThreadIds ids, KvAttnScratch scratch,
-                      KvPartialsOut out) {
+                      KvPartialsOut<TP> out) {
   // The grouped arguments under the names the code below uses.
   const PQ q = query.q;
   const int head0 = query.head0;
@@ -895,7 +912,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
   threadgroup int* tile_ok = scratch.tile_ok;
   device float* part_max = out.part_max;
   device float* part_sum = out.part_sum;
-  device float* part_acc = out.part_acc;
+  device TP* part_acc = out.part_acc;
   const size_t part_row0 = out.row0;
   const int row_stride_g = out.row_stride_g;
   const int row_stride_l = out.row_stride_l;
@@ -1161,14 +1178,16 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
 // The split partials of one output row, for the reduces: splits [0, n0) at rows
 // at0 + s of (max0, sum0, acc0), then splits [n0, n0 + n1) at at1 + s - n0 of
 // (max1, sum1, acc1) (attention_reduce: n1 = 0; cascade_reduce: prefix, then own).
-template <int D>
+// The accumulators are in TP (kv_store_partial4): float32 as summed, or 16-bit and
+// normalized by their sums (kv_fold_splits weights those by l).
+template <int D, typename TP>
 struct KvSplitParts {
   const device float* max0;
   const device float* sum0;
-  const device float* acc0;
+  const device TP* acc0;
   const device float* max1;
   const device float* sum1;
-  const device float* acc1;
+  const device TP* acc1;
   size_t at0;
   size_t at1;
   int n0;
@@ -1192,7 +1211,8 @@ struct KvSplitParts {
 // 2. lane j takes split base + j of each block of 32: its sum l and weight w =
 //    exp2(m - M) (exactly 1 for the split that holds M), one load of each and one
 //    exp2 per lane; then every lane walks the block in order j = 0, 1, ..., taking
-//    (l, w) by simd_shuffle: denominator += l w, its chunks += acc w. The walk loads
+//    (l, w) by simd_shuffle: denominator += l w, its chunks += acc w (acc l w for a
+//    16-bit TP, whose accumulators are normalized; float32 as before). The walk loads
 //    only the accumulators, whose addresses depend on nothing it computes (before:
 //    every lane loaded and weighted every split's max and sum), and the sum's order
 //    is fixed: splits past a row's last window are skipped, so the result does
@@ -1203,8 +1223,8 @@ inline float kv_weight_to_max(float x, float m) {
   return x == m ? 1.0f : kv_weight(x, m);
 }
 
-template <int D, int CPL>
-inline float kv_fold_splits(thread const KvSplitParts<D>& sp, int lane, bool has_sink, float sink_logit,
+template <int D, int CPL, typename TP>
+inline float kv_fold_splits(thread const KvSplitParts<D, TP>& sp, int lane, bool has_sink, float sink_logit,
                             thread float4* o) {
   const int n = sp.n0 + sp.n1;
   float m = has_sink ? sink_logit : KV_NEG_BIG;
@@ -1230,10 +1250,11 @@ inline float kv_fold_splits(thread const KvSplitParts<D>& sp, int lane, bool has
       }
       const float w = simd_shuffle(w_mine, ushort(j));
       denom += l * w;
+      const float wa = sizeof(TP) < 4 ? l * w : w;  // the accumulator's weight (16-bit: normalized)
       for (int c = 0; c < CPL; c++) {
         const int chunk = lane + 32 * c;
         if (chunk < D / 4) {
-          o[c] += sp.acc(base + j, chunk) * w;
+          o[c] += sp.acc(base + j, chunk) * wa;
         }
       }
     }
@@ -1244,11 +1265,11 @@ inline float kv_fold_splits(thread const KvSplitParts<D>& sp, int lane, bool has
 // The reduces' whole work on one row: fold its splits and sink (kv_fold_splits),
 // then store this lane's chunks of the row, divided by the denominator (zeros
 // for a row that saw no token), at `dst` in the output type TQ.
-template <typename TQ, int D, typename PO>
-inline void kv_reduce_row(thread const KvSplitParts<D>& sp, int lane, bool has_sink, float sink_logit, PO dst) {
+template <typename TQ, int D, typename TP, typename PO>
+inline void kv_reduce_row(thread const KvSplitParts<D, TP>& sp, int lane, bool has_sink, float sink_logit, PO dst) {
   constexpr int CPL = (D / 4 + 31) / 32;
   float4 o[CPL];
-  const float denom = kv_fold_splits<D, CPL>(sp, lane, has_sink, sink_logit, o);
+  const float denom = kv_fold_splits<D, CPL, TP>(sp, lane, has_sink, sink_logit, o);
   const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
   for (int c = 0; c < CPL; c++) {
     const int chunk = lane + 32 * c;
@@ -1306,7 +1327,8 @@ struct KvDataType<0, T> {
 //          key_scales/key_biases [N, Hkv, BS, D/KGS] TK (8-element placeholders
 //          for a float cache); value_* likewise; block_tables int32 [S, M];
 //          seq_lens int32 [S]; params int32 KvAttnParams
-// Outputs: part_max, part_sum float32 [S * L * H, splits]; part_acc float32 [S * L * H, splits, D]
+// Outputs: part_max, part_sum float32 [S * L * H, splits]; part_acc TP [S * L * H, splits, D]
+//          (float32 unnormalized, or 16-bit normalized: kv_store_partial4)
 // Grid:    threadgroups (splits, Hkv, S), NSG * 32 threads each.
 const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 const int split = int(threadgroup_position_in_grid.x);
@@ -1333,7 +1355,8 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, PF, SV,
 //          uint32 packed) read in place through key_data_strides (any view);
 //          key_scales/key_biases [B, Hkv, T, D/KGS] (4-D placeholders for a float
 //          cache); value_* likewise; params int32 KvAttnParams
-// Outputs: part_max, part_sum float32 [B * H * L, splits]; part_acc float32 [B * H * L, splits, D]
+// Outputs: part_max, part_sum float32 [B * H * L, splits]; part_acc TP [B * H * L, splits, D]
+//          (float32 unnormalized, or 16-bit normalized: kv_store_partial4)
 // Grid:    threadgroups (splits, Hkv, B), NSG * 32 threads each.
 const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 const int split = int(threadgroup_position_in_grid.x);
@@ -1360,7 +1383,7 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, PF, SV,
 
 //@kernel attention_reduce
 // Inputs:  part_max, part_sum float32 [R, splits] (max in log2 units); part_acc
-//          float32 [R, splits, D]; sinks float32 [H] (ignored unless HAS_SINKS);
+//          TP [R, splits, D] (16-bit: normalized); sinks float32 [H] (ignored unless HAS_SINKS);
 //          params int32 KvAttnParams
 // Outputs: out [R, D] TQ (the caller reshapes it); a row that saw no token is 0.
 // Grid:    one threadgroup of 32 threads per row r; its head is (r / head_div) % H.
@@ -1370,7 +1393,7 @@ const int lane = int(thread_index_in_threadgroup);
 const int num_splits = p.num_splits;
 const int head = (row / p.head_div) % p.num_heads;
 // The splits and the sink (a logit with no value), in kv_fold_splits' two phases.
-KvSplitParts<D> sp;
+KvSplitParts<D, TP> sp;
 sp.max0 = part_max;
 sp.sum0 = part_sum;
 sp.acc0 = part_acc;

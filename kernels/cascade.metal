@@ -43,7 +43,7 @@ struct KvCascadeReduceParams {
 //          value_* as in paged_attention_partials; block_tables int32 [C, M];
 //          seq_lens int32 [C] (tokens of each table row); params KvAttnParams
 //          (window 0)
-// Outputs: part_max, part_sum float32 [C * QL * H, splits]; part_acc float32 [C * QL * H, splits, D]
+// Outputs: part_max, part_sum float32 [C * QL * H, splits]; part_acc TP [C * QL * H, splits, D]
 // Grid:    threadgroups (splits, Hkv, C), NSG * 32 threads each.
 const device KvAttnParams& p = kv_params<KvAttnParams>(params);
 const int split = int(threadgroup_position_in_grid.x);
@@ -67,7 +67,7 @@ kv_attend<D, G, QL, NSG, RPS, LPK, TT, KBITS, KGS, KAW, VBITS, VGS, VAW, PF, SV,
 
 //@kernel cascade_reduce
 // Inputs:  prefix_max, prefix_sum float32 [slots * H, prefix_splits], prefix_acc
-//          float32 [slots * H, prefix_splits, D]: the prefix pass's partials;
+//          TP [slots * H, prefix_splits, D]: the prefix pass's partials;
 //          own_max, own_sum, own_acc likewise [S * H, own_splits(, D)]: the
 //          sequences' own tokens; slot_of int32 [S]: the member slot of each
 //          sequence in the prefix partials (-1: no prefix); sinks float32 [H]
@@ -83,7 +83,7 @@ const int slot = seq < p.num_seqs ? slot_of[seq] : -1;
 const bool has_prefix = slot >= 0 && slot < p.prefix_slots;
 // Prefix splits first, then the own splits: one fold over both (kv_reduce_row, the
 // reduce attention_reduce runs over splits).
-KvSplitParts<D> sp;
+KvSplitParts<D, TP> sp;
 sp.max0 = prefix_max;
 sp.sum0 = prefix_sum;
 sp.acc0 = prefix_acc;

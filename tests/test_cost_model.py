@@ -101,7 +101,7 @@ def test_every_figure_cites_a_source():
 
 def test_kvmetal_registers_parsed_from_the_call_name():
     name = ("kvmetal_paged_attention_partials_tqf16_tkf16_tvf16_d128_g4_bs16_ql1_nsg4_rps4_lpk16_tt0_kbits0_kgs32"
-            "_kaw0_vbits0_vgs32_vaw0_pf1_sv0")
+            "_kaw0_vbits0_vgs32_vaw0_pf1_sv0_tpf16")
     regs = cm.kvmetal_registers(name)
     from kvmetal.backends import metal_specs
     spec = metal_specs.SPECS["paged_attention_partials"]
@@ -112,7 +112,7 @@ def test_kvmetal_registers_parsed_from_the_call_name():
         # the dtype tags are read too: a 16-bit query and cache estimate as such, not as float32
         from kvmetal.backends import metal_layout
         template = dict(TQ=mx.float16, TK=mx.float16, TV=mx.float16, D=128, G=4, BS=16, QL=1, NSG=4, RPS=4, LPK=16,
-                        TT=0, KBITS=0, KGS=32, KAW=0, VBITS=0, VGS=32, VAW=0, PF=1, SV=0)
+                        TT=0, KBITS=0, KGS=32, KAW=0, VBITS=0, VGS=32, VAW=0, PF=1, SV=0, TP=mx.float16)
         assert regs == metal_layout.estimated_registers("paged_attention_partials", template)
         assert regs < metal_layout.estimated_registers("paged_attention_partials", {**template, "TQ": mx.float32})
     assert cm.kvmetal_registers("mlx_sdpa_vector") is None

@@ -152,9 +152,9 @@ def test_gpu_core_count_fallback_without_metal():
 def test_variant_names_spell_the_specialisation():
     spec = metal_specs.SPECS["paged_attention_partials"]
     name = spec.variant(dict(TQ=mx.float32, TK=mx.float16, TV=mx.bfloat16, D=128, G=4, BS=16, QL=2, NSG=4, RPS=8, LPK=16, TT=0,
-                             KBITS=8, KGS=64, KAW=2, VBITS=4, VGS=64, VAW=1, PF=1, SV=0))
+                             KBITS=8, KGS=64, KAW=2, VBITS=4, VGS=64, VAW=1, PF=1, SV=0, TP=mx.float32))
     assert name == ("kvmetal_paged_attention_partials_tqf32_tkf16_tvbf16_d128_g4_bs16_ql2_nsg4_rps8_lpk16_tt0"
-                    "_kbits8_kgs64_kaw2_vbits4_vgs64_vaw1_pf1_sv0")
+                    "_kbits8_kgs64_kaw2_vbits4_vgs64_vaw1_pf1_sv0_tpf32")
 
 
 def test_every_description_has_a_body_and_no_spurious_injected_names():

@@ -39,6 +39,8 @@ PAGED = [
     # 3/6-bit atoms hold 32 values: past the register-mode estimate even at 4 rows (shared mode).
     ("shared-rows2-k3v6", 64, 16, 1, 2, (29, 66), 2, 3, None, False, None, (3, 32), (6, 32), f32),
     ("shared-rows2-k8v4-f16", 128, 8, 2, 8, (50, 9), 2, 2, 8.0, True, None, (8, 64), (4, 64), f16),
+    # float16 over a float16 V: half partials, normalized (metal_layout.partials_dtype).
+    ("register-gqa4-f16-sinks", 64, 16, 1, 4, (90, 7, 40), None, 3, None, True, None, None, None, f16),
 ]
 
 
@@ -175,6 +177,9 @@ CASCADE = [
     ("members-softcap-big-sinks", (32, 16), (3, 17, 0, 5, 9), (0, 0, 1, 0, -1), 4, 40.0, 5.0, True, None, None,
      f32),
     ("chunks-k8v4", (48,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13), (0,) * 13, 8, 1.0, None, False, 8, 4, f32),
+    # float16: half partials in both passes (prefix and own), normalized; the last sequence
+    # has no prefix and no own token, and there is no sink: its row sees nothing (zeros).
+    ("members-f16-empty-row", (40,), (3, 0, 9, 0), (0, 0, -1, -1), 4, 1.0, None, False, None, None, f16),
 ]
 
 

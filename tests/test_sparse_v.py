@@ -123,7 +123,7 @@ def test_sim_sparse_kernel_that_skips_nothing_reads_every_v_row():
         base = np.array(kv.paged_attention(*args).astype(mx.float32))
         sparse = np.array(kv.paged_attention(*args, sparse_v=1e-30).astype(mx.float32))
     calls = [c for c in t.calls if "partials" in c.name]
-    assert calls[0].name.endswith("_sv0") and calls[1].name.endswith("_sv1")
+    assert "_sv0_" in calls[0].name and "_sv1_" in calls[1].name
     assert calls[1].buffers["value_data"].loaded == calls[0].buffers["value_data"].loaded
     np.testing.assert_allclose(sparse, base, rtol=0, atol=2e-3 * np.abs(base).max())
 

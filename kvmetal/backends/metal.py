@@ -266,7 +266,7 @@ class KernelBackend:
                                                               num_seqs=num_seqs, layout=layout)
         rows = num_seqs * query_len * num_heads
         partials = self.launch("paged_attention_partials", template, geometry,
-                               *self._partial_outputs(rows, splits, head_dim),
+                               *self._partial_outputs(rows, splits, head_dim, template["TP"]),
                                query=mx.contiguous(query), **kv_buffers, block_tables=block_tables,
                                seq_lens=seq_lens, params=params)
         return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
@@ -289,7 +289,7 @@ class KernelBackend:
         # The kernel reads K/V views in place through their strides; the small
         # query is made row-contiguous here instead.
         partials = self.launch("decode_attention_partials", template, geometry,
-                               *self._partial_outputs(rows, splits, head_dim),
+                               *self._partial_outputs(rows, splits, head_dim, template["TP"]),
                                query=mx.contiguous(query), **kv_buffers, params=params)
         return self._reduce(partials, sinks, params, query.dtype, rows, head_dim).reshape(query.shape)
 
@@ -392,13 +392,13 @@ class KernelBackend:
             prefix = tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
         elif parts:
             prefix = parts[0]
-        else:  # no sequence has a prefix: placeholders the reduce never reads
+        else:  # no sequence has a prefix: placeholders the reduce never reads (acc in own's type)
             empty = mx.zeros((8,), dtype=mx.float32)
-            prefix, prefix_splits = (empty, empty, empty), 1
+            prefix, prefix_splits = (empty, empty, mx.zeros((8,), dtype=own[2].dtype)), 1
         params = CASCADE_REDUCE_PARAMS.pack(num_heads=num_heads, prefix_splits=prefix_splits, own_splits=own_splits,
                                             prefix_slots=schedule.prefix_slots, num_seqs=num_seqs)
         rows = num_seqs * num_heads
-        template = dict(TQ=query.dtype, D=head_dim, HAS_SINKS=sinks is not None)
+        template = dict(TQ=query.dtype, TP=own[2].dtype, D=head_dim, HAS_SINKS=sinks is not None)
         geometry = SPECS["cascade_reduce"].geometry(rows=rows)
         (out,) = self.launch("cascade_reduce", template, geometry, [(rows, head_dim)], [query.dtype],
                              prefix_max=prefix[0], prefix_sum=prefix[1], prefix_acc=prefix[2], own_max=own[0],
@@ -429,7 +429,8 @@ class KernelBackend:
         geometry = SPECS["cascade_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads, num_seqs=num_rows,
                                                       layout=layout)
         rows = num_rows * query_len * num_heads
-        parts = self.launch("cascade_partials", template, geometry, *self._partial_outputs(rows, splits, head_dim),
+        parts = self.launch("cascade_partials", template, geometry,
+                            *self._partial_outputs(rows, splits, head_dim, template["TP"]),
                             query=mx.contiguous(query4), **kv_buffers, block_tables=tables, seq_lens=lens,
                             params=params)
         return parts, splits
@@ -437,13 +438,15 @@ class KernelBackend:
     @staticmethod
     def _kv_inputs(query, keys, values, head_dim, gqa, query_len, layout, sparse_v=None) -> tuple:
         """The template parameters and the K/V buffers the partials kernels take (TQ: the
-        query's dtype, the type its register share keeps)."""
+        query's dtype, the type its register share keeps; TP: the partial accumulators'
+        dtype, metal_layout.partials_dtype)."""
         kd, ks, kb, kdt, kbits, kgs = _cache_parts(keys)
         vd, vs, vb, vdt, vbits, vgs = _cache_parts(values)
         template = dict(TQ=query.dtype, TK=kdt, TV=vdt, D=head_dim, G=gqa, QL=query_len, NSG=layout.simdgroups,
                         RPS=layout.rows_per_simdgroup, LPK=layout.lanes_per_key, TT=layout.tile, KBITS=kbits,
                         KGS=kgs, KAW=layout.key_atom_words, VBITS=vbits, VGS=vgs, VAW=layout.value_atom_words,
-                        PF=int(layout.prefetch), SV=int(bool(sparse_v)))
+                        PF=int(layout.prefetch), SV=int(bool(sparse_v)),
+                        TP=metal_layout.partials_dtype(query.dtype, values))
         buffers = dict(key_data=kd, key_scales=ks, key_biases=kb, value_data=vd, value_scales=vs, value_biases=vb)
         return template, buffers
 
@@ -465,11 +468,13 @@ class KernelBackend:
                                                     threads=layout.threads))), 0
 
     @staticmethod
-    def _partial_outputs(rows, splits, head_dim):
-        return ([(rows, splits), (rows, splits), (rows, splits, head_dim)], [mx.float32, mx.float32, mx.float32])
+    def _partial_outputs(rows, splits, head_dim, acc_dtype=mx.float32):
+        """(shapes, dtypes) of part_max, part_sum (float32) and part_acc (``acc_dtype``: the
+        decode kernels' TP; varlen's partials are float32)."""
+        return ([(rows, splits), (rows, splits), (rows, splits, head_dim)], [mx.float32, mx.float32, acc_dtype])
 
     def _reduce(self, partials, sinks, params, dtype, rows, head_dim):
-        template = dict(TQ=dtype, D=head_dim, HAS_SINKS=sinks is not None)
+        template = dict(TQ=dtype, TP=partials[2].dtype, D=head_dim, HAS_SINKS=sinks is not None)
         geometry = SPECS["attention_reduce"].geometry(rows=rows)
         sink_input = sinks if sinks is not None else _placeholder(mx.float32)
         part_max, part_sum, part_acc = partials

@@ -187,6 +187,40 @@ def _window_fields(split_tokens: int) -> dict:
     return dict(split_max=SPLIT_WINDOW_MAX, split_div=window_div())
 
 
+# The decode partials' accumulator type (issue 41, P4's partials goal; attention.metal's
+# kv_store_partial4): "auto" stores it in 16 bits where that cannot overflow, normalized
+# by its sum (a convex combination of the window's V rows, within max |V|), m and l
+# staying float32: half when the output (query) is float16 and V a float16 cache (its
+# values fit half), bfloat16 when the output is bfloat16 (float32's range); float32
+# otherwise (float32 outputs; float16 outputs over a float32, bfloat16 or quantized V,
+# whose values can pass half's range: a window of huge but globally negligible V must
+# not turn a finite output into inf). "float32" keeps every launch's partials float32
+# (unnormalized, as before). KVMETAL_METAL_PARTIALS selects, read on every launch; a
+# choice from dtypes alone, never the batch (batch invariance).
+PARTIALS_MODES = ("auto", "float32")
+
+
+def partials_mode() -> str:
+    """KVMETAL_METAL_PARTIALS ("auto" when unset or empty); a ValueError naming it otherwise."""
+    mode = os.environ.get("KVMETAL_METAL_PARTIALS") or "auto"
+    if mode not in PARTIALS_MODES:
+        raise ValueError(f"KVMETAL_METAL_PARTIALS must be one of {PARTIALS_MODES}, got {mode!r}")
+    return mode
+
+
+def partials_dtype(query_dtype, values) -> mx.Dtype:
+    """The part_acc dtype (template TP) of a decode partials launch whose output is
+    ``query_dtype`` over the V cache ``values`` (an array or QuantizedKV), by the rule
+    above; float32 under KVMETAL_METAL_PARTIALS=float32."""
+    if partials_mode() == "float32":
+        return mx.float32
+    if query_dtype == mx.bfloat16:
+        return mx.bfloat16
+    if query_dtype == mx.float16 and not isinstance(values, QuantizedKV) and values.dtype == mx.float16:
+        return mx.float16
+    return mx.float32
+
+
 def split_window(length: int, split_tokens: int, split_max: int, split_div: int) -> int:
     """The window of a sequence of ``length`` tokens (attention.metal's kv_split_window)."""
     w = split_tokens

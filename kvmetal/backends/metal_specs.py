@@ -102,9 +102,10 @@ def _attention_geometry(*, splits, num_kv_heads, num_seqs, layout):
 
 # TQ: the query's dtype (its register share keeps it); PF: register mode loads the next pass's
 # K/V a pass ahead (1) or in the pass (0: AttentionLayout.prefetch); SV: 1 compiles sparse V
-# (kv_pass_sparse; threshold KvAttnParams.sparse_v), 0 the exact path.
+# (kv_pass_sparse; threshold KvAttnParams.sparse_v), 0 the exact path; TP: the part_acc
+# output's dtype (float32, or 16-bit normalized: metal_layout.partials_dtype).
 _ATTENTION_TEMPLATE = ("TQ", "TK", "TV", "D", "G", "QL", "NSG", "RPS", "LPK", "TT", "KBITS", "KGS", "KAW", "VBITS",
-                       "VGS", "VAW", "PF", "SV")
+                       "VGS", "VAW", "PF", "SV", "TP")
 _KV_INPUTS = ("key_data", "key_scales", "key_biases", "value_data", "value_scales", "value_biases")
 _PARTIALS = ("part_max", "part_sum", "part_acc")
 # Attention math mode: "relaxed" lets Metal use its fast exp2/tanh and contract
@@ -145,7 +146,7 @@ SPECS = {
                    ("query",) + _KV_INPUTS + ("params",), _PARTIALS,
                    _ATTENTION_TEMPLATE, _attention_geometry, row_contiguous=False, math_mode=ATTENTION_MATH_MODE),
         KernelSpec("attention_reduce", "attention",
-                   _PARTIALS + ("sinks", "params"), ("out",), ("TQ", "D", "HAS_SINKS"),
+                   _PARTIALS + ("sinks", "params"), ("out",), ("TQ", "TP", "D", "HAS_SINKS"),
                    lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
                    math_mode=ATTENTION_MATH_MODE),
         KernelSpec("cache_rows_convert", "cache_write", ("new_rows",), ("rows_out",),
@@ -182,7 +183,7 @@ SPECS = {
                    math_mode=ATTENTION_MATH_MODE, uses=("attention",)),
         KernelSpec("cascade_reduce", "cascade",
                    ("prefix_max", "prefix_sum", "prefix_acc", "own_max", "own_sum", "own_acc", "slot_of", "sinks",
-                    "params"), ("out",), ("TQ", "D", "HAS_SINKS"),
+                    "params"), ("out",), ("TQ", "TP", "D", "HAS_SINKS"),
                    lambda *, rows: Geometry(grid=(rows * 32, 1, 1), threadgroup=(32, 1, 1)),
                    math_mode=ATTENTION_MATH_MODE, uses=("attention",)),
     )

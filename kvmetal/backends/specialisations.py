@@ -33,16 +33,16 @@ from .. import quant
 
 # Template parameters that select code, per kernel (the others are sizes).
 PATH_PARAMETERS = {
-    "paged_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV"),
-    "decode_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV"),
-    "attention_reduce": ("TQ", "HAS_SINKS"),
+    "paged_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV", "TP"),
+    "decode_attention_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV", "TP"),
+    "attention_reduce": ("TQ", "TP", "HAS_SINKS"),
     "cache_rows_convert": ("TC",),
     "cache_rows_quantize": ("TC", "BITS", "GS"),
     "gather_kv_rows": ("TE", "BITS", "GS", "BS"),
     "copy_blocks_gather": ("T",),
     "paged_varlen_partials": ("TQ", "TK", "TV", "KBITS", "VBITS", "NSG", "BK", "KT", "RF", "DS", "SKV"),
-    "cascade_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV"),
-    "cascade_reduce": ("TQ", "HAS_SINKS"),
+    "cascade_partials": ("TQ", "TK", "TV", "KBITS", "KAW", "VBITS", "VAW", "LPK", "TT", "PF", "SV", "TP"),
+    "cascade_reduce": ("TQ", "TP", "HAS_SINKS"),
 }
 MAX_CONSTANT_ELEMENTS = 8  # MLX binds inputs with fewer elements as `constant`
 

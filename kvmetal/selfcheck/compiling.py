@@ -33,7 +33,7 @@ def _message(exc: BaseException) -> str:
 
 
 def kernel_of(variant: str) -> str:
-    """The SPECS name of a variant name such as ``kvmetal_attention_reduce_tqf16_d128_has_sinks1``."""
+    """The SPECS name of a variant name such as ``kvmetal_attention_reduce_tqf16_tpf16_d128_has_sinks1``."""
     for name in sorted(metal_specs.SPECS, key=len, reverse=True):
         if variant.startswith(f"kvmetal_{name}_") or variant == f"kvmetal_{name}":
             return name
