@@ -271,3 +271,15 @@ def test_the_quantized_decode_charges_each_sides_format():
     q84 = cc.kvmetal_decode(256, 2, "K8/V4")[0]
     assert f16.unpack_lane_cycles == 0
     assert q84.unpack_lane_cycles == 256 * cc.D * (cm.unpack_cycles(8) + cm.unpack_cycles(4))
+
+
+def test_shared_mode_unpacks_once_per_row_group():
+    # Register mode: each simdgroup walks its own tokens, so an element is unpacked once. Shared
+    # mode (RPS < G x QL): every simdgroup walks every key of the tile for its RPS rows.
+    name = ("kvmetal_paged_attention_partials_tqf16_tkf16_tvf16_d128_g{g}_bs16_ql{ql}_nsg{nsg}_rps{rps}_lpk4_tt{tt}"
+            "_kbits8_kgs64_kaw4_vbits4_vgs64_vaw4_pf1_sv0")
+    assert cm.unpack_copies(name.format(g=4, ql=1, nsg=4, rps=4, tt=0)) == 1
+    assert cm.unpack_copies(name.format(g=8, ql=1, nsg=8, rps=1, tt=16)) == 8
+    assert cm.unpack_copies(name.format(g=8, ql=3, nsg=8, rps=2, tt=16)) == 12
+    with pytest.raises(ValueError, match="call_name"):
+        cm.unpack_copies("kvmetal_attention_reduce_tqf16_d128")

@@ -54,7 +54,8 @@ def kvmetal_decode(tokens: int, gqa: int, fmt: str = "f16", *, kv_heads_sim: int
     works = []
     for call in t.calls:
         if "partials" in call.name:
-            unpack = tokens * kv_heads_sim * D * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b)
+            unpack = (tokens * kv_heads_sim * D * cm.unpack_copies(call.name)
+                      * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b))
             works.append(cm.work_from_call(call, fma_lanes=rows * tokens * (2 * D + SOFTMAX_OPS),
                                            unpack_lane_cycles=unpack, name="kvmetal paged_attention_partials"))
         else:

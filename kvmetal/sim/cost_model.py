@@ -254,10 +254,10 @@ class Work:
             unpack_lane_cycles=self.unpack_lane_cycles * f)
 
 
-def kvmetal_registers(call_name: str) -> int | None:
-    """The metal backend's estimate (estimated_registers) for a kvmetal kernel call, by its
-    specialised name; None for a kernel that is not kvmetal's."""
-    from ..backends import metal_layout, metal_specs
+def kvmetal_template(call_name: str) -> tuple | None:
+    """(kernel, template values) of a kvmetal kernel call, parsed from its specialised name;
+    None for a kernel that is not kvmetal's."""
+    from ..backends import metal_specs
 
     if not call_name.startswith("kvmetal_"):
         return None
@@ -278,8 +278,30 @@ def kvmetal_registers(call_name: str) -> int | None:
             raw = part[len(tag):]
             values[key] = int(raw) if raw.lstrip("-").isdigit() else raw
         else:
-            return metal_layout.estimated_registers(name, values)
+            return name, values
     return None
+
+
+def kvmetal_registers(call_name: str) -> int | None:
+    """The metal backend's estimate (estimated_registers) for a kvmetal kernel call, by its
+    specialised name; None for a kernel that is not kvmetal's."""
+    from ..backends import metal_layout
+
+    parsed = kvmetal_template(call_name)
+    return metal_layout.estimated_registers(*parsed) if parsed else None
+
+
+def unpack_copies(call_name: str) -> int:
+    """How many times a decode partials call unpacks each quantized K/V element: once in
+    register mode (each simdgroup walks its own tokens), once per row group in shared mode
+    (RPS < G x QL: every simdgroup walks every key of the tile for its RPS rows, and unpacks
+    it; a second walk over the split for a further block of rows unpacks it again)."""
+    parsed = kvmetal_template(call_name)
+    if parsed is None or "RPS" not in parsed[1]:
+        raise ValueError(f"[cost_model] call_name must name a kvmetal partials kernel, got {call_name!r}")
+    t = parsed[1]
+    rows = int(t["G"]) * int(t["QL"])
+    return -(-rows // int(t["RPS"]))
 
 
 def work_from_call(call, *, fma_lanes: float, unpack_lane_cycles: float = 0.0, chain_loads: int = 0,
