@@ -21,9 +21,11 @@
 // - Scores are in log2 units (scale * log2 e applied to q . k): one exp2 per
 //   (pass, row) for the probabilities, and the running state is rescaled once
 //   per pass, only when the pass raises the running max.
-// - Quantized K is scored from the packed words: q.(s*w + b) = s*(q.w) + b*sum(q)
-//   per group; V accumulates p*s*w per element plus p*b per atom. Each scale
-//   and bias is loaded by one lane of the key group and shuffled to the others.
+// - Quantized K is scored from the packed words, centred (w - mid, mid = 2^(bits - 1),
+//   built as exact halves from the bits, kvmetal_common.h): q.(s*w + b) =
+//   s*(q.(w - mid)) + (b + s*mid)*sum(q) per group; V accumulates p*s*(w - mid) per
+//   element plus p*(b + s*mid) per atom. Each scale and bias is loaded by one lane
+//   of the key group and shuffled to the others.
 // - Register mode (RPS == R): each simdgroup owns a contiguous token range of
 //   the split and every row; the simdgroups merge their states at the end
 //   through threadgroup memory (kv_softmax_merge), a chunk of rows per barrier

@@ -497,7 +497,7 @@ inline void kv_copy16(const constant T* src, threadgroup T* dst) {
 // metal-benchmarks): the 16 bits KV_HALF_MAGIC | m are the half 1024 + m for any m < 1024
 // (exponent 10, mantissa m), so a masked field ORed into 0x6400 is already a float, and one
 // 32-bit AND and OR build two halves at once, one in each 16-bit half of a word (as_type<half2>).
-// The cost model's unpack charge (kvmetal/sim/cost_model.py, KV_UNPACK_OPS) counts these
+// The cost model's unpack charge (kvmetal/sim/cost_model.py, unpack_ops) counts these
 // instructions per format; tests/test_cost_model.py checks this source still takes this path.
 #define KV_HALF_MAGIC 0x6400u
 #define KV_HALF_MAGIC2 0x64006400u
@@ -534,8 +534,8 @@ inline void kv_centred_word(uint w, thread half4* x) {
 }
 
 // Value e of a run of BITS-bit values (3, 5, 6 bits may join two words), centred. With e a
-// compile-time constant after unrolling: a shift and a mask (two shifts and an OR more when
-// the value straddles words), an OR with the magic and one FADD16.
+// compile-time constant after unrolling: a shift (none at bit 0) and a mask (a shift and an OR
+// more when the value straddles words), an OR with the magic and one FADD16.
 template <int BITS>
 inline half kv_centred(thread const uint* w, int e) {
   const int bit = e * BITS;

@@ -92,6 +92,8 @@ VARLEN = [
     ("tiled-softcap-big-sinks", f32, 64, 8, 1, 2, (20, 45), (12, 17), 40.0, 5.0, True, None, None, None),
     ("tiled-window-k8v4", f32, 64, 16, 2, 1, (37, 30), (10, 3), 1.0, None, False, 9, (8, 32), (4, 32)),
     ("mixed-decode-rows", f32, 64, 8, 1, 4, (9, 26, 5), (9, 2, 5), 1.0, 3.0, False, None, None, None),
+    # a short run through the decode partials (and one tiled) with 3/6-bit codes (kv_centred)
+    ("decode-rows-k3v6", f32, 64, 8, 1, 2, (9, 26), (2, 12), 1.0, None, False, None, (3, 32), (6, 32)),
 ]
 
 
@@ -132,6 +134,8 @@ CASCADE = [
     ("members-softcap-big-sinks", (32, 16), (3, 17, 0, 5, 9), (0, 0, 1, 0, -1), 4, 40.0, 5.0, True, None, None,
      f32),
     ("chunks-k8v4", (48,), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13), (0,) * 13, 8, 1.0, None, False, 8, 4, f32),
+    # 3/6-bit codes (kv_centred: values that straddle words, one at a time)
+    ("members-k3v6", (32,), (3, 9), (0, -1), 2, 1.0, None, False, 3, 6, f32),
 ]
 
 
