@@ -59,9 +59,10 @@ def run_case(batch, tokens, gqa, qlen, fmt, seed=0):
     out = {"launches": [], "works": []}
     for call in t.calls:
         if "partials" in call.name:
-            unpack = batch * tokens * D * ((1 if k_bits else 0) + (1 if v_bits else 0))
+            unpack = (batch * tokens * D * cm.unpack_copies(call.name)
+                      * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b))
             w = cm.work_from_call(call, fma_lanes=batch * rows * tokens * (2 * D + cc.SOFTMAX_OPS),
-                                  unpack_elements=unpack, name="partials")
+                                  unpack_lane_cycles=unpack, name="partials")
             partial_bytes = sum(call.buffers[n].distinct_stored for n in ("part_max", "part_sum", "part_acc"))
             out["launches"].append({"kernel": "partials", "grid": list(call.grid), "threadgroup": call.threadgroup[0],
                                     "threadgroup_memory": call.threadgroup_memory,

@@ -21,9 +21,11 @@
 // - Scores are in log2 units (scale * log2 e applied to q . k): one exp2 per
 //   (pass, row) for the probabilities, and the running state is rescaled once
 //   per pass, only when the pass raises the running max.
-// - Quantized K is scored from the packed words: q.(s*w + b) = s*(q.w) + b*sum(q)
-//   per group; V accumulates p*s*w per element plus p*b per atom. Each scale
-//   and bias is loaded by one lane of the key group and shuffled to the others.
+// - Quantized K is scored from the packed words, centred (w - mid, mid = 2^(bits - 1),
+//   built as exact halves from the bits, kvmetal_common.h): q.(s*w + b) =
+//   s*(q.(w - mid)) + (b + s*mid)*sum(q) per group; V accumulates p*s*(w - mid) per
+//   element plus p*(b + s*mid) per atom. Each scale and bias is loaded by one lane
+//   of the key group and shuffled to the others.
 // - Register mode (RPS == R): each simdgroup owns a contiguous token range of
 //   the split and every row; the simdgroups merge their states at the end
 //   through threadgroup memory (kv_softmax_merge), a chunk of rows per barrier
@@ -207,11 +209,17 @@ inline KvSteps kv_strided_steps(PS data, PS scales, PS biases) {
 
 // One atom of a row as a lane holds it from its load to its use (issue 41, P1): a
 // float cache's 4 elements in their storage type (KvVec4: half4, bfloat as ushort4,
-// float4), or a quantized cache's AW packed words. `elems(j)` widens or unpacks
-// elements 4j .. 4j + 3 to float where the dot product or the accumulation takes
-// them, so a 16-bit atom costs 2 registers and a packed one AW, not AE floats.
+// float4), or a quantized cache's AW packed words. `centred(u, x)` gives unpack unit u's
+// U4 groups of 4 elements (groups u * U4 .. u * U4 + U4 - 1 of the atom) where the dot
+// product or the accumulation takes them: a float cache's group widened to float4; a
+// quantized cache's elements minus mid = 2^(BITS - 1) as exact halves (kvmetal_common.h:
+// one unit is one packed word of 2/4/8-bit values, or a group of 4 values of 3/5/6 bits),
+// which the float32 products take as operands. A 16-bit atom costs 2 registers and a
+// packed one AW, not AE floats.
 template <int BITS, int AW, typename T>
 struct KvAtom {
+  typedef half4 unit;
+  static constant constexpr const int U4 = KvPacked<BITS>::WORDS ? 8 / BITS : 1;
   uint w[AW];
   void clear() {
     for (int i = 0; i < AW; i++) {
@@ -226,13 +234,19 @@ struct KvAtom {
       kv_words_strided<AW>(data + row + size_t(a * AW) * step, step, w);
     }
   }
-  float4 elems(int j) const {
-    return kv_float4(kv_unpack<BITS>(w, 4 * j), kv_unpack<BITS>(w, 4 * j + 1), kv_unpack<BITS>(w, 4 * j + 2),
-                     kv_unpack<BITS>(w, 4 * j + 3));
+  void centred(int u, thread half4* x) const {
+    if (KvPacked<BITS>::WORDS) {
+      kv_centred_word<BITS>(w[u], x);
+    } else {
+      x[0] = KvVec4<half>::pack(kv_centred<BITS>(w, 4 * u), kv_centred<BITS>(w, 4 * u + 1),
+                                kv_centred<BITS>(w, 4 * u + 2), kv_centred<BITS>(w, 4 * u + 3));
+    }
   }
 };
 template <int AW, typename T>
 struct KvAtom<0, AW, T> {
+  typedef float4 unit;
+  static constant constexpr const int U4 = 1;
   typename KvVec4<T>::type x;
   void clear() {
     x = KvVec4<T>::pack(static_cast<T>(0.0f), static_cast<T>(0.0f), static_cast<T>(0.0f), static_cast<T>(0.0f));
@@ -241,8 +255,8 @@ struct KvAtom<0, AW, T> {
   void read(PD data, size_t row, size_t step, bool vec, int a) {
     x = vec ? kv_raw4(data + row + a * 4) : kv_raw4_strided<T>(data + row + size_t(a * 4) * step, step);
   }
-  float4 elems(int j) const {
-    return KvVec4<T>::widen(x);
+  void centred(int u, thread float4* v) const {
+    v[0] = KvVec4<T>::widen(x);
   }
 };
 
@@ -250,6 +264,7 @@ struct KvAtom<0, AW, T> {
 // data array's element type), and each atom's (scale, bias) for a quantized cache.
 template <int NA, int BITS, int AW, typename T>
 struct KvAtoms {
+  typedef KvAtom<BITS, AW, T> atom;
   KvAtom<BITS, AW, T> a[NA];
   float2 sb[NA];
 };
@@ -331,13 +346,18 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
       for (int r = 0; r < RPS; r++) {
         d[r] = 0.0f;
       }
-      for (int j = 0; j < KAE4; j++) {
-        // A quantized key's integers centred on 0 (exact): q . k = scale (q . (k - mid))
-        // + (bias + scale mid) sum(q), whose two terms no longer cancel (uncentred, scale
-        // q . k and bias sum(q) are each many times the score at large |q|).
-        const float4 kx = k.a[c].elems(j) - float(KBITS ? 1 << (KBITS - 1) : 0);
-        for (int r = 0; r < RPS; r++) {
-          d[r] += dot(KvVec4<TQ>::widen(st.q[r][c][j]), kx);
+      // A quantized key's integers centred on 0 (exact, KvAtom::centred): q . k = scale (q . (k - mid))
+      // + (bias + scale mid) sum(q), whose two terms no longer cancel (uncentred, scale
+      // q . k and bias sum(q) are each many times the score at large |q|).
+      typedef typename KA::atom KT;
+      for (int u = 0; u < KAE4 / KT::U4; u++) {
+        typename KT::unit kx[KT::U4];
+        k.a[c].centred(u, kx);
+        for (int i = 0; i < KT::U4; i++) {
+          const float4 kf = kv_widen(kx[i]);
+          for (int r = 0; r < RPS; r++) {
+            d[r] += dot(KvVec4<TQ>::widen(st.q[r][c][u * KT::U4 + i]), kf);
+          }
         }
       }
       const float mid_bias = KBITS ? k.sb[c].y + k.sb[c].x * float(1 << (KBITS - 1)) : 0.0f;
@@ -384,19 +404,27 @@ inline void kv_accumulate_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>&
   constexpr int VNAR = D / VAE;
   for (int c = 0; c < VNA; c++) {
     if (kl + LPK * c < VNAR) {
-      for (int j = 0; j < VAE4; j++) {
-        const float4 vx = v.a[c].elems(j);
-        for (int r = 0; r < RPS; r++) {
-          if (!SPARSE || p[r] >= tau) {
-            const float ps = VBITS ? p[r] * v.sb[c].x : p[r];
-            st.o[r][c][j] += ps * vx;
+      // A quantized value centred as K is (exact, KvAtom::centred): p (s v + b) = p s (v - mid)
+      // + p (b + s mid), so o and ob no longer carry p s mid and -p s mid that cancel in o + ob.
+      typedef typename VA::atom VT;
+      for (int u = 0; u < VAE4 / VT::U4; u++) {
+        typename VT::unit vx[VT::U4];
+        v.a[c].centred(u, vx);
+        for (int i = 0; i < VT::U4; i++) {
+          const float4 vf = kv_widen(vx[i]);
+          for (int r = 0; r < RPS; r++) {
+            if (!SPARSE || p[r] >= tau) {
+              const float ps = VBITS ? p[r] * v.sb[c].x : p[r];
+              st.o[r][c][u * VT::U4 + i] += ps * vf;
+            }
           }
         }
       }
       if (VBITS) {
+        const float v_mid_bias = VBITS ? v.sb[c].y + v.sb[c].x * float(1 << (VBITS - 1)) : 0.0f;
         for (int r = 0; r < RPS; r++) {
           if (!SPARSE || p[r] >= tau) {
-            st.ob[r][c] += p[r] * v.sb[c].y;
+            st.ob[r][c] += p[r] * v_mid_bias;
           }
         }
       }

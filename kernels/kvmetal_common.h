@@ -43,6 +43,7 @@ inline float2 kv_float2(float a, float b) {
   return v;
 }
 inline float4 kv_widen(half4 h) { return kv_float4(float(h.x), float(h.y), float(h.z), float(h.w)); }
+inline float4 kv_widen(float4 v) { return v; }
 
 // One vectorized load of four elements, widened to float.
 inline float4 kv_load4(const device float* p) { return *reinterpret_cast<const device float4*>(p); }
@@ -488,11 +489,55 @@ inline void kv_copy16(const constant T* src, threadgroup T* dst) {
   }
 }
 
-// Value e of a run of BITS-bit values packed little-endian in 32-bit words
-// (MLX's layout). With e a compile-time constant after unrolling, 2/4/8 bits
-// are one shift and mask; 3/5/6 bits may join two words.
+// ------------------------------------------------- packed values as centred halves
+//
+// The attention kernels take a packed BITS-bit value n (MLX's layout: little-endian in
+// 32-bit words) as the half n - mid, mid = 2^(BITS - 1): exact, since |n - mid| <= 2^(BITS - 1),
+// and built from the bits without an int -> float CONVERT (4 cycles on the complex pipeline,
+// metal-benchmarks): the 16 bits KV_HALF_MAGIC | m are the half 1024 + m for any m < 1024
+// (exponent 10, mantissa m), so a masked field ORed into 0x6400 is already a float, and one
+// 32-bit AND and OR build two halves at once, one in each 16-bit half of a word (as_type<half2>).
+// The cost model's unpack charge (kvmetal/sim/cost_model.py, unpack_ops) counts these
+// instructions per format; tests/test_cost_model.py checks this source still takes this path.
+#define KV_HALF_MAGIC 0x6400u
+#define KV_HALF_MAGIC2 0x64006400u
+
+// Whether BITS-bit values are built two at a time from whole words (kv_centred_word): no
+// value straddles a word and each 16-bit half holds whole values (1, 2, 4, 8 bits); else one
+// at a time (kv_centred: 3, 5, 6 bits).
 template <int BITS>
-inline float kv_unpack(thread const uint* w, int e) {
+struct KvPacked {
+  static constant constexpr const bool WORDS = BITS == 1 || BITS == 2 || BITS == 4 || BITS == 8;
+};
+
+// The 32 / BITS values of word w, centred (x[e / 4][e % 4]: value e), for KvPacked<BITS>::WORDS.
+// A field at bit p < 8 of each 16-bit half (p + BITS <= 8) is masked in place: the half is
+// 1024 + 2^p n (exact: below 2048), and n - mid = h * 2^-p - (2^(10 - p) + mid) exactly (one
+// FFMA16; an FADD16 at p = 0). The fields at bits 8.. of each half are those of w >> 8. Per
+// word: 1 shift, 16 / BITS ANDs and as many ORs, 32 / BITS FFMA16s.
+template <int BITS>
+inline void kv_centred_word(uint w, thread half4* x) {
+  constexpr uint MASK = (1u << BITS) - 1u;
+  constexpr int HALF = 16 / BITS;  // values per 16-bit half
+  for (int s = 0; s < 16; s += 8) {
+    const uint ws = w >> s;
+    for (int p = 0; p < 8; p += BITS) {
+      // values e (low half) and e + HALF (high half), each 1024 + 2^p n
+      const half2 h = as_type<half2>((ws & ((MASK << p) * 0x10001u)) | KV_HALF_MAGIC2);
+      const half2 c = h * static_cast<half>(1.0f / float(1 << p)) -
+                      static_cast<half>(float((1024 >> p) + (1 << (BITS - 1))));
+      const int e = (s + p) / BITS;
+      x[e / 4][e % 4] = c.x;
+      x[(e + HALF) / 4][(e + HALF) % 4] = c.y;
+    }
+  }
+}
+
+// Value e of a run of BITS-bit values (3, 5, 6 bits may join two words), centred. With e a
+// compile-time constant after unrolling: a shift (none at bit 0) and a mask (a shift and an OR
+// more when the value straddles words), an OR with the magic and one FADD16.
+template <int BITS>
+inline half kv_centred(thread const uint* w, int e) {
   const int bit = e * BITS;
   const int wi = bit / 32;
   const int sh = bit % 32;
@@ -500,7 +545,8 @@ inline float kv_unpack(thread const uint* w, int e) {
   if (sh + BITS > 32) {
     v |= w[wi + 1] << (32 - sh);
   }
-  return float(v & ((1u << BITS) - 1u));
+  return as_type<half>(ushort((v & ((1u << BITS) - 1u)) | KV_HALF_MAGIC)) -
+         static_cast<half>(float(1024 + (1 << (BITS - 1))));
 }
 
 #endif  // KVMETAL_COMMON_H

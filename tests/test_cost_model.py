@@ -212,3 +212,74 @@ def test_params_calibration_file(tmp_path):
     path.write_text('{"no_such_field": 1}')
     with pytest.raises(ValueError, match="no_such_field"):
         cm.Params.from_json(str(path))
+
+
+def _kernel_function(path: str, signature: str) -> str:
+    """The text of one function of kernels/<path>, from ``signature`` to its closing brace."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "kernels" / path).read_text()
+    start = text.index(signature)
+    return text[start:text.index("\n}\n", start) + 3]
+
+
+def test_unpack_charge_counts_the_kernels_magic_number_path():
+    # The model's unpack charge (cm.unpack_ops) walks the loops of kv_centred_word and
+    # kv_centred as written; if the kernel stops building halves from the bits (0x6400) or
+    # changes those loops, this fails and the charge must be recounted.
+    import re
+    from pathlib import Path
+
+    common = (Path(__file__).resolve().parents[1] / "kernels" / "kvmetal_common.h").read_text()
+    assert "#define KV_HALF_MAGIC 0x6400u" in common and "#define KV_HALF_MAGIC2 0x64006400u" in common
+    words = _kernel_function("kvmetal_common.h", "inline void kv_centred_word(")
+    assert "for (int s = 0; s < 16; s += 8) {" in words and "for (int p = 0; p < 8; p += BITS) {" in words
+    assert "as_type<half2>((ws & ((MASK << p) * 0x10001u)) | KV_HALF_MAGIC2)" in words
+    one = _kernel_function("kvmetal_common.h", "inline half kv_centred(")
+    assert "if (sh + BITS > 32) {" in one and "| KV_HALF_MAGIC))" in one
+    for body in (words, one):  # no int -> float conversion of a packed value
+        assert not re.search(r"\b(float|static_cast<float>)\(\s*\(?\s*(v|w|ws)\b", body), body
+    packed = re.search(r"struct KvPacked \{\n\s*static constant constexpr const bool WORDS = ([^;]+);", common)
+    assert packed is not None
+    assert tuple(int(b) for b in re.findall(r"BITS == (\d+)", packed.group(1))) == cm.UNPACK_WORD_BITS
+    # the partials take every quantized element through them, and through nothing else
+    attention = (Path(__file__).resolve().parents[1] / "kernels" / "attention.metal").read_text()
+    centred = _kernel_function("attention.metal", "  void centred(int u, thread half4* x) const {")
+    assert "kv_centred_word<BITS>(w[u], x)" in centred and "kv_centred<BITS>(w, 4 * u)" in centred
+    assert "kv_unpack" not in attention and "kv_unpack" not in common
+
+
+def test_unpack_cycles_per_format():
+    # metal-benchmarks: BITWISE32 1, FADD16/FFMA16 1, a constant shift 4. Per value of a 1/2/4/8-bit
+    # word: one AND and one OR per two values (1), one f16 op (1), one shift per word (4 / values).
+    assert cm.unpack_cycles(8) == 3.0 and cm.unpack_cycles(4) == 2.5 and cm.unpack_cycles(2) == 2.25
+    assert cm.unpack_ops(8) == {"shift": 0.25, "bitwise": 1.0, "f16": 1.0}
+    # 3/5/6 bits one value at a time: a shift (none at bit 0), mask, OR, f16 op; straddles add two
+    assert cm.unpack_ops(3) == {"shift": 33 / 32, "bitwise": 66 / 32, "f16": 1.0}
+    assert cm.unpack_ops(6) == {"shift": 17 / 16, "bitwise": 34 / 16, "f16": 1.0}
+    for bits in (2, 3, 4, 5, 6, 8):
+        # cheaper than a shift, a mask and a CONVERT(I->F) (4) per value, which it replaced
+        assert cm.unpack_cycles(bits) < cm.FIGURES["shift32_cycles"].value + 1 + 4
+    with pytest.raises(ValueError, match="bits"):
+        cm.unpack_cycles(9)
+
+
+def test_the_quantized_decode_charges_each_sides_format():
+    from kvmetal.sim import cost_cases as cc
+
+    f16 = cc.kvmetal_decode(256, 2, "f16")[0]
+    q84 = cc.kvmetal_decode(256, 2, "K8/V4")[0]
+    assert f16.unpack_lane_cycles == 0
+    assert q84.unpack_lane_cycles == 256 * cc.D * (cm.unpack_cycles(8) + cm.unpack_cycles(4))
+
+
+def test_shared_mode_unpacks_once_per_row_group():
+    # Register mode: each simdgroup walks its own tokens, so an element is unpacked once. Shared
+    # mode (RPS < G x QL): every simdgroup walks every key of the tile for its RPS rows.
+    name = ("kvmetal_paged_attention_partials_tqf16_tkf16_tvf16_d128_g{g}_bs16_ql{ql}_nsg{nsg}_rps{rps}_lpk4_tt{tt}"
+            "_kbits8_kgs64_kaw4_vbits4_vgs64_vaw4_pf1_sv0")
+    assert cm.unpack_copies(name.format(g=4, ql=1, nsg=4, rps=4, tt=0)) == 1
+    assert cm.unpack_copies(name.format(g=8, ql=1, nsg=8, rps=1, tt=16)) == 8
+    assert cm.unpack_copies(name.format(g=8, ql=3, nsg=8, rps=2, tt=16)) == 12
+    with pytest.raises(ValueError, match="call_name"):
+        cm.unpack_copies("kvmetal_attention_reduce_tqf16_d128")

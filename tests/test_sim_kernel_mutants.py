@@ -113,6 +113,8 @@ VARLEN = [
     ("tiled-softcap-big-sinks", f32, 64, 8, 1, 2, (20, 45), (12, 17), 40.0, 5.0, True, None, None, None),
     ("tiled-window-k8v4", f32, 64, 16, 2, 1, (37, 30), (10, 3), 1.0, None, False, 9, (8, 32), (4, 32)),
     ("mixed-decode-rows", f32, 64, 8, 1, 4, (9, 26, 5), (9, 2, 5), 1.0, 3.0, False, None, None, None),
+    # a short run through the decode partials (and one tiled) with 3/6-bit codes (kv_centred)
+    ("decode-rows-k3v6", f32, 64, 8, 1, 2, (9, 26), (2, 12), 1.0, None, False, None, (3, 32), (6, 32)),
 ]
 
 
@@ -180,6 +182,8 @@ CASCADE = [
     # float16: half partials in both passes (prefix and own), normalized; the last sequence
     # has no prefix and no own token, and there is no sink: its row sees nothing (zeros).
     ("members-f16-empty-row", (40,), (3, 0, 9, 0), (0, 0, -1, -1), 4, 1.0, None, False, None, None, f16),
+    # 3/6-bit codes (kv_centred: values that straddle words, one at a time)
+    ("members-k3v6", (32,), (3, 9), (0, -1), 2, 1.0, None, False, 3, 6, f32),
 ]
 
 

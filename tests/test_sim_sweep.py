@@ -126,6 +126,20 @@ def test_a_quantized_keys_score_does_not_cancel_at_large_queries():
     assert sweep.run_config(c) < 1e-5
 
 
+def test_a_quantized_values_accumulator_does_not_cancel():
+    # V's counterpart of the test above: float32, D 32, GQA 40, V 8-bit, 200 keys at scale 0.01
+    # (weights spread, so the output is near V's mean). Uncentred, o = sum p s v_int and
+    # ob = sum p b each carry p s mid with opposite signs and cancel in o + ob: 1.32e-6 relative
+    # error; centred (kv_accumulate_rows: s (v - mid), and b + s mid in ob) 3.4e-7.
+    c = sweep.Config(**{"op": "decode", "dtype": "float32", "head_dim": 32, "gqa": 40, "query_len": 1,
+                        "k_quant": None, "v_quant": [8, 32], "block_size": 8, "num_kv_heads": 2, "lens": [200],
+                        "splits": None, "window": None, "softcap": None, "big_scores": False, "sinks": False,
+                        "view": "contiguous", "pad": 0, "data_seed": 153936307, "counts": None,
+                        "prefix_lens": None, "prefix_of": None, "sparse_v": None, "scale": 0.01,
+                        "sink_spread": False})
+    assert sweep.run_config(c) < 6e-7
+
+
 def test_big_scores_at_the_default_scale_get_the_rounding_of_their_size():
     # Queries x 40 at the default scale: a score's float32 rounding is about 2^-24 x 0.64 D
     # x 40 x D^-0.5 (sweep._scale_term), which the 1e-5 budget alone does not cover (a

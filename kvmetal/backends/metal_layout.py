@@ -534,8 +534,10 @@ def estimated_registers(kernel: str, template: dict) -> int:
         else:
             in_flight = 2 * k_atoms + v_atoms * (1 if int(template["SV"]) else 2)
         # The pass's scores, then weights, a float per row (and a quantized key's per-atom dot
-        # products beside them past one atom), and one group of 4 elements widened at use.
-        transient = 4 * (rps * (2 if kbits and kna > 1 else 1) + 4)
+        # products beside them past one atom), and one unpack unit (KvAtom::centred): a group of
+        # 4 elements widened to float, or a packed 1/2-bit word's 32 or 16 values as halves.
+        unit = max([16] + [64 // b for b in (kbits, vbits) if b in (1, 2)])
+        transient = 4 * rps * (2 if kbits and kna > 1 else 1) + unit
         return -(-(rps * row + in_flight + transient) // 4) + REGISTER_OVERHEAD
     if kernel == "paged_varlen_partials":
         return varlen_registers(head_dim=D, block_k=int(template["BK"]), row_fragments=int(template.get("RF", 1)),

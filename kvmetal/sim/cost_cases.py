@@ -54,9 +54,10 @@ def kvmetal_decode(tokens: int, gqa: int, fmt: str = "f16", *, kv_heads_sim: int
     works = []
     for call in t.calls:
         if "partials" in call.name:
-            unpack = tokens * kv_heads_sim * D * ((1 if k_bits else 0) + (1 if v_bits else 0))
+            unpack = (tokens * kv_heads_sim * D * cm.unpack_copies(call.name)
+                      * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b))
             works.append(cm.work_from_call(call, fma_lanes=rows * tokens * (2 * D + SOFTMAX_OPS),
-                                           unpack_elements=unpack, name="kvmetal paged_attention_partials"))
+                                           unpack_lane_cycles=unpack, name="kvmetal paged_attention_partials"))
         else:
             splits = call.buffers["part_max"].size // 4 // max(1, rows)
             chain = 2 * _split_chain(call, "part_max")  # per split: the sum's test, then the merge's loads

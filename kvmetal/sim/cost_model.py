@@ -28,7 +28,8 @@ The model of one launch::
 
 ALU work is not counted by the simulator: callers give it from the shapes (``fma_lanes``:
 lane multiply-adds, e.g. 2 x D per query row per key for QK and PV, plus a few softmax
-operations per score; ``unpack_elements``: quantized K/V elements turned into floats).
+operations per score; ``unpack_lane_cycles``: quantized K/V elements turned into floats, each at
+its format's cost, :func:`unpack_cycles`, counted from the kernel's unpack path).
 """
 from __future__ import annotations
 
@@ -69,15 +70,72 @@ FIGURES = {
     "simd_reduce_cycles": Figure(14.5, "cycles", METAL_BENCHMARKS, "SUM<F32> 14.54; max/min taken as the same"),
     "simd_shuffle_cycles": Figure(2, "cycles", METAL_BENCHMARKS, "SHUFFLE/BROADCAST32 2.04"),
     "mma_8x8_cycles": Figure(17, "cycles", METAL_BENCHMARKS, "MATMUL<8x8xF16> ~17 (F32 ~18)"),
-    "unpack_cycles_per_element": Figure(5, "cycles", METAL_BENCHMARKS,
-                                        "CONVERT(I->F) 4 + BITWISE32 1 per quantized element (our count of "
-                                        "the instructions an unpack takes)"),
+    # The instructions of a quantized element's unpack (KV_UNPACK_OPS, from the kernel's path).
+    "bitwise32_cycles": Figure(1, "cycles", METAL_BENCHMARKS, "BITWISE32 throughput 1.06"),
+    "shift32_cycles": Figure(4, "cycles", METAL_BENCHMARKS,
+                             "a shift by a compile-time constant: BITEXTRACT32 (a compile-time field) 4.01, "
+                             "LSHIFT32 4 in the ALU layout (our reading; RSHIFT32's 7.89 was measured with "
+                             "shift amounts unknown at compile time)"),
+    "f16_add_cycles": Figure(1, "cycles", METAL_BENCHMARKS, "FADD16 / FFMA16 throughput 1"),
     "load_issue_cycles": Figure(1, "cycles", ASSUMPTION,
                                 "a load or store instruction's issue slot; not measured in metal-benchmarks"),
     "full_issue_simdgroups": Figure(8, "simdgroups per core", METAL_BENCHMARKS,
                                     "FFMA at ILP 4 reaches 1.3-1.6 cycles at 8 simds/core, ~11 at 4 at ILP 1: "
                                     "below 8 resident simdgroups a core's issue rate is scaled by n/8 (our reading)"),
 }
+
+# ------------------------------------------------------------------ unpacking quantized K/V
+# The attention kernels' unpack (kernels/kvmetal_common.h, kv_centred_word and kv_centred; the
+# partials call them through KvAtom::centred) builds each BITS-bit value n as the half n - mid
+# from its bits: a masked field ORed into 0x6400 is the half 1024 + (field), and one 32-bit AND
+# and OR give the two halves of a word; one FADD16 / FFMA16 per value takes off 1024 (+ mid) and
+# the field's place. No int -> float CONVERT (4 cycles on the complex pipeline, metal-benchmarks;
+# the path before stop 49 took a shift, a mask, a CONVERT and, for K, an FADD32 per element). The float32 products take the half as an operand:
+# "Most pipelines can accept 16-bit operands or write 16-bit results, with zero additional cost"
+# (metal-benchmarks, ALU layout), so widening is not charged (nor is it for a float16 cache).
+# tests/test_cost_model.py checks that the kernel source still has this path and these loops.
+UNPACK_WORD_BITS = (1, 2, 4, 8)  # KvPacked<BITS>::WORDS: two values per AND/OR from whole words
+
+
+def unpack_ops(bits: int) -> dict:
+    """Instructions per quantized element of ``bits`` bits, counted by walking the kernel's
+    unpack as it is written: {"shift", "bitwise", "f16"} (shifts by a constant; ANDs and ORs;
+    FADD16/FFMA16). 1/2/4/8 bits (kv_centred_word): per word, the fields at bits 0-7 of each
+    16-bit half in place and those at 8-15 after one shift by 8, one AND and one OR per pair of
+    values, one f16 op per value. 3/5/6 bits (kv_centred): per value a shift (none at bit 0 of a
+    word), a mask, an OR with the magic and one f16 op; a value that straddles two words
+    another shift and OR."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"[cost_model] bits must be 1..8, got {bits!r}")
+    if bits in UNPACK_WORD_BITS:
+        values = 32 // bits
+        shift = bitwise = f16 = 0
+        for s in range(0, 16, 8):       # kv_centred_word: for (s = 0; s < 16; s += 8)
+            shift += s != 0
+            for _p in range(0, 8, bits):  # for (p = 0; p < 8; p += BITS): one half2
+                bitwise += 2            # AND, OR
+                f16 += 2                # one FADD16 / FFMA16 per half
+        return {"shift": shift / values, "bitwise": bitwise / values, "f16": f16 / values}
+    values = 32 // math.gcd(bits, 32)   # a run of whole words
+    shift = bitwise = f16 = 0
+    for e in range(values):             # kv_centred
+        sh = e * bits % 32
+        shift += sh != 0
+        if sh + bits > 32:              # joins the next word: << and |
+            shift += 1
+            bitwise += 1
+        bitwise += 2                    # & mask, | KV_HALF_MAGIC
+        f16 += 1                        # - (1024 + mid)
+    return {"shift": shift / values, "bitwise": bitwise / values, "f16": f16 / values}
+
+
+def unpack_cycles(bits: int) -> float:
+    """Scheduler cycles per quantized element of ``bits`` bits (a simdgroup instruction covers
+    32 lanes): unpack_ops at the figures' cycles. 8 bits 3.0, 4 bits 2.5."""
+    ops = unpack_ops(bits)
+    F = {k: f.value for k, f in FIGURES.items()}
+    return ops["shift"] * F["shift32_cycles"] + ops["bitwise"] * F["bitwise32_cycles"] + ops["f16"] * F["f16_add_cycles"]
+
 
 # GPU clocks: metal-benchmarks' table for M1/M2; M3/M4 are not published.
 CLOCKS = {
@@ -179,7 +237,7 @@ class Work:
     mma: int
     transcendental_lanes: int
     fma_lanes: float               # from the shapes (the simulator does not count FMAs)
-    unpack_elements: float = 0.0   # quantized elements unpacked to float
+    unpack_lane_cycles: float = 0.0  # quantized elements unpacked x their format's cycles (unpack_cycles)
     chain_loads: int = 0           # dependent loads in a row, per threadgroup
     source: str = "sim"            # "sim" (counters) or "analytic"
 
@@ -193,13 +251,13 @@ class Work:
             store_instructions=self.store_instructions * f, barriers=self.barriers * f,
             reductions=self.reductions * f, shuffles=self.shuffles * f, mma=self.mma * f,
             transcendental_lanes=self.transcendental_lanes * f, fma_lanes=self.fma_lanes * f,
-            unpack_elements=self.unpack_elements * f)
+            unpack_lane_cycles=self.unpack_lane_cycles * f)
 
 
-def kvmetal_registers(call_name: str) -> int | None:
-    """The metal backend's estimate (estimated_registers) for a kvmetal kernel call, by its
-    specialised name; None for a kernel that is not kvmetal's."""
-    from ..backends import metal_layout, metal_specs
+def kvmetal_template(call_name: str) -> tuple | None:
+    """(kernel, template values) of a kvmetal kernel call, parsed from its specialised name;
+    None for a kernel that is not kvmetal's."""
+    from ..backends import metal_specs
 
     if not call_name.startswith("kvmetal_"):
         return None
@@ -220,11 +278,33 @@ def kvmetal_registers(call_name: str) -> int | None:
             raw = part[len(tag):]
             values[key] = int(raw) if raw.lstrip("-").isdigit() else raw
         else:
-            return metal_layout.estimated_registers(name, values)
+            return name, values
     return None
 
 
-def work_from_call(call, *, fma_lanes: float, unpack_elements: float = 0.0, chain_loads: int = 0,
+def kvmetal_registers(call_name: str) -> int | None:
+    """The metal backend's estimate (estimated_registers) for a kvmetal kernel call, by its
+    specialised name; None for a kernel that is not kvmetal's."""
+    from ..backends import metal_layout
+
+    parsed = kvmetal_template(call_name)
+    return metal_layout.estimated_registers(*parsed) if parsed else None
+
+
+def unpack_copies(call_name: str) -> int:
+    """How many times a decode partials call unpacks each quantized K/V element: once in
+    register mode (each simdgroup walks its own tokens), once per row group in shared mode
+    (RPS < G x QL: every simdgroup walks every key of the tile for its RPS rows, and unpacks
+    it; a second walk over the split for a further block of rows unpacks it again)."""
+    parsed = kvmetal_template(call_name)
+    if parsed is None or "RPS" not in parsed[1]:
+        raise ValueError(f"[cost_model] call_name must name a kvmetal partials kernel, got {call_name!r}")
+    t = parsed[1]
+    rows = int(t["G"]) * int(t["QL"])
+    return -(-rows // int(t["RPS"]))
+
+
+def work_from_call(call, *, fma_lanes: float, unpack_lane_cycles: float = 0.0, chain_loads: int = 0,
                    registers: int | None = None, name: str | None = None, exclude: tuple = ()) -> Work:
     """A Work from one traced KernelCall (kvmetal.sim.trace) and the ALU work of its shapes.
     ``exclude``: buffers only the simulator harness reads (e.g. the scalars MLX passes as
@@ -243,7 +323,7 @@ def work_from_call(call, *, fma_lanes: float, unpack_elements: float = 0.0, chai
         load_instructions=sum(b.load_ops for b in bufs) / 32.0,
         store_instructions=sum(b.store_ops for b in bufs) / 32.0,
         barriers=call.barriers, reductions=call.reductions, shuffles=call.shuffles, mma=call.mma,
-        transcendental_lanes=call.transcendentals, fma_lanes=fma_lanes, unpack_elements=unpack_elements,
+        transcendental_lanes=call.transcendentals, fma_lanes=fma_lanes, unpack_lane_cycles=unpack_lane_cycles,
         chain_loads=chain_loads)
 
 
@@ -278,7 +358,7 @@ def issue_cycles(work: Work) -> float:
             + work.reductions * F["simd_reduce_cycles"] + work.shuffles * F["simd_shuffle_cycles"]
             + work.mma * F["mma_8x8_cycles"]
             + (work.load_instructions + work.store_instructions) * F["load_issue_cycles"]
-            + work.unpack_elements / 32.0 * F["unpack_cycles_per_element"])
+            + work.unpack_lane_cycles / 32.0)
 
 
 def estimate(work: Work, chip: ChipModel | str, params: Params = Params()) -> dict:
