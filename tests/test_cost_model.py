@@ -277,7 +277,7 @@ def test_shared_mode_unpacks_once_per_row_group():
     # Register mode: each simdgroup walks its own tokens, so an element is unpacked once. Shared
     # mode (RPS < G x QL): every simdgroup walks every key of the tile for its RPS rows.
     name = ("kvmetal_paged_attention_partials_tqf16_tkf16_tvf16_d128_g{g}_bs16_ql{ql}_nsg{nsg}_rps{rps}_lpk4_tt{tt}"
-            "_kbits8_kgs64_kaw4_vbits4_vgs64_vaw4_pf1_sv0")
+            "_kbits8_kgs64_kaw4_vbits4_vgs64_vaw4_pf1_sv0_tpf32")
     assert cm.unpack_copies(name.format(g=4, ql=1, nsg=4, rps=4, tt=0)) == 1
     assert cm.unpack_copies(name.format(g=8, ql=1, nsg=8, rps=1, tt=16)) == 8
     assert cm.unpack_copies(name.format(g=8, ql=3, nsg=8, rps=2, tt=16)) == 12
