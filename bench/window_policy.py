@@ -1,12 +1,16 @@
 """Which split window should decode use? Partials bytes against MODELLED time, per window
 divisor (issue 41, P4 and the <=2% partials goal; docs/kernels.md "Split windows").
 
-    python bench/window_policy.py [--json out.json] [--policies 32:2048,8:2048,4:2048,8:4096] [--quick]
+    python bench/window_policy.py [--json out.json] [--policies 8/2:2048,8:2048,16:2048,32:2048] [--quick]
                                   [--shapes G4,G8] [--sizes 1x8K,64x4K]
 
-A sequence of ``len`` tokens is cut in windows of clamp(pow2ceil(len) / div, 256, 2048)
-tokens (metal_layout.split_window; KVMETAL_METAL_WINDOW_DIV sets div, SPLIT_WINDOW_MAX the
-cap). A policy is div:cap; 32:2048 was the default before this sweep, 8:2048 after. Windows depend on
+A sequence of ``len`` tokens is cut in windows of clamp(pow2ceil(len) / d, 256, 2048)
+tokens, d = div while the window is 256 and div x growth once it has grown
+(metal_layout.split_window; KVMETAL_METAL_WINDOW_DIV sets div, KVMETAL_METAL_WINDOW_GROWTH
+growth, SPLIT_WINDOW_MAX the cap). A policy is div[/growth]:cap; without /growth the library's
+rule (metal_layout.window_growth: 2 in register mode, 1 in shared mode, from stop 50), with it
+that growth in every mode (/1: the rule before stop 50). 32/1:2048 was the default before stop
+47's sweep, 8/1:2048 after it, 8:2048 from stop 50. Windows depend on
 the length alone (batch invariance), so one window serves batch 1, where splits are the
 only parallelism, and batch 64, where they only add partials. This runs the paged decode
 partials + reduce in the simulator (D 128, block 16; register mode at GQA 4 and 8 with one
@@ -45,13 +49,18 @@ SHAPES = {"G4": (4, 1), "G8": (8, 1), "G16": (16, 1), "G4xL4": (4, 4)}  # (GQA, 
 
 
 @contextlib.contextmanager
-def window_policy(div: int, cap: int, simdgroups: int | None = None):
-    """Launches inside cut windows with divisor ``div`` (KVMETAL_METAL_WINDOW_DIV), cap
-    ``cap`` (metal_layout.SPLIT_WINDOW_MAX) and, unless None, register mode's ``simdgroups``
-    a window (KVMETAL_METAL_WINDOW_SIMDGROUPS); all are restored after."""
-    names = ("KVMETAL_METAL_WINDOW_DIV", "KVMETAL_METAL_WINDOW_SIMDGROUPS")
+def window_policy(div: int, cap: int, simdgroups: int | None = None, growth: int | None = None):
+    """Launches inside cut windows with divisor ``div`` (KVMETAL_METAL_WINDOW_DIV), its
+    ``growth`` (KVMETAL_METAL_WINDOW_GROWTH; None: the library's rule), cap ``cap`` (metal_layout.SPLIT_WINDOW_MAX) and,
+    unless None, register mode's ``simdgroups`` a window (KVMETAL_METAL_WINDOW_SIMDGROUPS); all
+    are restored after."""
+    names = ("KVMETAL_METAL_WINDOW_DIV", "KVMETAL_METAL_WINDOW_SIMDGROUPS", "KVMETAL_METAL_WINDOW_GROWTH")
     saved, saved_cap = {n: os.environ.get(n) for n in names}, metal_layout.SPLIT_WINDOW_MAX
     os.environ[names[0]], metal_layout.SPLIT_WINDOW_MAX = str(div), cap
+    if growth is None:
+        os.environ.pop(names[2], None)
+    else:
+        os.environ[names[2]] = str(growth)
     if simdgroups is not None:
         os.environ[names[1]] = str(simdgroups)
     try:
@@ -66,16 +75,18 @@ def window_policy(div: int, cap: int, simdgroups: int | None = None):
 
 
 def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, qlen: int, fmt: str,
-        simdgroups: int | None = None) -> dict:
-    with window_policy(div, cap, simdgroups):
+        simdgroups: int | None = None, growth: int | None = None) -> dict:
+    with window_policy(div, cap, simdgroups, growth):
         r = dc.run_case(sim_batch, tokens, gqa, qlen, fmt)
     scale = batch // sim_batch
     works = [w.scaled(scale) for w in r["works"]]
     part, red = r["launches"]
     partials = (part["partials_bytes"] + red["partials_bytes_loaded"]) * scale  # stored, then loaded by the reduce
     total_kv = part["kv_bytes_loaded"] * scale
-    policy = f"{div}:{cap}" + ("" if simdgroups is None else f":{simdgroups}")
-    row = {"policy": policy, "window": metal_layout.split_window(tokens, metal_layout.SPLIT_TOKENS, cap, div),
+    policy = f"{div}" + ("" if growth is None else f"/{growth}") + f":{cap}" + ("" if simdgroups is None else f":{simdgroups}")
+    with window_policy(div, cap, simdgroups, growth):
+        grow = metal_layout.window_growth(part["register_mode"])
+    row = {"policy": policy, "window": metal_layout.split_window(tokens, metal_layout.SPLIT_TOKENS, cap, div, grow),
            "partials_fraction": round(partials / total_kv, 4),
            "barriers_per_1k_rows": round(part["barriers_per_kv_head"] * dc.cc.KV_HEADS * 1024
                                          / (sim_batch * tokens * dc.cc.KV_HEADS), 2),
@@ -86,26 +97,37 @@ def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, q
     return row
 
 
+def _policy(text: str) -> tuple:
+    """(div, growth, cap, simdgroups or None) of a policy "div[/growth]:cap[:simdgroups]"."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(text)
+    div, _, growth = parts[0].partition("/")
+    return int(div), int(growth) if growth else None, int(parts[1]), int(parts[2]) if len(parts) == 3 else None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--policies", default="32:2048,8:2048,4:2048,8:4096",
-                    help="div:cap[:simdgroups],... (simdgroups: KVMETAL_METAL_WINDOW_SIMDGROUPS)")
+    ap.add_argument("--policies", default="8:2048,8/1:2048,8/2:2048,16/1:2048,32/1:2048",
+                    help="div[/growth]:cap[:simdgroups],... (growth: KVMETAL_METAL_WINDOW_GROWTH, the "
+                         "library's rule when omitted; simdgroups: KVMETAL_METAL_WINDOW_SIMDGROUPS)")
     ap.add_argument("--quick", action="store_true", help="GQA 4 only")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
     ap.add_argument("--sizes", default=",".join(SIZES), help="subset of " + ",".join(SIZES))
     args = ap.parse_args(argv)
-    policies = [tuple(int(x) for x in p.split(":")) for p in args.policies.split(",")]
-    if any(len(p) not in (2, 3) for p in policies):
-        raise SystemExit(f"--policies: div:cap or div:cap:simdgroups, got {args.policies!r}")
+    try:
+        policies = [_policy(p) for p in args.policies.split(",")]
+    except ValueError:
+        raise SystemExit(f"--policies: div[/growth]:cap[:simdgroups], got {args.policies!r}") from None
     rows = []
     for shape, (gqa, qlen) in ([("G4", SHAPES["G4"])] if args.quick else [(k, SHAPES[k]) for k in args.shapes.split(",")]):
         for fmt in dc.FORMATS:
             for size in args.sizes.split(","):
                 batch, sim_batch, tokens = SIZES[size]
-                for div, cap, *sg in policies:
+                for div, growth, cap, sg in policies:
                     row = dict(case=f"{shape} {fmt} {size}",
-                               **run(div, cap, batch, sim_batch, tokens, gqa, qlen, fmt, *sg))
+                               **run(div, cap, batch, sim_batch, tokens, gqa, qlen, fmt, sg, growth))
                     rows.append(row)
                     print(f"{row['case']:22s} {row['policy']:>10s} window {row['window']:5d} partials "
                           f"{row['partials_fraction']:7.2%} barriers/1K {row['barriers_per_1k_rows']:6.2f} "

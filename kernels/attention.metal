@@ -617,13 +617,17 @@ inline void kv_init_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, P
 // explicit num_splits). Either way tiles of TT | 32 tokens never straddle a split,
 // and a sliding window never assigns out-of-window blocks.
 // With split_div > 0 (issue 41, P4) the window is a function of the sequence's
-// length alone, kv_split_window: clamp(pow2ceil(len) / split_div, split_tokens,
-// split_max) (powers of two), so long sequences get longer windows (fewer
-// partials) and batch invariance holds as with fixed windows.
-inline int kv_split_window(int len, int split_tokens, int split_max, int split_div) {
+// length alone, kv_split_window: clamp(pow2ceil(len) / div, split_tokens,
+// split_max) (powers of two), div = split_div while the window is split_tokens and
+// split_div * split_grow once it has doubled, so long sequences get longer windows
+// (fewer partials), sequences of a few thousand tokens more of them (more
+// threadgroups), and batch invariance holds as with fixed windows.
+inline int kv_split_window(int len, int split_tokens, int split_max, int split_div, int split_grow) {
   int w = split_tokens;
-  while (split_div > 0 && w < split_max && w * split_div < len) {
+  int div = split_div;
+  while (split_div > 0 && w < split_max && w * div < len) {
     w *= 2;
+    div = split_div * split_grow;
   }
   return w;
 }
@@ -635,12 +639,12 @@ struct KvSplitRange {
 };
 
 inline KvSplitRange kv_split_range(int len, int L, int window, int split, int num_splits, int split_tokens,
-                                   int split_max, int split_div) {
+                                   int split_max, int split_div, int split_grow) {
   const int first = kv_first_visible(len - L, window);
   int begin;
   int per;
   if (split_tokens > 0) {
-    per = kv_split_window(len, split_tokens, split_max, split_div);
+    per = kv_split_window(len, split_tokens, split_max, split_div, split_grow);
     begin = (first / per + split) * per;
   } else {
     const int start = (first / 32) * 32;
@@ -1365,7 +1369,7 @@ const int seq = int(threadgroup_position_in_grid.z);
 // Index guards: a length beyond the block table is cut to it; a negative one is 0.
 const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
 const KvSplitRange range =
-    kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
+    kv_split_range(len, QL, p.window, split, p.num_splits, p.split_tokens, p.split_max, p.split_div, p.split_grow);
 KV_ATTN_THREADGROUP_ARRAYS
 KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
 src.init(block_tables, seq, kvh, p);
@@ -1391,7 +1395,7 @@ const int split = int(threadgroup_position_in_grid.x);
 const int kvh = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
 const int len = p.num_tokens;
-const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
+const KvSplitRange range = kv_split_range(len, QL, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div, p.split_grow);
 KV_ATTN_THREADGROUP_ARRAYS
 KvStridedRows src;
 src.init(batch, kvh, key_data_strides, key_scales_strides, key_biases_strides, value_data_strides,

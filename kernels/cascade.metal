@@ -51,7 +51,7 @@ const int kvh = int(threadgroup_position_in_grid.y);
 const int seq = int(threadgroup_position_in_grid.z);
 const int len = clamp(seq_lens[seq], 0, p.max_blocks * BS);
 // The split range of a one-row query over [0, len): every token of the row.
-const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div);
+const KvSplitRange range = kv_split_range(len, 1, 0, split, p.num_splits, p.split_tokens, p.split_max, p.split_div, p.split_grow);
 KV_ATTN_THREADGROUP_ARRAYS
 KvPagedRows<BS, KW_, KNG_, VW_, VNG_, decltype(block_tables)> src;
 src.init(block_tables, seq, kvh, p);

@@ -201,7 +201,8 @@ struct KvAttnParams {
   int split_tokens; // > 0: split k of a sequence is its k-th window of this many tokens, cut at
                     // the multiples of split_tokens (batch invariance); 0: num_splits equal runs
   int split_max;    // split_div > 0: a sequence of length len gets windows of
-  int split_div;    // clamp(pow2ceil(len) / split_div, split_tokens, split_max) (attention.metal)
+  int split_div;    // clamp(pow2ceil(len) / div, split_tokens, split_max), div = split_div, and
+  int split_grow;   // split_div * split_grow once the window has doubled (attention.metal)
 };
 
 // A kernel's parameter struct P, read in place from its int32 `params` buffer

@@ -85,6 +85,29 @@ def test_attention_paged_register_in_pass_loads(monkeypatch):
     assert all("_pf0_" in call.name for call in calls)
 
 
+def test_attention_paged_grown_windows(monkeypatch):
+    """Windows cut by the length (num_splits=None) that grow twice at a few hundred tokens
+    (divisor 1; register mode's growth 2): the kernel's windows must be the host's
+    (metal_layout.split_window) - shorter ones drop keys the split count does not cover,
+    longer ones leave fewer live windows than the host's rule."""
+    monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", "1")
+    monkeypatch.delenv("KVMETAL_METAL_WINDOW_GROWTH", raising=False)
+    lens, gqa, head_dim = (1500, 700, 40), 2, 64
+    rng = np.random.default_rng(1500)
+    query, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=lens, num_kv_heads=1, gqa=gqa, head_dim=head_dim, block_size=32, dtype=f32, use_sinks=True)
+    expected = ref.paged_attention(query, kc, vc, tables, seq_lens, sinks=sinks)
+    calls = run_checked("sim", kv.paged_attention, expected, query, kc, vc, tables, seq_lens, sinks=sinks,
+                        kernel="paged_attention_partials")
+    grow = metal_layout.window_growth(True)
+    assert grow > 1
+    windows = [metal_layout.split_window(n, metal_layout.SPLIT_TOKENS, metal_layout.SPLIT_WINDOW_MAX, 1, grow)
+               for n in lens]
+    assert windows == [1024, 512, 256]
+    live = sum(-(-n // w) for n, w in zip(lens, windows))
+    assert calls[0].buffers["part_acc"].stored == live * gqa * head_dim * 4
+
+
 # head_dim, kv heads, GQA, tokens, query rows, splits, softcap, sinks, K quant, V quant
 CONTIGUOUS = [
     ("view-gqa3-sinks", 64, 2, 3, 50, 1, 3, None, True, None, None),
@@ -210,6 +233,29 @@ def test_cascade_register_in_pass_loads(monkeypatch):
     calls = run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials",
                         sinks=sinks)
     assert all("_pf0_" in call.name for call in calls)
+
+
+@pytest.mark.parametrize("growth", ["1", "2"])
+def test_cascade_grown_windows(monkeypatch, growth):
+    """The cascade's windows grown at a few hundred tokens (divisor 1) at growth 1 (its
+    default) and 2 (KVMETAL_METAL_WINDOW_GROWTH): prefix and own windows must be the host's."""
+    monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", "1")
+    monkeypatch.setenv("KVMETAL_METAL_WINDOW_GROWTH", growth)
+    args, sinks = cascade_case((1500,), (700, 9, 1100), (0, 0, -1), num_kv_heads=1, gqa=2, head_dim=64,
+                               block_size=32, dtype=f32, k_bits=None, v_bits=None, group_size=32, seed=11,
+                               sinks=True)
+    expected = ref.paged_attention_cascade(*args.values(), sinks=sinks)
+    run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials", sinks=sinks)
+    with run_on("sim", seed=0) as trace:
+        mx.eval(kv.paged_attention_cascade(*args.values(), sinks=sinks))
+    w = lambda n: metal_layout.split_window(n, metal_layout.SPLIT_TOKENS, metal_layout.SPLIT_WINDOW_MAX, 1,
+                                            int(growth))
+    # live windows x rows: the own pass (3 sequences x 2 heads), then the prefix chunk (its 2
+    # members x 2 heads)
+    own = sum(-(-n // w(n)) for n in (700, 9, 1100)) * 2
+    prefix = -(-1500 // w(1500)) * 2 * 2
+    stored = [c.buffers["part_acc"].stored // (64 * 4) for c in trace.calls if "cascade_partials" in c.name]
+    assert stored == [own, prefix]
 
 
 @pytest.mark.parametrize("qspec", [None, (3, 32)], ids=["float", "k3"])

@@ -92,21 +92,28 @@ def test_a_rows_result_does_not_depend_on_the_split_count():
 
 
 def test_split_window_is_a_function_of_the_length():
-    # Issue 41, P4: windows of clamp(pow2ceil(len) / 8, 256, 2048) tokens (div 32 before
-    # bench/window_policy.py's modelled sweep).
-    w = lambda n: metal_layout.split_window(n, metal_layout.SPLIT_TOKENS, metal_layout.SPLIT_WINDOW_MAX, metal_layout.SPLIT_WINDOW_DIV)
-    assert [w(n) for n in (1, 256, 2048, 2049, 4096, 4097, 8192, 16384, 32768, 32769, 1 << 20)] == \
-        [256, 256, 256, 512, 512, 1024, 1024, 2048, 2048, 2048, 2048]
-    # the launch's split count bounds every length up to the work (brute force)
-    for work in (1, 255, 256, 8192, 8193, 9000, 16384, 16385, 20000, 65537, 200000):
-        most = max(-(-n // w(n)) for n in range(1, work + 1))
-        assert metal_layout.window_splits(work, metal_layout.SPLIT_TOKENS, misaligned=False, split_max=metal_layout.SPLIT_WINDOW_MAX,
-                                   split_div=metal_layout.SPLIT_WINDOW_DIV) == most, work
-    assert metal_layout.window_splits(32768, 256, misaligned=False, split_max=2048, split_div=32) == 32  # was 128
+    # Issue 41, P4: windows of clamp(pow2ceil(len) / div, 256, 2048) tokens, div 8 while the
+    # window is 256 and 16 once it has grown (growth 2, stop 50; div 32 and no growth before
+    # bench/window_policy.py's modelled sweeps): 8 windows up to 4K, 16 from 8K to 32K.
+    w = lambda n: metal_layout.split_window(n, metal_layout.SPLIT_TOKENS, metal_layout.SPLIT_WINDOW_MAX,
+                                            metal_layout.SPLIT_WINDOW_DIV, metal_layout.SPLIT_WINDOW_GROWTH)
+    assert [w(n) for n in (1, 256, 2048, 2049, 4096, 4097, 8192, 8193, 16384, 16385, 32768, 32769, 1 << 20)] == \
+        [256, 256, 256, 512, 512, 512, 512, 1024, 1024, 2048, 2048, 2048, 2048]
+    # growth 1 is the rule before stop 50
+    w1 = lambda n: metal_layout.split_window(n, 256, 2048, 8, 1)
+    assert [w1(n) for n in (2048, 2049, 4097, 8193, 16385)] == [256, 512, 1024, 2048, 2048]
+    # the launch's split count bounds every length up to the work (brute force), at each growth
+    for grow, wn in ((metal_layout.SPLIT_WINDOW_GROWTH, w), (1, w1), (4, lambda n: metal_layout.split_window(n, 256, 2048, 8, 4))):
+        for work in (1, 255, 256, 4097, 8192, 8193, 9000, 16384, 16385, 20000, 65537, 200000):
+            most = max(-(-n // wn(n)) for n in range(1, work + 1))
+            assert metal_layout.window_splits(work, metal_layout.SPLIT_TOKENS, misaligned=False,
+                                              split_max=metal_layout.SPLIT_WINDOW_MAX,
+                                              split_div=metal_layout.SPLIT_WINDOW_DIV, split_grow=grow) == most, (grow, work)
+    assert metal_layout.window_splits(32768, 256, misaligned=False, split_max=2048, split_div=32, split_grow=1) == 32
 
 
 def test_long_sequence_gets_length_windows_and_stays_batch_invariant():
-    # A 9000-token sequence: windows of 2048 (5 live splits, not 36 of 256); its rows are the
+    # A 9000-token sequence: windows of 1024 (9 live splits, not 36 of 256); its rows are the
     # same bits alone and next to a short sequence; both match the oracle.
     rng = np.random.default_rng(5)
     q, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
@@ -119,34 +126,65 @@ def test_long_sequence_gets_length_windows_and_stays_batch_invariant():
         outs.append(out)
         partials = next(c for c in t.calls if "paged_attention_partials" in c.name)
         splits = partials.grid[0] // partials.threadgroup[0]
-        assert splits >= 5  # the launch bounds any length up to the table's
-        assert partials.buffers["part_acc"].stored == (5 + (batch == 2)) * 1 * 64 * 4
+        assert splits >= 9  # the launch bounds any length up to the table's
+        assert partials.buffers["part_acc"].stored == (9 + (batch == 2)) * 1 * 64 * 4
     np.testing.assert_array_equal(np.array(outs[0][0]), np.array(outs[1][0]))
     assert_close(outs[1], ref.paged_attention(q, kc, vc, tables, seq_lens, sinks=sinks), mx.float32)
 
 
 def test_window_divisor_is_a_parameter_for_a_mac(monkeypatch):
-    # KVMETAL_METAL_WINDOW_DIV (issue 41, P4: a window size only a Mac can choose): div 2 cuts
-    # a 1100-token sequence into 2 windows of 1024 (the default: 5 of 256); the split count
-    # and the kernels' windows read the one value, and both runs match the oracle.
+    # KVMETAL_METAL_WINDOW_DIV and _GROWTH (issue 41, P4: a window size only a Mac can
+    # choose): a 1100-token sequence is cut into 5 windows of 256 by default; div 2 makes it
+    # 3 of 512 (the divisor 4 once grown), div 2 at growth 1 2 of 1024. The split count and
+    # the kernels' windows read the same values, and every run matches the oracle.
     rng = np.random.default_rng(11)
     inputs = paged_attention_inputs(rng, lens=(1100,), num_kv_heads=1, gqa=2, head_dim=64, block_size=16,
                                     dtype=mx.float32, use_sinks=False)
     q, kc, vc, tables, seq_lens, _ = inputs
     stored = {}
-    for div in (None, "2"):
-        if div is None:
-            monkeypatch.delenv("KVMETAL_METAL_WINDOW_DIV", raising=False)
-        else:
-            monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", div)
+    for div, grow in ((None, None), ("2", None), ("2", "1")):
+        for name, value in (("KVMETAL_METAL_WINDOW_DIV", div), ("KVMETAL_METAL_WINDOW_GROWTH", grow)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
         with sim.trace(strict=True, seed=0) as t, kv.use_backend("sim"):
             out = kv.paged_attention(q, kc, vc, tables, seq_lens)
             mx.eval(out)
         assert_close(out, ref.paged_attention(q, kc, vc, tables, seq_lens), mx.float32)
         partials = next(c for c in t.calls if "paged_attention_partials" in c.name)
-        stored[div] = partials.buffers["part_acc"].stored // (2 * 64 * 4)  # live windows
-    assert stored == {None: 5, "2": 2}
+        stored[div, grow] = partials.buffers["part_acc"].stored // (2 * 64 * 4)  # live windows
+    assert stored == {(None, None): 5, ("2", None): 3, ("2", "1"): 2}
     for bad in ("3", "-1", "x", "2048"):
         monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", bad)
         with pytest.raises(ValueError, match="KVMETAL_METAL_WINDOW_DIV"):
             metal_layout.window_div()
+    for bad in ("0", "3", "8", "x"):
+        monkeypatch.setenv("KVMETAL_METAL_WINDOW_GROWTH", bad)
+        with pytest.raises(ValueError, match="KVMETAL_METAL_WINDOW_GROWTH"):
+            metal_layout.window_growth(True)
+
+
+@pytest.mark.parametrize("gqa, register_mode", [(2, True), (16, False)])
+def test_window_growth_follows_the_launch_mode(monkeypatch, gqa, register_mode):
+    # Growth 2 halves register mode's windows from 4K to 16K (more threadgroups at batch 1);
+    # shared mode keeps growth 1 (bench/window_policy.json). A 4500-token sequence: 9 windows
+    # of 512 in register mode, 5 of 1024 in shared mode; KVMETAL_METAL_WINDOW_GROWTH overrides
+    # both. The launch's params carry the growth its split count used, and the result is right.
+    monkeypatch.delenv("KVMETAL_METAL_WINDOW_GROWTH", raising=False)
+    rng = np.random.default_rng(23)
+    q, kc, vc, tables, seq_lens, _ = paged_attention_inputs(
+        rng, lens=(4500,), num_kv_heads=1, gqa=gqa, head_dim=64, block_size=32, dtype=mx.float16, use_sinks=False)
+    expect = ref.paged_attention(q, kc, vc, tables, seq_lens)
+    live = {}
+    for grow in (None, "1", "2"):
+        if grow is not None:
+            monkeypatch.setenv("KVMETAL_METAL_WINDOW_GROWTH", grow)
+        with sim.trace(strict=True, seed=0) as t, kv.use_backend("sim"):
+            out = kv.paged_attention(q, kc, vc, tables, seq_lens)
+            mx.eval(out)
+        assert_close(out, expect, mx.float16)
+        partials = next(c for c in t.calls if "paged_attention_partials" in c.name)
+        assert (int(partials.name.split("_rps")[1].split("_")[0]) >= gqa) == register_mode
+        live[grow] = partials.buffers["part_acc"].stored // (gqa * 64 * 2)  # half partials; empty windows store none
+    assert live == {None: 9 if register_mode else 5, "1": 5, "2": 9}

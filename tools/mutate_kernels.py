@@ -71,6 +71,10 @@ MUTANTS = [
     # --- attention.metal: bounds
     M("window-first", "attention.metal", "kv_first_visible(len - L, window)", "kv_first_visible(len - L + 1, window)",
       "split range starts one token inside the window"),
+    M("window-grow-short", "attention.metal", "div = split_div * split_grow;", "div = split_div * split_grow * 2;",
+      "grown windows shorter than the host's split count covers (keys dropped)"),
+    M("window-grow-none", "attention.metal", "div = split_div * split_grow;", "div = split_div;",
+      "windows never take the growth (longer than the host's rule: fewer, longer windows)"),
     M("split-hi", "attention.metal", "r.hi = min(len, begin + per);", "r.hi = min(len - 1, begin + per);",
       "split range drops the last token"),
     M("split-per", "attention.metal", "(units + num_splits - 1) / num_splits * 32", "units / num_splits * 32",

@@ -23,7 +23,7 @@ from . import metal_layout, metal_specs
 from .metal_layout import (CASCADE_CHUNK_ROWS, SPLIT_TOKENS, SPLIT_UNIT,
                            VARLEN_SPLIT_TOKENS, VarlenTiles, _window_fields, cache_format, choose_num_splits,
                            layout_for, split_policy, tiles_threadgroup_bytes, varlen_plan, varlen_tiles,
-                           window_div, window_splits)
+                           window_div, window_growth, window_splits)
 from .metal_specs import (ATTENTION_PARAMS, CASCADE_REDUCE_PARAMS, DTYPE_TAGS, GATHER_PARAMS, Geometry, KernelSpec,
                           SPECS, kernel_text, math_mode_for)
 
@@ -251,8 +251,9 @@ class KernelBackend:
         if sliding_window is not None:
             work = min(work, sliding_window + query_len - 1 + SPLIT_UNIT)
         layout = layout_for(query, key_cache, value_cache, paged=True)
+        grow = window_growth(layout.register_mode)
         splits, split_tokens = self._splits(num_splits, work, num_seqs * num_kv_heads, layout,
-                                            misaligned=sliding_window is not None)
+                                            misaligned=sliding_window is not None, split_grow=grow)
         gqa = num_heads // num_kv_heads
         template, kv_buffers = self._kv_inputs(query, key_cache, value_cache, head_dim, gqa, query_len, layout,
                                                sparse_v)
@@ -261,7 +262,7 @@ class KernelBackend:
                                        num_splits=splits, max_blocks=max_blocks, num_blocks=num_blocks,
                                        window=sliding_window or 0, scale=scale, softcap=softcap or 0.0, head_div=1,
                                        sparse_v=sparse_v or 0.0, split_tokens=split_tokens,
-                                       **_window_fields(split_tokens))
+                                       **_window_fields(split_tokens, grow))
         geometry = SPECS["paged_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                               num_seqs=num_seqs, layout=layout)
         rows = num_seqs * query_len * num_heads
@@ -276,13 +277,15 @@ class KernelBackend:
         batch, num_heads, query_len, head_dim = query.shape
         _, num_kv_heads, num_tokens, _ = keys.shape
         layout = layout_for(query, keys, values, paged=False)
-        splits, split_tokens = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout, misaligned=False)
+        grow = window_growth(layout.register_mode)
+        splits, split_tokens = self._splits(num_splits, num_tokens, batch * num_kv_heads, layout, misaligned=False,
+                                            split_grow=grow)
         template, kv_buffers = self._kv_inputs(query, keys, values, head_dim, num_heads // num_kv_heads, query_len,
                                                layout, sparse_v)
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, num_tokens=num_tokens, scale=scale,
                                        softcap=softcap or 0.0, head_div=query_len, sparse_v=sparse_v or 0.0,
-                                       split_tokens=split_tokens, **_window_fields(split_tokens))
+                                       split_tokens=split_tokens, **_window_fields(split_tokens, grow))
         geometry = SPECS["decode_attention_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads,
                                                                num_seqs=batch, layout=layout)
         rows = batch * num_heads * query_len
@@ -416,16 +419,19 @@ class KernelBackend:
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         layout = layout_for(query4, key_cache, value_cache, paged=True)
         split_tokens = SPLIT_TOKENS if split_policy() == "windows" else 0
+        # Growth 1 whatever the layout: the prefix groups' launches (register or shared mode)
+        # share one split count, so they share one window rule.
+        grow = window_growth(False)
         if splits is None:
             splits, split_tokens = self._splits(None, max(1, work), num_rows * num_kv_heads, layout,
-                                                misaligned=False)
+                                                misaligned=False, split_grow=grow)
         template, kv_buffers = self._kv_inputs(query4, key_cache, value_cache, head_dim, num_heads // num_kv_heads,
                                                query_len, layout, sparse_v)
         template["BS"] = block_size
         params = ATTENTION_PARAMS.pack(num_kv_heads=num_kv_heads, num_heads=num_heads, query_len=query_len,
                                        num_splits=splits, max_blocks=tables.shape[1], num_blocks=num_blocks, window=0,
                                        scale=scale, softcap=softcap or 0.0, head_div=1, sparse_v=sparse_v or 0.0,
-                                       split_tokens=split_tokens, **_window_fields(split_tokens))
+                                       split_tokens=split_tokens, **_window_fields(split_tokens, grow))
         geometry = SPECS["cascade_partials"].geometry(splits=splits, num_kv_heads=num_kv_heads, num_seqs=num_rows,
                                                       layout=layout)
         rows = num_rows * query_len * num_heads
@@ -451,14 +457,14 @@ class KernelBackend:
         return template, buffers
 
     @staticmethod
-    def _splits(requested, work_tokens, parallel_groups, layout, *, misaligned: bool) -> tuple:
+    def _splits(requested, work_tokens, parallel_groups, layout, *, misaligned: bool, split_grow: int) -> tuple:
         """(splits, split_tokens) of a partials launch over at most ``work_tokens`` live keys
         per sequence: windows of SPLIT_TOKENS (split_tokens > 0), or, for an explicit
         ``requested`` count or the occupancy policy, equal runs (split_tokens = 0)."""
         if requested is None and split_policy() == "windows":
             return window_splits(work_tokens, SPLIT_TOKENS, misaligned=misaligned,
                                  split_max=metal_layout.SPLIT_WINDOW_MAX,
-                                 split_div=window_div()), SPLIT_TOKENS
+                                 split_div=window_div(), split_grow=split_grow), SPLIT_TOKENS
         # Equal runs cut whole SPLIT_UNIT-token units: more than that many would be empty.
         useful = max(1, -(-work_tokens // SPLIT_UNIT))
         if requested is not None:

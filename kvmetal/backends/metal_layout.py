@@ -72,18 +72,27 @@ MAX_SPLITS = 64
 # follow its batch. Which is faster on a big batch is for `kvmetal bench` on a Mac to say.
 SPLIT_TOKENS = MIN_TOKENS_PER_SPLIT
 # Length-dependent windows (issue 41, P4): a sequence of length len is cut into windows of
-# clamp(pow2ceil(len) / SPLIT_WINDOW_DIV, SPLIT_TOKENS, SPLIT_WINDOW_MAX) tokens (powers of
-# two; KvAttnParams.split_div / split_max): a function of the sequence alone, so batch
-# invariance holds, and a long sequence writes fewer partials. SPLIT_WINDOW_DIV = 0 restores
-# fixed windows of SPLIT_TOKENS. Div 8 (was 32) won or tied every case of
-# bench/window_policy.py's MODELLED sweep but one (batch 1 at 2K-64K, batch 8 x 32K and
-# 64 x 4K, GQA 4-16 and 4 x 4 rows, f16 and K8/V4; bench/window_policy.json; K8/V4 G 8 at
-# 1 x 16K models 2% slower on M4 Max): 4K-token sequences get 512-token windows, 8K 1024,
-# 16K and longer 2048. A 4096 cap modelled slower at 32K on M4 Max, so it stays 2048.
-# Fewer partials against fewer threadgroups for small batches is only a Mac's to settle:
-# `kvmetal bench` compares windows there with KVMETAL_METAL_WINDOW_DIV set (window_div; 0
-# gives fixed windows).
+# clamp(pow2ceil(len) / div, SPLIT_TOKENS, SPLIT_WINDOW_MAX) tokens (powers of two;
+# KvAttnParams.split_div / split_grow / split_max), where div is SPLIT_WINDOW_DIV while the
+# window is SPLIT_TOKENS and SPLIT_WINDOW_DIV x SPLIT_WINDOW_GROWTH once it has grown: a
+# function of the sequence and the launch's shape alone, so batch invariance holds, and a long
+# sequence writes fewer partials. SPLIT_WINDOW_GROWTH applies to register-mode launches
+# (window_growth; shared mode and cascade keep growth 1): at (8, 2) windows of 256 up to 2K
+# tokens (at most 8), 512 up to 8K, 1024 up to 16K, 2048 beyond: 8 windows at 4K (64 x 4K's
+# partials stay 512-token windows' worth), 16 from 8K to 32K. At growth 1: 256, 512 (4K),
+# 1024 (8K), 2048 (16K+). SPLIT_WINDOW_DIV = 0 restores fixed windows of SPLIT_TOKENS. Div 8
+# (was 32) won or tied every case of bench/window_policy.py's MODELLED sweep at growth 1 but
+# one; growth 2 (stop 50) halves register mode's windows at 4K-16K: on M4 Max 8K and 16K
+# decode model 2-4% faster in f16 and 19-24% in K8/V4 (more threadgroups keep more loads in
+# flight), on M2 Max 1.3-2.7% slower in f16 (more partials); in shared mode it models 1.4-4.3%
+# slower on both (bench/window_policy.json). A 4096 cap modelled slower at 32K on M4 Max, so
+# it stays 2048. Fewer partials against fewer threadgroups for small batches
+# is only a Mac's to settle: `kvmetal bench` compares windows there with
+# KVMETAL_METAL_WINDOW_DIV (window_div; 0 gives fixed windows) and KVMETAL_METAL_WINDOW_GROWTH
+# (window_growth; 1 is the rule before stop 50) set.
 SPLIT_WINDOW_DIV = 8
+SPLIT_WINDOW_GROWTH = 2
+WINDOW_GROWTH_CHOICES = (1, 2, 4)
 SPLIT_WINDOW_MAX = 2048
 MAX_WINDOW_DIV = 1024
 # The varlen (prefill) kernel's windows are longer: its partials hold every query row of
@@ -140,7 +149,7 @@ def split_policy() -> str:
 
 
 def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool, split_max: int = 0,
-                  split_div: int = 0) -> int:
+                  split_div: int = 0, split_grow: int = SPLIT_WINDOW_GROWTH) -> int:
     """Splits a launch needs so that every sequence's windows fit: a live range of at most
     ``work_tokens`` spans that many windows of ``split_tokens`` (with ``split_div`` > 0:
     of each length's own window, split_window), one more when it may start inside one (a
@@ -152,8 +161,9 @@ def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool, spli
     # up to the next doubling of w's reach), the longest of them needs the most.
     most, n = 0, 1
     while True:
-        w = split_window(n, split_tokens, split_max, split_div)
-        reach = w * split_div if w < split_max else work  # longest length with window w
+        w = split_window(n, split_tokens, split_max, split_div, split_grow)
+        div = split_div if w == split_tokens else split_div * split_grow
+        reach = w * div if w < split_max else work  # longest length with window w
         most = max(most, -(-min(work, reach) // w))
         if reach >= work:
             break
@@ -170,6 +180,19 @@ def window_div() -> int:
     return SPLIT_WINDOW_DIV if div is None else div
 
 
+def window_growth(register_mode: bool) -> int:
+    """The factor on the window divisor once a window has grown past SPLIT_TOKENS:
+    KVMETAL_METAL_WINDOW_GROWTH if set (1, 2 or 4), else SPLIT_WINDOW_GROWTH for a register-mode
+    launch and 1 for a shared-mode one (read on every launch, with window_div, by both the split
+    count and the kernels' params, so they agree). A function of the launch's shape, never of
+    its batch: batch invariance holds."""
+    g = _env_number("KVMETAL_METAL_WINDOW_GROWTH", int, lambda v: v in WINDOW_GROWTH_CHOICES,
+                    " or ".join(map(str, WINDOW_GROWTH_CHOICES)))
+    if g is not None:
+        return g
+    return SPLIT_WINDOW_GROWTH if register_mode else 1
+
+
 def window_simdgroups() -> int:
     """Register mode's simdgroups per threadgroup, all over one window (merged at its end):
     KVMETAL_METAL_WINDOW_SIMDGROUPS if set (1, 2 or 4), else REGISTER_SIMDGROUPS (read on every
@@ -180,11 +203,11 @@ def window_simdgroups() -> int:
     return REGISTER_SIMDGROUPS if n is None else n
 
 
-def _window_fields(split_tokens: int) -> dict:
-    """KvAttnParams' split_max / split_div of a launch cut in windows (split_tokens > 0)."""
+def _window_fields(split_tokens: int, split_grow: int) -> dict:
+    """KvAttnParams' split_max / split_div / split_grow of a launch cut in windows (split_tokens > 0)."""
     if split_tokens <= 0:
-        return dict(split_max=0, split_div=0)
-    return dict(split_max=SPLIT_WINDOW_MAX, split_div=window_div())
+        return dict(split_max=0, split_div=0, split_grow=1)
+    return dict(split_max=SPLIT_WINDOW_MAX, split_div=window_div(), split_grow=split_grow)
 
 
 # The decode partials' accumulator type (issue 41, P4's partials goal; attention.metal's
@@ -221,11 +244,15 @@ def partials_dtype(query_dtype, values) -> mx.Dtype:
     return mx.float32
 
 
-def split_window(length: int, split_tokens: int, split_max: int, split_div: int) -> int:
-    """The window of a sequence of ``length`` tokens (attention.metal's kv_split_window)."""
-    w = split_tokens
-    while split_div > 0 and w < split_max and w * split_div < length:
+def split_window(length: int, split_tokens: int, split_max: int, split_div: int,
+                 split_grow: int = SPLIT_WINDOW_GROWTH) -> int:
+    """The window of a sequence of ``length`` tokens (attention.metal's kv_split_window): the
+    divisor is ``split_div`` while the window is ``split_tokens``, ``split_div * split_grow``
+    once it has doubled."""
+    w, div = split_tokens, split_div
+    while split_div > 0 and w < split_max and w * div < length:
         w *= 2
+        div = split_div * split_grow
     return w
 
 
@@ -255,6 +282,11 @@ class AttentionLayout:
     @property
     def threads(self) -> int:
         return self.simdgroups * 32
+
+    @property
+    def register_mode(self) -> bool:
+        """Every simdgroup holds all rows (no shared K/V tiles)."""
+        return self.tile == 0
 
     def registers(self, *, head_dim: int, k_bits: int, v_bits: int, sparse_v: bool = False, q_itemsize: int = 2,
                   k_itemsize: int = 2, v_itemsize: int = 2) -> int:

@@ -47,7 +47,8 @@ class ParamStruct:
 ATTENTION_PARAMS = ParamStruct("KvAttnParams", (
     ("num_kv_heads", "i"), ("num_heads", "i"), ("query_len", "i"), ("num_splits", "i"), ("max_blocks", "i"),
     ("num_blocks", "i"), ("window", "i"), ("num_tokens", "i"), ("scale", "f"), ("softcap", "f"),
-    ("head_div", "i"), ("sparse_v", "f"), ("split_tokens", "i"), ("split_max", "i"), ("split_div", "i")))
+    ("head_div", "i"), ("sparse_v", "f"), ("split_tokens", "i"), ("split_max", "i"), ("split_div", "i"),
+    ("split_grow", "i")))
 GATHER_PARAMS = ParamStruct("KvGatherParams", (
     ("num_kv_heads", "i"), ("max_blocks", "i"), ("max_len", "i"), ("num_blocks", "i")))
 
