@@ -88,6 +88,13 @@ def test_the_draws_cover_the_space():
     sparse = [c for c in cs if c.sparse_v]
     assert {c.op for c in sparse} == {"paged", "decode", "cascade"} and {c.sparse_v for c in sparse} == {1e-1, 1e-3, 1e-6}
     assert any(c.gqa * c.query_len > 8 for c in sparse)  # shared mode too (each simdgroup seeds its own rows)
+    # windows that grow at a few hundred tokens (KVMETAL_METAL_WINDOW_DIV / _GROWTH), in every
+    # op, over sequences (or prefixes) long enough to grow them, with automatic splits
+    grown = [c for c in cs if c.windows]
+    assert 0.15 < len(grown) / len(cs) < 0.35 and {c.op for c in grown} == {"paged", "decode", "varlen", "cascade"}
+    assert {c.windows for c in grown} == {(d, g) for d in (1, 2) for g in (1, 2, 4)}
+    assert all(c.splits is None and max(c.prefix_lens if c.op == "cascade" else c.lens) > 256 for c in grown)
+    assert any(c.gqa * c.query_len > 8 for c in grown)  # shared mode too (growth 1 unless overridden)
 
 
 def test_a_failure_prints_a_one_line_reproducer(monkeypatch):

@@ -41,8 +41,10 @@ fixed-seed sweep in CI.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -88,6 +90,8 @@ class Config:
     sparse_v: float | None = None     # paged, decode, cascade: sparse V's tau (checked within its bound)
     scale: float | None = None        # explicit scale (None: head_dim ** -0.5)
     sink_spread: bool = False         # sinks drawn at the spread of the logits (scale * sqrt(D)), not N(0, 1)
+    windows: tuple | None = None      # (KVMETAL_METAL_WINDOW_DIV, _GROWTH) for the run: windows that grow
+                                      # at a few hundred tokens (automatic splits only)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -95,7 +99,7 @@ class Config:
     @staticmethod
     def from_json(text: str) -> "Config":
         d = json.loads(text)
-        for k in ("k_quant", "v_quant", "lens", "counts", "prefix_lens", "prefix_of"):
+        for k in ("k_quant", "v_quant", "lens", "counts", "prefix_lens", "prefix_of", "windows"):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return Config(**d)
@@ -188,11 +192,48 @@ def draw_config(rng, shape: dict, klass: str = "default") -> Config:
     scale_rng = np.random.default_rng(config.data_seed + 2)
     if scale_rng.random() < 0.3:
         config = dataclasses.replace(config, scale=_draw_scale(scale_rng, config.head_dim))
+    config = _draw_windows(config)
     if config.op == "varlen":  # no sparse V there
         return config
     extra = np.random.default_rng(config.data_seed + 1)
     tau = float(extra.choice((1e-1, 1e-3, 1e-6))) if extra.random() < 0.3 else None
     return dataclasses.replace(config, sparse_v=tau)
+
+
+def _draw_windows(config: Config) -> Config:
+    """A quarter of the configurations run with windows that grow at a few hundred tokens
+    (divisor 1 or 2, growth 1, 2 or 4; automatic splits), one sequence (a decode batch:
+    all) or prefix 257-1200 tokens longer so that they do; from their own stream."""
+    rng = np.random.default_rng(config.data_seed + 3)
+    if rng.random() >= 0.25:
+        return config
+    extra = int(rng.integers(257, 1201))
+    changes = dict(windows=(int(rng.choice((1, 2))), int(rng.choice((1, 2, 4)))), splits=None)
+    if config.op == "cascade":
+        changes["prefix_lens"] = (config.prefix_lens[0] + extra,) + tuple(config.prefix_lens[1:])
+    elif config.op == "decode":
+        changes["lens"] = tuple(n + extra for n in config.lens)
+    else:
+        changes["lens"] = (config.lens[0] + extra,) + tuple(config.lens[1:])
+    return dataclasses.replace(config, **changes)
+
+
+@contextlib.contextmanager
+def _window_env(windows):
+    """KVMETAL_METAL_WINDOW_DIV / _GROWTH set to ``windows`` (unchanged when None), restored after."""
+    names = ("KVMETAL_METAL_WINDOW_DIV", "KVMETAL_METAL_WINDOW_GROWTH")
+    saved = {n: os.environ.get(n) for n in names}
+    if windows is not None:
+        for name, value in zip(names, windows):
+            os.environ[name] = str(value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _draw_sinks_scale(rng, shape: dict) -> Config:
@@ -211,7 +252,7 @@ def _draw_sinks_scale(rng, shape: dict) -> Config:
             lens.append(n + ctx)
         changes.update(block_size=bs, counts=tuple(counts), lens=tuple(lens),
                        window=int(rng.integers(1, 5)) if rng.random() < 0.15 else None)
-    return dataclasses.replace(config, **changes)
+    return _draw_windows(dataclasses.replace(config, **changes))
 
 
 def _draw_config(rng, shape: dict) -> Config:
@@ -458,7 +499,7 @@ def run_config(c: Config, seeds=SCHEDULE_SEEDS) -> float:
         fn = lambda: kv.decode_attention(q, k, v, sinks=sinks, **options, **sparse)
     budget = TOLERANCE[c.dtype] + _scale_term(c)
     worst = 0.0
-    with kv.use_backend("sim"):
+    with kv.use_backend("sim"), _window_env(c.windows):
         for seed in seeds:
             with trace(strict=True, seed=seed):
                 out = fn()
