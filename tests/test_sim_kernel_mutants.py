@@ -39,6 +39,11 @@ PAGED = [
     # 3/6-bit atoms hold 32 values: past the register-mode estimate even at 4 rows (shared mode).
     ("shared-rows2-k3v6", 64, 16, 1, 2, (29, 66), 2, 3, None, False, None, (3, 32), (6, 32), f32),
     ("shared-rows2-k8v4-f16", 128, 8, 2, 8, (50, 9), 2, 2, 8.0, True, None, (8, 64), (4, 64), f16),
+    # GQA 8 decode (8 simdgroups x 1 row, tiles of 8 tokens): the tile fill unpacks each quantized
+    # element once to centred halves (KvTileFill) that every simdgroup reads; 8-bit K, 4-bit V
+    # (two half4s a unit), and 3/6-bit atoms (a value one at a time, 3-bit codes straddling words).
+    ("shared-gqa8-k8v4-f16", 128, 16, 2, 8, (70, 33, 1), None, 2, None, False, None, (8, 64), (4, 64), f16),
+    ("shared-gqa8-k3v6", 64, 16, 1, 8, (45, 19), None, 2, None, True, 11, (3, 32), (6, 32), f32),
     # float16 over a float16 V: half partials, normalized (metal_layout.partials_dtype).
     ("register-gqa4-f16-sinks", 64, 16, 1, 4, (90, 7, 40), None, 3, None, True, None, None, None, f16),
 ]

@@ -325,7 +325,8 @@ def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgrou
                                 k_scale_bytes, v_scale_bytes) -> int:
     """Threadgroup memory the partial kernels declare (mirrors KV_ATTN_THREADGROUP_ARRAYS).
 
-    *_row_bytes: bytes of one cache row's data; *_scale_bytes: of its scales (0: float cache)."""
+    *_row_bytes: bytes of one tile row's data (a float cache's row; a quantized cache's row as
+    centred halves, 2 bytes an element); *_scale_bytes: of its scales (0: float cache)."""
     shared = rows_per_simdgroup < rows
     merge = not shared and simdgroups > 1
     rps = rows_per_simdgroup
@@ -431,8 +432,11 @@ def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k
         simdgroups = min(-(-rows // (per * passes)), MAX_SHARED_SIMDGROUPS)
         per = -(-rows // (simdgroups * passes))
         lanes = fitting_lanes(per) or min(LANES_PER_KEY, key=lambda w: registers(per, w))
-    k_row = head_dim * k_bits // 8 if k_bits else head_dim * k_itemsize
-    v_row = head_dim * v_bits // 8 if v_bits else head_dim * v_itemsize
+    # A tile row's data (KV_ATTN_THREADGROUP_ARRAYS, KvTileSide): a float cache's row as stored; a
+    # quantized one's values unpacked once per threadgroup to centred halves (2 bytes each: 2x an
+    # 8-bit row, 4x a 4-bit one), which every simdgroup reads instead of unpacking the words itself.
+    k_row = head_dim * 2 if k_bits else head_dim * k_itemsize
+    v_row = head_dim * 2 if v_bits else head_dim * v_itemsize
     k_scales = head_dim // k_group * k_itemsize if k_bits else 0
     v_scales = head_dim // v_group * v_itemsize if v_bits else 0
     tile = 0
