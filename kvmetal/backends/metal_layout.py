@@ -527,10 +527,12 @@ def estimated_registers(kernel: str, template: dict) -> int:
         # float32 accumulator o, its bias sums (quantized V), m, l, pos.
         row = kna * kae * qb + 4 * ((kna if kbits else 0) + vna * vae + (vna if vbits else 0) + 3)
         # KvAtoms as held until use (KvAtom): a float cache's elements in their type, a
-        # quantized one's packed words and each atom's (scale, bias).
-        k_atoms = kna * (4 * kaw + 8 if kbits else kae * kb)
-        v_atoms = vna * (4 * vaw + 8 if vbits else vae * vb)
+        # quantized one's packed words and each atom's (scale, bias); in shared mode a quantized
+        # atom's halves stay in the tile (KvAtom<.., KvCentredTile>: their threadgroup address and
+        # a valid flag, 8 bytes, beside the scale and bias).
         shared = rps < int(template["G"]) * int(template["QL"])
+        k_atoms = kna * ((8 if shared else 4 * kaw) + 8 if kbits else kae * kb)
+        v_atoms = vna * ((8 if shared else 4 * vaw) + 8 if vbits else vae * vb)
         # Register mode keeps the next pass's atoms in flight (software pipeline, PF 1); sparse V
         # reads V in the pass; PF 0 reads both in the pass.
         if shared or not int(template.get("PF", 1)):
