@@ -32,7 +32,9 @@
 //   (one barrier up to G 4 at D 128, 3 at G 8). No barrier in the token loop.
 // - Shared mode (RPS < R: more rows than registers hold): simdgroups split the
 //   rows and share each tile of TT tokens through a double-buffered threadgroup
-//   tile in the cache's storage type (one barrier per tile).
+//   tile (one barrier per tile): a float cache's rows in their storage type, a
+//   quantized cache's unpacked once per threadgroup to centred halves (KvTileFill),
+//   which every simdgroup reads instead of unpacking the packed words itself.
 // - Sparse V (template SV = 1, threshold KvAttnParams.sparse_v): V is read after
 //   its key's scores, only where some row's weight exp2(s - m_running) >= tau
 //   (kv_pass_sparse), with m_running seeded by 32 real scores (kv_seed_rows);
