@@ -288,7 +288,7 @@ struct KvAtom<BITS, AW, KvCentredTile> {
   }
   void centred(int u, thread half4* y) const {
     for (int i = 0; i < U4; i++) {
-      y[i] = on ? x[u * U4 + i] : KvVec4<half>::pack(0.0h, 0.0h, 0.0h, 0.0h);
+      y[i] = on ? x[u * U4 + i] : half4(static_cast<half>(0.0f));
     }
   }
 };
