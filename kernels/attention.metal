@@ -32,7 +32,9 @@
 //   (one barrier up to G 4 at D 128, 3 at G 8). No barrier in the token loop.
 // - Shared mode (RPS < R: more rows than registers hold): simdgroups split the
 //   rows and share each tile of TT tokens through a double-buffered threadgroup
-//   tile in the cache's storage type (one barrier per tile).
+//   tile (one barrier per tile): a float cache's rows in their storage type, a
+//   quantized cache's unpacked once per threadgroup to centred halves (KvTileFill),
+//   which every simdgroup reads instead of unpacking the packed words itself.
 // - Sparse V (template SV = 1, threshold KvAttnParams.sparse_v): V is read after
 //   its key's scores, only where some row's weight exp2(s - m_running) >= tau
 //   (kv_pass_sparse), with m_running seeded by 32 real scores (kv_seed_rows);
@@ -152,7 +154,9 @@ struct KvStridedRows {
   KvAt step_v() const { return vt; }
 };
 
-// One tile of the shared mode: rows [t0, t0 + TT) in threadgroup memory.
+// One tile of the shared mode: rows [t0, t0 + TT) in threadgroup memory, KW / VW
+// tile elements a row (D: a float cache's elements, or a quantized one's centred
+// halves, KvTileSide).
 template <int KW, int KNG, int VW, int VNG>
 struct KvTileRows {
   int t0;
@@ -258,6 +262,49 @@ struct KvAtom<0, AW, T> {
   void centred(int u, thread float4* v) const {
     v[0] = KvVec4<T>::widen(x);
   }
+};
+
+// A quantized side's atom in the shared mode's tile (issue 41): the tile holds the
+// row's values already centred, as halves (KvTileFill unpacks each element once per
+// threadgroup, with KvAtom::centred: the halves a lane built itself before), so the
+// atom keeps only where its AE halves start in threadgroup memory; centred(u, x) reads
+// unit u's U4 half4s from there (zeros for a cleared atom: a row outside the tile's
+// valid rows is never read). The products take the same halves: results unchanged.
+struct KvCentredTile {};
+template <int BITS, int AW>
+struct KvAtom<BITS, AW, KvCentredTile> {
+  typedef half4 unit;
+  static constant constexpr const int U4 = KvPacked<BITS>::WORDS ? 8 / BITS : 1;
+  const threadgroup half4* x;
+  bool on;
+  void clear() {
+    x = nullptr;
+    on = false;
+  }
+  template <typename PD>
+  void read(PD data, size_t row, size_t, bool, int a) {
+    x = reinterpret_cast<const threadgroup half4*>(data + row) + a * (AW * 8 / BITS);
+    on = true;
+  }
+  void centred(int u, thread half4* y) const {
+    for (int i = 0; i < U4; i++) {
+      y[i] = on ? x[u * U4 + i] : half4(static_cast<half>(0.0f));
+    }
+  }
+};
+
+// What one side of a row is in the shared mode's tile: `elem`, the tile's element type
+// (a float cache's own; half for a quantized cache, its values centred), and `atom`,
+// the KvAtom type parameter a lane reads it through. D elements a row either way.
+template <int BITS, typename TD>
+struct KvTileSide {
+  typedef half elem;
+  typedef KvCentredTile atom;
+};
+template <typename TD>
+struct KvTileSide<0, TD> {
+  typedef TD elem;
+  typedef TD atom;
 };
 
 // The registers of one key (or value) row a lane holds: NA atoms (KvAtom, T the
@@ -685,9 +732,52 @@ inline void kv_tile_copy(PD src, PT dst, size_t row0, size_t row_step, size_t es
   }
 }
 
+// One side's data rows [r_lo, r_hi) of a tile (as kv_tile_copy's arguments) into
+// threadgroup rows buffer_row0 + r of D elements (KvTileSide). A float cache's rows
+// are copied as stored (kv_tile_copy). A quantized cache's rows are unpacked here,
+// once per threadgroup (issue 41): each thread reads whole atoms of AW packed words
+// (as kv_fetch reads them) and writes their AE values centred, as halves
+// (KvAtom::centred), so the simdgroups that share the tile read halves and none
+// unpacks (before, each unpacked every element of the tile itself).
+template <int D, int BITS, int AW, typename TD>
+struct KvTileFill {
+  template <typename PD>
+  static void rows(PD src, threadgroup uint4* tile, size_t row0, size_t row_step, KvSteps steps, int buffer_row0,
+                   int r_lo, int r_hi, int tid, int nthreads) {
+    typedef KvAtom<BITS, AW, TD> A;
+    constexpr int AE4 = AW * 8 / BITS;  // half4s an atom
+    constexpr int NAR = D / (4 * AE4);  // atoms a row
+    threadgroup half4* dst = reinterpret_cast<threadgroup half4*>(tile);
+    const int n = max(0, r_hi - r_lo);
+    for (int i = tid; i < n * NAR; i += nthreads) {
+      const int r = r_lo + i / NAR;
+      const int a = i % NAR;
+      A atom;
+      atom.read(src, row0 + size_t(r) * row_step, steps.data, steps.vec, a);
+      for (int u = 0; u < AE4 / A::U4; u++) {
+        half4 x[A::U4];
+        atom.centred(u, x);
+        for (int j = 0; j < A::U4; j++) {
+          dst[(buffer_row0 + r) * (D / 4) + a * AE4 + u * A::U4 + j] = x[j];
+        }
+      }
+    }
+  }
+};
+template <int D, int AW, typename TD>
+struct KvTileFill<D, 0, AW, TD> {
+  template <typename PD>
+  static void rows(PD src, threadgroup uint4* tile, size_t row0, size_t row_step, KvSteps steps, int buffer_row0,
+                   int r_lo, int r_hi, int tid, int nthreads) {
+    kv_tile_copy<D, TD>(src, reinterpret_cast<threadgroup TD*>(tile), row0, row_step, steps.data, steps.vec16,
+                        buffer_row0, r_lo, r_hi, tid, nthreads);
+  }
+};
+
 // Load the tile of tokens [t0, t0 + TT) into threadgroup buffer `buffer`: only
-// rows inside [lo, hi) of a valid block; tile_ok marks them.
-template <int TT, int KBITS, int VBITS, int KW, int KNG, int VW, int VNG, typename TKD, typename TKS,
+// rows inside [lo, hi) of a valid block; tile_ok marks them. Data through KvTileFill
+// (a quantized side unpacked to centred halves), scales and biases as stored.
+template <int TT, int D, int KBITS, int KAW, int VBITS, int VAW, int KNG, int VNG, typename TKD, typename TKS,
           typename TVD, typename TVS, typename SRC, typename PKD, typename PKS, typename PVD, typename PVS>
 inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PKD kdata, PKS kscales,
                          PKS kbiases, PVD vdata, PVS vscales, PVS vbiases, KvSteps ks, KvSteps vs,
@@ -707,10 +797,8 @@ inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PK
     tile_ok[buffer * TT + r] = (r >= r_lo && r < r_hi) ? 1 : 0;
   }
   const int b0 = buffer * TT;
-  kv_tile_copy<KW, TKD>(kdata, reinterpret_cast<threadgroup TKD*>(tile_k), ka.data, sk.data, ks.data, ks.vec16,
-                        b0, r_lo, r_hi, tid, nthreads);
-  kv_tile_copy<VW, TVD>(vdata, reinterpret_cast<threadgroup TVD*>(tile_v), va.data, sv.data, vs.data, vs.vec16,
-                        b0, r_lo, r_hi, tid, nthreads);
+  KvTileFill<D, KBITS, KAW, TKD>::rows(kdata, tile_k, ka.data, sk.data, ks, b0, r_lo, r_hi, tid, nthreads);
+  KvTileFill<D, VBITS, VAW, TVD>::rows(vdata, tile_v, va.data, sv.data, vs, b0, r_lo, r_hi, tid, nthreads);
   if (KBITS) {
     kv_tile_copy<KNG, TKS>(kscales, reinterpret_cast<threadgroup TKS*>(tile_ks), ka.scale, sk.scale, ks.scale,
                            false, b0, r_lo, r_hi, tid, nthreads);
@@ -959,8 +1047,6 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
   constexpr int VNA = (D / VAE + LPK - 1) / LPK;
   constexpr int KAE4 = KAE / 4;
   constexpr int VAE4 = VAE / 4;
-  constexpr int KW = KBITS ? D * KBITS / 32 : D;
-  constexpr int VW = VBITS ? D * VBITS / 32 : D;
   constexpr int KNG = KBITS ? D / KGS : 1;
   constexpr int VNG = VBITS ? D / VGS : 1;
   const int kl = lane % LPK;
@@ -1068,13 +1154,19 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     // (ROW_PASSES, uniform: every simdgroup takes part in every tile).
     constexpr int NT = NSG * 32;
     constexpr int ROW_PASSES = (R + NSG * RPS - 1) / (NSG * RPS);
-    KvTileRows<KW, KNG, VW, VNG> tile;
+    // The tile's data: D elements a row, a quantized side's as centred halves read
+    // through KvAtom<BITS, AW, KvCentredTile> (KvTileSide).
+    typedef typename KvTileSide<KBITS, TKD>::elem TKE;
+    typedef typename KvTileSide<KBITS, TKD>::atom TKA;
+    typedef typename KvTileSide<VBITS, TVD>::elem TVE;
+    typedef typename KvTileSide<VBITS, TVD>::atom TVA;
+    KvTileRows<D, KNG, D, VNG> tile;
     tile.ok = tile_ok;
     tile.tt = TT;
-    const threadgroup TKD* tkd = reinterpret_cast<const threadgroup TKD*>(tile_k);
+    const threadgroup TKE* tkd = reinterpret_cast<const threadgroup TKE*>(tile_k);
     const threadgroup TKS* tks = reinterpret_cast<const threadgroup TKS*>(tile_ks);
     const threadgroup TKS* tkb = reinterpret_cast<const threadgroup TKS*>(tile_kb);
-    const threadgroup TVD* tvd = reinterpret_cast<const threadgroup TVD*>(tile_v);
+    const threadgroup TVE* tvd = reinterpret_cast<const threadgroup TVE*>(tile_v);
     const threadgroup TVS* tvs = reinterpret_cast<const threadgroup TVS*>(tile_vs);
     const threadgroup TVS* tvb = reinterpret_cast<const threadgroup TVS*>(tile_vb);
     const KvSteps unit = kv_unit_steps();
@@ -1085,14 +1177,14 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
         kv_seed_rows<D, RPS, LPK, KBITS, KGS, KAW, TKD>(st, src, kdata, kscales, kbiases, ksteps, seed_first, len - QL,
                                                     len, var, kl, kg, 0, KPP);
       }
-      kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
+      kv_load_tile<TT, D, KBITS, KAW, VBITS, VAW, KNG, VNG, TKD, TKS, TVD, TVS>(
           src, range.begin, 0, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps, vsteps,
           tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       int buffer = 0;
       for (int t0 = range.begin; t0 < range.hi; t0 += TT) {
         if (t0 + TT < range.hi) {
-          kv_load_tile<TT, KBITS, VBITS, KW, KNG, VW, VNG, TKD, TKS, TVD, TVS>(
+          kv_load_tile<TT, D, KBITS, KAW, VBITS, VAW, KNG, VNG, TKD, TKS, TVD, TVS>(
               src, t0 + TT, buffer ^ 1, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps,
               vsteps, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
         }
@@ -1103,16 +1195,16 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
           KvAt ka;
           KvAt va;
           const bool ok = t < t0 + TT && tile.locate(t, ka, va);
-          const KvAtoms<KNA, KBITS, KAW, TKD> k =
-              kv_fetch<D, LPK, KBITS, KGS, KAW, TKD>(tkd, tks, tkb, ka, unit, ok, kl, kg);
+          const KvAtoms<KNA, KBITS, KAW, TKA> k =
+              kv_fetch<D, LPK, KBITS, KGS, KAW, TKA>(tkd, tks, tkb, ka, unit, ok, kl, kg);
           if (SV) {
             // The tile already holds V (copied with K): sparse V skips the
             // accumulation and the tile reads, not the device loads.
-            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVD>(st, k, tvd, tvs, tvb, va, unit, t, ok, var,
+            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVA>(st, k, tvd, tvs, tvb, va, unit, t, ok, var,
                                                                 sparse_v, kl, kg);
           } else {
-            const KvAtoms<VNA, VBITS, VAW, TVD> v =
-                kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(tvd, tvs, tvb, va, unit, ok, kl, kg);
+            const KvAtoms<VNA, VBITS, VAW, TVA> v =
+                kv_fetch<D, LPK, VBITS, VGS, VAW, TVA>(tvd, tvs, tvb, va, unit, ok, kl, kg);
             kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
           }
         }
@@ -1338,8 +1430,10 @@ struct KvDataType<0, T> {
   constexpr int VNG_ = VBITS ? D / VGS : 1;                                                                   \
   constexpr int MERGE_STATS = KV_ATTN_SHARED || NSG == 1 ? 1 : KV_MERGE_SEEDS(NSG, RPS) + NSG * RPS;          \
   constexpr int MERGE_ACC = KV_ATTN_SHARED || NSG == 1 ? 1 : (NSG - 1) * KV_MERGE_ROWS(D, NSG, RPS) * D;      \
-  constexpr int TILE_K = KV_TILE16(KW_, TKD);                                                                 \
-  constexpr int TILE_V = KV_TILE16(VW_, TVD);                                                                 \
+  typedef typename KvTileSide<KBITS, TKD>::elem TKE_;                                                        \
+  typedef typename KvTileSide<VBITS, TVD>::elem TVE_;                                                        \
+  constexpr int TILE_K = KV_TILE16(D, TKE_);                                                                  \
+  constexpr int TILE_V = KV_TILE16(D, TVE_);                                                                  \
   constexpr int TILE_KS = KBITS ? KV_TILE16(KNG_, TK) : 1;                                                    \
   constexpr int TILE_VS = VBITS ? KV_TILE16(VNG_, TV) : 1;                                                    \
   constexpr int TILE_OK = KV_ATTN_SHARED ? 2 * TT : 1;                                                        \

@@ -246,6 +246,9 @@ def test_unpack_charge_counts_the_kernels_magic_number_path():
     attention = (Path(__file__).resolve().parents[1] / "kernels" / "attention.metal").read_text()
     centred = _kernel_function("attention.metal", "  void centred(int u, thread half4* x) const {")
     assert "kv_centred_word<BITS>(w[u], x)" in centred and "kv_centred<BITS>(w, 4 * u)" in centred
+    # shared mode: the tile fill unpacks through the same atom (once per threadgroup, unpack_copies)
+    fill = attention[attention.index("struct KvTileFill {"):attention.index("struct KvTileFill<D, 0, AW, TD> {")]
+    assert "typedef KvAtom<BITS, AW, TD> A;" in fill and "atom.centred(u, x);" in fill
     assert "kv_unpack" not in attention and "kv_unpack" not in common
 
 
@@ -273,13 +276,24 @@ def test_the_quantized_decode_charges_each_sides_format():
     assert q84.unpack_lane_cycles == 256 * cc.D * (cm.unpack_cycles(8) + cm.unpack_cycles(4))
 
 
-def test_shared_mode_unpacks_once_per_row_group():
+def test_shared_mode_unpacks_once_per_walk_and_charges_the_tile_reads():
     # Register mode: each simdgroup walks its own tokens, so an element is unpacked once. Shared
-    # mode (RPS < G x QL): every simdgroup walks every key of the tile for its RPS rows.
+    # mode (RPS < G x QL): the tile fill (KvTileFill) unpacks each element once per threadgroup to
+    # centred halves, again only on a further walk over the split (rows past NSG x RPS), and every
+    # simdgroup reads the halves from threadgroup memory (shared_tile_accesses).
     name = ("kvmetal_paged_attention_partials_tqf16_tkf16_tvf16_d128_g{g}_bs16_ql{ql}_nsg{nsg}_rps{rps}_lpk4_tt{tt}"
-            "_kbits8_kgs64_kaw4_vbits4_vgs64_vaw4_pf1_sv0_tpf32")
-    assert cm.unpack_copies(name.format(g=4, ql=1, nsg=4, rps=4, tt=0)) == 1
-    assert cm.unpack_copies(name.format(g=8, ql=1, nsg=8, rps=1, tt=16)) == 8
-    assert cm.unpack_copies(name.format(g=8, ql=3, nsg=8, rps=2, tt=16)) == 12
+            "_kbits{kb}_kgs64_kaw4_vbits4_vgs64_vaw4_pf1_sv0_tpf32")
+    assert cm.unpack_copies(name.format(g=4, ql=1, nsg=4, rps=4, tt=0, kb=8)) == 1
+    assert cm.unpack_copies(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8)) == 1
+    assert cm.unpack_copies(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8)) == 2  # 24 rows, 16 a walk
+    assert cm.shared_tile_accesses(name.format(g=4, ql=1, nsg=4, rps=4, tt=0, kb=8), 100) == 0
+    # per token and side: D / 4 half4 stores in the fill, then D / 4 half4 loads by each of 8 simdgroups
+    assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8), 100) == 100 * 2 * (32 + 8 * 32)
+    # a float16 K side: its row copied in 16-byte units (16), read 4 elements a load
+    assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=0), 100) == 100 * (
+        16 + 8 * 32 + 32 + 8 * 32)
+    assert cm.shared_tile_accesses(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8), 10) == 2 * 10 * 2 * (32 + 8 * 32)
+    with pytest.raises(ValueError, match="call_name"):
+        cm.shared_tile_accesses("kvmetal_attention_reduce_tqf16_d128", 1)
     with pytest.raises(ValueError, match="call_name"):
         cm.unpack_copies("kvmetal_attention_reduce_tqf16_d128")

@@ -39,6 +39,11 @@ PAGED = [
     # 3/6-bit atoms hold 32 values: past the register-mode estimate even at 4 rows (shared mode).
     ("shared-rows2-k3v6", 64, 16, 1, 2, (29, 66), 2, 3, None, False, None, (3, 32), (6, 32), f32),
     ("shared-rows2-k8v4-f16", 128, 8, 2, 8, (50, 9), 2, 2, 8.0, True, None, (8, 64), (4, 64), f16),
+    # GQA 8 decode (8 simdgroups x 1 row, tiles of 8 tokens): the tile fill unpacks each quantized
+    # element once to centred halves (KvTileFill) that every simdgroup reads; 8-bit K, 4-bit V
+    # (two half4s a unit), and 3/6-bit atoms (a value one at a time, 3-bit codes straddling words).
+    ("shared-gqa8-k8v4-f16", 128, 16, 2, 8, (70, 33, 1), None, 2, None, False, None, (8, 64), (4, 64), f16),
+    ("shared-gqa8-k3v6", 64, 16, 1, 8, (45, 19), None, 2, None, True, 11, (3, 32), (6, 32), f32),
     # float16 over a float16 V: half partials, normalized (metal_layout.partials_dtype).
     ("register-gqa4-f16-sinks", 64, 16, 1, 4, (90, 7, 40), None, 3, None, True, None, None, None, f16),
 ]
@@ -55,6 +60,24 @@ def test_attention_paged(case):
     expected = ref.paged_attention(query, kc, vc, tables, seq_lens, **options)
     run_checked("sim", kv.paged_attention, expected, query, kc, vc, tables, seq_lens, num_splits=splits,
                 kernel="paged_attention_partials", **options)
+
+
+def test_attention_shared_quantized_tile_holds_centred_halves():
+    """G 8 K8/V4 at D 128 (8 simdgroups x 1 row): the tile rows are D halves a side (the fill
+    unpacks each element once per threadgroup), so 16 tokens with their scales pass the 16 KiB
+    budget and the tile is 8; the kernel declares what the layout says, and matches the oracle."""
+    rng = np.random.default_rng(808)
+    query, kc, vc, tables, seq_lens, _ = paged_attention_inputs(
+        rng, lens=(41, 16), num_kv_heads=1, gqa=8, head_dim=128, block_size=16, dtype=f16,
+        k_quant=(8, 64), v_quant=(4, 64), use_sinks=False)
+    layout = metal_layout.layout_for(query[:, None], kc, vc, paged=True)
+    assert (layout.simdgroups, layout.rows_per_simdgroup, layout.tile) == (8, 1, 8), layout
+    rows = 128 * 2 + 128 * 2 + 4 * (128 // 64) * 2  # K and V halves, K and V scales and biases
+    assert 2 * 16 * rows > metal_layout.tile_memory_budget(128) >= 2 * 8 * rows
+    expected = ref.paged_attention(query, kc, vc, tables, seq_lens)
+    for call in run_checked("sim", kv.paged_attention, expected, query, kc, vc, tables, seq_lens, num_splits=2,
+                            kernel="paged_attention_partials"):
+        assert call.threadgroup_memory == layout.threadgroup_bytes == 8544
 
 
 def test_attention_modes_are_both_covered():

@@ -133,6 +133,10 @@ MUTANTS = [
     M("tile-barrier", "attention.metal", "threadgroup_barrier(mem_flags::mem_threadgroup);\n        buffer ^= 1;",
       "buffer ^= 1;", "shared mode: tile reused before every simdgroup is done with it"),
     M("tile-buffer", "attention.metal", "buffer ^= 1;", "buffer ^= 0;", "shared mode: double buffer never flips"),
+    M("tile-fill-unit", "attention.metal", "a * AE4 + u * A::U4 + j] = x[j];", "a * AE4 + u + j] = x[j];",
+      "shared mode: the tile fill writes a 2/4-value unit's half4s over the next unit's"),
+    M("tile-atom-offset", "attention.metal", "+ a * (AW * 8 / BITS);", "+ a * (AW * 4 / BITS);",
+      "shared mode: a lane reads its quantized atom's centred halves from the wrong place in the tile"),
     # --- cache_write.metal
     M("q-low-edge", "cache_write.metal", "fabs(w_min) > fabs(w_max)", "fabs(w_min) >= fabs(w_max)",
       "quantizer picks the low edge on a tie"),

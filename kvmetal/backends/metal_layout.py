@@ -357,7 +357,8 @@ def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgrou
                                 k_scale_bytes, v_scale_bytes) -> int:
     """Threadgroup memory the partial kernels declare (mirrors KV_ATTN_THREADGROUP_ARRAYS).
 
-    *_row_bytes: bytes of one cache row's data; *_scale_bytes: of its scales (0: float cache)."""
+    *_row_bytes: bytes of one tile row's data (a float cache's row; a quantized cache's row as
+    centred halves, 2 bytes an element); *_scale_bytes: of its scales (0: float cache)."""
     shared = rows_per_simdgroup < rows
     merge = not shared and simdgroups > 1
     rps = rows_per_simdgroup
@@ -463,8 +464,11 @@ def _attention_layout(*, head_dim: int, gqa: int, query_len: int, k_bits: int, k
         simdgroups = min(-(-rows // (per * passes)), MAX_SHARED_SIMDGROUPS)
         per = -(-rows // (simdgroups * passes))
         lanes = fitting_lanes(per) or min(LANES_PER_KEY, key=lambda w: registers(per, w))
-    k_row = head_dim * k_bits // 8 if k_bits else head_dim * k_itemsize
-    v_row = head_dim * v_bits // 8 if v_bits else head_dim * v_itemsize
+    # A tile row's data (KV_ATTN_THREADGROUP_ARRAYS, KvTileSide): a float cache's row as stored; a
+    # quantized one's values unpacked once per threadgroup to centred halves (2 bytes each: 2x an
+    # 8-bit row, 4x a 4-bit one), which every simdgroup reads instead of unpacking the words itself.
+    k_row = head_dim * 2 if k_bits else head_dim * k_itemsize
+    v_row = head_dim * 2 if v_bits else head_dim * v_itemsize
     k_scales = head_dim // k_group * k_itemsize if k_bits else 0
     v_scales = head_dim // v_group * v_itemsize if v_bits else 0
     tile = 0
@@ -555,10 +559,12 @@ def estimated_registers(kernel: str, template: dict) -> int:
         # float32 accumulator o, its bias sums (quantized V), m, l, pos.
         row = kna * kae * qb + 4 * ((kna if kbits else 0) + vna * vae + (vna if vbits else 0) + 3)
         # KvAtoms as held until use (KvAtom): a float cache's elements in their type, a
-        # quantized one's packed words and each atom's (scale, bias).
-        k_atoms = kna * (4 * kaw + 8 if kbits else kae * kb)
-        v_atoms = vna * (4 * vaw + 8 if vbits else vae * vb)
+        # quantized one's packed words and each atom's (scale, bias); in shared mode a quantized
+        # atom's halves stay in the tile (KvAtom<.., KvCentredTile>: their threadgroup address and
+        # a valid flag, 8 bytes, beside the scale and bias).
         shared = rps < int(template["G"]) * int(template["QL"])
+        k_atoms = kna * ((8 if shared else 4 * kaw) + 8 if kbits else kae * kb)
+        v_atoms = vna * ((8 if shared else 4 * vaw) + 8 if vbits else vae * vb)
         # Register mode keeps the next pass's atoms in flight (software pipeline, PF 1); sparse V
         # reads V in the pass; PF 0 reads both in the pass.
         if shared or not int(template.get("PF", 1)):

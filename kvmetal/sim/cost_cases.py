@@ -57,7 +57,9 @@ def kvmetal_decode(tokens: int, gqa: int, fmt: str = "f16", *, kv_heads_sim: int
             unpack = (tokens * kv_heads_sim * D * cm.unpack_copies(call.name)
                       * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b))
             works.append(cm.work_from_call(call, fma_lanes=rows * tokens * (2 * D + SOFTMAX_OPS),
-                                           unpack_lane_cycles=unpack, name="kvmetal paged_attention_partials"))
+                                           unpack_lane_cycles=unpack, name="kvmetal paged_attention_partials",
+                                           threadgroup_accesses=kv_heads_sim * cm.shared_tile_accesses(call.name,
+                                                                                                       tokens)))
         else:
             splits = call.buffers["part_max"].size // 4 // max(1, rows)
             chain = 2 * _split_chain(call, "part_max")  # per split: the sum's test, then the merge's loads

@@ -239,6 +239,7 @@ class Work:
     fma_lanes: float               # from the shapes (the simulator does not count FMAs)
     unpack_lane_cycles: float = 0.0  # quantized elements unpacked x their format's cycles (unpack_cycles)
     chain_loads: int = 0           # dependent loads in a row, per threadgroup
+    threadgroup_accesses: float = 0.0  # lane loads/stores of threadgroup memory (shared_tile_accesses)
     source: str = "sim"            # "sim" (counters) or "analytic"
 
     def scaled(self, factor: int) -> "Work":
@@ -251,7 +252,7 @@ class Work:
             store_instructions=self.store_instructions * f, barriers=self.barriers * f,
             reductions=self.reductions * f, shuffles=self.shuffles * f, mma=self.mma * f,
             transcendental_lanes=self.transcendental_lanes * f, fma_lanes=self.fma_lanes * f,
-            unpack_lane_cycles=self.unpack_lane_cycles * f)
+            unpack_lane_cycles=self.unpack_lane_cycles * f, threadgroup_accesses=self.threadgroup_accesses * f)
 
 
 def kvmetal_template(call_name: str) -> tuple | None:
@@ -291,21 +292,50 @@ def kvmetal_registers(call_name: str) -> int | None:
     return metal_layout.estimated_registers(*parsed) if parsed else None
 
 
-def unpack_copies(call_name: str) -> int:
-    """How many times a decode partials call unpacks each quantized K/V element: once in
-    register mode (each simdgroup walks its own tokens), once per row group in shared mode
-    (RPS < G x QL: every simdgroup walks every key of the tile for its RPS rows, and unpacks
-    it; a second walk over the split for a further block of rows unpacks it again)."""
+def _partials_template(call_name: str) -> dict:
     parsed = kvmetal_template(call_name)
     if parsed is None or "RPS" not in parsed[1]:
         raise ValueError(f"[cost_model] call_name must name a kvmetal partials kernel, got {call_name!r}")
-    t = parsed[1]
-    rows = int(t["G"]) * int(t["QL"])
-    return -(-rows // int(t["RPS"]))
+    return parsed[1]
+
+
+def _row_passes(t: dict) -> int:
+    """Walks over the split of a shared-mode partials call (AttentionLayout.row_passes); 0 in register mode."""
+    rows, rps, nsg = int(t["G"]) * int(t["QL"]), int(t["RPS"]), int(t["NSG"])
+    return -(-rows // (nsg * rps)) if rps < rows else 0
+
+
+def unpack_copies(call_name: str) -> int:
+    """How many times a decode partials call unpacks each quantized K/V element: once in
+    register mode (each simdgroup walks its own tokens); in shared mode (RPS < G x QL) once
+    per walk over the split (row_passes: 1 up to NSG x RPS rows), in the tile fill
+    (attention.metal's KvTileFill: every element of a tile unpacked once per threadgroup to
+    centred halves, which the simdgroups read, shared_tile_accesses)."""
+    return max(1, _row_passes(_partials_template(call_name)))
+
+
+def shared_tile_accesses(call_name: str, tokens: int) -> float:
+    """Lane accesses of threadgroup memory a shared-mode decode partials call makes to its K/V
+    tiles over ``tokens`` keys of one kv head (0 in register mode), per walk over the split:
+    the fill stores each row's data once (a float cache's in 16-byte units, a quantized one's
+    D centred halves in half4s: KvTileFill) and each of the NSG simdgroups loads every element
+    of both sides, 4 a load (kv_raw4, or KvAtom<.., KvCentredTile>::centred's half4s). The
+    scales and biases (one load a group per key group) are left out."""
+    t = _partials_template(call_name)
+    passes = _row_passes(t)
+    if not passes:
+        return 0.0
+    d, nsg = int(t["D"]), int(t["NSG"])
+    per_token = 0.0
+    for bits, dtype in ((int(t["KBITS"]), t.get("TK")), (int(t["VBITS"]), t.get("TV"))):
+        stores = d / 4 if bits else d * (2 if dtype in ("f16", "bf16") else 4) / 16
+        per_token += stores + nsg * d / 4
+    return passes * tokens * per_token
 
 
 def work_from_call(call, *, fma_lanes: float, unpack_lane_cycles: float = 0.0, chain_loads: int = 0,
-                   registers: int | None = None, name: str | None = None, exclude: tuple = ()) -> Work:
+                   registers: int | None = None, name: str | None = None, exclude: tuple = (),
+                   threadgroup_accesses: float = 0.0) -> Work:
     """A Work from one traced KernelCall (kvmetal.sim.trace) and the ALU work of its shapes.
     ``exclude``: buffers only the simulator harness reads (e.g. the scalars MLX passes as
     constant bytes, which our wrapper reads from a small buffer)."""
@@ -324,7 +354,7 @@ def work_from_call(call, *, fma_lanes: float, unpack_lane_cycles: float = 0.0, c
         store_instructions=sum(b.store_ops for b in bufs) / 32.0,
         barriers=call.barriers, reductions=call.reductions, shuffles=call.shuffles, mma=call.mma,
         transcendental_lanes=call.transcendentals, fma_lanes=fma_lanes, unpack_lane_cycles=unpack_lane_cycles,
-        chain_loads=chain_loads)
+        chain_loads=chain_loads, threadgroup_accesses=threadgroup_accesses)
 
 
 def occupancy(work: Work, chip: ChipModel) -> dict:
@@ -357,7 +387,8 @@ def issue_cycles(work: Work) -> float:
             + work.transcendental_lanes / 32.0 * F["exp2_cycles"]
             + work.reductions * F["simd_reduce_cycles"] + work.shuffles * F["simd_shuffle_cycles"]
             + work.mma * F["mma_8x8_cycles"]
-            + (work.load_instructions + work.store_instructions) * F["load_issue_cycles"]
+            + (work.load_instructions + work.store_instructions + work.threadgroup_accesses / 32.0)
+            * F["load_issue_cycles"]
             + work.unpack_lane_cycles / 32.0)
 
 
