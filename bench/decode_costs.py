@@ -65,10 +65,8 @@ def run_case(batch, tokens, gqa, qlen, fmt, seed=0):
     out = {"launches": [], "works": []}
     for call in t.calls:
         if "partials" in call.name:
-            unpack = (batch * tokens * D * cm.unpack_copies(call.name)
-                      * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b))
-            w = cm.work_from_call(call, fma_lanes=batch * rows * tokens * (2 * D + cc.SOFTMAX_OPS),
-                                  unpack_lane_cycles=unpack, name="partials")
+            w = cc.partials_work(call, key_rows=batch * tokens, rows_per_key=rows, k_bits=k_bits, v_bits=v_bits,
+                                 name="partials")
             partial_bytes = sum(call.buffers[n].distinct_stored for n in ("part_max", "part_sum", "part_acc"))
             out["launches"].append({"kernel": "partials", "grid": list(call.grid), "threadgroup": call.threadgroup[0],
                                     "threadgroup_memory": call.threadgroup_memory,
@@ -78,12 +76,9 @@ def run_case(batch, tokens, gqa, qlen, fmt, seed=0):
                                     "kv_bytes_loaded": sum(call.buffers[n].loaded for n in traffic.KV_BUFFERS
                                                            if n in call.buffers) * cc.KV_HEADS})
         else:
-            splits = call.buffers["part_max"].size // 4 // max(1, batch * rows)
-            chain = 2 * cc._split_chain(call, "part_max")
-            w = cm.work_from_call(call, fma_lanes=batch * rows * splits * (D + cc.SOFTMAX_OPS), chain_loads=chain,
-                                  name="reduce")
+            w = cc.reduce_work(call, rows=batch * rows, name="reduce")
             out["launches"].append({"kernel": "reduce", "grid": list(call.grid), "barriers_per_kv_head": call.barriers,
-                                    "dependent_loads": chain,
+                                    "dependent_loads": w.chain_loads,
                                     "partials_bytes_loaded": sum(call.buffers[n].loaded for n in
                                                                  ("part_max", "part_sum", "part_acc")) * cc.KV_HEADS})
         out["works"].append(w.scaled(cc.KV_HEADS))

@@ -270,11 +270,15 @@ struct KvAtom<0, AW, T> {
 // atom keeps only where its AE halves start in threadgroup memory; centred(u, x) reads
 // unit u's U4 half4s from there (zeros for a cleared atom: a row outside the tile's
 // valid rows is never read). The products take the same halves: results unchanged.
+// A unit is two half4s, one 16-byte threadgroup load (the tile is uint4s, its rows D
+// halves, an atom AE4 half4s from its row's start), wherever the atom's AE4 is even;
+// else one half4 (8 bytes). cost_model.shared_tile_accesses counts the loads so.
 struct KvCentredTile {};
 template <int BITS, int AW>
 struct KvAtom<BITS, AW, KvCentredTile> {
   typedef half4 unit;
-  static constant constexpr const int U4 = KvPacked<BITS>::WORDS ? 8 / BITS : 1;
+  static constant constexpr const int AE4 = AW * 8 / BITS;
+  static constant constexpr const int U4 = AE4 % 2 == 0 ? 2 : 1;
   const threadgroup half4* x;
   bool on;
   void clear() {
@@ -283,12 +287,16 @@ struct KvAtom<BITS, AW, KvCentredTile> {
   }
   template <typename PD>
   void read(PD data, size_t row, size_t, bool, int a) {
-    x = reinterpret_cast<const threadgroup half4*>(data + row) + a * (AW * 8 / BITS);
+    x = reinterpret_cast<const threadgroup half4*>(data + row) + a * AE4;
     on = true;
   }
   void centred(int u, thread half4* y) const {
-    for (int i = 0; i < U4; i++) {
-      y[i] = on ? x[u * U4 + i] : half4(static_cast<half>(0.0f));
+    if (U4 == 2) {
+      const uint4 w = on ? reinterpret_cast<const threadgroup uint4*>(x)[u] : uint4(0u);
+      y[0] = as_type<half4>(w.xy);
+      y[U4 - 1] = as_type<half4>(w.zw);
+    } else {
+      y[0] = on ? x[u] : half4(static_cast<half>(0.0f));
     }
   }
 };

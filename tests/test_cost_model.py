@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -287,12 +288,21 @@ def test_shared_mode_unpacks_once_per_walk_and_charges_the_tile_reads():
     assert cm.unpack_copies(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8)) == 1
     assert cm.unpack_copies(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8)) == 2  # 24 rows, 16 a walk
     assert cm.shared_tile_accesses(name.format(g=4, ql=1, nsg=4, rps=4, tt=0, kb=8), 100) == 0
-    # per token and side: D / 4 half4 stores in the fill, then D / 4 half4 loads by each of 8 simdgroups
-    assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8), 100) == 100 * 2 * (32 + 8 * 32)
-    # a float16 K side: its row copied in 16-byte units (16), read 4 elements a load
+    # per token and side: D / 4 half4 stores in the fill, then D / 8 16-byte loads (two half4s)
+    # by each of 8 simdgroups (atoms of AE4 = 4 and 8 half4s: even)
+    assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8), 100) == 100 * 2 * (32 + 8 * 16)
+    # a float16 K side: its row copied in 16-byte units (16), read 4 elements a load (kv_raw4)
     assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=0), 100) == 100 * (
-        16 + 8 * 32 + 32 + 8 * 32)
-    assert cm.shared_tile_accesses(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8), 10) == 2 * 10 * 2 * (32 + 8 * 32)
+        16 + 8 * 32 + 32 + 8 * 16)
+    assert cm.shared_tile_accesses(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8), 10) == 2 * 10 * 2 * (32 + 8 * 16)
+    # the count follows the kernel's tile atom: a uint4 of halves a unit where AE4 is even
+    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.metal").read_text()
+    atom = src[src.index("struct KvAtom<BITS, AW, KvCentredTile>"):]
+    atom = atom[:atom.index("};")]
+    assert "U4 = AE4 % 2 == 0 ? 2 : 1" in atom and "reinterpret_cast<const threadgroup uint4*>(x)[u]" in atom
+    # an 8-bit atom of one word (AE4 1, odd): one half4 a load
+    one_word = name.replace("_kaw4_", "_kaw1_").format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8)
+    assert cm.shared_tile_accesses(one_word, 100) == 100 * ((32 + 8 * 32) + (32 + 8 * 16))
     with pytest.raises(ValueError, match="call_name"):
         cm.shared_tile_accesses("kvmetal_attention_reduce_tqf16_d128", 1)
     with pytest.raises(ValueError, match="call_name"):

@@ -80,6 +80,30 @@ def test_attention_shared_quantized_tile_holds_centred_halves():
         assert call.threadgroup_memory == layout.threadgroup_bytes == 8544
 
 
+def _wide_key_groups(*a, **k):
+    """layout_for with key groups of 16 lanes (D 64, K 8-bit and V 4-bit, group 32): atoms of
+    one packed word, K's an odd AE4 (1 half4), V's an even one (2)."""
+    lay = metal_layout.layout_for(*a, **k)
+    return dataclasses.replace(lay, lanes_per_key=16, key_atom_words=metal_layout._atom_words(64, 8, 32, 16),
+                               value_atom_words=metal_layout._atom_words(64, 4, 32, 16))
+
+
+def test_attention_shared_tile_one_word_atoms(monkeypatch):
+    """Shared mode's tile atoms read a unit of two half4s (one 16-byte load) where the atom's
+    AE4 is even, one half4 where it is odd: 8-bit atoms of one word (AE4 1), forced by a key
+    group of 16 lanes at D 64, next to 4-bit ones (AE4 2) - both branches against the oracle."""
+    monkeypatch.setattr(metal, "layout_for", _wide_key_groups)
+    rng = np.random.default_rng(116)
+    query, kc, vc, tables, seq_lens, sinks = paged_attention_inputs(
+        rng, lens=(45, 19), num_kv_heads=1, gqa=8, head_dim=64, block_size=16, dtype=f32,
+        k_quant=(8, 32), v_quant=(4, 32), use_sinks=True)
+    expected = ref.paged_attention(query, kc, vc, tables, seq_lens, sinks=sinks)
+    calls = run_checked("sim", kv.paged_attention, expected, query, kc, vc, tables, seq_lens, sinks=sinks,
+                        num_splits=2, kernel="paged_attention_partials")
+    assert all("_tt" in c.name and "_tt0_" not in c.name and "_kaw1_" in c.name and "_vaw1_" in c.name
+               for c in calls), calls[0].name
+
+
 def test_attention_modes_are_both_covered():
     """The PAGED rows named register/shared run in that mode (a mutant in either is seen)."""
     for name, head_dim, block_size, kv_heads, gqa, lens, rows, *_ , kq, vq, dtype in PAGED:
@@ -256,6 +280,18 @@ def test_cascade_register_in_pass_loads(monkeypatch):
     calls = run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials",
                         sinks=sinks)
     assert all("_pf0_" in call.name for call in calls)
+
+
+def test_cascade_shared_tile_one_word_atoms(monkeypatch):
+    """The cascade's shared-mode tile atoms of one word (AE4 odd for K, even for V), as in
+    test_attention_shared_tile_one_word_atoms."""
+    monkeypatch.setattr(metal, "layout_for", _wide_key_groups)
+    args, sinks = cascade_case((40,), (3, 17, 6), (0, 0, -1), num_kv_heads=1, gqa=8, head_dim=64, block_size=16,
+                               dtype=f32, k_bits=8, v_bits=4, group_size=32, seed=16, sinks=True)
+    expected = ref.paged_attention_cascade(*args.values(), sinks=sinks)
+    calls = run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials",
+                        sinks=sinks)
+    assert all("_tt0_" not in c.name and "_kaw1_" in c.name and "_vaw1_" in c.name for c in calls), calls[0].name
 
 
 @pytest.mark.parametrize("growth", ["1", "2"])

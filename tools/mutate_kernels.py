@@ -71,6 +71,10 @@ MUTANTS = [
     # --- attention.metal: bounds
     M("window-first", "attention.metal", "kv_first_visible(len - L, window)", "kv_first_visible(len - L + 1, window)",
       "split range starts one token inside the window"),
+    M("tile-unit-halves", "attention.metal", "y[U4 - 1] = as_type<half4>(w.zw);", "y[U4 - 1] = as_type<half4>(w.xy);",
+      "shared tile atom: a 16-byte unit's second half4 read as its first"),
+    M("tile-unit-odd", "attention.metal", "y[0] = on ? x[u] : half4(static_cast<half>(0.0f));",
+      "y[0] = on ? x[u + 1] : half4(static_cast<half>(0.0f));", "shared tile atom: a one-half4 unit read one ahead"),
     M("window-grow-short", "attention.metal", "div = split_div * split_grow;", "div = split_div * split_grow * 2;",
       "grown windows shorter than the host's split count covers (keys dropped)"),
     M("window-grow-none", "attention.metal", "div = split_div * split_grow;", "div = split_div;",
@@ -135,7 +139,7 @@ MUTANTS = [
     M("tile-buffer", "attention.metal", "buffer ^= 1;", "buffer ^= 0;", "shared mode: double buffer never flips"),
     M("tile-fill-unit", "attention.metal", "a * AE4 + u * A::U4 + j] = x[j];", "a * AE4 + u + j] = x[j];",
       "shared mode: the tile fill writes a 2/4-value unit's half4s over the next unit's"),
-    M("tile-atom-offset", "attention.metal", "+ a * (AW * 8 / BITS);", "+ a * (AW * 4 / BITS);",
+    M("tile-atom-offset", "attention.metal", "(data + row) + a * AE4;", "(data + row) + a * (AE4 / 2);",
       "shared mode: a lane reads its quantized atom's centred halves from the wrong place in the tile"),
     # --- cache_write.metal
     M("q-low-edge", "cache_write.metal", "fabs(w_min) > fabs(w_max)", "fabs(w_min) >= fabs(w_max)",

@@ -50,22 +50,28 @@ def kvmetal_decode(tokens: int, gqa: int, fmt: str = "f16", *, kv_heads_sim: int
         mx.eval(sim_backend().paged_attention(
             q, k, v, tables, mx.array([tokens], mx.int32), scale=D ** -0.5, softcap=None, sliding_window=None,
             sinks=None, num_splits=None))
-    rows = kv_heads_sim * gqa
-    works = []
-    for call in t.calls:
-        if "partials" in call.name:
-            unpack = (tokens * kv_heads_sim * D * cm.unpack_copies(call.name)
-                      * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b))
-            works.append(cm.work_from_call(call, fma_lanes=rows * tokens * (2 * D + SOFTMAX_OPS),
-                                           unpack_lane_cycles=unpack, name="kvmetal paged_attention_partials",
-                                           threadgroup_accesses=kv_heads_sim * cm.shared_tile_accesses(call.name,
-                                                                                                       tokens)))
-        else:
-            splits = call.buffers["part_max"].size // 4 // max(1, rows)
-            chain = 2 * _split_chain(call, "part_max")  # per split: the sum's test, then the merge's loads
-            works.append(cm.work_from_call(call, fma_lanes=rows * splits * (D + SOFTMAX_OPS), chain_loads=chain,
-                                           name="kvmetal attention_reduce"))
-    return works
+    return [partials_work(call, key_rows=tokens * kv_heads_sim, rows_per_key=gqa, k_bits=k_bits, v_bits=v_bits,
+                          name="kvmetal paged_attention_partials") if "partials" in call.name
+            else reduce_work(call, rows=kv_heads_sim * gqa, name="kvmetal attention_reduce") for call in t.calls]
+
+
+def partials_work(call, *, key_rows: int, rows_per_key: int, k_bits: int, v_bits: int, name: str) -> cm.Work:
+    """The Work of a decode partials ``call`` that walks ``key_rows`` K/V rows in all (tokens x
+    kv heads x sequences), each scored by ``rows_per_key`` query rows (G x L): the QK / PV
+    lane FMAs and softmax, the quantized unpack (cost_model.unpack_copies: once a walk) and the
+    shared-mode tile's threadgroup accesses (cost_model.shared_tile_accesses)."""
+    unpack = key_rows * D * cm.unpack_copies(call.name) * sum(cm.unpack_cycles(b) for b in (k_bits, v_bits) if b)
+    return cm.work_from_call(call, fma_lanes=key_rows * rows_per_key * (2 * D + SOFTMAX_OPS),
+                             unpack_lane_cycles=unpack, name=name,
+                             threadgroup_accesses=cm.shared_tile_accesses(call.name, key_rows))
+
+
+def reduce_work(call, *, rows: int, name: str) -> cm.Work:
+    """The Work of an attention_reduce ``call`` over ``rows`` output rows: D + softmax per
+    (row, split), and its dependent-load chain (per split: the sum's test, then the merge's loads)."""
+    splits = call.buffers["part_max"].size // 4 // max(1, rows)
+    chain = 2 * _split_chain(call, "part_max")
+    return cm.work_from_call(call, fma_lanes=rows * splits * (D + SOFTMAX_OPS), chain_loads=chain, name=name)
 
 
 # Registers per lane of MLX's kernels, estimated from their arrays as kvmetal's estimator does

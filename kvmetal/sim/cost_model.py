@@ -319,17 +319,20 @@ def shared_tile_accesses(call_name: str, tokens: int) -> float:
     tiles over ``tokens`` keys of one kv head (0 in register mode), per walk over the split:
     the fill stores each row's data once (a float cache's in 16-byte units, a quantized one's
     D centred halves in half4s: KvTileFill) and each of the NSG simdgroups loads every element
-    of both sides, 4 a load (kv_raw4, or KvAtom<.., KvCentredTile>::centred's half4s). The
-    scales and biases (one load a group per key group) are left out."""
+    of both sides: a float side 4 a load (kv_raw4), a quantized side 8 a load (one uint4 of
+    halves: KvAtom<.., KvCentredTile>::centred) where its atom's AE4 = AW x 8 / BITS is even,
+    else 4. The scales and biases (one load a group per key group) are left out."""
     t = _partials_template(call_name)
     passes = _row_passes(t)
     if not passes:
         return 0.0
     d, nsg = int(t["D"]), int(t["NSG"])
     per_token = 0.0
-    for bits, dtype in ((int(t["KBITS"]), t.get("TK")), (int(t["VBITS"]), t.get("TV"))):
+    for bits, aw, dtype in ((int(t["KBITS"]), int(t["KAW"]), t.get("TK")),
+                            (int(t["VBITS"]), int(t["VAW"]), t.get("TV"))):
         stores = d / 4 if bits else d * (2 if dtype in ("f16", "bf16") else 4) / 16
-        per_token += stores + nsg * d / 4
+        per_load = 8 if bits and (aw * 8 // bits) % 2 == 0 else 4
+        per_token += stores + nsg * d / per_load
     return passes * tokens * per_token
 
 
