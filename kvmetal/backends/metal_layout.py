@@ -44,10 +44,13 @@ REGISTER_MODE_LIMIT = chips.PIPELINE_REGISTER_LIMIT
 LANES_PER_KEY = (4, 8, 16, 32)      # candidate key-group widths, narrowest first
 # Shared-mode K/V tiles (double-buffered, scales and biases included), by max head_dim
 # (issue 41, P6): 16 KiB gives float16 D 128 tiles of 16 tokens (a barrier per 16 keys;
-# before, 7.5 KiB gave 4) and float16 D 256 tiles of 8. More threadgroup memory per
-# threadgroup trades occupancy for fewer barriers: a Mac settles it, run `kvmetal bench`
-# with KVMETAL_METAL_TILE_KIB set (tile_memory_budget; 7.5 / 15.5 were the old budgets).
-TILE_MEMORY_BUDGET = {128: 16 * 1024, 256: 16 * 1024}
+# before, 7.5 KiB gave 4) and float16 D 256 tiles of 8; 20 KiB (stop 50) keeps those and
+# gives a quantized cache, whose tile rows are D centred halves plus scales and biases,
+# 16 tokens at D 128 (16.5 KiB; 8 at 16 KiB, twice the barriers) and 8 at D 256 (was 4).
+# More threadgroup memory per threadgroup trades occupancy for fewer barriers: a Mac
+# settles it, run `kvmetal bench` with KVMETAL_METAL_TILE_KIB set (tile_memory_budget;
+# 7.5 / 15.5 were the budgets before P6, 16 before stop 50).
+TILE_MEMORY_BUDGET = {128: 20 * 1024, 256: 20 * 1024}
 MAX_TILE_MEMORY_KIB = 24             # KVMETAL_METAL_TILE_KIB's cap (Metal allows 32 KiB a threadgroup)
 # Register mode's merge (issue 41, P5): simdgroups 1.. publish the accumulators of a chunk
 # of rows at once, at most this many floats (6 KiB; attention.metal's KV_MERGE_FLOATS, the
