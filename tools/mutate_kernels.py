@@ -257,6 +257,13 @@ EQUIVALENT = {
     **{f"{name}@cascade": "equivalent for the cascade: no window, and every row sits past the last token, so "
                           "this bound never cuts a key" for name in ("causal-plus1", "window-ge", "window-start",
                                                                      "window-first")},
+    # The cache-copy and cache-write kernels never call the attention kernels' unpack
+    # (kv_centred / kv_centred_word): gather_kv_rows dequantizes with kv_dequant_group and the
+    # writes pack codes, so a mutant of the unpack cannot reach their outputs.
+    **{f"{name}@{family}": "equivalent for this family: its kernels never call kv_centred / kv_centred_word "
+                           "(gather dequantizes with kv_dequant_group)"
+       for name in ("unpack-mask", "unpack-word-high", "unpack-word-mid", "unpack-word-place")
+       for family in ("cache_copy", "cache_write")},
 }
 
 
