@@ -39,12 +39,6 @@ SHAPES = {"register G4": (4, 1), "register G8": (8, 1), "shared G16": (16, 1), "
 SIZES = {"1x8K": (1, 8192), "1x32K": (1, 32768), "64x4K": (64, 4096)}
 
 
-def _register_mode(call_name: str) -> bool:
-    """A partials call whose every simdgroup holds all G x L rows (RPS >= G x QL)."""
-    t = cm.kvmetal_template(call_name)[1]
-    return int(t["RPS"]) >= int(t["G"]) * int(t["QL"])
-
-
 def run_case(batch, tokens, gqa, qlen, fmt, seed=0):
     k_bits, v_bits = FORMATS[fmt]
     rng = np.random.default_rng(seed)
@@ -70,7 +64,7 @@ def run_case(batch, tokens, gqa, qlen, fmt, seed=0):
             partial_bytes = sum(call.buffers[n].distinct_stored for n in ("part_max", "part_sum", "part_acc"))
             out["launches"].append({"kernel": "partials", "grid": list(call.grid), "threadgroup": call.threadgroup[0],
                                     "threadgroup_memory": call.threadgroup_memory,
-                                    "register_mode": _register_mode(call.name),
+                                    "register_mode": cm.register_mode(call.name),
                                     "barriers_per_kv_head": call.barriers,
                                     "partials_bytes": partial_bytes * cc.KV_HEADS,
                                     "kv_bytes_loaded": sum(call.buffers[n].loaded for n in traffic.KV_BUFFERS

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -51,41 +50,31 @@ SHAPES = {"G4": (4, 1), "G8": (8, 1), "G16": (16, 1), "G4xL4": (4, 4)}  # (GQA, 
 @contextlib.contextmanager
 def window_policy(div: int, cap: int, simdgroups: int | None = None, growth: int | None = None):
     """Launches inside cut windows with divisor ``div`` (KVMETAL_METAL_WINDOW_DIV), its
-    ``growth`` (KVMETAL_METAL_WINDOW_GROWTH; None: the library's rule), cap ``cap`` (metal_layout.SPLIT_WINDOW_MAX) and,
-    unless None, register mode's ``simdgroups`` a window (KVMETAL_METAL_WINDOW_SIMDGROUPS); all
-    are restored after."""
-    names = ("KVMETAL_METAL_WINDOW_DIV", "KVMETAL_METAL_WINDOW_SIMDGROUPS", "KVMETAL_METAL_WINDOW_GROWTH")
-    saved, saved_cap = {n: os.environ.get(n) for n in names}, metal_layout.SPLIT_WINDOW_MAX
-    os.environ[names[0]], metal_layout.SPLIT_WINDOW_MAX = str(div), cap
-    if growth is None:
-        os.environ.pop(names[2], None)
-    else:
-        os.environ[names[2]] = str(growth)
+    ``growth`` (KVMETAL_METAL_WINDOW_GROWTH; None: the library's rule), cap ``cap``
+    (metal_layout.SPLIT_WINDOW_MAX) and, unless None, register mode's ``simdgroups`` a window
+    (KVMETAL_METAL_WINDOW_SIMDGROUPS); all are restored after."""
+    variables = {"KVMETAL_METAL_WINDOW_DIV": div, "KVMETAL_METAL_WINDOW_GROWTH": growth}
     if simdgroups is not None:
-        os.environ[names[1]] = str(simdgroups)
+        variables["KVMETAL_METAL_WINDOW_SIMDGROUPS"] = simdgroups
+    saved_cap, metal_layout.SPLIT_WINDOW_MAX = metal_layout.SPLIT_WINDOW_MAX, cap
     try:
-        yield
+        with metal_layout.tuning_variables(variables):
+            yield
     finally:
         metal_layout.SPLIT_WINDOW_MAX = saved_cap
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def run(div: int, cap: int, batch: int, sim_batch: int, tokens: int, gqa: int, qlen: int, fmt: str,
         simdgroups: int | None = None, growth: int | None = None) -> dict:
     with window_policy(div, cap, simdgroups, growth):
         r = dc.run_case(sim_batch, tokens, gqa, qlen, fmt)
+        part, red = r["launches"]
+        grow = metal_layout.window_growth(part["register_mode"])  # what the launch used
     scale = batch // sim_batch
     works = [w.scaled(scale) for w in r["works"]]
-    part, red = r["launches"]
     partials = (part["partials_bytes"] + red["partials_bytes_loaded"]) * scale  # stored, then loaded by the reduce
     total_kv = part["kv_bytes_loaded"] * scale
     policy = f"{div}" + ("" if growth is None else f"/{growth}") + f":{cap}" + ("" if simdgroups is None else f":{simdgroups}")
-    with window_policy(div, cap, simdgroups, growth):
-        grow = metal_layout.window_growth(part["register_mode"])
     row = {"policy": policy, "window": metal_layout.split_window(tokens, metal_layout.SPLIT_TOKENS, cap, div, grow),
            "partials_fraction": round(partials / total_kv, 4),
            "barriers_per_1k_rows": round(part["barriers_per_kv_head"] * dc.cc.KV_HEADS * 1024

@@ -288,6 +288,8 @@ def test_shared_mode_unpacks_once_per_walk_and_charges_the_tile_reads():
     assert cm.unpack_copies(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8)) == 1
     assert cm.unpack_copies(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8)) == 2  # 24 rows, 16 a walk
     assert cm.shared_tile_accesses(name.format(g=4, ql=1, nsg=4, rps=4, tt=0, kb=8), 100) == 0
+    assert cm.register_mode(name.format(g=4, ql=1, nsg=4, rps=4, tt=0, kb=8))
+    assert not cm.register_mode(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8))
     # per token and side: D / 4 half4 stores in the fill, then D / 8 16-byte loads (two half4s)
     # by each of 8 simdgroups (atoms of AE4 = 4 and 8 half4s: even)
     assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8), 100) == 100 * 2 * (32 + 8 * 16)

@@ -188,3 +188,19 @@ def test_window_growth_follows_the_launch_mode(monkeypatch, gqa, register_mode):
         assert (int(partials.name.split("_rps")[1].split("_")[0]) >= gqa) == register_mode
         live[grow] = partials.buffers["part_acc"].stored // (gqa * 64 * 2)  # half partials; empty windows store none
     assert live == {None: 9 if register_mode else 5, "1": 5, "2": 9}
+
+
+def test_tuning_variables_set_unset_and_restore(monkeypatch):
+    # metal_layout.tuning_variables (the sweep's and bench/window_policy.py's way to run under a
+    # Mac's setting): a value sets, None unsets, and every variable is as before afterwards,
+    # also when the block raises.
+    monkeypatch.setenv("KVMETAL_METAL_WINDOW_DIV", "4")
+    monkeypatch.delenv("KVMETAL_METAL_WINDOW_GROWTH", raising=False)
+    names = {"KVMETAL_METAL_WINDOW_DIV": None, "KVMETAL_METAL_WINDOW_GROWTH": 1}
+    with pytest.raises(RuntimeError):
+        with metal_layout.tuning_variables(names):
+            assert metal_layout.window_div() == metal_layout.SPLIT_WINDOW_DIV
+            assert metal_layout.window_growth(True) == 1
+            raise RuntimeError
+    assert metal_layout.window_div() == 4
+    assert metal_layout.window_growth(True) == metal_layout.SPLIT_WINDOW_GROWTH

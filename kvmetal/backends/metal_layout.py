@@ -8,6 +8,7 @@ D head_dim, N cache blocks, BS block size, M block-table width, T tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -165,8 +166,8 @@ def window_splits(work_tokens: int, split_tokens: int, *, misaligned: bool, spli
     most, n = 0, 1
     while True:
         w = split_window(n, split_tokens, split_max, split_div, split_grow)
-        div = split_div if w == split_tokens else split_div * split_grow
-        reach = w * div if w < split_max else work  # longest length with window w
+        reach = w * _window_divisor(w, split_tokens, split_div, split_grow) if w < split_max else work
+        # (reach: the longest length with window w)
         most = max(most, -(-min(work, reach) // w))
         if reach >= work:
             break
@@ -181,6 +182,27 @@ def window_div() -> int:
     div = _env_number("KVMETAL_METAL_WINDOW_DIV", int, lambda v: 0 <= v <= MAX_WINDOW_DIV and not v & (v - 1),
                       f"0 or a power of two up to {MAX_WINDOW_DIV}")
     return SPLIT_WINDOW_DIV if div is None else div
+
+
+@contextlib.contextmanager
+def tuning_variables(values: dict):
+    """The KVMETAL_METAL_* tuning variables of ``values`` set for the block (None unsets one),
+    each restored after: how a sweep or a benchmark runs launches under a setting a Mac would
+    compare (window_div, window_growth, window_simdgroups, ... read them on every launch)."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = str(value)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def window_growth(register_mode: bool) -> int:
@@ -252,11 +274,16 @@ def split_window(length: int, split_tokens: int, split_max: int, split_div: int,
     """The window of a sequence of ``length`` tokens (attention.metal's kv_split_window): the
     divisor is ``split_div`` while the window is ``split_tokens``, ``split_div * split_grow``
     once it has doubled."""
-    w, div = split_tokens, split_div
-    while split_div > 0 and w < split_max and w * div < length:
+    w = split_tokens
+    while split_div > 0 and w < split_max and w * _window_divisor(w, split_tokens, split_div, split_grow) < length:
         w *= 2
-        div = split_div * split_grow
     return w
+
+
+def _window_divisor(window: int, split_tokens: int, split_div: int, split_grow: int) -> int:
+    """The divisor that decides whether ``window`` grows: split_div while it is split_tokens,
+    split_div * split_grow once it has grown."""
+    return split_div if window == split_tokens else split_div * split_grow
 
 
 @dataclass(frozen=True)

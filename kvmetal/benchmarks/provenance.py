@@ -56,6 +56,7 @@ def provenance(backend: str) -> dict:
         "threads": threads,
         "backend": backend,
         # The Metal tuning variables this run was given (KVMETAL_METAL_SPLITS, _WINDOW_DIV,
-        # _WINDOW_SIMDGROUPS, _TILE_KIB; docs/kernels.md): runs compared on a Mac say which is which.
+        # _WINDOW_GROWTH, _WINDOW_SIMDGROUPS, _TILE_KIB, _PARTIALS; docs/kernels.md): runs
+        # compared on a Mac say which is which.
         "tuning": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVMETAL_METAL_")},
     }

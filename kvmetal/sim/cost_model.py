@@ -305,6 +305,11 @@ def _row_passes(t: dict) -> int:
     return -(-rows // (nsg * rps)) if rps < rows else 0
 
 
+def register_mode(call_name: str) -> bool:
+    """A decode partials call whose every simdgroup holds all G x QL rows (no shared tiles)."""
+    return _row_passes(_partials_template(call_name)) == 0
+
+
 def unpack_copies(call_name: str) -> int:
     """How many times a decode partials call unpacks each quantized K/V element: once in
     register mode (each simdgroup walks its own tokens); in shared mode (RPS < G x QL) once

@@ -41,10 +41,8 @@ fixed-seed sweep in CI.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
 import sys
 import time
 
@@ -53,6 +51,7 @@ import numpy as np
 
 from .. import quant
 from .. import reference as ref
+from ..backends import metal_layout
 from ..ops import SUPPORTED_HEAD_DIMS
 
 HEAD_DIMS = SUPPORTED_HEAD_DIMS  # every head_dim the ops serve (quantized where a group size fits)
@@ -218,22 +217,10 @@ def _draw_windows(config: Config) -> Config:
     return dataclasses.replace(config, **changes)
 
 
-@contextlib.contextmanager
 def _window_env(windows):
     """KVMETAL_METAL_WINDOW_DIV / _GROWTH set to ``windows`` (unchanged when None), restored after."""
     names = ("KVMETAL_METAL_WINDOW_DIV", "KVMETAL_METAL_WINDOW_GROWTH")
-    saved = {n: os.environ.get(n) for n in names}
-    if windows is not None:
-        for name, value in zip(names, windows):
-            os.environ[name] = str(value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return metal_layout.tuning_variables({} if windows is None else dict(zip(names, windows)))
 
 
 def _draw_sinks_scale(rng, shape: dict) -> Config:
