@@ -156,7 +156,9 @@ struct KvStridedRows {
 
 // One tile of the shared mode: rows [t0, t0 + TT) in threadgroup memory, KW / VW
 // tile elements a row (D: a float cache's elements, or a quantized one's centred
-// halves, KvTileSide).
+// halves, KvTileSide), and a quantized side's KNG / VNG (scale, bias) pairs a row,
+// side by side (kv_tile_copy_pairs): `scale` is the row's first pair, `bias` its
+// second element.
 template <int KW, int KNG, int VW, int VNG>
 struct KvTileRows {
   int t0;
@@ -166,11 +168,11 @@ struct KvTileRows {
   bool locate(int t, thread KvAt& k, thread KvAt& v) {
     const int r = buffer * tt + (t - t0);
     k.data = uint(r * KW);
-    k.scale = uint(r * KNG);
-    k.bias = k.scale;
+    k.scale = uint(r * 2 * KNG);
+    k.bias = k.scale + 1;
     v.data = uint(r * VW);
-    v.scale = uint(r * VNG);
-    v.bias = v.scale;
+    v.scale = uint(r * 2 * VNG);
+    v.bias = v.scale + 1;
     return ok[r] != 0;
   }
 };
@@ -324,9 +326,58 @@ struct KvAtoms {
   float2 sb[NA];
 };
 
+// Each of a lane's NA atoms' (scale, bias), into sb. From device memory (T, the
+// cache's word type): the lanes whose atoms share a group form an aligned run of RUN
+// lanes of the key group (AE, GS and LPK are powers of two); its first lane loads the
+// pair and log2(RUN) xor shuffles double it across the run, so each group's bytes are
+// loaded once per key group and every shuffle has one mask for all lanes. (Before, lane
+// g % LPK loaded group g and simd_shuffle sent it to the lanes that need it: a shuffle
+// whose lanes read different lanes, which Apple GPUs run as an instruction sequence of
+// ~32 cycles a 32-bit word, metal-benchmarks' SHUFFLE_RANDOM_DIFF32; two an atom.)
+template <typename T>
+struct KvGroupScales {
+  template <int D, int LPK, int BITS, int GS, int AW, int NA, typename PS>
+  static void fetch(thread float2* sb, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, int) {
+    constexpr int AE = BITS ? AW * 32 / (BITS ? BITS : 1) : 4;  // (BITS 0 compiles, never runs)
+    constexpr int NAR = D / AE;
+    constexpr int RUN = GS / AE < LPK ? GS / AE : LPK;  // lanes of a key group sharing an atom's group
+    for (int c = 0; c < NA; c++) {
+      const int a = kl + LPK * c;
+      const size_t g = size_t(a * AE / GS);
+      float2 x = float2(0.0f);
+      if (ok && a < NAR && kl % RUN == 0) {
+        x = kv_float2(static_cast<float>(scales[at.scale + g * step.scale]),
+                      static_cast<float>(biases[at.bias + g * step.bias]));
+      }
+      for (int bit = 1; bit < RUN; bit <<= 1) {  // uniform: every lane shuffles
+        const float2 from = simd_shuffle_xor(x, ushort(bit));
+        x = (kl & bit) ? from : x;
+      }
+      sb[c] = ok && a < NAR ? x : float2(0.0f);
+    }
+  }
+};
+// From the shared mode's tile, whose rows hold each group's (scale, bias) side by
+// side (kv_tile_copy_pairs; KvTileRows::locate points at.scale at the row's first
+// pair): each lane loads its own atoms' pairs, one 2-element threadgroup load an
+// atom (issue 41: before, the shuffles of the pairs were 14% of G 8 K8/V4's issue).
+template <>
+struct KvGroupScales<KvCentredTile> {
+  template <int D, int LPK, int BITS, int GS, int AW, int NA, typename TS>
+  static void fetch(thread float2* sb, const threadgroup TS* scales, const threadgroup TS*, KvAt at, KvSteps,
+                    bool ok, int kl, int) {
+    constexpr int AE = BITS ? AW * 32 / (BITS ? BITS : 1) : 4;  // (BITS 0 compiles, never runs)
+    constexpr int NAR = D / AE;
+    for (int c = 0; c < NA; c++) {
+      const int a = kl + LPK * c;
+      sb[c] = ok && a < NAR ? KvVec2<TS>::load(scales + at.scale + 2 * (a * AE / GS)) : float2(0.0f);
+    }
+  }
+};
+
 // Read this lane's atoms of one row. BITS == 0: a float cache (atoms of 4
-// elements). Else AW packed words per atom; each group's (scale, bias) is loaded
-// once per key group, by lane g % LPK, and shuffled to the lanes that need it.
+// elements). Else AW packed words per atom, and each atom's (scale, bias)
+// (KvGroupScales: from device rows, or from the shared tile's pairs).
 template <int D, int LPK, int BITS, int GS, int AW, typename T, typename PD, typename PS>
 inline KvAtoms<(((BITS ? D / (AW * 32 / BITS) : D / 4) + LPK - 1) / LPK), BITS, AW, T>
 kv_fetch(PD data, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, int kg) {
@@ -344,24 +395,7 @@ kv_fetch(PD data, PS scales, PS biases, KvAt at, KvSteps step, bool ok, int kl, 
     r.a[c].read(data, at.data, step.data, step.vec, a);
   }
   if (BITS != 0) {
-    constexpr int NG = D / GS;
-    constexpr int NSL = (NG + LPK - 1) / LPK;  // groups this lane loads
-    float2 mine[NSL];
-    for (int j = 0; j < NSL; j++) {
-      const int g = kl + LPK * j;
-      mine[j] = float2(0.0f);
-      if (ok && g < NG) {
-        mine[j] = kv_float2(static_cast<float>(scales[at.scale + size_t(g) * step.scale]),
-                            static_cast<float>(biases[at.bias + size_t(g) * step.bias]));
-      }
-    }
-    for (int c = 0; c < NA; c++) {
-      // AE, GS and LPK are powers of two, so the groups of atom c of all lanes
-      // of a key group lie in one aligned run of LPK groups: one slot for all.
-      const int slot = (c * LPK * AE / GS) / LPK;
-      const int g = min((kl + LPK * c) * AE / GS, NG - 1);
-      r.sb[c] = simd_shuffle(mine[slot], ushort(kg * LPK + g % LPK));
-    }
+    KvGroupScales<T>::template fetch<D, LPK, BITS, GS, AW, NA>(r.sb, scales, biases, at, step, ok, kl, kg);
   }
   return r;
 }
@@ -429,9 +463,16 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
     sr = var.logit(sr * var.q_scale);
     const bool visible = ok && var.visible(t, st.pos[r]);
     sr = visible ? sr : KV_NEG_BIG;
-    float m_pass = sr;
-    for (int off = LPK; off < 32; off <<= 1) {
-      m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
+    // The pass maximum over the key groups, only when some key raises the row's max: one
+    // vote (a ballot, 2 cycles) a pass instead of log2(32 / LPK) shuffles, where that is 2
+    // or more (LPK <= 8). Uniform either way; the same m_pass, so the same bits.
+    const bool rises = LPK <= 8 ? simd_any(sr > st.m[r]) : true;
+    float m_pass = st.m[r];
+    if (rises) {
+      m_pass = sr;
+      for (int off = LPK; off < 32; off <<= 1) {
+        m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
+      }
     }
     if (m_pass > st.m[r]) {  // uniform: rescale only when the pass raises the max
       const float correction = kv_weight(st.m[r], m_pass);
@@ -522,8 +563,7 @@ inline void kv_pass_sparse(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st,
     st.l[r] += p[r];
     need = need || p[r] >= tau;
   }
-  // Every lane calls kv_fetch (its scale/bias shuffles are simdgroup-wide);
-  // only the key groups that need their row load it.
+  // Every lane calls kv_fetch; only the key groups that need their row load it.
   const KvAtoms<VNA, VBITS, VAW, TVD> v =
       kv_fetch<D, LPK, VBITS, VGS, VAW, TVD>(vdata, vscales, vbiases, va, vsteps, ok && need, kl, kg);
   if (need) {
@@ -740,6 +780,22 @@ inline void kv_tile_copy(PD src, PT dst, size_t row0, size_t row_step, size_t es
   }
 }
 
+// Rows [r_lo, r_hi) of a quantized side's W scales and W biases (as kv_tile_copy's
+// arguments) into threadgroup rows buffer_row0 + r of W (scale, bias) pairs, side by
+// side, so that a lane reads its atom's pair in one load (KvGroupScales<KvCentredTile>).
+template <int W, typename TS, typename PS, typename PT>
+inline void kv_tile_copy_pairs(PS scales, PS biases, PT dst, size_t scale0, size_t bias0, size_t scale_row_step,
+                               size_t bias_row_step, size_t estep_scale, size_t estep_bias, int buffer_row0, int r_lo,
+                               int r_hi, int tid, int nthreads) {
+  const int n = max(0, r_hi - r_lo);
+  for (int i = tid; i < n * W; i += nthreads) {
+    const int r = r_lo + i / W;
+    const int e = i % W;
+    dst[((buffer_row0 + r) * W + e) * 2] = scales[scale0 + size_t(r) * scale_row_step + size_t(e) * estep_scale];
+    dst[((buffer_row0 + r) * W + e) * 2 + 1] = biases[bias0 + size_t(r) * bias_row_step + size_t(e) * estep_bias];
+  }
+}
+
 // One side's data rows [r_lo, r_hi) of a tile (as kv_tile_copy's arguments) into
 // threadgroup rows buffer_row0 + r of D elements (KvTileSide). A float cache's rows
 // are copied as stored (kv_tile_copy). A quantized cache's rows are unpacked here,
@@ -762,11 +818,22 @@ struct KvTileFill {
       const int a = i % NAR;
       A atom;
       atom.read(src, row0 + size_t(r) * row_step, steps.data, steps.vec, a);
-      for (int u = 0; u < AE4 / A::U4; u++) {
-        half4 x[A::U4];
-        atom.centred(u, x);
-        for (int j = 0; j < A::U4; j++) {
-          dst[(buffer_row0 + r) * (D / 4) + a * AE4 + u * A::U4 + j] = x[j];
+      // Where the simdgroups read the atom in 16-byte units (KvAtom<.., KvCentredTile>, AE4
+      // even) it is written in them too: two half4s a store, from UN units of the unpack.
+      constexpr bool PAIRS = AE4 % 2 == 0;
+      constexpr int UN = PAIRS && A::U4 % 2 != 0 ? 2 : 1;
+      for (int u = 0; u < AE4 / A::U4; u += UN) {
+        half4 x[A::U4 * UN];
+        for (int k = 0; k < UN; k++) {
+          atom.centred(u + k, x + k * A::U4);
+        }
+        const int at = (buffer_row0 + r) * (D / 4) + a * AE4 + u * A::U4;  // even with PAIRS
+        for (int j = 0; j < A::U4 * UN; j += PAIRS ? 2 : 1) {
+          if (PAIRS) {
+            reinterpret_cast<threadgroup uint4*>(dst)[(at + j) / 2] = kv_join16(x[j], x[min(j + 1, A::U4 * UN - 1)]);
+          } else {
+            dst[at + j] = x[j];
+          }
         }
       }
     }
@@ -784,14 +851,14 @@ struct KvTileFill<D, 0, AW, TD> {
 
 // Load the tile of tokens [t0, t0 + TT) into threadgroup buffer `buffer`: only
 // rows inside [lo, hi) of a valid block; tile_ok marks them. Data through KvTileFill
-// (a quantized side unpacked to centred halves), scales and biases as stored.
+// (a quantized side unpacked to centred halves), scales and biases as stored, in
+// pairs (kv_tile_copy_pairs).
 template <int TT, int D, int KBITS, int KAW, int VBITS, int VAW, int KNG, int VNG, typename TKD, typename TKS,
           typename TVD, typename TVS, typename SRC, typename PKD, typename PKS, typename PVD, typename PVS>
 inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PKD kdata, PKS kscales,
                          PKS kbiases, PVD vdata, PVS vscales, PVS vbiases, KvSteps ks, KvSteps vs,
-                         threadgroup uint4* tile_k, threadgroup uint4* tile_ks, threadgroup uint4* tile_kb,
-                         threadgroup uint4* tile_v, threadgroup uint4* tile_vs, threadgroup uint4* tile_vb,
-                         threadgroup int* tile_ok, int tid, int nthreads) {
+                         threadgroup uint4* tile_k, threadgroup uint4* tile_ks, threadgroup uint4* tile_v,
+                         threadgroup uint4* tile_vs, threadgroup int* tile_ok, int tid, int nthreads) {
   KvAt ka;
   KvAt va;
   // The tile lies in one block. One wholly outside [lo, hi) (an empty split's
@@ -808,16 +875,12 @@ inline void kv_load_tile(thread SRC& src, int t0, int buffer, int lo, int hi, PK
   KvTileFill<D, KBITS, KAW, TKD>::rows(kdata, tile_k, ka.data, sk.data, ks, b0, r_lo, r_hi, tid, nthreads);
   KvTileFill<D, VBITS, VAW, TVD>::rows(vdata, tile_v, va.data, sv.data, vs, b0, r_lo, r_hi, tid, nthreads);
   if (KBITS) {
-    kv_tile_copy<KNG, TKS>(kscales, reinterpret_cast<threadgroup TKS*>(tile_ks), ka.scale, sk.scale, ks.scale,
-                           false, b0, r_lo, r_hi, tid, nthreads);
-    kv_tile_copy<KNG, TKS>(kbiases, reinterpret_cast<threadgroup TKS*>(tile_kb), ka.bias, sk.bias, ks.bias, false,
-                           b0, r_lo, r_hi, tid, nthreads);
+    kv_tile_copy_pairs<KNG, TKS>(kscales, kbiases, reinterpret_cast<threadgroup TKS*>(tile_ks), ka.scale, ka.bias,
+                                 sk.scale, sk.bias, ks.scale, ks.bias, b0, r_lo, r_hi, tid, nthreads);
   }
   if (VBITS) {
-    kv_tile_copy<VNG, TVS>(vscales, reinterpret_cast<threadgroup TVS*>(tile_vs), va.scale, sv.scale, vs.scale,
-                           false, b0, r_lo, r_hi, tid, nthreads);
-    kv_tile_copy<VNG, TVS>(vbiases, reinterpret_cast<threadgroup TVS*>(tile_vb), va.bias, sv.bias, vs.bias, false,
-                           b0, r_lo, r_hi, tid, nthreads);
+    kv_tile_copy_pairs<VNG, TVS>(vscales, vbiases, reinterpret_cast<threadgroup TVS*>(tile_vs), va.scale, va.bias,
+                                 sv.scale, sv.bias, vs.scale, vs.bias, b0, r_lo, r_hi, tid, nthreads);
   }
 }
 
@@ -960,11 +1023,9 @@ struct KvAttnScratch {
   threadgroup float* merge_stats;
   threadgroup float* merge_acc;
   threadgroup uint4* tile_k;
-  threadgroup uint4* tile_ks;
-  threadgroup uint4* tile_kb;
+  threadgroup uint4* tile_ks;  // a quantized side's (scale, bias) pairs (kv_tile_copy_pairs)
   threadgroup uint4* tile_v;
   threadgroup uint4* tile_vs;
-  threadgroup uint4* tile_vb;
   threadgroup int* tile_ok;
 };
 
@@ -1033,10 +1094,8 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
   threadgroup float* merge_acc = scratch.merge_acc;
   threadgroup uint4* tile_k = scratch.tile_k;
   threadgroup uint4* tile_ks = scratch.tile_ks;
-  threadgroup uint4* tile_kb = scratch.tile_kb;
   threadgroup uint4* tile_v = scratch.tile_v;
   threadgroup uint4* tile_vs = scratch.tile_vs;
-  threadgroup uint4* tile_vb = scratch.tile_vb;
   threadgroup int* tile_ok = scratch.tile_ok;
   device float* part_max = out.part_max;
   device float* part_sum = out.part_sum;
@@ -1173,10 +1232,8 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     tile.tt = TT;
     const threadgroup TKE* tkd = reinterpret_cast<const threadgroup TKE*>(tile_k);
     const threadgroup TKS* tks = reinterpret_cast<const threadgroup TKS*>(tile_ks);
-    const threadgroup TKS* tkb = reinterpret_cast<const threadgroup TKS*>(tile_kb);
     const threadgroup TVE* tvd = reinterpret_cast<const threadgroup TVE*>(tile_v);
     const threadgroup TVS* tvs = reinterpret_cast<const threadgroup TVS*>(tile_vs);
-    const threadgroup TVS* tvb = reinterpret_cast<const threadgroup TVS*>(tile_vb);
     const KvSteps unit = kv_unit_steps();
     for (int pass = 0; pass < ROW_PASSES; pass++) {
       const int row0 = (pass * NSG + sg) * RPS;
@@ -1187,14 +1244,14 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
       }
       kv_load_tile<TT, D, KBITS, KAW, VBITS, VAW, KNG, VNG, TKD, TKS, TVD, TVS>(
           src, range.begin, 0, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps, vsteps,
-          tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
+          tile_k, tile_ks, tile_v, tile_vs, tile_ok, tid, NT);
       threadgroup_barrier(mem_flags::mem_threadgroup);
       int buffer = 0;
       for (int t0 = range.begin; t0 < range.hi; t0 += TT) {
         if (t0 + TT < range.hi) {
           kv_load_tile<TT, D, KBITS, KAW, VBITS, VAW, KNG, VNG, TKD, TKS, TVD, TVS>(
               src, t0 + TT, buffer ^ 1, range.lo, range.hi, kdata, kscales, kbiases, vdata, vscales, vbiases, ksteps,
-              vsteps, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok, tid, NT);
+              vsteps, tile_k, tile_ks, tile_v, tile_vs, tile_ok, tid, NT);
         }
         tile.t0 = t0;
         tile.buffer = buffer;
@@ -1204,15 +1261,15 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
           KvAt va;
           const bool ok = t < t0 + TT && tile.locate(t, ka, va);
           const KvAtoms<KNA, KBITS, KAW, TKA> k =
-              kv_fetch<D, LPK, KBITS, KGS, KAW, TKA>(tkd, tks, tkb, ka, unit, ok, kl, kg);
+              kv_fetch<D, LPK, KBITS, KGS, KAW, TKA>(tkd, tks, tks, ka, unit, ok, kl, kg);
           if (SV) {
             // The tile already holds V (copied with K): sparse V skips the
             // accumulation and the tile reads, not the device loads.
-            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVA>(st, k, tvd, tvs, tvb, va, unit, t, ok, var,
+            kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVA>(st, k, tvd, tvs, tvs, va, unit, t, ok, var,
                                                                 sparse_v, kl, kg);
           } else {
             const KvAtoms<VNA, VBITS, VAW, TVA> v =
-                kv_fetch<D, LPK, VBITS, VGS, VAW, TVA>(tvd, tvs, tvb, va, unit, ok, kl, kg);
+                kv_fetch<D, LPK, VBITS, VGS, VAW, TVA>(tvd, tvs, tvs, va, unit, ok, kl, kg);
             kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
           }
         }
@@ -1442,19 +1499,17 @@ struct KvDataType<0, T> {
   typedef typename KvTileSide<VBITS, TVD>::elem TVE_;                                                        \
   constexpr int TILE_K = KV_TILE16(D, TKE_);                                                                  \
   constexpr int TILE_V = KV_TILE16(D, TVE_);                                                                  \
-  constexpr int TILE_KS = KBITS ? KV_TILE16(KNG_, TK) : 1;                                                    \
-  constexpr int TILE_VS = VBITS ? KV_TILE16(VNG_, TV) : 1;                                                    \
+  constexpr int TILE_KS = KBITS ? KV_TILE16(2 * KNG_, TK) : 1;                                                \
+  constexpr int TILE_VS = VBITS ? KV_TILE16(2 * VNG_, TV) : 1;                                                \
   constexpr int TILE_OK = KV_ATTN_SHARED ? 2 * TT : 1;                                                        \
   threadgroup float merge_stats[MERGE_STATS];                                                                 \
   threadgroup float merge_acc[MERGE_ACC];                                                                     \
   threadgroup uint4 tile_k[TILE_K];                                                                           \
   threadgroup uint4 tile_ks[TILE_KS];                                                                         \
-  threadgroup uint4 tile_kb[TILE_KS];                                                                         \
   threadgroup uint4 tile_v[TILE_V];                                                                           \
   threadgroup uint4 tile_vs[TILE_VS];                                                                         \
-  threadgroup uint4 tile_vb[TILE_VS];                                                                         \
   threadgroup int tile_ok[TILE_OK];                                                                           \
-  const KvAttnScratch scratch = {merge_stats, merge_acc, tile_k, tile_ks, tile_kb, tile_v, tile_vs, tile_vb, tile_ok};
+  const KvAttnScratch scratch = {merge_stats, merge_acc, tile_k, tile_ks, tile_v, tile_vs, tile_ok};
 
 //@kernel paged_attention_partials
 // Inputs:  query [S, L, H, D]; key_data [N, Hkv, BS, WK] (TK, or uint32 packed);

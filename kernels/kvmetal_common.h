@@ -42,6 +42,17 @@ inline float2 kv_float2(float a, float b) {
   v.y = b;
   return v;
 }
+// Two half4s as one 16-byte unit (a uint4 store of threadgroup memory).
+inline uint4 kv_join16(half4 a, half4 b) {
+  const uint2 lo = as_type<uint2>(a);
+  const uint2 hi = as_type<uint2>(b);
+  uint4 w;
+  w.x = lo.x;
+  w.y = lo.y;
+  w.z = hi.x;
+  w.w = hi.y;
+  return w;
+}
 inline float4 kv_widen(half4 h) { return kv_float4(float(h.x), float(h.y), float(h.z), float(h.w)); }
 inline float4 kv_widen(float4 v) { return v; }
 

@@ -249,7 +249,7 @@ def test_unpack_charge_counts_the_kernels_magic_number_path():
     assert "kv_centred_word<BITS>(w[u], x)" in centred and "kv_centred<BITS>(w, 4 * u)" in centred
     # shared mode: the tile fill unpacks through the same atom (once per threadgroup, unpack_copies)
     fill = attention[attention.index("struct KvTileFill {"):attention.index("struct KvTileFill<D, 0, AW, TD> {")]
-    assert "typedef KvAtom<BITS, AW, TD> A;" in fill and "atom.centred(u, x);" in fill
+    assert "typedef KvAtom<BITS, AW, TD> A;" in fill and "atom.centred(u + k, x + k * A::U4);" in fill
     assert "kv_unpack" not in attention and "kv_unpack" not in common
 
 
@@ -290,13 +290,18 @@ def test_shared_mode_unpacks_once_per_walk_and_charges_the_tile_reads():
     assert cm.shared_tile_accesses(name.format(g=4, ql=1, nsg=4, rps=4, tt=0, kb=8), 100) == 0
     assert cm.register_mode(name.format(g=4, ql=1, nsg=4, rps=4, tt=0, kb=8))
     assert not cm.register_mode(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8))
-    # per token and side: D / 4 half4 stores in the fill, then D / 8 16-byte loads (two half4s)
-    # by each of 8 simdgroups (atoms of AE4 = 4 and 8 half4s: even)
-    assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8), 100) == 100 * 2 * (32 + 8 * 16)
+    # per token and side: D / 8 16-byte stores in the fill and D / 8 16-byte loads (two half4s)
+    # by each of 8 simdgroups (atoms of AE4 = 4 and 8 half4s: even); and the (scale, bias)
+    # pairs: 2 x D / 64 stores in the fill, one load an atom by each simdgroup (K8: 8 atoms of
+    # 16 values a row, V4: 4 of 32)
+    pairs = 2 * 4 + 8 * 8 + 8 * 4
+    assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8), 100) == 100 * (
+        2 * (16 + 8 * 16) + pairs)
     # a float16 K side: its row copied in 16-byte units (16), read 4 elements a load (kv_raw4)
     assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=0), 100) == 100 * (
-        16 + 8 * 32 + 32 + 8 * 16)
-    assert cm.shared_tile_accesses(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8), 10) == 2 * 10 * 2 * (32 + 8 * 16)
+        16 + 8 * 32 + 16 + 8 * 16 + 4 + 8 * 4)
+    assert cm.shared_tile_accesses(name.format(g=8, ql=3, nsg=8, rps=2, tt=8, kb=8), 10) == 2 * 10 * (
+        2 * (16 + 8 * 16) + pairs)
     # the count follows the kernel's tile atom: a uint4 of halves a unit where AE4 is even
     src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.metal").read_text()
     atom = src[src.index("struct KvAtom<BITS, AW, KvCentredTile>"):]
@@ -304,8 +309,35 @@ def test_shared_mode_unpacks_once_per_walk_and_charges_the_tile_reads():
     assert "U4 = AE4 % 2 == 0 ? 2 : 1" in atom and "reinterpret_cast<const threadgroup uint4*>(x)[u]" in atom
     # an 8-bit atom of one word (AE4 1, odd): one half4 a load
     one_word = name.replace("_kaw4_", "_kaw1_").format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8)
-    assert cm.shared_tile_accesses(one_word, 100) == 100 * ((32 + 8 * 32) + (32 + 8 * 16))
+    assert cm.shared_tile_accesses(one_word, 100) == 100 * ((32 + 8 * 32 + 4 + 8 * 32) + (16 + 8 * 16 + 4 + 8 * 4))
+    # the fill stores what the simdgroups load: 16-byte units where AE4 is even (kv_join16)
+    fill = src[src.index("struct KvTileFill {"):src.index("struct KvTileFill<D, 0, AW, TD> {")]
+    assert "constexpr bool PAIRS = AE4 % 2 == 0;" in fill and "kv_join16(" in fill
+    # the pairs: one threadgroup load an atom (KvGroupScales<KvCentredTile>)
+    pairs_src = src[src.index("struct KvGroupScales<KvCentredTile>"):]
+    assert "KvVec2<TS>::load(scales + at.scale + 2 * (a * AE / GS))" in pairs_src[:pairs_src.index("};")]
     with pytest.raises(ValueError, match="call_name"):
         cm.shared_tile_accesses("kvmetal_attention_reduce_tqf16_d128", 1)
     with pytest.raises(ValueError, match="call_name"):
         cm.unpack_copies("kvmetal_attention_reduce_tqf16_d128")
+
+
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+def test_quantized_decode_reads_each_scale_once_without_lane_shuffles(gqa):
+    # Issue 41: a group's (scale, bias) reached its lanes by simd_shuffle with a lane index per
+    # lane (an instruction sequence of ~32 cycles a word, metal-benchmarks). Register mode now
+    # loads it once per key group and doubles it across the group's run of lanes with xor
+    # shuffles (KvGroupScales); shared mode reads pairs from the tile. Neither takes a lane
+    # shuffle, and no scale or bias byte is loaded twice.
+    from kvmetal.sim import cost_cases as cc
+    from kvmetal.sim.trace import trace
+    from kvmetal.sim.traffic import paged_call
+
+    with trace() as t:
+        call, _ = paged_call(512, num_kv_heads=1, gqa=gqa, head_dim=128, k_bits=8, v_bits=4, group_size=64)
+    partials = [c for c in t.calls if "partials" in c.name]
+    assert partials and all(c.lane_shuffles == 0 for c in partials)
+    for name in ("key_scales", "key_biases", "value_scales", "value_biases"):
+        b = call.buffers[name]
+        assert b.loaded == b.distinct_loaded > 0, name
+    assert cc.kvmetal_decode(256, gqa, "K8/V4")[0].lane_shuffles == 0

@@ -50,6 +50,42 @@ def test_a_vote_counts_once_per_simdgroup():
     """
     call = _traced(src, [mx.ones(128)], (128,), grid=(128, 1, 1), threadgroup=(64, 1, 1), names=["inp"])
     assert call.collectives == {"simd_all": 4, "simd_any": 4}
+    assert call.votes == 8 and call.shuffles == 0  # a ballot each (cost_model: simd_vote_cycles)
+
+
+def test_value_collectives_count_per_32_bit_word():
+    # A float2 shuffle is two shuffle instructions, a float4 sum four; a half is one word.
+    src = """
+    float x = inp[thread_position_in_grid.x];
+    float2 a = simd_shuffle_xor(float2(x, 2.0f * x), ushort(1));
+    float4 b = simd_sum(float4(x));
+    half c = simd_shuffle_xor(half(x), ushort(2));
+    out[thread_position_in_grid.x] = a.x + a.y + b.x + b.w + float(c);
+    """
+    call = _traced(src, [mx.ones(64)], (64,), grid=(64, 1, 1), threadgroup=(64, 1, 1), names=["inp"])
+    assert call.collectives == {"simd_shuffle_xor": 2 * (2 + 1), "simd_sum": 2 * 4}
+
+
+def test_a_shuffle_whose_lanes_read_different_lanes_counts_apart():
+    # simd_shuffle with one source lane for all lanes is a broadcast; with lanes reading
+    # different lanes it is a permutation (an instruction sequence on Apple GPUs, 32 cycles
+    # a word in metal-benchmarks), counted as simd_shuffle_lanes and charged so by the model.
+    src = """
+    float x = inp[thread_position_in_grid.x];
+    const ushort lane = ushort(thread_index_in_simdgroup);
+    float same = simd_shuffle(x, ushort(3));
+    float2 spread = simd_shuffle(float2(x, x), ushort(lane / 8));
+    out[thread_position_in_grid.x] = same + spread.x + spread.y;
+    """
+    call = _traced(src, [mx.arange(64).astype(mx.float32)], (64,), grid=(64, 1, 1), threadgroup=(64, 1, 1),
+                   names=["inp"])
+    assert call.collectives == {"simd_shuffle": 2, "simd_shuffle_lanes": 2 * 2}
+    assert call.shuffles == 2 and call.lane_shuffles == 4
+    from kvmetal.sim import cost_model as cm
+
+    work = cm.work_from_call(call, fma_lanes=0.0)
+    F = {k: f.value for k, f in cm.FIGURES.items()}
+    assert work.lane_shuffles == 4 and cm.issue_cycles(work) >= 4 * F["simd_shuffle_lanes_cycles"]
 
 
 def test_transcendentals_count_per_lane_and_component():

@@ -400,8 +400,9 @@ def attention_threadgroup_bytes(*, head_dim, rows, simdgroups, rows_per_simdgrou
         return 16 * (-(-2 * tile * row_bytes // 16) if shared else 1)
 
     total = _round16(stats) + _round16(acc) + tile_bytes(k_row_bytes) + tile_bytes(v_row_bytes)
-    total += 2 * (tile_bytes(k_scale_bytes) if k_scale_bytes else 16)
-    total += 2 * (tile_bytes(v_scale_bytes) if v_scale_bytes else 16)
+    # A quantized side's scales and biases: one array of (scale, bias) pairs (kv_tile_copy_pairs).
+    total += tile_bytes(2 * k_scale_bytes) if k_scale_bytes else 16
+    total += tile_bytes(2 * v_scale_bytes) if v_scale_bytes else 16
     total += _round16(4 * (2 * tile if shared else 1))
     return total
 

@@ -17,7 +17,8 @@ The model of one launch::
   (simdgroups x 32 lanes x bytes per load x loads in flight / DRAM latency), and
   residency follows from threadgroup memory, registers per lane and the threadgroup count;
 - issue time: the simdgroup instructions (FMAs from the shapes, exp2, simd reductions,
-  shuffles, 8x8 MMAs, loads, stores, unpacking of quantized elements) at their measured
+  shuffles (per 32-bit word; a simd_shuffle whose lanes read different lanes at the cost of
+  the instruction sequence it is), 8x8 MMAs, loads, stores, unpacking of quantized elements) at their measured
   cycles per scheduler, over cores x 4 schedulers x clock, scaled down when too few
   simdgroups are resident to keep a scheduler busy;
 - core data-path time: every loaded or stored byte (cache hits included) at 64 B per cycle
@@ -68,7 +69,13 @@ FIGURES = {
     "ffma32_cycles": Figure(1, "cycles", METAL_BENCHMARKS, "FFMA32 throughput 1 (M1 Max)"),
     "exp2_cycles": Figure(4, "cycles", METAL_BENCHMARKS, "EXP2_32 throughput 4"),
     "simd_reduce_cycles": Figure(14.5, "cycles", METAL_BENCHMARKS, "SUM<F32> 14.54; max/min taken as the same"),
-    "simd_shuffle_cycles": Figure(2, "cycles", METAL_BENCHMARKS, "SHUFFLE/BROADCAST32 2.04"),
+    "simd_shuffle_cycles": Figure(2, "cycles", METAL_BENCHMARKS,
+                                  "SHUFFLE/BROADCAST32 2.04 (a broadcast, rotate or up/down; a constant-mask xor "
+                                  "taken as the same: our reading, not measured there); per 32-bit word"),
+    "simd_vote_cycles": Figure(2, "cycles", METAL_BENCHMARKS, "BALLOT 2.02, FCMP_BALLOT 2.04 (simd_any / simd_all)"),
+    "simd_shuffle_lanes_cycles": Figure(32, "cycles", METAL_BENCHMARKS,
+                                        "SHUFFLE_RANDOM_DIFF32 32.32: a simd_shuffle whose lanes read different "
+                                        "lanes is an instruction sequence (M1 Max); per 32-bit word"),
     "mma_8x8_cycles": Figure(17, "cycles", METAL_BENCHMARKS, "MATMUL<8x8xF16> ~17 (F32 ~18)"),
     # The instructions of a quantized element's unpack (KV_UNPACK_OPS, from the kernel's path).
     "bitwise32_cycles": Figure(1, "cycles", METAL_BENCHMARKS, "BITWISE32 throughput 1.06"),
@@ -240,6 +247,8 @@ class Work:
     unpack_lane_cycles: float = 0.0  # quantized elements unpacked x their format's cycles (unpack_cycles)
     chain_loads: int = 0           # dependent loads in a row, per threadgroup
     threadgroup_accesses: float = 0.0  # lane loads/stores of threadgroup memory (shared_tile_accesses)
+    lane_shuffles: int = 0         # simd_shuffles whose lanes read different lanes (an instruction sequence)
+    votes: int = 0                 # simd_any / simd_all / simd_ballot
     source: str = "sim"            # "sim" (counters) or "analytic"
 
     def scaled(self, factor: int) -> "Work":
@@ -252,7 +261,8 @@ class Work:
             store_instructions=self.store_instructions * f, barriers=self.barriers * f,
             reductions=self.reductions * f, shuffles=self.shuffles * f, mma=self.mma * f,
             transcendental_lanes=self.transcendental_lanes * f, fma_lanes=self.fma_lanes * f,
-            unpack_lane_cycles=self.unpack_lane_cycles * f, threadgroup_accesses=self.threadgroup_accesses * f)
+            unpack_lane_cycles=self.unpack_lane_cycles * f, threadgroup_accesses=self.threadgroup_accesses * f,
+            lane_shuffles=self.lane_shuffles * f, votes=self.votes * f)
 
 
 def kvmetal_template(call_name: str) -> tuple | None:
@@ -326,18 +336,22 @@ def shared_tile_accesses(call_name: str, tokens: int) -> float:
     D centred halves in half4s: KvTileFill) and each of the NSG simdgroups loads every element
     of both sides: a float side 4 a load (kv_raw4), a quantized side 8 a load (one uint4 of
     halves: KvAtom<.., KvCentredTile>::centred) where its atom's AE4 = AW x 8 / BITS is even,
-    else 4. The scales and biases (one load a group per key group) are left out."""
+    else 4. A quantized side's (scale, bias) pairs: the fill stores each group's two
+    elements (kv_tile_copy_pairs), and each simdgroup loads one pair an atom, D / AE a row
+    (KvGroupScales<KvCentredTile>; AE = AW x 32 / BITS)."""
     t = _partials_template(call_name)
     passes = _row_passes(t)
     if not passes:
         return 0.0
     d, nsg = int(t["D"]), int(t["NSG"])
     per_token = 0.0
-    for bits, aw, dtype in ((int(t["KBITS"]), int(t["KAW"]), t.get("TK")),
-                            (int(t["VBITS"]), int(t["VAW"]), t.get("TV"))):
-        stores = d / 4 if bits else d * (2 if dtype in ("f16", "bf16") else 4) / 16
+    for bits, aw, group, dtype in ((int(t["KBITS"]), int(t["KAW"]), int(t["KGS"]), t.get("TK")),
+                                   (int(t["VBITS"]), int(t["VAW"]), int(t["VGS"]), t.get("TV"))):
         per_load = 8 if bits and (aw * 8 // bits) % 2 == 0 else 4
+        stores = d / per_load if bits else d * (2 if dtype in ("f16", "bf16") else 4) / 16
         per_token += stores + nsg * d / per_load
+        if bits:
+            per_token += 2 * d / group + nsg * d / (aw * 32 // bits)
     return passes * tokens * per_token
 
 
@@ -362,7 +376,8 @@ def work_from_call(call, *, fma_lanes: float, unpack_lane_cycles: float = 0.0, c
         store_instructions=sum(b.store_ops for b in bufs) / 32.0,
         barriers=call.barriers, reductions=call.reductions, shuffles=call.shuffles, mma=call.mma,
         transcendental_lanes=call.transcendentals, fma_lanes=fma_lanes, unpack_lane_cycles=unpack_lane_cycles,
-        chain_loads=chain_loads, threadgroup_accesses=threadgroup_accesses)
+        chain_loads=chain_loads, threadgroup_accesses=threadgroup_accesses, lane_shuffles=call.lane_shuffles,
+        votes=call.votes)
 
 
 def occupancy(work: Work, chip: ChipModel) -> dict:
@@ -394,6 +409,7 @@ def issue_cycles(work: Work) -> float:
     return (work.fma_lanes / 32.0 * F["ffma32_cycles"]
             + work.transcendental_lanes / 32.0 * F["exp2_cycles"]
             + work.reductions * F["simd_reduce_cycles"] + work.shuffles * F["simd_shuffle_cycles"]
+            + work.lane_shuffles * F["simd_shuffle_lanes_cycles"] + work.votes * F["simd_vote_cycles"]
             + work.mma * F["mma_8x8_cycles"]
             + (work.load_instructions + work.store_instructions + work.threadgroup_accesses / 32.0)
             * F["load_issue_cycles"]

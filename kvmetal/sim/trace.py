@@ -21,6 +21,10 @@ SHUFFLES = ("simd_shuffle", "simd_shuffle_xor", "simd_shuffle_up", "simd_shuffle
             "simd_shuffle_rotate_up", "simd_broadcast", "quad_shuffle", "quad_shuffle_xor", "quad_shuffle_up",
             "quad_shuffle_down", "quad_broadcast", "simd_broadcast_first")
 MMAS = ("simdgroup_multiply_accumulate", "simdgroup_multiply")  # 8x8x8 simdgroup_matrix products
+# A simd_shuffle whose lanes name different source lanes (runtime rt.cpp, shuffle_lanes): a
+# permutation, an instruction sequence on Apple GPUs; "simd_shuffle" counts the uniform ones.
+LANE_SHUFFLES = ("simd_shuffle_lanes",)
+VOTES = ("simd_ballot", "simd_any", "simd_all")  # a ballot each
 
 
 def _per_load(loaded: int, load_ops: int) -> float:
@@ -51,7 +55,8 @@ class KernelCall:
 
     Counting units: ``barriers`` counts each threadgroup_barrier once per
     threadgroup that executes it; ``collectives`` counts each simd/quad
-    collective once per simdgroup execution (an instruction issue), by op name;
+    collective once per simdgroup execution and 32-bit word of its value (an
+    instruction issue: a float2 shuffle is two, a float4 sum four), by op name;
     ``math`` counts transcendental calls once per lane and vector component,
     by function (divide by 32 for simdgroup instructions at full occupancy);
     load/store instructions are counted per lane access.
@@ -92,6 +97,16 @@ class KernelCall:
     def shuffles(self) -> int:
         """Shuffles and broadcasts, simdgroup executions."""
         return sum(self.collectives.get(k, 0) for k in SHUFFLES)
+
+    @property
+    def lane_shuffles(self) -> int:
+        """simd_shuffles whose lanes read different lanes (LANE_SHUFFLES), simdgroup executions."""
+        return sum(self.collectives.get(k, 0) for k in LANE_SHUFFLES)
+
+    @property
+    def votes(self) -> int:
+        """simd_any / simd_all / simd_ballot (VOTES), simdgroup executions."""
+        return sum(self.collectives.get(k, 0) for k in VOTES)
 
     @property
     def mma(self) -> int:

@@ -128,6 +128,7 @@ struct KmslCollective {
   const void* in;
   void* out;
   int64_t arg;                // lane index, delta or mask, depending on op
+  int32_t words;              // instructions it counts as (a value collective: its 32-bit words)
 };
 
 void kmsl_rt_collective(KmslCollective* c);

@@ -124,13 +124,18 @@ inline int resolve_is_first(KmslGroup* g) {
   return 0;
 }
 
+// `words`: the instructions the collective counts as (KmslCollective::words).
 template <class R, class T>
-inline R collective(const void* site, const char* op, int (*resolve)(KmslGroup*), const T& x, int64_t arg) {
+inline R collective(const void* site, const char* op, int (*resolve)(KmslGroup*), const T& x, int64_t arg,
+                    int32_t words = 1) {
   R out;
-  KmslCollective c{site, op, resolve, &x, &out, arg};
+  KmslCollective c{site, op, resolve, &x, &out, arg, words};
   kmsl_rt_collective(&c);
   return out;
 }
+// A value collective (reduction, scan, shuffle, broadcast) is one instruction per
+// 32-bit word of its value: a float2 shuffle is two, a float4 sum four.
+template <class T> constexpr int32_t value_words() { return int32_t((sizeof(T) + 3) / 4); }
 #define KMSL_SITE kmsl::site_t(__builtin_return_address(0))
 // A call site: translate.py numbers every collective/barrier call in the MSL
 // text (robust to the optimizer duplicating code); calls it did not rewrite
@@ -154,7 +159,8 @@ struct simd_vote {
 
 #define KMSL_REDUCE(name, Op, W)                                                                   \
   template <class T> T name(kmsl::site_t s, T x) {                                                 \
-    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_reduce<T, kmsl::Op, W>, x, 0);           \
+    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_reduce<T, kmsl::Op, W>, x, 0,            \
+                                 kmsl::value_words<T>());                                          \
   }                                                                                                \
   template <class T> [[gnu::noinline]] T name(T x) { return name(KMSL_SITE, x); }
 KMSL_REDUCE(simd_sum, op_add, 32)
@@ -172,7 +178,8 @@ KMSL_REDUCE(quad_min, op_min, 4)
 
 #define KMSL_PREFIX(name, Op, Incl)                                                                 \
   template <class T> T name(kmsl::site_t s, T x) {                                                  \
-    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_prefix<T, kmsl::Op, Incl>, x, 0);         \
+    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_prefix<T, kmsl::Op, Incl>, x, 0,          \
+                                 kmsl::value_words<T>());                                           \
   }                                                                                                 \
   template <class T> [[gnu::noinline]] T name(T x) { return name(KMSL_SITE, x); }
 KMSL_PREFIX(simd_prefix_inclusive_sum, op_add, true)
@@ -183,7 +190,8 @@ KMSL_PREFIX(simd_prefix_exclusive_product, op_mul, false)
 
 #define KMSL_SHUFFLE(name, Kind, W)                                                                          \
   template <class T, class I> T name(kmsl::site_t s, T x, I arg) {                                           \
-    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_shuffle<T, kmsl::Kind, W>, x, (int64_t)arg);       \
+    return kmsl::collective<T>(s.p, #name, &kmsl::resolve_shuffle<T, kmsl::Kind, W>, x, (int64_t)arg,        \
+                                 kmsl::value_words<T>());                                                    \
   }                                                                                                          \
   template <class T, class I> [[gnu::noinline]] T name(T x, I arg) { return name(KMSL_SITE, x, arg); }
 KMSL_SHUFFLE(simd_shuffle, SH_INDEX, 32)
@@ -201,7 +209,7 @@ KMSL_SHUFFLE(quad_broadcast, SH_INDEX, 4)
 #undef KMSL_SHUFFLE
 
 template <class T> T simd_broadcast_first(kmsl::site_t s, T x) {
-  return kmsl::collective<T>(s.p, "simd_broadcast_first", &kmsl::resolve_shuffle<T, kmsl::SH_BROADCAST_FIRST, 32>, x, 0);
+  return kmsl::collective<T>(s.p, "simd_broadcast_first", &kmsl::resolve_shuffle<T, kmsl::SH_BROADCAST_FIRST, 32>, x, 0, kmsl::value_words<T>());
 }
 template <class T> [[gnu::noinline]] T simd_broadcast_first(T x) { return simd_broadcast_first(KMSL_SITE, x); }
 inline simd_vote simd_ballot(kmsl::site_t s, bool b) {
