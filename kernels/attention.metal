@@ -414,13 +414,15 @@ struct KvRowState {
   int pos[RPS];              // the row's position; -1 for padding rows
 };
 
-// Key t's score for every row (this lane's key group holds it), in log2 units, after
-// the key group's xor sum and the variant's logit; KV_NEG_BIG where the row does not
-// see the key (visible[r] false). Each element group of the key is widened (or
+// Score key t (this lane's key group holds it) for every row and fold the pass
+// maximum into each row's running state (rescaling o and l when it rises).
+// p[r] is the key's weight relative to row r's running maximum, p = exp2(s - m)
+// with s and m in log2 units (= exp(score - max) in natural units); 0 when the
+// key is not visible to the row. Each element group of the key is widened (or
 // unpacked) once and dotted with every row's query: its floats live only here.
 template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4, typename TQ, typename KA>
-inline void kv_key_scores(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const KA& k,
-                          thread float* sr, thread bool* visible, int t, bool ok, KvVariant var, int kl) {
+inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const KA& k,
+                          thread float* p, int t, bool ok, KvVariant var, int kl) {
   constexpr int KAE = KAE4 * 4;
   constexpr int KNAR = D / KAE;
   float s[RPS];
@@ -454,35 +456,20 @@ inline void kv_key_scores(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
     }
   }
   for (int r = 0; r < RPS; r++) {
-    float x = s[r];
+    float sr = s[r];
     for (int off = 1; off < LPK; off <<= 1) {
-      x += simd_shuffle_xor(x, ushort(off));
+      sr += simd_shuffle_xor(sr, ushort(off));
     }
-    x = var.logit(x * var.q_scale);
-    visible[r] = ok && var.visible(t, st.pos[r]);
-    sr[r] = visible[r] ? x : KV_NEG_BIG;
-  }
-}
-
-// Fold a pass's scores (KPL keys a key group, key j's at sr[j * RPS + r]) into each
-// row's running max, rescaling o and l when the pass raises it, then give each key
-// its weight relative to that max: p = exp2(s - m) with s and m in log2 units
-// (= exp(score - max) in natural units); 0 where the row does not see the key.
-template <int RPS, int LPK, int KPL, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
-inline void kv_fold_scores(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const float* sr,
-                           thread const bool* visible, thread float* p) {
-  for (int r = 0; r < RPS; r++) {
-    float top = sr[r];
-    for (int j = 1; j < KPL; j++) {
-      top = max(top, sr[j * RPS + r]);
-    }
+    sr = var.logit(sr * var.q_scale);
+    const bool visible = ok && var.visible(t, st.pos[r]);
+    sr = visible ? sr : KV_NEG_BIG;
     // The pass maximum over the key groups, only when some key raises the row's max: one
     // vote (a ballot, 2 cycles) a pass instead of log2(32 / LPK) shuffles, where that is 2
     // or more (LPK <= 8). Uniform either way; the same m_pass, so the same bits.
-    const bool rises = LPK <= 8 ? simd_any(top > st.m[r]) : true;
+    const bool rises = LPK <= 8 ? simd_any(sr > st.m[r]) : true;
     float m_pass = st.m[r];
     if (rises) {
-      m_pass = top;
+      m_pass = sr;
       for (int off = LPK; off < 32; off <<= 1) {
         m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
       }
@@ -498,21 +485,8 @@ inline void kv_fold_scores(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st,
       }
       st.m[r] = m_pass;
     }
-    for (int j = 0; j < KPL; j++) {
-      p[j * RPS + r] = visible[j * RPS + r] ? kv_weight(sr[j * RPS + r], st.m[r]) : 0.0f;
-    }
+    p[r] = visible ? kv_weight(sr, st.m[r]) : 0.0f;
   }
-}
-
-// Score key t for every row and fold it into the running state (kv_key_scores, then
-// kv_fold_scores with one key a pass): p[r], key t's weight for row r.
-template <int D, int RPS, int LPK, int KBITS, int KNA, int KAE4, int VNA, int VAE4, typename TQ, typename KA>
-inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const KA& k,
-                          thread float* p, int t, bool ok, KvVariant var, int kl) {
-  float sr[RPS];
-  bool visible[RPS];
-  kv_key_scores<D, RPS, LPK, KBITS>(st, k, sr, visible, t, ok, var, kl);
-  kv_fold_scores<RPS, LPK, 1>(st, sr, visible, p);
 }
 
 // Add p[r] * v (this lane's V atoms) to every row's accumulator; with SPARSE only
@@ -566,29 +540,6 @@ inline void kv_pass(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread
     st.l[r] += p[r];
   }
   kv_accumulate_rows<D, RPS, LPK, VBITS, false>(st, v, p, 0.0f, kl);
-}
-
-// kv_pass over two keys a key group (t and u), whose scores share one fold of the
-// running max (the shared mode over quantized tiles, KPT 2 in kv_attend: half the
-// max votes and rescale tests a key; the atoms are tile addresses, so the second key
-// costs no data registers).
-template <int D, int RPS, int LPK, int KBITS, int VBITS, int KNA, int KAE4, int VNA, int VAE4, typename TQ,
-          typename KA, typename VA>
-inline void kv_pass2(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, thread const KA& k, thread const VA& v,
-                     int t, bool ok, thread const KA& k2, thread const VA& v2, int u, bool ok2, KvVariant var,
-                     int kl) {
-  float sr[2 * RPS];
-  bool visible[2 * RPS];
-  float p[2 * RPS];
-  kv_key_scores<D, RPS, LPK, KBITS>(st, k, sr, visible, t, ok, var, kl);
-  kv_key_scores<D, RPS, LPK, KBITS>(st, k2, sr + RPS, visible + RPS, u, ok2, var, kl);
-  kv_fold_scores<RPS, LPK, 2>(st, sr, visible, p);
-  for (int r = 0; r < RPS; r++) {
-    st.l[r] += p[r];
-    st.l[r] += p[RPS + r];
-  }
-  kv_accumulate_rows<D, RPS, LPK, VBITS, false>(st, v, p, 0.0f, kl);
-  kv_accumulate_rows<D, RPS, LPK, VBITS, false>(st, v2, p + RPS, 0.0f, kl);
 }
 
 // Sparse V (SV = 1): the same pass, but V is read only after the scores of the
@@ -1270,10 +1221,6 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
     // (ROW_PASSES, uniform: every simdgroup takes part in every tile).
     constexpr int NT = NSG * 32;
     constexpr int ROW_PASSES = (R + NSG * RPS - 1) / (NSG * RPS);
-    // Keys a key group scores per pass (kv_pass2): two over quantized tiles (their atoms are
-    // tile addresses) whose tile holds whole pairs of passes; one with sparse V.
-    // (metal_layout.tile_keys_per_pass mirrors this for the register estimate.)
-    constexpr int KPT = KBITS && VBITS && !SV && TT % (2 * KPP) == 0 ? 2 : 1;
     // The tile's data: D elements a row, a quantized side's as centred halves read
     // through KvAtom<BITS, AW, KvCentredTile> (KvTileSide).
     typedef typename KvTileSide<KBITS, TKD>::elem TKE;
@@ -1308,7 +1255,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
         }
         tile.t0 = t0;
         tile.buffer = buffer;
-        for (int p0 = t0; p0 < t0 + TT; p0 += KPT * KPP) {
+        for (int p0 = t0; p0 < t0 + TT; p0 += KPP) {
           const int t = p0 + kg;
           KvAt ka;
           KvAt va;
@@ -1320,18 +1267,6 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
             // accumulation and the tile reads, not the device loads.
             kv_pass_sparse<D, RPS, LPK, KBITS, VBITS, VGS, VAW, TVA>(st, k, tvd, tvs, tvs, va, unit, t, ok, var,
                                                                 sparse_v, kl, kg);
-          } else if (KPT == 2) {
-            const int u = t + KPP;
-            KvAt ka2;
-            KvAt va2;
-            const bool ok2 = u < t0 + TT && tile.locate(u, ka2, va2);
-            const KvAtoms<KNA, KBITS, KAW, TKA> k2 =
-                kv_fetch<D, LPK, KBITS, KGS, KAW, TKA>(tkd, tks, tks, ka2, unit, ok2, kl, kg);
-            const KvAtoms<VNA, VBITS, VAW, TVA> v =
-                kv_fetch<D, LPK, VBITS, VGS, VAW, TVA>(tvd, tvs, tvs, va, unit, ok, kl, kg);
-            const KvAtoms<VNA, VBITS, VAW, TVA> v2 =
-                kv_fetch<D, LPK, VBITS, VGS, VAW, TVA>(tvd, tvs, tvs, va2, unit, ok2, kl, kg);
-            kv_pass2<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, k2, v2, u, ok2, var, kl);
           } else {
             const KvAtoms<VNA, VBITS, VAW, TVA> v =
                 kv_fetch<D, LPK, VBITS, VGS, VAW, TVA>(tvd, tvs, tvs, va, unit, ok, kl, kg);

@@ -341,21 +341,3 @@ def test_quantized_decode_reads_each_scale_once_without_lane_shuffles(gqa):
         b = call.buffers[name]
         assert b.loaded == b.distinct_loaded > 0, name
     assert cc.kvmetal_decode(256, gqa, "K8/V4")[0].lane_shuffles == 0
-
-
-def test_shared_quantized_tiles_score_two_keys_a_pass_with_one_vote():
-    # Over quantized K and V tiles (no sparse V) a key group scores two keys a pass (kv_pass2):
-    # one fold of the running max for both, led by one simd_any vote (LPK <= 8). The host's
-    # register estimate follows the kernel's rule (metal_layout.tile_keys_per_pass).
-    from kvmetal.backends import metal_layout as ml
-    from kvmetal.sim import cost_cases as cc
-
-    src = (Path(__file__).resolve().parents[1] / "kernels" / "attention.metal").read_text()
-    assert "constexpr int KPT = KBITS && VBITS && !SV && TT % (2 * KPP) == 0 ? 2 : 1;" in src
-    assert ml.tile_keys_per_pass(8, 4, 0, 16, 4, shared=True) == 2
-    assert ml.tile_keys_per_pass(8, 4, 0, 8, 4, shared=True) == 1  # a tile of one pass of 8 keys
-    assert ml.tile_keys_per_pass(8, 4, 1, 16, 4, shared=True) == 1  # sparse V
-    assert ml.tile_keys_per_pass(8, 0, 0, 16, 4, shared=True) == 1  # a float V side holds its data
-    assert ml.tile_keys_per_pass(8, 4, 0, 0, 4, shared=False) == 1  # register mode
-    w = cc.kvmetal_decode(512, 8, "K8/V4")[0]  # 8 simdgroups x 1 row, LPK 4: 8 keys a pass
-    assert w.votes == 8 * 512 // (2 * 8) and w.lane_shuffles == 0

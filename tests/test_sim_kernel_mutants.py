@@ -255,9 +255,9 @@ CASCADE = [
     ("members-f16-empty-row", (40,), (3, 0, 9, 0), (0, 0, -1, -1), 4, 1.0, None, False, None, None, f16),
     # 3/6-bit codes (kv_centred: values that straddle words, one at a time)
     ("members-k3v6", (32,), (3, 9), (0, -1), 2, 1.0, None, False, 3, 6, f32),
-    # Shared-mode quantized tiles, two keys a key group per pass (kv_pass2), queries x 1000
-    # (scores thousands apart, one-hot rows): a running max that missed either key of a pass
-    # would overflow the other's weight.
+    # Shared-mode quantized tiles (G 8: 8 simdgroups x 1 row, 8 keys a pass), queries x 1000:
+    # scores thousands apart, one-hot rows; a running max that missed a key of a pass would
+    # overflow its weight.
     ("members-k8v4-hot", (48,), (3, 9, 1), (0, 0, -1), 8, 1000.0, None, False, 8, 4, f32),
 ]
 

@@ -566,16 +566,6 @@ def _element_bytes(dtype) -> int:
     return dtype.size
 
 
-def tile_keys_per_pass(k_bits: int, v_bits: int, sparse_v: int, tile: int, lanes: int, *, shared: bool) -> int:
-    """Keys a key group scores per pass in shared mode (attention.metal's KPT, kv_pass2): 2 over
-    quantized K and V tiles (their atoms are tile addresses) without sparse V, where the tile
-    holds whole pairs of passes of 32 / lanes keys; else 1. ``tile`` 0 (not yet chosen, as
-    while the layout is searched): taken as a tile that does, the larger register estimate."""
-    if not (shared and k_bits and v_bits and not sparse_v):
-        return 1
-    return 2 if tile == 0 or tile % (2 * (32 // lanes)) == 0 else 1
-
-
 def estimated_registers(kernel: str, template: dict) -> int:
     """Estimated live 32-bit registers per lane of one specialisation: the arrays a lane
     keeps across its key loop (from the kernel's data layout; a 16-bit value is half a
@@ -608,17 +598,15 @@ def estimated_registers(kernel: str, template: dict) -> int:
         v_atoms = vna * ((8 if shared else 4 * vaw) + 8 if vbits else vae * vb)
         # Register mode keeps the next pass's atoms in flight (software pipeline, PF 1); sparse V
         # reads V in the pass; PF 0 reads both in the pass.
-        keys = tile_keys_per_pass(kbits, vbits, int(template.get("SV", 0)), int(template.get("TT", 0)), lanes,
-                                  shared=shared)
         if shared or not int(template.get("PF", 1)):
-            in_flight = keys * (k_atoms + v_atoms)
+            in_flight = k_atoms + v_atoms
         else:
             in_flight = 2 * k_atoms + v_atoms * (1 if int(template["SV"]) else 2)
         # The pass's scores, then weights, a float per row (and a quantized key's per-atom dot
         # products beside them past one atom), and one unpack unit (KvAtom::centred): a group of
         # 4 elements widened to float, or a packed 1/2-bit word's 32 or 16 values as halves.
         unit = max([16] + [64 // b for b in (kbits, vbits) if b in (1, 2)])
-        transient = 4 * rps * (2 if kbits and kna > 1 else 1) + unit + (keys - 1) * 4 * rps * 3
+        transient = 4 * rps * (2 if kbits and kna > 1 else 1) + unit
         return -(-(rps * row + in_flight + transient) // 4) + REGISTER_OVERHEAD
     if kernel == "paged_varlen_partials":
         return varlen_registers(head_dim=D, block_k=int(template["BK"]), row_fragments=int(template.get("RF", 1)),
