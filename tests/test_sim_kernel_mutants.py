@@ -322,6 +322,22 @@ def test_cascade_grown_windows(monkeypatch, growth):
     assert stored == [own, prefix]
 
 
+def test_cascade_occupancy_splits(monkeypatch):
+    """The cascade under KVMETAL_METAL_SPLITS=occupancy: equal runs of whole 32-token units
+    (kv_split_range's num_splits branch), a count that does not divide the units, so the last
+    split is short and no token may fall between two."""
+    monkeypatch.setenv("KVMETAL_METAL_SPLITS", "occupancy")
+    args, sinks = cascade_case((1000,), (300, 9, 700), (0, 0, -1), num_kv_heads=1, gqa=2, head_dim=64,
+                               block_size=32, dtype=f32, k_bits=None, v_bits=None, group_size=32, seed=12,
+                               sinks=True)
+    expected = ref.paged_attention_cascade(*args.values(), sinks=sinks)
+    calls = run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials",
+                        sinks=sinks)
+    splits = [c.grid[0] // c.threadgroup[0] for c in calls]  # own pass, then the prefix chunk
+    assert all(s > 1 for s in splits), splits
+    assert any(units % s for units, s in zip((-(-700 // 32), -(-1000 // 32)), splits)), splits
+
+
 @pytest.mark.parametrize("qspec", [None, (3, 32)], ids=["float", "k3"])
 def test_cache_copy_gather_rows(qspec):
     rng = np.random.default_rng(5)

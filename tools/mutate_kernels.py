@@ -277,6 +277,24 @@ EQUIVALENT = {
                            "(gather dequantizes with kv_dequant_group)"
        for name in ("unpack-mask", "unpack-word-high", "unpack-word-mid", "unpack-word-place")
        for family in ("cache_copy", "cache_write")},
+    # The cache kernels compute no attention: kvmetal_common.h's masks, softcap, weights, sinks
+    # and merge compile into them (the header is shared) but are never called there (stop 51's
+    # full run; cache_copy.metal and cache_write.metal name none of KvVariant, kv_weight,
+    # kv_sink_logit, kv_softmax_merge).
+    **{f"{name}@{family}": "equivalent for this family: its kernels compute no attention and never call the "
+                           "mutated mask / softcap / weight / sink / merge helper"
+       for name in ("causal-lt", "causal-plus1", "window-ge", "window-start", "softcap-log2e", "softcap-bare-tanh",
+                    "qscale", "sink-log2e", "weight-sign", "merge-helper")
+       for family in ("cache_copy", "cache_write")},
+    # kv_dequant_group (the gather's and varlen's dequantizer) is called by cache_copy's
+    # RowsSelect rows and varlen.metal only.
+    **{f"dequant-shift@{family}": "equivalent for this family: its kernels never call kv_dequant_group"
+       for family in ("attention", "cascade", "cache_write")},
+    # Snippets in the bodies of attention.metal's own kernels (paged / decode partials, attention
+    # reduce): the cascade family runs cascade.metal's bodies and only attention.metal's helpers.
+    **{f"{name}@cascade": "equivalent for the cascade: the snippet is in the body of one of attention.metal's "
+                          "kernels, which the cascade's kernels (cascade.metal) do not run"
+       for name in ("len-clamp", "decode-len", "sink-head", "gqa-head0")},
 }
 
 
