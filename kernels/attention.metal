@@ -361,6 +361,10 @@ struct KvGroupScales {
 // side (kv_tile_copy_pairs; KvTileRows::locate points at.scale at the row's first
 // pair): each lane loads its own atoms' pairs, one 2-element threadgroup load an
 // atom (issue 41: before, the shuffles of the pairs were 14% of G 8 K8/V4's issue).
+// Where a key group's LPK atoms span exactly one group (LPK x AE == GS, e.g. K8 at
+// G 8: LPK 4, AE 16, GS 64), a lane's atom c is the row's group c, so its pairs are
+// the row's 2 x NA elements in order: two pairs a 4-element load (the row starts at
+// a multiple of 2 x NA elements of a 16-byte aligned array, so the load is aligned).
 template <>
 struct KvGroupScales<KvCentredTile> {
   template <int D, int LPK, int BITS, int GS, int AW, int NA, typename TS>
@@ -368,6 +372,17 @@ struct KvGroupScales<KvCentredTile> {
                     bool ok, int kl, int) {
     constexpr int AE = BITS ? AW * 32 / (BITS ? BITS : 1) : 4;  // (BITS 0 compiles, never runs)
     constexpr int NAR = D / AE;
+    constexpr bool ROW_PAIRS = LPK * AE == GS && NAR == LPK * NA && NA % 2 == 0;
+    if (ROW_PAIRS) {
+      typedef typename KvVec4<TS>::type P4;
+      for (int c = 0; c < NA; c += 2) {
+        const float4 p = ok ? KvVec4<TS>::widen(*reinterpret_cast<const threadgroup P4*>(scales + at.scale + 2 * c))
+                            : float4(0.0f);
+        sb[c] = p.xy;
+        sb[c + 1] = p.zw;
+      }
+      return;
+    }
     for (int c = 0; c < NA; c++) {
       const int a = kl + LPK * c;
       sb[c] = ok && a < NAR ? KvVec2<TS>::load(scales + at.scale + 2 * (a * AE / GS)) : float2(0.0f);

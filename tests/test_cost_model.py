@@ -292,9 +292,10 @@ def test_shared_mode_unpacks_once_per_walk_and_charges_the_tile_reads():
     assert not cm.register_mode(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8))
     # per token and side: D / 8 16-byte stores in the fill and D / 8 16-byte loads (two half4s)
     # by each of 8 simdgroups (atoms of AE4 = 4 and 8 half4s: even); and the (scale, bias)
-    # pairs: 2 x D / 64 stores in the fill, one load an atom by each simdgroup (K8: 8 atoms of
-    # 16 values a row, V4: 4 of 32)
-    pairs = 2 * 4 + 8 * 8 + 8 * 4
+    # pairs: 2 x D / 64 stores in the fill; each simdgroup loads V4's pairs one an atom (4 atoms
+    # of 32 values a row) and K8's (8 atoms of 16, LPK 4: a key group's 4 lanes span one group
+    # of 64, ROW_PAIRS) the row's 2 pairs in one 4-element load per lane, 4 a row
+    pairs = 2 * 4 + 8 * 4 + 8 * 4
     assert cm.shared_tile_accesses(name.format(g=8, ql=1, nsg=8, rps=1, tt=8, kb=8), 100) == 100 * (
         2 * (16 + 8 * 16) + pairs)
     # a float16 K side: its row copied in 16-byte units (16), read 4 elements a load (kv_raw4)
@@ -313,9 +314,18 @@ def test_shared_mode_unpacks_once_per_walk_and_charges_the_tile_reads():
     # the fill stores what the simdgroups load: 16-byte units where AE4 is even (kv_join16)
     fill = src[src.index("struct KvTileFill {"):src.index("struct KvTileFill<D, 0, AW, TD> {")]
     assert "constexpr bool PAIRS = AE4 % 2 == 0;" in fill and "kv_join16(" in fill
-    # the pairs: one threadgroup load an atom (KvGroupScales<KvCentredTile>)
+    # the pairs: one threadgroup load an atom (KvGroupScales<KvCentredTile>), or two pairs a
+    # load where a key group's LPK atoms span one group (ROW_PAIRS)
     pairs_src = src[src.index("struct KvGroupScales<KvCentredTile>"):]
-    assert "KvVec2<TS>::load(scales + at.scale + 2 * (a * AE / GS))" in pairs_src[:pairs_src.index("};")]
+    pairs_src = pairs_src[:pairs_src.index("};")]
+    assert "KvVec2<TS>::load(scales + at.scale + 2 * (a * AE / GS))" in pairs_src
+    assert "ROW_PAIRS = LPK * AE == GS && NAR == LPK * NA && NA % 2 == 0" in pairs_src
+    assert "for (int c = 0; c < NA; c += 2)" in pairs_src and "scales + at.scale + 2 * c" in pairs_src
+    assert cm.tile_pair_loads(128, 4, 16, 64) == 4      # K8, AW 4, G 8: 2 atoms a lane, one load
+    assert cm.tile_pair_loads(128, 4, 32, 64) == 4      # V4, AW 4: one atom a lane, one load
+    assert cm.tile_pair_loads(128, 8, 16, 64) == 8      # LPK 8: two lanes a group, one atom each
+    assert cm.tile_pair_loads(128, 4, 16, 32) == 8      # groups of 32: a lane's atoms 2 groups apart
+    assert cm.tile_pair_loads(256, 4, 16, 64) == 8      # D 256: 4 atoms a lane, two loads
     with pytest.raises(ValueError, match="call_name"):
         cm.shared_tile_accesses("kvmetal_attention_reduce_tqf16_d128", 1)
     with pytest.raises(ValueError, match="call_name"):

@@ -42,6 +42,9 @@ PAGED = [
     (f32, 64, 32, 2, 1, (1, 65), 5, None, False, 33, (5, 32), (2, 64)),
     (f16, 256, 16, 1, 8, (50,), 2, None, True, None, None, (4, 128)),
     (f32, 128, 8, 1, 4, (29,), None, None, False, None, (6, 128), None),
+    # shared mode, a key group's 4 lanes over one group of 64 (ROW_PAIRS): float32 and bfloat16 pairs
+    (f32, 128, 16, 1, 8, (90, 33), 3, None, True, None, (8, 64), (8, 64)),
+    (bf16, 128, 8, 2, 6, (61,), None, 20.0, False, None, (8, 64), (4, 64)),
 ]
 
 

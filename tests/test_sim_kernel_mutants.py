@@ -44,6 +44,9 @@ PAGED = [
     # (two half4s a unit), and 3/6-bit atoms (a value one at a time, 3-bit codes straddling words).
     ("shared-gqa8-k8v4-f16", 128, 16, 2, 8, (70, 33, 1), None, 2, None, False, None, (8, 64), (4, 64), f16),
     ("shared-gqa8-k3v6", 64, 16, 1, 8, (45, 19), None, 2, None, True, 11, (3, 32), (6, 32), f32),
+    # G 8, D 128: a key group's 4 lanes span V8's groups of 64 (ROW_PAIRS: a lane's pairs in one
+    # 4-element load) but two of K8's groups of 32 (one pair an atom).
+    ("shared-gqa8-k8g32-v8g64", 128, 16, 1, 8, (40, 21), None, 2, None, True, None, (8, 32), (8, 64), f32),
     # float16 over a float16 V: half partials, normalized (metal_layout.partials_dtype).
     ("register-gqa4-f16-sinks", 64, 16, 1, 4, (90, 7, 40), None, 3, None, True, None, None, None, f16),
 ]
@@ -272,6 +275,19 @@ def test_cascade(case):
     options = dict(softcap=softcap, sinks=sinks)
     expected = ref.paged_attention_cascade(*args.values(), **options)
     run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials", **options)
+
+
+@pytest.mark.parametrize("group_size", [64, 32])
+def test_cascade_shared_row_pairs(group_size):
+    """The cascade's shared-mode tiles at G 8, D 128, K8 / V8: in groups of 64 a key group's 4
+    lanes span one group, so each lane loads its two atoms' pairs at once (ROW_PAIRS); in groups
+    of 32 they span two, one pair an atom."""
+    args, sinks = cascade_case((48,), (3, 20, 1), (0, 0, -1), num_kv_heads=1, gqa=8, head_dim=128, block_size=16,
+                               dtype=f32, k_bits=8, v_bits=8, group_size=group_size, seed=12, sinks=True)
+    expected = ref.paged_attention_cascade(*args.values(), sinks=sinks)
+    calls = run_checked("sim", kv.paged_attention_cascade, expected, *args.values(), kernel="cascade_partials",
+                        sinks=sinks)
+    assert all("_tt0_" not in c.name and "_lpk4_" in c.name and "_kaw4_" in c.name for c in calls), calls[0].name
 
 
 def test_cascade_register_in_pass_loads(monkeypatch):

@@ -338,12 +338,13 @@ def shared_tile_accesses(call_name: str, tokens: int) -> float:
     halves: KvAtom<.., KvCentredTile>::centred) where its atom's AE4 = AW x 8 / BITS is even,
     else 4. A quantized side's (scale, bias) pairs: the fill stores each group's two
     elements (kv_tile_copy_pairs), and each simdgroup loads one pair an atom, D / AE a row
-    (KvGroupScales<KvCentredTile>; AE = AW x 32 / BITS)."""
+    (KvGroupScales<KvCentredTile>; AE = AW x 32 / BITS), or, where a key group's LPK atoms
+    span one group (tile_pair_loads), two pairs a load."""
     t = _partials_template(call_name)
     passes = _row_passes(t)
     if not passes:
         return 0.0
-    d, nsg = int(t["D"]), int(t["NSG"])
+    d, nsg, lpk = int(t["D"]), int(t["NSG"]), int(t["LPK"])
     per_token = 0.0
     for bits, aw, group, dtype in ((int(t["KBITS"]), int(t["KAW"]), int(t["KGS"]), t.get("TK")),
                                    (int(t["VBITS"]), int(t["VAW"]), int(t["VGS"]), t.get("TV"))):
@@ -351,8 +352,20 @@ def shared_tile_accesses(call_name: str, tokens: int) -> float:
         stores = d / per_load if bits else d * (2 if dtype in ("f16", "bf16") else 4) / 16
         per_token += stores + nsg * d / per_load
         if bits:
-            per_token += 2 * d / group + nsg * d / (aw * 32 // bits)
+            per_token += 2 * d / group + nsg * tile_pair_loads(d, lpk, aw * 32 // bits, group)
     return passes * tokens * per_token
+
+
+def tile_pair_loads(d: int, lpk: int, ae: int, group: int) -> float:
+    """Lane loads of (scale, bias) pairs per row by one shared-mode simdgroup
+    (KvGroupScales<KvCentredTile>): one an atom (d / ae), or, where the LPK lanes of a key
+    group hold one group's atoms (lpk x ae == group) and each lane an even number of atoms
+    (ROW_PAIRS), the row's pairs in order, two a 4-element load: lpk x atoms / 2."""
+    atoms = d // ae
+    per_lane = -(-atoms // lpk)
+    if lpk * ae == group and atoms == lpk * per_lane and per_lane % 2 == 0:
+        return lpk * per_lane / 2
+    return d / ae
 
 
 def work_from_call(call, *, fma_lanes: float, unpack_lane_cycles: float = 0.0, chain_loads: int = 0,
