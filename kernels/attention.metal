@@ -659,17 +659,62 @@ inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4
   }
 }
 
-// Sum the key groups' sums (l, o, ob) so every lane holds the simdgroup's totals.
+// Which float4s of a row's accumulator a lane holds once the key groups are summed
+// (kv_reduce_key_groups): the first N of its st.o[r], flattened ([VNA][VAE4], flat
+// index f = c * VAE4 + j: atom kl + LPK * c, elements 4 j ..), which are the flat
+// indices base(kg) .. base(kg) + N - 1. The first H steps of the sum (xor masks LPK,
+// 2 LPK, ..) halve what a lane holds (H: while key-group bits remain and the count is
+// even); past them several lanes hold the same float4s, and `owner` picks one to write.
+template <int LPK, int N4>
+struct KvSlices {
+  static constant constexpr const int STEPS = LPK >= 32 ? 0 : LPK == 16 ? 1 : LPK == 8 ? 2 : LPK == 4 ? 3 : LPK == 2 ? 4 : 5;
+  static constant constexpr const int TZ = N4 % 2 ? 0 : N4 % 4 ? 1 : N4 % 8 ? 2 : N4 % 16 ? 3 : N4 % 32 ? 4 : 5;
+  static constant constexpr const int H = STEPS < TZ ? STEPS : TZ;
+  static constant constexpr const int N = N4 >> H;
+  static int base(int kg) {
+    int b = 0;
+    for (int s = 0; s < H; s++) {
+      b += (kg >> s) & 1 ? N4 >> (s + 1) : 0;  // step s kept the upper half
+    }
+    return b;
+  }
+  static bool owner(int kg) { return (kg >> H) == 0; }
+};
+#define KV_O(st, r, f) (st).o[r][(f) / VAE4][(f) % VAE4]
+
+// Sum the key groups' sums: l on every lane, o (with ob folded in) reduce-scattered
+// (issue 41): at a halving step a lane keeps the upper half of what it holds where its
+// key group's bit is set, the lower half else, and sends the other half to the lane
+// across, so step s moves N4 / 2^(s+1) float4s instead of all N4 (KvSlices says
+// which float4s a lane ends with). Every float4's sum is the same tree of additions
+// as the all-reduce's, whichever lane computes it.
 template <int RPS, int LPK, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
-inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st) {
-  for (int off = LPK; off < 32; off <<= 1) {
+inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int kg) {
+  typedef KvSlices<LPK, VNA * VAE4> SL;
+  for (int r = 0; r < RPS; r++) {
+    for (int c = 0; c < VNA; c++) {
+      for (int j = 0; j < VAE4; j++) {
+        st.o[r][c][j] += st.ob[r][c];
+      }
+      st.ob[r][c] = 0.0f;
+    }
+  }
+  for (int s = 0; LPK << s < 32; s++) {
+    const ushort off = ushort(LPK << s);
+    const bool up = (kg >> s) & 1;
     for (int r = 0; r < RPS; r++) {
-      st.l[r] += simd_shuffle_xor(st.l[r], ushort(off));
-      for (int c = 0; c < VNA; c++) {
-        for (int j = 0; j < VAE4; j++) {
-          st.o[r][c][j] += simd_shuffle_xor(st.o[r][c][j], ushort(off));
+      st.l[r] += simd_shuffle_xor(st.l[r], off);
+      if (s < SL::H) {
+        const int h = (VNA * VAE4) >> (s + 1);
+        for (int i = 0; i < h; i++) {
+          const float4 lo = KV_O(st, r, i);
+          const float4 hi = KV_O(st, r, h + i);
+          KV_O(st, r, i) = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, off);
         }
-        st.ob[r][c] += simd_shuffle_xor(st.ob[r][c], ushort(off));
+      } else {
+        for (int i = 0; i < SL::N; i++) {
+          KV_O(st, r, i) += simd_shuffle_xor(KV_O(st, r, i), off);
+        }
       }
     }
   }
@@ -918,9 +963,11 @@ template <int D, int R, int QL, int RPS, int LPK, int VAE4, int VNA, int KNA, in
 inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int row0, int lane,
                               device float* part_max, device float* part_sum, device TP* part_acc,
                               size_t part_row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
+  typedef KvSlices<LPK, VNA * VAE4> SL;
   constexpr int VAE = VAE4 * 4;
   const int kl = lane % LPK;
   const int kg = lane / LPK;
+  const int base = SL::base(kg);
   for (int r = 0; r < RPS; r++) {
     const int row = row0 + r;
     if (row >= R) {
@@ -932,14 +979,13 @@ inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4,
       part_max[at] = st.m[r];
       part_sum[at] = st.l[r];
     }
-    if (kg == 0) {
+    if (SL::owner(kg)) {
       const float inv_l = st.l[r] > 0.0f ? 1.0f / st.l[r] : 0.0f;  // read by a 16-bit TP only
-      for (int c = 0; c < VNA; c++) {
-        const int a = kl + LPK * c;
+      for (int i = 0; i < SL::N; i++) {
+        const int f = base + i;
+        const int a = kl + LPK * (f / VAE4);
         if (a < D / VAE) {
-          for (int j = 0; j < VAE4; j++) {
-            kv_store_partial4(part_acc + at * D + a * VAE + 4 * j, st.o[r][c][j] + st.ob[r][c], inv_l);
-          }
+          kv_store_partial4(part_acc + at * D + a * VAE + 4 * (f % VAE4), KV_O(st, r, i), inv_l);
         }
       }
     }
@@ -1184,7 +1230,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
           kv_pass<D, RPS, LPK, KBITS, VBITS>(st, k, v, t, ok, var, kl);
         }
       }
-      kv_reduce_key_groups<RPS, LPK>(st);
+      kv_reduce_key_groups<RPS, LPK>(st, kg);
     } else {
       // Software pipeline (PF 1): the next pass's K/V loads are issued before this
       // pass is scored, so memory latency overlaps the math.
@@ -1226,7 +1272,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
           ok = ok_next;
         }
       }
-      kv_reduce_key_groups<RPS, LPK>(st);
+      kv_reduce_key_groups<RPS, LPK>(st, kg);
     }
   } else {
     // Shared mode: all threads copy each tile once (double-buffered, one
@@ -1291,7 +1337,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
         threadgroup_barrier(mem_flags::mem_threadgroup);
         buffer ^= 1;
       }
-      kv_reduce_key_groups<RPS, LPK>(st);
+      kv_reduce_key_groups<RPS, LPK>(st, kg);
       kv_write_partials<D, R, QL, RPS, LPK, VAE4, VNA>(st, row0, lane, part_max, part_sum, part_acc, part_row0,
                                                        row_stride_g, row_stride_l, num_splits, split);
     }
@@ -1307,6 +1353,8 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
   // 1, .. for (m, l), then each accumulator scaled by exp2(m_s - m) and added in order.
   if (NSG > 1) {
     constexpr int MC = KV_MERGE_ROWS(D, NSG, RPS);
+    typedef KvSlices<LPK, VNA * VAE4> SL;  // the float4s each lane holds (kv_reduce_key_groups)
+    const int slice0 = SL::base(kg);
     for (int c0 = 0; c0 < RPS; c0 += MC) {
       if (c0 > 0) {
         threadgroup_barrier(mem_flags::mem_threadgroup);  // simdgroup 0 has read the last chunk
@@ -1318,15 +1366,14 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
             merge_stats[((sg - 1) * RPS + r) * 2] = st.m[r];
             merge_stats[((sg - 1) * RPS + r) * 2 + 1] = st.l[r];
           }
-          if (kg == 0) {
-            for (int c = 0; c < VNA; c++) {
-              const int a = kl + LPK * c;
+          if (SL::owner(kg)) {
+            for (int u = 0; u < SL::N; u++) {
+              const int f = slice0 + u;
+              const int a = kl + LPK * (f / VAE4);
               if (a < D / VAE) {
-                for (int j = 0; j < VAE4; j++) {
-                  const float4 x = st.o[r][c][j] + st.ob[r][c];
-                  for (int e = 0; e < 4; e++) {
-                    merge_acc[((sg - 1) * MC + i) * D + a * VAE + 4 * j + e] = x[e];
-                  }
+                const float4 x = KV_O(st, r, u);
+                for (int e = 0; e < 4; e++) {
+                  merge_acc[((sg - 1) * MC + i) * D + a * VAE + 4 * (f % VAE4) + e] = x[e];
                 }
               }
             }
@@ -1344,27 +1391,25 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
             l = l * mg.scale_a + merge_stats[((s - 1) * RPS + r) * 2 + 1] * mg.scale_b;
             m = mg.m;
           }
-          // Only key group 0 writes the partials (kv_write_partials): the others skip the reads.
-          if (kg == 0) {
+          // Only the lanes that write the partials (kv_write_partials) fold their float4s.
+          if (SL::owner(kg)) {
             const float mine = kv_weight(st.m[r], m);
             float w[NSG];
             for (int s = 1; s < NSG; s++) {
               w[s] = kv_weight(merge_stats[((s - 1) * RPS + r) * 2], m);
             }
-            for (int c = 0; c < VNA; c++) {
-              const int a = kl + LPK * c;
-              for (int j = 0; j < VAE4; j++) {
-                float4 x = (st.o[r][c][j] + st.ob[r][c]) * mine;
-                if (a < D / VAE) {
-                  for (int s = 1; s < NSG; s++) {
-                    for (int e = 0; e < 4; e++) {
-                      x[e] += merge_acc[((s - 1) * MC + i) * D + a * VAE + 4 * j + e] * w[s];
-                    }
+            for (int u = 0; u < SL::N; u++) {
+              const int f = slice0 + u;
+              const int a = kl + LPK * (f / VAE4);
+              float4 x = KV_O(st, r, u) * mine;
+              if (a < D / VAE) {
+                for (int s = 1; s < NSG; s++) {
+                  for (int e = 0; e < 4; e++) {
+                    x[e] += merge_acc[((s - 1) * MC + i) * D + a * VAE + 4 * (f % VAE4) + e] * w[s];
                   }
                 }
-                st.o[r][c][j] = x;
               }
-              st.ob[r][c] = 0.0f;
+              KV_O(st, r, u) = x;
             }
           }
           st.m[r] = m;
