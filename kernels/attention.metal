@@ -680,7 +680,15 @@ struct KvSlices {
   }
   static bool owner(int kg) { return (kg >> H) == 0; }
 };
-#define KV_O(st, r, f) (st).o[r][(f) / VAE4][(f) % VAE4]
+// Row r's accumulator float4 at flat index f (KvSlices).
+template <int RPS, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
+inline thread float4& kv_o(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int r, int f) {
+  return st.o[r][f / VAE4][f % VAE4];
+}
+template <int RPS, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
+inline float4 kv_o(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int r, int f) {
+  return st.o[r][f / VAE4][f % VAE4];
+}
 
 // Sum the key groups' sums: l on every lane, o (with ob folded in) reduce-scattered
 // (issue 41): at a halving step a lane keeps the upper half of what it holds where its
@@ -707,13 +715,13 @@ inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ
       if (s < SL::H) {
         const int h = (VNA * VAE4) >> (s + 1);
         for (int i = 0; i < h; i++) {
-          const float4 lo = KV_O(st, r, i);
-          const float4 hi = KV_O(st, r, h + i);
-          KV_O(st, r, i) = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, off);
+          const float4 lo = kv_o(st, r, i);
+          const float4 hi = kv_o(st, r, h + i);
+          kv_o(st, r, i) = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, off);
         }
       } else {
         for (int i = 0; i < SL::N; i++) {
-          KV_O(st, r, i) += simd_shuffle_xor(KV_O(st, r, i), off);
+          kv_o(st, r, i) += simd_shuffle_xor(kv_o(st, r, i), off);
         }
       }
     }
@@ -985,7 +993,7 @@ inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4,
         const int f = base + i;
         const int a = kl + LPK * (f / VAE4);
         if (a < D / VAE) {
-          kv_store_partial4(part_acc + at * D + a * VAE + 4 * (f % VAE4), KV_O(st, r, i), inv_l);
+          kv_store_partial4(part_acc + at * D + a * VAE + 4 * (f % VAE4), kv_o(st, r, i), inv_l);
         }
       }
     }
@@ -1371,7 +1379,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
               const int f = slice0 + u;
               const int a = kl + LPK * (f / VAE4);
               if (a < D / VAE) {
-                const float4 x = KV_O(st, r, u);
+                const float4 x = kv_o(st, r, u);
                 for (int e = 0; e < 4; e++) {
                   merge_acc[((sg - 1) * MC + i) * D + a * VAE + 4 * (f % VAE4) + e] = x[e];
                 }
@@ -1401,7 +1409,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
             for (int u = 0; u < SL::N; u++) {
               const int f = slice0 + u;
               const int a = kl + LPK * (f / VAE4);
-              float4 x = KV_O(st, r, u) * mine;
+              float4 x = kv_o(st, r, u) * mine;
               if (a < D / VAE) {
                 for (int s = 1; s < NSG; s++) {
                   for (int e = 0; e < 4; e++) {
@@ -1409,7 +1417,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
                   }
                 }
               }
-              KV_O(st, r, u) = x;
+              kv_o(st, r, u) = x;
             }
           }
           st.m[r] = m;
