@@ -429,6 +429,27 @@ struct KvRowState {
   int pos[RPS];              // the row's position; -1 for padding rows
 };
 
+// How kv_score_rows splits a pass's RPS rows over a key group's LPK lanes: the first RS
+// steps of the dot's sum halve the rows a lane holds (while both RPS and LPK allow), so a
+// lane scores NR rows, base(kl) .. base(kl) + NR - 1 (step s kept the upper half where bit
+// s of kl is set). MAX_STEPS: the shuffles of a row's pass max (over the RS row bits and
+// the key groups).
+template <int RPS, int LPK>
+struct KvRowSplit {
+  static constant constexpr const int LOG_LPK = LPK >= 32 ? 5 : LPK == 16 ? 4 : LPK == 8 ? 3 : LPK == 4 ? 2 : LPK == 2 ? 1 : 0;
+  static constant constexpr const int TZ = RPS % 2 ? 0 : RPS % 4 ? 1 : RPS % 8 ? 2 : RPS % 16 ? 3 : 4;
+  static constant constexpr const int RS = LOG_LPK < TZ ? LOG_LPK : TZ;
+  static constant constexpr const int NR = RPS >> RS;
+  static constant constexpr const int MAX_STEPS = RS + 5 - LOG_LPK;
+  static int base(int kl) {
+    int b = 0;
+    for (int s = 0; s < RS; s++) {
+      b += (kl >> s) & 1 ? RPS >> (s + 1) : 0;
+    }
+    return b;
+  }
+};
+
 // Score key t (this lane's key group holds it) for every row and fold the pass
 // maximum into each row's running state (rescaling o and l when it rises).
 // p[r] is the key's weight relative to row r's running maximum, p = exp2(s - m)
@@ -470,21 +491,52 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
       }
     }
   }
-  for (int r = 0; r < RPS; r++) {
-    float sr = s[r];
-    for (int off = 1; off < LPK; off <<= 1) {
-      sr += simd_shuffle_xor(sr, ushort(off));
+  // The dot's sum over the key group's LPK lanes, rows split (issue 41): the first RS steps
+  // (xor 1, 2, ..) halve the rows a lane holds (KvRowSplit), the rest sum its NR rows, so a
+  // lane ends with the scores of rows base .. base + NR - 1 (the same tree of additions as
+  // summing every row on every lane: the same bits), and its logit, mask and exp2 run on
+  // those rows only; the weights of the other rows come back by xor shuffles.
+  typedef KvRowSplit<RPS, LPK> RSP;
+  const int base = RSP::base(kl);
+  for (int s2 = 0; s2 < RSP::RS; s2++) {
+    const int h = RPS >> (s2 + 1);
+    const bool up = (kl >> s2) & 1;
+    for (int i = 0; i < h; i++) {
+      const float lo = s[i];
+      const float hi = s[h + i];
+      s[i] = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, ushort(1 << s2));
     }
-    sr = var.logit(sr * var.q_scale);
-    const bool visible = ok && var.visible(t, st.pos[r]);
-    sr = visible ? sr : KV_NEG_BIG;
-    // The pass maximum over the key groups, only when some key raises the row's max: one
-    // vote (a ballot, 2 cycles) a pass instead of log2(32 / LPK) shuffles, where that is 2
-    // or more (LPK <= 8). Uniform either way; the same m_pass, so the same bits.
-    const bool rises = LPK <= 8 ? simd_any(sr > st.m[r]) : true;
+  }
+  float sr[RSP::NR];
+  bool visible[RSP::NR];
+  for (int i = 0; i < RSP::NR; i++) {
+    float x = s[i];
+    for (int off = 1 << RSP::RS; off < LPK; off <<= 1) {
+      x += simd_shuffle_xor(x, ushort(off));
+    }
+    int pos = st.pos[0];
+    for (int r = 1; r < RPS; r++) {
+      pos = base + i == r ? st.pos[r] : pos;
+    }
+    visible[i] = ok && var.visible(t, pos);
+    sr[i] = visible[i] ? var.logit(x * var.q_scale) : KV_NEG_BIG;
+  }
+  for (int r = 0; r < RPS; r++) {
+    // This lane's score of row r, if it holds row r (else below every score).
+    float mine = KV_NEG_BIG;
+    for (int i = 0; i < RSP::NR; i++) {
+      mine = base + i == r ? sr[i] : mine;
+    }
+    // The pass maximum over the lanes that hold row r, only when some key raises the row's
+    // max: one vote (a ballot, 2 cycles) a pass instead of the MAX_STEPS shuffles, where
+    // that is 2 or more. Uniform either way; the same m_pass, so the same bits.
+    const bool rises = RSP::MAX_STEPS >= 2 ? simd_any(mine > st.m[r]) : true;
     float m_pass = st.m[r];
     if (rises) {
-      m_pass = sr;
+      m_pass = mine;
+      for (int off = 1; off < (1 << RSP::RS); off <<= 1) {
+        m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
+      }
       for (int off = LPK; off < 32; off <<= 1) {
         m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
       }
@@ -500,7 +552,26 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
       }
       st.m[r] = m_pass;
     }
-    p[r] = visible ? kv_weight(sr, st.m[r]) : 0.0f;
+  }
+  float mine_p[RSP::NR];
+  for (int i = 0; i < RSP::NR; i++) {
+    float m = st.m[0];
+    for (int r = 1; r < RPS; r++) {
+      m = base + i == r ? st.m[r] : m;
+    }
+    mine_p[i] = visible[i] ? kv_weight(sr[i], m) : 0.0f;
+  }
+  for (int r = 0; r < RPS; r++) {
+    p[r] = 0.0f;
+  }
+  for (int x = 0; x < (1 << RSP::RS); x++) {  // x = 0: this lane's own rows
+    const int from = RSP::base(kl ^ x);
+    for (int i = 0; i < RSP::NR; i++) {
+      const float w = x ? simd_shuffle_xor(mine_p[i], ushort(x)) : mine_p[i];
+      for (int r = 0; r < RPS; r++) {
+        p[r] = from + i == r ? w : p[r];
+      }
+    }
   }
 }
 
