@@ -292,10 +292,10 @@ EQUIVALENT = {
                        "fill only keeps NaN out of the MMA, and 1.0 is as finite",
     # name@family: equivalent for that family only. The cascade places every row past its
     # table's last token (len + QL - 1) and has no window, so the causal and window
-    # bounds cannot cut any key there.
+    # bounds cannot cut any key there (nor can a row masked at another row's position).
     **{f"{name}@cascade": "equivalent for the cascade: no window, and every row sits past the last token, so "
                           "this bound never cuts a key" for name in ("causal-plus1", "window-ge", "window-start",
-                                                                     "window-first")},
+                                                                     "window-first", "rowsplit-pos")},
     # The cache-copy and cache-write kernels never call the attention kernels' unpack
     # (kv_centred / kv_centred_word): gather_kv_rows dequantizes with kv_dequant_group and the
     # writes pack codes, so a mutant of the unpack cannot reach their outputs.
