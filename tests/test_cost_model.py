@@ -127,12 +127,18 @@ def test_simulated_counters_scale_linearly_with_kv_heads():
     two = cc.kvmetal_decode(1024, 4, "f16", kv_heads_sim=2)
     for a, b in zip(one, two):
         s = a.scaled(2)
-        for field in ("threadgroups", "load_instructions", "barriers", "shuffles", "mma"):
+        for field in ("threadgroups", "load_instructions", "barriers", "mma"):
             assert getattr(b, field) == pytest.approx(getattr(s, field), rel=0.01), (a.name, field)
+        # shuffles follow the data too: since the row split (stop 52) G 4 register mode takes a
+        # pass's max over 3 shuffle steps, so a vote goes first and the steps run only when a
+        # key raises a row's max (~1.5% of the count here)
+        assert b.shuffles == pytest.approx(s.shuffles, rel=0.03), a.name
+        assert b.votes == pytest.approx(s.votes, rel=0.01), a.name
         # exp2 calls follow the data (a pass rescales the running state only when it raises the
         # max), and 2 heads draw another random cache; since the register-mode merge lost most
-        # of its exp2 (issue 41, P5) that data-dependent part is ~1.2% of the count
-        assert b.transcendental_lanes == pytest.approx(s.transcendental_lanes, rel=0.02), a.name
+        # of its exp2 (issue 41, P5) and the row split (stop 52) left one weight's exp2 a lane
+        # a pass instead of one a row, that data-dependent part is ~3% of the count
+        assert b.transcendental_lanes == pytest.approx(s.transcendental_lanes, rel=0.05), a.name
         # the tiny shared buffers (query, params) are read by every head: within 5%
         assert b.dram_bytes == pytest.approx(s.dram_bytes, rel=0.05), a.name
     _, m1 = cc.mlx_decode(4096, 4, kv_heads_sim=1)
