@@ -429,25 +429,35 @@ struct KvRowState {
   int pos[RPS];              // the row's position; -1 for padding rows
 };
 
-// How kv_score_rows splits a pass's RPS rows over a key group's LPK lanes: the first RS
-// steps of the dot's sum halve the rows a lane holds (while both RPS and LPK allow), so a
-// lane scores NR rows, base(kl) .. base(kl) + NR - 1 (step s kept the upper half where bit
-// s of kl is set). MAX_STEPS: the shuffles of a row's pass max (over the RS row bits and
-// the key groups).
-template <int RPS, int LPK>
-struct KvRowSplit {
-  static constant constexpr const int LOG_LPK = LPK >= 32 ? 5 : LPK == 16 ? 4 : LPK == 8 ? 3 : LPK == 4 ? 2 : LPK == 2 ? 1 : 0;
-  static constant constexpr const int TZ = RPS % 2 ? 0 : RPS % 4 ? 1 : RPS % 8 ? 2 : RPS % 16 ? 3 : 4;
-  static constant constexpr const int RS = LOG_LPK < TZ ? LOG_LPK : TZ;
-  static constant constexpr const int NR = RPS >> RS;
-  static constant constexpr const int MAX_STEPS = RS + 5 - LOG_LPK;
-  static int base(int kl) {
+// log2 of a power-of-two lane count (1 .. 32).
+template <int LANES>
+struct KvLog2 {
+  static constant constexpr const int value = LANES >= 32 ? 5 : LANES == 16 ? 4 : LANES == 8 ? 3 : LANES == 4 ? 2
+                                            : LANES == 2 ? 1 : 0;
+};
+
+// A sum of COUNT values over STEPS xor steps, as a reduce-scatter (issue 41; the rows of
+// a pass in kv_score_rows, over a key group's lanes; a row's accumulator float4s in
+// kv_reduce_key_groups, over the key groups): the first H steps halve what a lane holds
+// (while steps remain and the count is even), so a lane ends with N values, indices
+// base(bits) .. base(bits) + N - 1, where bit s of `bits` is the lane's bit at step s
+// (step s kept the upper half where it is set). Past H steps the N values are summed
+// whole, so the lanes that differ only in bits past H hold the same values; `owner`
+// picks one of them.
+template <int STEPS, int COUNT>
+struct KvScatter {
+  static constant constexpr const int TZ = COUNT % 2 ? 0 : COUNT % 4 ? 1 : COUNT % 8 ? 2 : COUNT % 16 ? 3
+                                         : COUNT % 32 ? 4 : 5;
+  static constant constexpr const int H = STEPS < TZ ? STEPS : TZ;
+  static constant constexpr const int N = COUNT >> H;
+  static int base(int bits) {
     int b = 0;
-    for (int s = 0; s < RS; s++) {
-      b += (kl >> s) & 1 ? RPS >> (s + 1) : 0;
+    for (int s = 0; s < H; s++) {
+      b += (bits >> s) & 1 ? COUNT >> (s + 1) : 0;
     }
     return b;
   }
+  static bool owner(int bits) { return (bits >> H) == 0; }
 };
 
 // Score key t (this lane's key group holds it) for every row and fold the pass
@@ -491,14 +501,16 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
       }
     }
   }
-  // The dot's sum over the key group's LPK lanes, rows split (issue 41): the first RS steps
-  // (xor 1, 2, ..) halve the rows a lane holds (KvRowSplit), the rest sum its NR rows, so a
-  // lane ends with the scores of rows base .. base + NR - 1 (the same tree of additions as
-  // summing every row on every lane: the same bits), and its logit, mask and exp2 run on
-  // those rows only; the weights of the other rows come back by xor shuffles.
-  typedef KvRowSplit<RPS, LPK> RSP;
+  // The dot's sum over the key group's LPK lanes, rows split (issue 41): the first H steps
+  // (xor 1, 2, ..) halve the rows a lane holds (KvScatter over its bits of kl), the rest
+  // sum its N rows, so a lane ends with the scores of rows base .. base + N - 1 (the same
+  // tree of additions as summing every row on every lane: the same bits), and its logit,
+  // mask and exp2 run on those rows only; the weights of the other rows come back by xor
+  // shuffles. A row's pass max spans the H row bits and the key groups' bits.
+  typedef KvScatter<KvLog2<LPK>::value, RPS> RSP;
+  constexpr int MAX_STEPS = RSP::H + 5 - KvLog2<LPK>::value;
   const int base = RSP::base(kl);
-  for (int s2 = 0; s2 < RSP::RS; s2++) {
+  for (int s2 = 0; s2 < RSP::H; s2++) {
     const int h = RPS >> (s2 + 1);
     const bool up = (kl >> s2) & 1;
     for (int i = 0; i < h; i++) {
@@ -507,11 +519,11 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
       s[i] = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, ushort(1 << s2));
     }
   }
-  float sr[RSP::NR];
-  bool visible[RSP::NR];
-  for (int i = 0; i < RSP::NR; i++) {
+  float sr[RSP::N];
+  bool visible[RSP::N];
+  for (int i = 0; i < RSP::N; i++) {
     float x = s[i];
-    for (int off = 1 << RSP::RS; off < LPK; off <<= 1) {
+    for (int off = 1 << RSP::H; off < LPK; off <<= 1) {
       x += simd_shuffle_xor(x, ushort(off));
     }
     int pos = st.pos[0];
@@ -524,17 +536,17 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
   for (int r = 0; r < RPS; r++) {
     // This lane's score of row r, if it holds row r (else below every score).
     float mine = KV_NEG_BIG;
-    for (int i = 0; i < RSP::NR; i++) {
+    for (int i = 0; i < RSP::N; i++) {
       mine = base + i == r ? sr[i] : mine;
     }
     // The pass maximum over the lanes that hold row r, only when some key raises the row's
     // max: one vote (a ballot, 2 cycles) a pass instead of the MAX_STEPS shuffles, where
     // that is 2 or more. Uniform either way; the same m_pass, so the same bits.
-    const bool rises = RSP::MAX_STEPS >= 2 ? simd_any(mine > st.m[r]) : true;
+    const bool rises = MAX_STEPS >= 2 ? simd_any(mine > st.m[r]) : true;
     float m_pass = st.m[r];
     if (rises) {
       m_pass = mine;
-      for (int off = 1; off < (1 << RSP::RS); off <<= 1) {
+      for (int off = 1; off < (1 << RSP::H); off <<= 1) {
         m_pass = max(m_pass, simd_shuffle_xor(m_pass, ushort(off)));
       }
       for (int off = LPK; off < 32; off <<= 1) {
@@ -553,8 +565,8 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
       st.m[r] = m_pass;
     }
   }
-  float mine_p[RSP::NR];
-  for (int i = 0; i < RSP::NR; i++) {
+  float mine_p[RSP::N];
+  for (int i = 0; i < RSP::N; i++) {
     float m = st.m[0];
     for (int r = 1; r < RPS; r++) {
       m = base + i == r ? st.m[r] : m;
@@ -564,9 +576,9 @@ inline void kv_score_rows(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, 
   for (int r = 0; r < RPS; r++) {
     p[r] = 0.0f;
   }
-  for (int x = 0; x < (1 << RSP::RS); x++) {  // x = 0: this lane's own rows
+  for (int x = 0; x < (1 << RSP::H); x++) {  // x = 0: this lane's own rows
     const int from = RSP::base(kl ^ x);
-    for (int i = 0; i < RSP::NR; i++) {
+    for (int i = 0; i < RSP::N; i++) {
       const float w = x ? simd_shuffle_xor(mine_p[i], ushort(x)) : mine_p[i];
       for (int r = 0; r < RPS; r++) {
         p[r] = from + i == r ? w : p[r];
@@ -730,28 +742,10 @@ inline void kv_seed_rows_cooperative(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4
   }
 }
 
-// Which float4s of a row's accumulator a lane holds once the key groups are summed
-// (kv_reduce_key_groups): the first N of its st.o[r], flattened ([VNA][VAE4], flat
-// index f = c * VAE4 + j: atom kl + LPK * c, elements 4 j ..), which are the flat
-// indices base(kg) .. base(kg) + N - 1. The first H steps of the sum (xor masks LPK,
-// 2 LPK, ..) halve what a lane holds (H: while key-group bits remain and the count is
-// even); past them several lanes hold the same float4s, and `owner` picks one to write.
-template <int LPK, int N4>
-struct KvSlices {
-  static constant constexpr const int STEPS = LPK >= 32 ? 0 : LPK == 16 ? 1 : LPK == 8 ? 2 : LPK == 4 ? 3 : LPK == 2 ? 4 : 5;
-  static constant constexpr const int TZ = N4 % 2 ? 0 : N4 % 4 ? 1 : N4 % 8 ? 2 : N4 % 16 ? 3 : N4 % 32 ? 4 : 5;
-  static constant constexpr const int H = STEPS < TZ ? STEPS : TZ;
-  static constant constexpr const int N = N4 >> H;
-  static int base(int kg) {
-    int b = 0;
-    for (int s = 0; s < H; s++) {
-      b += (kg >> s) & 1 ? N4 >> (s + 1) : 0;  // step s kept the upper half
-    }
-    return b;
-  }
-  static bool owner(int kg) { return (kg >> H) == 0; }
-};
-// Row r's accumulator float4 at flat index f (KvSlices).
+// Row r's accumulator float4 at flat index f of st.o[r] flattened ([VNA][VAE4]: f = c *
+// VAE4 + j, atom kl + LPK * c, elements 4 j ..). Once the key groups are summed
+// (kv_reduce_key_groups) a lane holds the first KvScatter::N of them, flat indices
+// base(kg) .. base(kg) + N - 1.
 template <int RPS, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
 inline thread float4& kv_o(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int r, int f) {
   return st.o[r][f / VAE4][f % VAE4];
@@ -764,12 +758,12 @@ inline float4 kv_o(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, i
 // Sum the key groups' sums: l on every lane, o (with ob folded in) reduce-scattered
 // (issue 41): at a halving step a lane keeps the upper half of what it holds where its
 // key group's bit is set, the lower half else, and sends the other half to the lane
-// across, so step s moves N4 / 2^(s+1) float4s instead of all N4 (KvSlices says
-// which float4s a lane ends with). Every float4's sum is the same tree of additions
+// across, so step s moves N4 / 2^(s+1) float4s instead of all N4 (KvScatter over
+// the key-group bits says which float4s a lane ends with). Every float4's sum is the same tree of additions
 // as the all-reduce's, whichever lane computes it.
 template <int RPS, int LPK, int KNA, int KAE4, int VNA, int VAE4, typename TQ>
 inline void kv_reduce_key_groups(thread KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int kg) {
-  typedef KvSlices<LPK, VNA * VAE4> SL;
+  typedef KvScatter<5 - KvLog2<LPK>::value, VNA * VAE4> SL;
   for (int r = 0; r < RPS; r++) {
     for (int c = 0; c < VNA; c++) {
       for (int j = 0; j < VAE4; j++) {
@@ -1042,7 +1036,7 @@ template <int D, int R, int QL, int RPS, int LPK, int VAE4, int VNA, int KNA, in
 inline void kv_write_partials(thread const KvRowState<RPS, KNA, KAE4, VNA, VAE4, TQ>& st, int row0, int lane,
                               device float* part_max, device float* part_sum, device TP* part_acc,
                               size_t part_row0, int row_stride_g, int row_stride_l, int num_splits, int split) {
-  typedef KvSlices<LPK, VNA * VAE4> SL;
+  typedef KvScatter<5 - KvLog2<LPK>::value, VNA * VAE4> SL;
   constexpr int VAE = VAE4 * 4;
   const int kl = lane % LPK;
   const int kg = lane / LPK;
@@ -1432,7 +1426,7 @@ inline void kv_attend(thread SRC& src, KvQueryView<PQ> query, KvCacheArrays<PKD,
   // 1, .. for (m, l), then each accumulator scaled by exp2(m_s - m) and added in order.
   if (NSG > 1) {
     constexpr int MC = KV_MERGE_ROWS(D, NSG, RPS);
-    typedef KvSlices<LPK, VNA * VAE4> SL;  // the float4s each lane holds (kv_reduce_key_groups)
+    typedef KvScatter<5 - KvLog2<LPK>::value, VNA * VAE4> SL;  // the float4s each lane holds (kv_reduce_key_groups)
     const int slice0 = SL::base(kg);
     for (int c0 = 0; c0 < RPS; c0 += MC) {
       if (c0 > 0) {
